@@ -1,0 +1,88 @@
+"""Per-rank KV pools: raw ``uint8`` pages of every layer and both kinds (DESIGN.md §1, §3).
+
+    pool[kind]: uint8 [num_layers, num_pages, page_size * row_bytes]
+    rows(layer, kind): uint8 [num_pages * page_size, row_bytes]     (a view; token t of page p is row p*P + t)
+
+Typed field views (``values``/``scales``/``rope``) reinterpret byte columns of the rows, so fp8 payloads
+move as bytes on any device: never ``index_select`` / ``index_copy_`` a float8 tensor, move uint8 rows.
+Page 0 is reserved. Storage comes from ``alloc`` so transports can place pools in shared or peer memory.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from cpkv.config import KINDS, ModelConfig, RowFormat
+from cpkv.errors import ComposeError
+from cpkv.kvcache.allocator import PageAllocator
+
+Alloc = Callable[[tuple[int, ...], str], torch.Tensor]  # (shape, name) -> uint8 tensor
+
+
+def torch_alloc(device: torch.device | str) -> Alloc:
+    def alloc(shape: tuple[int, ...], name: str) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.uint8, device=device)
+    return alloc
+
+
+class KVPool:
+    """One rank's pool: every layer, both kinds, and the page allocator that owns its pages."""
+
+    def __init__(self, model: ModelConfig, num_pages: int, page_size: int, device: torch.device | str = "cpu",
+                 alloc: Alloc | None = None, num_layers: int | None = None) -> None:
+        self.model, self.num_pages, self.page_size = model, num_pages, page_size
+        self.num_layers = model.num_layers if num_layers is None else num_layers
+        self.allocator = PageAllocator(num_pages, "kv pool")
+        alloc = alloc or torch_alloc(device)
+        self.buffers = {
+            kind: alloc((self.num_layers, num_pages, page_size * model.row_bytes(kind)), f"pool.{kind}")
+            for kind in KINDS
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers["token"].device
+
+    def row_bytes(self, kind: str) -> int:
+        return self.model.row_bytes(kind)
+
+    def pages(self, layer: int, kind: str) -> torch.Tensor:
+        """uint8 [num_pages, page_size * row_bytes] of one layer."""
+        return self.buffers[kind][layer]
+
+    def rows(self, layer: int, kind: str) -> torch.Tensor:
+        """uint8 [num_pages * page_size, row_bytes] of one layer."""
+        return self.buffers[kind][layer].view(self.num_pages * self.page_size, self.row_bytes(kind))
+
+    def write_rows(self, layer: int, kind: str, row_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """rows[row_ids] = data; ``data`` uint8 [n, row_bytes] (row id = page * page_size + offset)."""
+        if data.dtype != torch.uint8 or data.shape[-1] != self.row_bytes(kind):
+            raise ComposeError(f"{kind} rows must be uint8 [n, {self.row_bytes(kind)}], got {data.dtype} "
+                               f"{list(data.shape)}")
+        self.rows(layer, kind).index_copy_(0, row_ids, data)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+
+def page_row_ids(page_ids: Sequence[int], page_size: int, counts: Sequence[int] | None = None) -> list[int]:
+    """Row ids of the first ``counts[i]`` tokens (all of them by default) of each page."""
+    out: list[int] = []
+    for i, p in enumerate(page_ids):
+        n = page_size if counts is None else counts[i]
+        out.extend(range(p * page_size, p * page_size + n))
+    return out
+
+
+def field_views(rows: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Typed views of uint8 rows [n, row_bytes]: fp8 values [n, fp8_bytes], float32 scales [n, k], bf16 rope.
+
+    Views share storage with ``rows`` (no copy). ``rope`` is None when the format has no rope part.
+    """
+    if rows.dtype != torch.uint8 or rows.shape[-1] != fmt.row_bytes:
+        raise ComposeError(f"rows must be uint8 [..., {fmt.row_bytes}], got {rows.dtype} {list(rows.shape)}")
+    values = rows[..., : fmt.fp8_bytes].view(torch.float8_e4m3fn)
+    scales = rows[..., fmt.scale_offset: fmt.rope_offset].view(torch.float32)
+    rope = rows[..., fmt.rope_offset:].view(torch.bfloat16) if fmt.rope_dims else None
+    return values, scales, rope
