@@ -1,0 +1,45 @@
+"""Backend choice (Triton on CUDA, pure torch elsewhere) and input checks shared by the entry points."""
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+
+from cpkv import envs
+from cpkv.errors import AttentionError
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on CUDA, Triton is importable and CPKV_DISABLE_TRITON is off."""
+    return t.is_cuda and triton_available() and not envs.get("CPKV_DISABLE_TRITON")
+
+
+def expect(cond: bool, what: str, got: object) -> None:
+    """Raise AttentionError('expected <what>, got <got>') unless ``cond``."""
+    if not cond:
+        raise AttentionError(f"expected {what}, got {got}")
+
+
+def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    expect(isinstance(t, torch.Tensor), f"{name} to be a torch.Tensor", type(t).__name__)
+    expect(t.dim() == ndim, f"{name} with {ndim} dims", f"shape {tuple(t.shape)}")
+    names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+    expect(t.dtype in dtypes, f"{name} of dtype {names}", t.dtype)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    expect(len(set(devices.values())) == 1, "all tensors on one device", devices)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has stride 1 (what the kernels need), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()

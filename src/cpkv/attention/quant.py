@@ -1,0 +1,66 @@
+"""Token-KV rows (656-B fp8 layout for GLM-5) to bfloat16 and back; Triton on CUDA, torch elsewhere.
+
+Row layout (``cpkv.config.RowFormat``): D_L fp8 e4m3 | D_L/128 float32 scales | D_R bfloat16 rope.
+GLM-5: 512 + 16 + 128 = 656 B <-> 576 bf16 dims; tiny preset: 128 + 4 + 64 = 196 B <-> 160 dims.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpkv.attention import ref
+from cpkv.attention.backend import check_tensor, expect, use_triton
+from cpkv.config import QUANT_GROUP, RowFormat
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tensor:
+    """rows uint8 [S, row_bytes] -> bfloat16 [S, D_L + D_R]: ``bf16(fp32(fp8) * scale)`` then rope.
+
+    ``fmt`` defaults to the GLM-5 token format (656 B -> 576 dims). Bit-identical on both backends.
+    """
+    fmt = _check_format(fmt)
+    check_tensor("rows", rows, 2, (torch.uint8,))
+    expect(rows.shape[1] == fmt.row_bytes, f"rows of {fmt.row_bytes} bytes for {fmt}", rows.shape[1])
+    if rows.stride(1) != 1 or rows.stride(0) % 4:
+        rows = rows.contiguous()
+    if not (use_triton(rows) and _kernel_fits(fmt)):
+        return ref.dequant_token_kv_ref(rows, fmt)
+    from cpkv.kernels import token_kv
+
+    return token_kv.dequant(*ref.row_views(rows, fmt))
+
+
+def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tensor:
+    """kv float [S, D_L + D_R] -> uint8 [S, row_bytes] (scale = amax / 448 per 128-value group).
+
+    A zero group stores scale 0 and zero values; values are clamped to +-448 then rounded to
+    nearest-even e4m3; rope is rounded to bfloat16. Bit-identical on both backends.
+    """
+    fmt = _check_format(fmt)
+    check_tensor("kv", kv, 2, FLOAT_DTYPES)
+    width = fmt.fp8_bytes + fmt.rope_dims
+    expect(kv.shape[1] == width, f"kv of {width} dims for {fmt}", f"shape {tuple(kv.shape)}")
+    if not (use_triton(kv) and _kernel_fits(fmt)):
+        return ref.quant_token_kv_ref(kv, fmt)
+    from cpkv.kernels import token_kv
+
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    rows = torch.empty((kv.shape[0], fmt.row_bytes), dtype=torch.uint8, device=kv.device)
+    token_kv.quant(kv, *ref.row_views(rows, fmt))
+    return rows
+
+
+def _check_format(fmt: RowFormat | None) -> RowFormat:
+    fmt = fmt or ref.GLM5_TOKEN
+    expect(isinstance(fmt, RowFormat), "fmt to be a cpkv.config.RowFormat", type(fmt).__name__)
+    groups = fmt.fp8_bytes // QUANT_GROUP
+    expect(fmt.fp8_bytes > 0 and groups * QUANT_GROUP == fmt.fp8_bytes and fmt.scale_count == groups,
+           f"a format with one float32 scale per {QUANT_GROUP} fp8 values", fmt)
+    return fmt
+
+
+def _kernel_fits(fmt: RowFormat) -> bool:
+    from cpkv.kernels import token_kv
+
+    return token_kv.supported(fmt.fp8_bytes, fmt.rope_dims)
