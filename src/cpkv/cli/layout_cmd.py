@@ -1,0 +1,67 @@
+"""``cpkv layout``: show how a batch's pages split over the CP ranks (prefix owners round-robin)."""
+from __future__ import annotations
+
+import argparse
+
+from cpkv.cli import fmt
+from cpkv.config import STRATEGIES
+from cpkv.layout import BatchLayout, build_layout
+
+HELP = "Lay out a CP batch: per request its pages and writers, per rank its pages and causal work."
+
+
+def parse_req(text: str) -> tuple[int, int]:
+    """'PREFIX:EXTEND' -> (prefix, extend); argparse turns the ValueError into a usage error (exit 2)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected PREFIX:EXTEND with two integers (e.g. 4096:1000), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cp", type=int, required=True, help="CP group size")
+    p.add_argument("--page-size", type=int, required=True, help="tokens per page (a power of two)")
+    p.add_argument("--strategy", default="zigzag", choices=STRATEGIES, help="how current pages split (default zigzag)")
+    p.add_argument("--req", type=parse_req, action="append", required=True, metavar="PREFIX:EXTEND",
+                   help="a request: cached prefix tokens and new tokens (repeat for a batch)")
+    p.add_argument("--max-context", type=int, default=None, help="reject requests longer than this")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
+                          max_context=args.max_context)
+    if args.json:
+        fmt.emit_json(layout.to_dict())
+    else:
+        print_layout(layout)
+    return 0
+
+
+def _runs(items: list[tuple[int, int]]) -> str:
+    """Compress [(page, rank), ...] into 'p0-p3:r1 p4:r0' style runs."""
+    out: list[str] = []
+    start = 0
+    for i in range(1, len(items) + 1):
+        if i == len(items) or items[i][1] != items[start][1]:
+            a, b = items[start][0], items[i - 1][0]
+            out.append(f"{a}{'' if a == b else f'-{b}'}:r{items[start][1]}")
+            start = i
+    return " ".join(out) or "-"
+
+
+def print_layout(layout: BatchLayout) -> None:
+    print(f"page_size {layout.page_size}  cp {layout.cp}  strategy {layout.strategy}  "
+          f"slots {layout.num_slots} ({layout.num_prefix_pages} prefix, {layout.num_current} current)")
+    rows = []
+    for r in layout.requests:
+        prefix = _runs([(k, p.owner) for k, p in enumerate(r.prefix_pages)])
+        cur = _runs([(c.index, c.writer) for c in r.current_pages])
+        rows.append((r.index, r.prefix_len, r.extend_len, f"{r.slot_start}-{r.slot_end - 1}", prefix, cur))
+    fmt.table(("req", "prefix", "extend", "slots", "prefix pages:owner", "current pages:writer"), rows)
+    print()
+    mean = sum(layout.rank_work) / layout.cp
+    rows = [(rank, len(layout.rank_current[rank]), layout.query_tokens(rank), layout.rank_work[rank],
+             f"{layout.rank_work[rank] / mean:.3f}" if mean else "-") for rank in range(layout.cp)]
+    fmt.table(("rank", "current pages", "query tokens", "causal work", "work/mean"), rows)
+    print(f"\nbalance (max/mean causal work): {layout.balance():.4f}")
