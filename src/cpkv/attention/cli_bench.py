@@ -14,6 +14,7 @@ import argparse
 import math
 from typing import Any
 
+PATTERNS = ("random", "window", "hot")
 HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEMM measured in the same run."
 
 
@@ -23,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="4096,16384", help="comma-separated query-token counts T")
     parser.add_argument("--kv-rows", type=int, default=65536, help="rows S of the composed KV (default 65536)")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget per case (ms)")
+    parser.add_argument("--pattern", choices=PATTERNS, default="random",
+                        help="indices: random (distinct uniform rows of [0, S)), window (a contiguous run of "
+                             "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
+                             "L2-resident, isolates the compute side)")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate kernel config at the first T")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -47,11 +52,12 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     copy_gbs = _copy_gbs()
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "gemm_tflops": gemm, "copy_gbs": copy_gbs,
-        "heads": args.heads, "topk": args.topk, "kv_rows": args.kv_rows, "cases": [], "sweep": [],
+        "heads": args.heads, "topk": args.topk, "kv_rows": args.kv_rows, "pattern": args.pattern,
+        "cases": [], "sweep": [],
     }
     tokens = [int(x) for x in args.tokens.split(",") if x]
     for i, t in enumerate(tokens):
-        inputs = _inputs(t, args.heads, args.topk, args.kv_rows)
+        inputs = _inputs(t, args.heads, args.topk, args.kv_rows, args.pattern)
         res["cases"].append(_case(inputs, gemm, args.rep_ms))
         if args.sweep and i == 0:
             res["sweep"] = _sweep(inputs, gemm, args.rep_ms)
@@ -85,17 +91,23 @@ def _copy_gbs() -> float:
     return 2 * src.numel() * 2 / ms / 1e6
 
 
-def _inputs(t: int, h: int, topk: int, s: int) -> dict[str, Any]:
+def _inputs(t: int, h: int, topk: int, s: int, pattern: str) -> dict[str, Any]:
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(t)
     q = torch.randn(t, h, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
     kv = torch.randn(s, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
-    idx = torch.empty(t, topk, device="cuda", dtype=torch.int32)
-    for r0 in range(0, t, 512):  # distinct uniform rows per query: top-k of random keys
-        keys = torch.rand(min(512, t - r0), s, device="cuda", generator=gen)
-        idx[r0 : r0 + 512] = keys.topk(topk, dim=1).indices.to(torch.int32)
-    return {"q": q, "kv": kv, "idx": idx, "scale": 1 / math.sqrt(192 + 64)}
+    ks = torch.randint(0, s - topk + 1, (t,), device="cuda", generator=gen, dtype=torch.int32)
+    if pattern == "window":
+        idx = ks[:, None] + torch.arange(topk, device="cuda", dtype=torch.int32)[None, :]
+    else:
+        pool = s if pattern == "random" else min(s, 2 * topk)
+        idx = torch.empty(t, topk, device="cuda", dtype=torch.int32)
+        for r0 in range(0, t, 512):  # distinct uniform rows per query: top-k of random keys
+            keys = torch.rand(min(512, t - r0), pool, device="cuda", generator=gen)
+            idx[r0 : r0 + 512] = keys.topk(topk, dim=1).indices.to(torch.int32)
+    return {"q": q, "kv": kv, "idx": idx, "ks": ks, "ke": ks + topk, "scale": 1 / math.sqrt(192 + 64),
+            "pattern": pattern}
 
 
 def _flops(inp: dict[str, Any]) -> float:
@@ -110,10 +122,16 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     ms = _do_bench(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms)
     tflops = _flops(inp) / ms / 1e9
     cfg = kernel.default_config(inp["q"].shape[1], 512, 64)
-    return {
+    case = {
         "tokens": inp["q"].shape[0], "ms": ms, "tflops": tflops, "ratio": tflops / gemm,
         "config": cfg.__dict__, "rel_err": _rel_err(inp),
     }
+    if inp["pattern"] == "window":
+        from cpkv.attention import dense_causal_mla
+
+        dms = _do_bench(lambda: dense_causal_mla(inp["q"], inp["kv"], inp["ks"], inp["ke"], inp["scale"]), rep_ms)
+        case.update(dense_ms=dms, dense_tflops=_flops(inp) / dms / 1e9)
+    return case
 
 
 def _rel_err(inp: dict[str, Any], rows: int = 8) -> float:
@@ -128,16 +146,19 @@ def _rel_err(inp: dict[str, Any], rows: int = 8) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-SWEEP = [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (64, 16, 8, 4), (32, 64, 4, 2), (64, 32, 16, 2)]
+SWEEP = [
+    (64, 64, 8, 2, False), (64, 64, 8, 2, True), (64, 32, 8, 3, False), (64, 32, 8, 3, True),
+    (64, 32, 8, 2, True), (32, 32, 4, 2, False), (32, 32, 4, 2, True), (32, 64, 4, 1, True),
+]
 
 
 def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]]:
     from cpkv.kernels import sparse_mla as kernel
 
     rows = []
-    for bh, bk, warps, stages in SWEEP:
-        cfg = kernel.Config(bh, bk, warps, stages)
-        row: dict[str, Any] = {"config": f"h{bh} k{bk} w{warps} s{stages}"}
+    for bh, bk, warps, stages, pre in SWEEP:
+        cfg = kernel.Config(bh, bk, warps, stages, pre)
+        row: dict[str, Any] = {"config": f"h{bh} k{bk} w{warps} s{stages}" + (" pf" if pre else "")}
         try:
             call = lambda: kernel.launch(inp["q"], inp["kv"], inp["idx"], None, None, inp["scale"], 512, cfg)  # noqa: E731
             compiled = call()[2]
@@ -170,11 +191,13 @@ def _report(res: dict[str, Any], as_json: bool) -> None:
         emit_json(res)
         return
     print(f"{res['device']}: bf16 GEMM 8192^3 {res['gemm_tflops']:.1f} TFLOP/s, copy {res['copy_gbs']:.0f} GB/s")
-    print(f"sparse MLA: H={res['heads']} topk={res['topk']} S={res['kv_rows']} d_qk=576 d_v=512")
+    print(f"sparse MLA: H={res['heads']} topk={res['topk']} S={res['kv_rows']} d_qk=576 d_v=512, "
+          f"indices {res['pattern']}")
     if res["sweep"]:
         keys = ["config", "ms", "tflops", "ratio", "regs", "spills", "smem", "error"]
         table(keys, [[r.get(k, "") for k in keys] for r in res["sweep"]])
-    table(["T", "ms", "TFLOP/s", "ratio to GEMM", "rel err"],
-          [[c["tokens"], c["ms"], c["tflops"], c["ratio"], c["rel_err"]] for c in res["cases"]])
+    table(["T", "ms", "TFLOP/s", "ratio to GEMM", "rel err", "dense TFLOP/s"],
+          [[c["tokens"], c["ms"], c["tflops"], c["ratio"], c["rel_err"], c.get("dense_tflops", "")]
+           for c in res["cases"]])
     d = res["dequant"]
     print(f"dequant {d['rows']} rows: {d['ms']:.3f} ms, {d['gbs']:.0f} GB/s ({d['ratio_to_copy']:.2f} of copy)")

@@ -50,7 +50,8 @@ def quant_token_kv_ref(kv: torch.Tensor, fmt: RowFormat = GLM5_TOKEN) -> torch.T
     rows = torch.empty((s, fmt.row_bytes), dtype=torch.uint8, device=kv.device)
     fp8, scale, rope = row_views(rows, fmt)
     x = kv[:, :d_l].float().reshape(s, fmt.scale_count, QUANT_GROUP)
-    sc = x.abs().amax(dim=2) / FP8_MAX
+    amax = x.abs().amax(dim=2)
+    sc = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE division on every device
     safe = torch.where(sc > 0, sc, torch.ones_like(sc))
     vals = (x / safe[:, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(s, d_l)
     fp8.copy_(vals.to(torch.float8_e4m3fn))

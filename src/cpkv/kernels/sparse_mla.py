@@ -36,6 +36,7 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int
+    prefetch_idx: bool = False  # load the next tile's indices one iteration ahead, by hand
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -46,7 +47,7 @@ def default_config(h: int, d_v: int, d_rope: int) -> Config:
     """Configuration for ``h`` heads and a ``d_v + d_rope`` score width (tuned on H200 for 512 + 64)."""
     block_h = min(64, _pow2_at_least(h, 16))
     if d_v >= 512:
-        return Config(block_h, 32, 8, 2) if block_h == 64 else Config(block_h, 64, 4, 2)
+        return Config(block_h, 64, 8, 2) if block_h == 64 else Config(block_h, 64, 4, 2)
     return Config(block_h, 64, 4, 2)
 
 
@@ -70,7 +71,7 @@ def load() -> Any:
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-        DENSE: tl.constexpr,
+        DENSE: tl.constexpr, PREFETCH_IDX: tl.constexpr,
     ):
         pid_h = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
@@ -91,13 +92,22 @@ def load() -> Any:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        idx_row = IDX + t * stride_it
+        if PREFETCH_IDX:
+            offs0 = tl.arange(0, BLOCK_K)
+            idx_next = tl.load(idx_row + offs0, mask=offs0 < n_keys, other=-1)
         for k0 in range(0, n_keys, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if DENSE:
                 idx = start + offs_k
                 valid = (offs_k < n_keys) & (idx >= 0) & (idx < S)
             else:
-                idx = tl.load(IDX + t * stride_it + offs_k, mask=offs_k < n_keys, other=-1)
+                if PREFETCH_IDX:
+                    idx = idx_next
+                    offs_n = offs_k + BLOCK_K
+                    idx_next = tl.load(idx_row + offs_n, mask=offs_n < n_keys, other=-1)
+                else:
+                    idx = tl.load(idx_row + offs_k, mask=offs_k < n_keys, other=-1)
                 valid = (idx >= 0) & (idx < S)
             rows = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
             k_n = tl.load(rows + offs_v[None, :], mask=valid[:, None], other=0.0)
@@ -145,6 +155,7 @@ def launch(
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
         D_V=d_v, D_R=d_r, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, DENSE=dense,
+        PREFETCH_IDX=cfg.prefetch_idx and not dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, compiled

@@ -33,20 +33,22 @@ def load() -> tuple[Any, Any]:
     @triton.jit
     def _dequant(
         FP8, SCALE, ROPE, OUT, S, stride_f, stride_s, stride_r, stride_o,
-        D_L: tl.constexpr, D_R: tl.constexpr, BLOCK_S: tl.constexpr,
+        G: tl.constexpr, D_R: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         rmask = rows < S
         r64 = rows.to(tl.int64)[:, None]
-        offs_l = tl.arange(0, D_L)[None, :]
-        x = tl.load(FP8 + r64 * stride_f + offs_l, mask=rmask[:, None], other=0.0)
-        sc = tl.load(SCALE + r64 * stride_s + offs_l // 128, mask=rmask[:, None], other=0.0)
-        y = x.to(tl.float32) * sc
-        tl.store(OUT + r64 * stride_o + offs_l, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=rmask[:, None])
+        m3 = rmask[:, None, None]
+        offs_g = tl.arange(0, G)[None, :, None]
+        offs_l = offs_g * 128 + tl.arange(0, 128)[None, None, :]  # [1, G, 128]
+        x = tl.load(FP8 + r64[:, :, None] * stride_f + offs_l, mask=m3, other=0.0)
+        sc = tl.load(SCALE + r64 * stride_s + tl.arange(0, G)[None, :], mask=rmask[:, None], other=0.0)
+        y = x.to(tl.float32) * sc[:, :, None]
+        tl.store(OUT + r64[:, :, None] * stride_o + offs_l, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=m3)
         if D_R > 0:
             offs_r = tl.arange(0, D_R)[None, :]
             rope = tl.load(ROPE + r64 * stride_r + offs_r, mask=rmask[:, None], other=0.0)
-            tl.store(OUT + r64 * stride_o + D_L + offs_r, rope, mask=rmask[:, None])
+            tl.store(OUT + r64 * stride_o + G * 128 + offs_r, rope, mask=rmask[:, None])
 
     @triton.jit
     def _quant(
@@ -89,7 +91,7 @@ def dequant(fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor) -> torch
         kernel = load()[0]
         kernel[(triton_cdiv(s, BLOCK_S),)](
             fp8, scale, rope, out, s, fp8.stride(0), scale.stride(0), rope.stride(0), out.stride(0),
-            D_L=d_l, D_R=d_r, BLOCK_S=BLOCK_S, num_warps=4,
+            G=d_l // GROUP, D_R=d_r, BLOCK_S=BLOCK_S, num_warps=4,
         )
     return out
 
