@@ -1,0 +1,91 @@
+"""Counting barrier over peer (host-shared) memory: phase-safe, never reset, times out naming the late.
+
+Signal pads::
+
+    pad_r : int64 [cp] in rank r's host-shared memory
+    pad_r[s] = how many rounds rank s has arrived at (only rank s ever writes cell s of any pad)
+
+Round k on rank r: store k into cell r of every rank's pad (arrive), then poll its own pad until every
+cell is >= k (wait). Counters only grow, so
+
+- no reset is ever needed, and
+- a fast rank that already arrived at round k+1 stores k+1 >= k: ranks still waiting for round k pass,
+  and the fast rank cannot pass k+1 before everyone arrived at k+1 (it is at most one round ahead).
+
+After the last round every pad reads ``[rounds] * cp`` ("drained"). Single-writer cells need no atomic
+read-modify-write, so plain stores through numpy views of the shared mapping suffice (x86-64 keeps
+stores in order; the data a rank wrote before arriving is visible to a peer that saw its count).
+
+Waiting is on the host: on CUDA the caller synchronises its stream before arriving (its writes are done)
+and the peers' writes were done before they arrived. After ``CPKV_BARRIER_TIMEOUT_S`` (default 60 s)
+the waiting rank raises ``ComposeTimeout`` naming the ranks whose count stayed below the round.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cpkv import envs
+from cpkv.compose.peer import PeerMemory
+from cpkv.errors import ComposeTimeout
+
+SPINS_BEFORE_YIELD = 2000
+SLEEP_S = 20e-6
+
+
+class CountingBarrier:
+    """One group-wide counting barrier. Allocate before ``mem.exchange()``; use after it."""
+
+    def __init__(self, mem: PeerMemory, name: str = "barrier", timeout_s: float | None = None) -> None:
+        self.rank, self.world_size = mem.ctx.rank, mem.ctx.world_size
+        self.mem, self.name = mem, name
+        self.timeout_s = float(envs.get("CPKV_BARRIER_TIMEOUT_S") if timeout_s is None else timeout_s)
+        self.local = mem.alloc_host((self.world_size,), name)
+        self.rounds = 0
+        self._pads: list[np.ndarray] | None = None
+
+    def _bind(self) -> list[np.ndarray]:
+        if self._pads is None:
+            self._pads = [t.numpy() for t in self.mem.peers(self.name)]
+        return self._pads
+
+    def arrive(self) -> int:
+        """Announce round ``rounds + 1`` to every rank; returns the round number."""
+        self.rounds += 1
+        for pad in self._bind():
+            pad[self.rank] = self.rounds
+        return self.rounds
+
+    def wait(self) -> None:
+        """Block until every rank arrived at this rank's current round, or raise ComposeTimeout."""
+        pad = self._bind()[self.rank]
+        k = self.rounds
+        spins = 0
+        deadline = 0.0
+        while pad.min() < k:
+            spins += 1
+            if spins < SPINS_BEFORE_YIELD:
+                continue
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + self.timeout_s
+            elif now > deadline:
+                raise self._timeout(pad, k)
+            time.sleep(SLEEP_S)
+
+    def __call__(self) -> None:
+        """One round: arrive, then wait."""
+        self.arrive()
+        self.wait()
+
+    def counters(self) -> list[int]:
+        """This rank's pad: how many rounds each rank has arrived at (as seen here)."""
+        return [int(x) for x in self._bind()[self.rank]]
+
+    def _timeout(self, pad: np.ndarray, k: int) -> ComposeTimeout:
+        missing = [s for s in range(self.world_size) if int(pad[s]) < k]
+        return ComposeTimeout(
+            f"rank {self.rank}: counting barrier round {k} timed out after {self.timeout_s:g} s "
+            f"(CPKV_BARRIER_TIMEOUT_S); ranks {missing} never arrived (their counts: "
+            f"{[int(pad[s]) for s in missing]})")

@@ -1,0 +1,125 @@
+"""Compose modes (DESIGN.md §4), chosen by name. Every mode gives byte-identical dense buffers.
+
+    legacy    per request span: own pages (others zero) + sum all-reduce of the span      bs collectives
+    fused     own pages (others zero) + one whole-buffer sum all-reduce                   one collective
+    v2        peer gather of every prefix page (current slots zero), sum all-reduce of the
+              compact current pages, then those pages into their slots                  one small collective
+    symm      counting barrier, then one gather of prefix pages (pools) and current pages
+              (stagings) through a 2·cp source table                                       none
+    prefetch  (bs = 1) the next layer's prefix pages are gathered ahead (side stream on GPU);
+              consuming adds the current pages after the barrier; one barrier round per
+              (layer, kind) whether the prefetch hit or missed                            none
+
+A sum all-reduce over bytes is exact: every byte has one producer and the others contribute zeros.
+Modes that need peer memory fall back to ``fused`` when the group agreed it is unavailable.
+Every mode stores the rank's current pages into its pool pages when the plan has ``current_page_ids``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from cpkv.errors import ComposeError
+from cpkv.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from cpkv.compose.plan import ComposePlan
+    from cpkv.compose.runtime import ComposeRuntime
+
+RunFn = Callable[["ComposeRuntime", "ComposePlan", BatchLayout, int, str, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A compose mode: ``run(rt, plan, layout, layer, kind, half) -> dense uint8 [slots * P, row_bytes]``."""
+
+    name: str
+    needs_peer: bool
+    run: RunFn
+    help: str
+
+
+def _legacy(rt, plan, layout, layer, kind, half):
+    dense, pages = rt.dense(plan, kind, half)
+    for span in plan.spans(layout):
+        part = pages[span.start: span.end]
+        rt.gather(part, "local", layer, kind, half, span.own)
+        rt.all_reduce(part)
+    rt.persist(plan, layer, kind, half)
+    return dense
+
+
+def _fused(rt, plan, layout, layer, kind, half):
+    dense, pages = rt.dense(plan, kind, half)
+    rt.gather(pages, "local", layer, kind, half, plan.own)
+    rt.all_reduce(pages)
+    rt.persist(plan, layer, kind, half)
+    return dense
+
+
+def _v2(rt, plan, layout, layer, kind, half):
+    dense, pages = rt.dense(plan, kind, half)
+    rt.gather(pages, "global", layer, kind, half, plan.prefix)
+    if plan.num_current:
+        compact = rt.compact(plan, kind, half)
+        rt.gather(compact, "local", layer, kind, half, plan.compact)
+        rt.all_reduce(compact)
+        pages.index_copy_(0, plan.current_slots_t, compact)
+    rt.persist(plan, layer, kind, half)
+    return dense
+
+
+def _symm(rt, plan, layout, layer, kind, half):
+    dense, pages = rt.dense(plan, kind, half)
+    rt.barrier_round()
+    rt.gather(pages, "global", layer, kind, half, plan.all)
+    rt.persist(plan, layer, kind, half)
+    return dense
+
+
+def _prefetch(rt, plan, layout, layer, kind, half):
+    if plan.num_requests != 1:
+        raise ComposeError(f"compose mode 'prefetch' takes batches of one request; this batch has "
+                           f"{plan.num_requests} (use 'symm')")
+    dense, pages = rt.dense(plan, kind, half)
+    if not rt.take_prefetch(plan, layer, kind, half):
+        rt.gather(pages, "global", layer, kind, half, plan.prefix)
+    rt.barrier_round()  # exactly one round per (layer, kind), hit or miss
+    rt.gather(pages, "global", layer, kind, half, plan.current)
+    rt.persist(plan, layer, kind, half)
+    if layer + 1 < rt.num_layers:
+        rt.issue_prefetch(plan, layer + 1, kind, half ^ 1)
+    return dense
+
+
+MODES: dict[str, Mode] = {
+    m.name: m for m in (
+        Mode("legacy", False, _legacy, "per-span zero + own pages + sum all-reduce"),
+        Mode("fused", False, _fused, "own pages + one whole-buffer sum all-reduce"),
+        Mode("v2", True, _v2, "peer gather of prefix pages + all-reduce of compact current pages"),
+        Mode("symm", True, _symm, "staging + counting barrier + one gather, no collective"),
+        Mode("prefetch", True, _prefetch, "symm with the next layer's prefix pages gathered ahead (bs=1)"),
+    )
+}
+
+
+def get_mode(name: str) -> Mode:
+    """The mode called ``name``; ComposeError listing the supported names otherwise."""
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise ComposeError(f"unknown compose mode {name!r}; supported: {', '.join(MODES)}") from None
+
+
+def parse_modes(spec: str) -> list[str]:
+    """``"all"`` or a comma-separated list of mode names -> names (validated)."""
+    if spec.strip() == "all":
+        return list(MODES)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        get_mode(n)
+    if not names:
+        raise ComposeError(f"no compose mode given; supported: {', '.join(MODES)} or all")
+    return names

@@ -1,0 +1,289 @@
+"""ComposeRuntime: one per rank; every layer it gives this rank the batch's dense KV (DESIGN.md §4).
+
+Setup (collective, once)::
+
+    rt = ComposeRuntime.create(ctx, model, num_pages=N, page_size=P, caps=caps, num_layers=L)
+    # or: mem = PeerMemory.create(ctx); pool = KVPool(..., alloc=mem.alloc); rt = ComposeRuntime(ctx, pool, mem, caps)
+
+Per batch and per (layer, kind), every rank, in the same order::
+
+    plan = rt.prepare(layout, current_page_ids)        # once per batch (cached in layout.memo["compose"])
+    rows = rt.current_rows(layout, layer, kind)        # uint8 [n_own * P, row_bytes], writable
+    rows.index_copy_(0, plan.query_rows, kv_rows)      # the writer's KV rows of its query tokens
+    dense = rt.compose(layout, layer, kind)            # uint8 [num_slots * P, row_bytes]
+
+Contract:
+
+- ``current_rows`` is this rank's block of its staging half: row ``j * P + t`` holds token t of the
+  rank's j-th own current page (compact order restricted to the rank); ``plan.query_rows`` maps the
+  rank's query tokens (``layout.rank_query_ranges[rank]`` order) to rows. Rows past a partial page's
+  end are zeroed by ``current_rows``; write only the query rows. Under ``symm``/``prefetch`` peers
+  read this block directly (the writer writes straight into staging); other modes read it locally.
+- ``compose`` returns a view into the parity arena: valid until the next ``compose`` of the same kind.
+- Persistence: when the plan has ``current_page_ids`` (one writer-side pool page id per current page,
+  compact order, allocated by the caller from each writer's allocator), every mode also stores the
+  rank's current pages into those pages of its pool (layer, kind), so later batches can use them as
+  prefix pages. Page bytes are copied whole: a partial page's tail rows are zeros.
+- Every rank must make the same sequence of ``current_rows``/``compose`` calls (kinds alternate
+  freely); a per-kind use counter picks the staging and arena half (use n -> half n % 2).
+
+Wrong batches, pools of another shape, unknown modes or a layout whose cp differs from the group
+raise ComposeError; too many current pages raise StagingOverflow on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpkv import envs
+from cpkv.compose.barrier import CountingBarrier
+from cpkv.compose.modes import Mode, get_mode
+from cpkv.compose.peer import PeerMemory
+from cpkv.compose.plan import MEMO_KEY, ComposePlan, Entries
+from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
+from cpkv.config import KINDS, AdmissionCaps, ModelConfig
+from cpkv.dist import RankContext
+from cpkv.errors import ComposeError
+from cpkv.kernels.page_gather import gather_group, page_gather_triton, triton_available
+from cpkv.kvcache.pool import KVPool
+from cpkv.layout import BatchLayout
+
+
+@dataclass
+class _Pending:
+    plan: ComposePlan
+    layer: int
+    half: int
+    event: torch.cuda.Event | None
+
+
+class ComposeRuntime:
+    """Per-rank compose state: pools and staging registered in peer memory, barrier, arena, tables."""
+
+    def __init__(self, ctx: RankContext, pool: KVPool, mem: PeerMemory, caps: AdmissionCaps,
+                 mode: str | None = None) -> None:
+        self.ctx, self.pool, self.mem, self.caps = ctx, pool, mem, caps
+        self.rank, self.cp, self.device = ctx.rank, ctx.world_size, pool.device
+        self.page_size, self.num_layers = pool.page_size, pool.num_layers
+        self.page_bytes = {k: pool.page_size * pool.row_bytes(k) for k in KINDS}
+        self._check_pool()
+        self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
+        self.barrier = CountingBarrier(mem) if mem.available else None
+        mem.exchange()
+        self._check_group()
+        self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
+        self.arena.register()
+        self.use_triton = triton_available(self.device)
+        self._tables()
+        self.mode: Mode = get_mode(mode or envs.get("CPKV_COMPOSE_MODE"))
+        self.uses = {k: 0 for k in KINDS}
+        self._pending: dict[str, _Pending | None] = {k: None for k in KINDS}
+        self.prefetch_hits = 0
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @classmethod
+    def create(cls, ctx: RankContext, model: ModelConfig, *, num_pages: int, page_size: int, caps: AdmissionCaps,
+               num_layers: int | None = None, mode: str | None = None) -> ComposeRuntime:
+        """Collective: probe peer memory, allocate this rank's pool in it, register everything."""
+        mem = PeerMemory.create(ctx)
+        pool = KVPool(model, num_pages, page_size, ctx.device, alloc=mem.alloc, num_layers=num_layers)
+        return cls(ctx, pool, mem, caps, mode)
+
+    @property
+    def peer_available(self) -> bool:
+        return self.mem.available
+
+    @property
+    def signature(self) -> tuple:
+        return (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
+
+    # registration checks --------------------------------------------------------------------------
+
+    def _check_pool(self) -> None:
+        for k in KINDS:
+            buf = self.pool.buffers[k]
+            want = (self.num_layers, self.pool.num_pages, self.page_bytes[k])
+            if buf.dtype != torch.uint8 or tuple(buf.shape) != want:
+                raise ComposeError(f"pool {k!r} buffer must be uint8 {list(want)} (layers, pages, page_size * "
+                                   f"row_bytes {self.pool.row_bytes(k)}), got {buf.dtype} {list(buf.shape)}")
+        if self.mem.available and any(f"pool.{k}" not in self.mem._own for k in KINDS):
+            raise ComposeError("the pool was not allocated through PeerMemory.alloc (pass alloc=mem.alloc to KVPool)")
+        if self.mem.ctx.world_size != self.ctx.world_size:
+            raise ComposeError(f"peer memory spans {self.mem.ctx.world_size} ranks, the group has {self.ctx.world_size}")
+
+    def _check_group(self) -> None:
+        mine = (self.num_layers, self.pool.num_pages, self.page_size, tuple(self.page_bytes.items()),
+                self.staging.capacity)
+        everyone = self.ctx.all_gather_object(mine)
+        if any(x != mine for x in everyone):
+            raise ComposeError(f"ranks registered different pools/staging: expected the same (layers, pages, page "
+                               f"size, page bytes, staging pages) on every rank, got {everyone}")
+
+    # source tables --------------------------------------------------------------------------------
+
+    def _tables(self) -> None:
+        """Per kind: peers' pools [L, N, PB] and stagings [2, 1 + C, PB]; for Triton, int64 base addresses
+        ``bases[table][kind]``: [layers, 2 halves, n_src] (global: cp pools + cp stagings; local: own pool,
+        own staging)."""
+        self.pools = {k: [self.pool.buffers[k]] for k in KINDS}
+        self.stagings = {k: [self.staging.buffers[k]] for k in KINDS}
+        if self.mem.available:
+            self.pools = {k: self.mem.peers(f"pool.{k}") for k in KINDS}
+            self.stagings = {k: self.mem.peers(f"staging.{k}") for k in KINDS}
+        self.bases: dict[str, dict[str, torch.Tensor]] = {"global": {}, "local": {}}
+        self.aligned16: dict[str, bool] = {}
+        if not self.use_triton:
+            return
+        for k in KINDS:
+            glob = self._base_rows(k, self.pools[k], self.stagings[k]) if self.mem.available else None
+            loc = self._base_rows(k, [self.pool.buffers[k]], [self.staging.buffers[k]])
+            addrs = [a for rows in (glob or []) + loc for a in rows]
+            self.aligned16[k] = self.page_bytes[k] % 16 == 0 and all(a % 16 == 0 for a in addrs)
+            if glob is not None:
+                self.bases["global"][k] = torch.tensor(glob, dtype=torch.int64, device=self.device).view(
+                    self.num_layers, 2, -1)
+            self.bases["local"][k] = torch.tensor(loc, dtype=torch.int64, device=self.device).view(
+                self.num_layers, 2, -1)
+
+    def _base_rows(self, kind: str, pools: Sequence[torch.Tensor], stagings: Sequence[torch.Tensor]) -> list[list[int]]:
+        rows = []
+        for layer in range(self.num_layers):
+            for half in (0, 1):
+                rows.append([p[layer].data_ptr() for p in pools] + [s[half].data_ptr() for s in stagings])
+        return rows
+
+    def _sources(self, table: str, layer: int, kind: str, half: int) -> list[torch.Tensor]:
+        if table == "local":
+            return [self.pool.buffers[kind][layer], self.staging.buffers[kind][half]]
+        return [p[layer] for p in self.pools[kind]] + [s[half] for s in self.stagings[kind]]
+
+    # plans ----------------------------------------------------------------------------------------
+
+    def prepare(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None) -> ComposePlan:
+        """Build this batch's plan and cache it in ``layout.memo["compose"]`` (replacing an older one)."""
+        if layout.cp != self.cp:
+            raise ComposeError(f"the batch was laid out for cp={layout.cp}; this group has {self.cp} ranks")
+        if layout.page_size != self.page_size:
+            raise ComposeError(f"the batch uses page_size {layout.page_size}; the pools use {self.page_size}")
+        self.staging.check(layout.num_current, len(layout.requests))
+        plan = ComposePlan(layout, self.rank, self.staging.capacity, self.page_bytes, self.device, current_page_ids)
+        if plan.persists and int(plan.own_pool_pages.max().item() if plan.num_own else 0) >= self.pool.num_pages:
+            raise ComposeError(f"rank {self.rank}: current page ids must be < {self.pool.num_pages} (pool pages)")
+        self.arena.reserve(plan.arena_bytes)
+        layout.memo[MEMO_KEY] = plan
+        return plan
+
+    def plan(self, layout: BatchLayout, plan: ComposePlan | None = None) -> ComposePlan:
+        """The batch's cached plan (built without persistence if missing), checked against the batch."""
+        plan = plan or layout.memo.get(MEMO_KEY) or self.prepare(layout)
+        plan.check(layout, self.rank, self.signature)
+        return plan
+
+    # the per-layer API ----------------------------------------------------------------------------
+
+    def current_rows(self, layout: BatchLayout, layer: int, kind: str) -> torch.Tensor:
+        """uint8 [n_own * P, row_bytes]: where this rank writes its current rows for the next compose of
+        ``kind`` (see the module docstring). Tail rows of partial pages come zeroed."""
+        plan = self.plan(layout)
+        self._check_call(layer, kind)
+        block = self.staging.buffers[kind][self.uses[kind] & 1][1: 1 + plan.num_own]
+        rows = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
+        if plan.tail_rows.numel():
+            rows.index_fill_(0, plan.tail_rows, 0)
+        return rows
+
+    def compose(self, layout: BatchLayout, layer: int, kind: str, mode: str | None = None,
+                plan: ComposePlan | None = None) -> torch.Tensor:
+        """Dense KV of the batch for (layer, kind): uint8 [num_slots * P, row_bytes], slot-major."""
+        plan = self.plan(layout, plan)
+        self._check_call(layer, kind)
+        m = self.mode if mode is None else get_mode(mode)
+        if m.needs_peer and not self.mem.available:
+            m = get_mode("fused")
+        half = self.uses[kind] & 1
+        dense = m.run(self, plan, layout, layer, kind, half)
+        self.uses[kind] += 1
+        return dense
+
+    def effective_mode(self, mode: str | None = None) -> str:
+        """The mode that really runs for ``mode`` (``fused`` replaces peer modes without peer memory)."""
+        m = self.mode if mode is None else get_mode(mode)
+        return "fused" if m.needs_peer and not self.mem.available else m.name
+
+    def _check_call(self, layer: int, kind: str) -> None:
+        if kind not in self.page_bytes:
+            raise ComposeError(f"unknown KV kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if not (0 <= layer < self.num_layers):
+            raise ComposeError(f"layer must be in [0, {self.num_layers}), got {layer}")
+
+    # primitives used by the modes -----------------------------------------------------------------
+
+    def dense(self, plan: ComposePlan, kind: str, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows uint8 [S * P, row_bytes], pages uint8 [S, page_bytes]) of the arena half ``half``."""
+        pb = self.page_bytes[kind]
+        pages = self.arena.view(half, plan.dense_offset[kind], plan.num_slots, pb)
+        return pages.view(plan.num_slots * self.page_size, pb // self.page_size), pages
+
+    def compact(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
+        """uint8 [num_current, page_bytes] scratch for v2's compact current pages."""
+        return self.arena.view(half, plan.compact_offset[kind], plan.num_current, self.page_bytes[kind])
+
+    def gather(self, out: torch.Tensor, table: str, layer: int, kind: str, half: int, e: Entries) -> None:
+        """``out[e.dest] = source[e.src][e.page]`` (zeros for -1) through the ``table`` sources."""
+        if e.n == 0:
+            return
+        if self.use_triton:
+            page_gather_triton(out, self.bases[table][kind][layer, half], e.dest, e.src, e.page,
+                               aligned16=self.aligned16[kind])
+            return
+        if e.zero.numel():
+            out.index_fill_(0, e.zero, 0)
+        sources = self._sources(table, layer, kind, half)
+        for s, dest, page in e.groups:
+            gather_group(out, sources[s], dest, page)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        if self.cp > 1 and t.numel():
+            dist.all_reduce(t, group=self.ctx.group)
+
+    def barrier_round(self) -> None:
+        """One counting-barrier round; on CUDA this rank's stream is drained first (host-side wait)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.barrier()
+
+    def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
+        """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
+        if plan.persists and plan.num_own:
+            block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
+            self.pool.buffers[kind][layer].index_copy_(0, plan.own_pool_pages, block)
+
+    def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
+        """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""
+        p, self._pending[kind] = self._pending[kind], None
+        if p is None or p.plan is not plan or p.layer != layer or p.half != half:
+            return False
+        if p.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(p.event)
+        self.prefetch_hits += 1
+        return True
+
+    def issue_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
+        """Gather ``layer``'s prefix pages into arena half ``half`` ahead of time (side stream on GPU)."""
+        _, pages = self.dense(plan, kind, half)
+        event = None
+        if self.side_stream is not None:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                self.gather(pages, "global", layer, kind, half, plan.prefix)
+                event = torch.cuda.Event()
+                event.record(self.side_stream)
+        else:
+            self.gather(pages, "global", layer, kind, half, plan.prefix)
+        self._pending[kind] = _Pending(plan, layer, half, event)
+
+    def close(self) -> None:
+        self.mem.close()
