@@ -68,6 +68,22 @@ def test_sparse_odd_topk_glm5() -> None:
     check_sparse(t=3, h=64, d_v=512, d_r=64, s=700, topk=333, seed=11)
 
 
+@pytest.mark.parametrize("cfg", [(64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True),
+                                 (64, 32, 8, 3, True, True), (16, 64, 4, 2, True, True)])
+def test_sparse_kernel_configs(cfg: tuple) -> None:
+    """Every tuned variant (index prefetch, lazy rescale) against float64, large-magnitude scores."""
+    from cpkv.kernels import sparse_mla as kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q = (torch.randn(6, 64, 576, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    kv = torch.randn(2000, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = gpu_indices(6, 1000, 2000, gen)
+    idx[0, :700] = -1  # leading invalid tiles
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, kernel.Config(*cfg))
+    ref = sparse_mla_ref(q.cpu(), kv.cpu(), idx.cpu(), 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+
+
 def test_sparse_strided_q() -> None:
     gen = torch.Generator(device="cuda").manual_seed(7)
     big = torch.randn(4, 96, 576, generator=gen, device="cuda").to(torch.bfloat16)

@@ -146,9 +146,8 @@ def _rel_err(inp: dict[str, Any], rows: int = 8) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-SWEEP = [
-    (64, 64, 8, 2, False), (64, 64, 8, 2, True), (64, 32, 8, 3, False), (64, 32, 8, 3, True),
-    (64, 32, 8, 2, True), (32, 32, 4, 2, False), (32, 32, 4, 2, True), (32, 64, 4, 1, True),
+SWEEP = [  # (block_h, block_k, warps, stages, prefetch_idx, lazy_rescale)
+    (64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True), (64, 32, 8, 3, True, True),
 ]
 
 
@@ -156,9 +155,10 @@ def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]
     from cpkv.kernels import sparse_mla as kernel
 
     rows = []
-    for bh, bk, warps, stages, pre in SWEEP:
-        cfg = kernel.Config(bh, bk, warps, stages, pre)
-        row: dict[str, Any] = {"config": f"h{bh} k{bk} w{warps} s{stages}" + (" pf" if pre else "")}
+    for bh, bk, warps, stages, pre, lazy in SWEEP:
+        cfg = kernel.Config(bh, bk, warps, stages, pre, lazy)
+        tags = (" pf" if pre else "") + (" lazy" if lazy else "")
+        row: dict[str, Any] = {"config": f"h{bh} k{bk} w{warps} s{stages}{tags}"}
         try:
             call = lambda: kernel.launch(inp["q"], inp["kv"], inp["idx"], None, None, inp["scale"], 512, cfg)  # noqa: E731
             compiled = call()[2]

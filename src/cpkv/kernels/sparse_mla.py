@@ -37,6 +37,7 @@ class Config:
     num_warps: int
     num_stages: int
     prefetch_idx: bool = False  # load the next tile's indices one iteration ahead, by hand
+    lazy_rescale: bool = False  # keep a stale row max unless some row's max grew by > 2^8 (FA4 trick)
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -47,7 +48,7 @@ def default_config(h: int, d_v: int, d_rope: int) -> Config:
     """Configuration for ``h`` heads and a ``d_v + d_rope`` score width (tuned on H200 for 512 + 64)."""
     block_h = min(64, _pow2_at_least(h, 16))
     if d_v >= 512:
-        return Config(block_h, 64, 8, 2) if block_h == 64 else Config(block_h, 64, 4, 2)
+        return Config(block_h, 64, 8, 2, lazy_rescale=True) if block_h == 64 else Config(block_h, 64, 4, 2)
     return Config(block_h, 64, 4, 2)
 
 
@@ -71,7 +72,7 @@ def load() -> Any:
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-        DENSE: tl.constexpr, PREFETCH_IDX: tl.constexpr,
+        DENSE: tl.constexpr, PREFETCH_IDX: tl.constexpr, LAZY: tl.constexpr,
     ):
         pid_h = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
@@ -117,12 +118,25 @@ def load() -> Any:
                 s = tl.dot(q_r, tl.trans(k_r), s)
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(tl.bfloat16), k_n, acc * alpha[:, None])
-            m_i = m_new
+            if LAZY:
+                # rescale only when a row's max grew by more than 8 (log2): p stays <= 2^8
+                if tl.max(m_new - m_i, 0) > 8.0:
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_safe)
+                    l_i = l_i * alpha
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i + tl.sum(p, 1)
+                acc = tl.dot(p.to(tl.bfloat16), k_n, acc)
+            else:
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = tl.dot(p.to(tl.bfloat16), k_n, acc * alpha[:, None])
+                m_i = m_new
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -155,7 +169,7 @@ def launch(
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
         D_V=d_v, D_R=d_r, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, DENSE=dense,
-        PREFETCH_IDX=cfg.prefetch_idx and not dense,
+        PREFETCH_IDX=cfg.prefetch_idx and not dense, LAZY=cfg.lazy_rescale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, compiled

@@ -38,13 +38,11 @@ def load() -> tuple[Any, Any]:
         rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         rmask = rows < S
         r64 = rows.to(tl.int64)[:, None]
-        m3 = rmask[:, None, None]
-        offs_g = tl.arange(0, G)[None, :, None]
-        offs_l = offs_g * 128 + tl.arange(0, 128)[None, None, :]  # [1, G, 128]
-        x = tl.load(FP8 + r64[:, :, None] * stride_f + offs_l, mask=m3, other=0.0)
-        sc = tl.load(SCALE + r64 * stride_s + tl.arange(0, G)[None, :], mask=rmask[:, None], other=0.0)
-        y = x.to(tl.float32) * sc[:, :, None]
-        tl.store(OUT + r64[:, :, None] * stride_o + offs_l, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=m3)
+        offs_l = tl.arange(0, G * 128)[None, :]
+        x = tl.load(FP8 + r64 * stride_f + offs_l, mask=rmask[:, None], other=0.0)
+        sc = tl.load(SCALE + r64 * stride_s + offs_l // 128, mask=rmask[:, None], other=0.0)  # L1 hits
+        y = x.to(tl.float32) * sc
+        tl.store(OUT + r64 * stride_o + offs_l, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=rmask[:, None])
         if D_R > 0:
             offs_r = tl.arange(0, D_R)[None, :]
             rope = tl.load(ROPE + r64 * stride_r + offs_r, mask=rmask[:, None], other=0.0)
