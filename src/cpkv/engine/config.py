@@ -1,0 +1,55 @@
+"""What one engine run is: model, CP group, cache, admission. No torch import."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpkv.config import AdmissionCaps, CPConfig
+from cpkv.errors import ConfigError
+
+MODES = ("legacy", "fused", "v2", "symm", "prefetch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One run of the CP prefill engine.
+
+    ``model``: a preset name or a checkpoint directory; ``seed``: random weights of a preset.
+    ``pages_per_rank`` (page 0 reserved) and ``host_pages`` size each rank's device pool and host tier.
+    ``chunk_size`` and ``max_requests`` are the admission caps that matter at toy sizes; the cached cap
+    is what all pools hold. ``mode`` ``prefetch`` runs batches of one request.
+    """
+
+    model: str = "tiny"
+    seed: int = 0
+    num_layers: int | None = None
+    cp: int = 2
+    mode: str = "symm"
+    device: str = "cpu"
+    page_size: int = 16
+    strategy: str = "zigzag"
+    pages_per_rank: int = 256
+    host_pages: int = 0
+    policy: str = "solo"
+    chunk_size: int = 512
+    max_requests: int = 8
+    full_hit: str = "page"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown compose mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.chunk_size % self.page_size:
+            raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
+        CPConfig(self.cp, self.page_size, self.strategy)  # validates
+
+    @property
+    def cp_config(self) -> CPConfig:
+        return CPConfig(self.cp, self.page_size, self.strategy)
+
+    def caps(self) -> AdmissionCaps:
+        """Admission caps: chunk = extend cap; cached cap = every pool's pages; prefetch runs solo."""
+        pool_tokens = (self.pages_per_rank - 1) * self.cp * self.page_size
+        return AdmissionCaps(extend_tokens=self.chunk_size, cached_tokens=pool_tokens, buffer_bytes=64 << 30,
+                             max_requests=1 if self.mode == "prefetch" else self.max_requests,
+                             chunk_size=self.chunk_size)

@@ -1,0 +1,151 @@
+"""Run the CP engine over a trace (rank processes or torchrun) and verify it against one rank.
+
+    results = run_engine(cfg, trace)                 # launches cfg.cp rank processes
+    report  = verify_run(results[0], cfg, trace)     # single-process reference prefill, no CP, no cache
+
+A run's outcome per request: prompt and cached lengths, TTFT (time from its release into the queue to
+the end of the batch that computed its last token; a conversation's next turn is released when the
+previous one finishes), the first token (argmax of the last-token logits) and the logits themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from cpkv.engine.config import EngineConfig
+from cpkv.engine.rank import RankOutput, rank_main
+from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+
+# |logit difference| allowed against the single-rank reference: atol + rtol * max |reference logit|.
+# float32 on CPU leaves only fp8 rounding flips of near-tie values; bf16 on CUDA, more.
+TOLERANCE = {"cpu": (1e-2, 1e-2), "cuda": (5e-2, 5e-2)}
+
+
+@dataclass
+class RequestResult:
+    id: Hashable
+    prompt_len: int
+    cached_len: int
+    ttft_s: float
+    first_token: int
+    logits: torch.Tensor = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "prompt_len": self.prompt_len, "cached_len": self.cached_len,
+                "ttft_s": round(self.ttft_s, 6), "first_token": self.first_token}
+
+
+@dataclass
+class RunResult:
+    """Merged outcome of one run over every rank."""
+
+    cfg: EngineConfig
+    requests: list[RequestResult]
+    rejected: list[dict[str, Any]]
+    wall_s: float
+    pages_used: list[int]
+    stats: dict[str, Any]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        prompt = sum(r.prompt_len for r in self.requests)
+        cached = sum(r.cached_len for r in self.requests)
+        return {
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round((prompt - cached) / self.wall_s, 1) if self.wall_s else 0.0,
+            "prompt_tokens": prompt,
+            "cache_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+            "kv_pages_per_rank": self.pages_used,
+            "kv_pages_replicated": sum(self.pages_used),
+            "pages_spilled": self.stats.get("spilled", 0),
+            "pages_reloaded": self.stats.get("reloaded", 0),
+            "batches": self.stats.get("batches", 0),
+            "rejected": len(self.rejected),
+            "mode": self.stats.get("mode"),
+            "attention_calls": self.stats.get("attention"),
+        }
+
+
+def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankOutput]) -> RunResult:
+    """Per-rank outputs of one run -> RunResult in trace order (TTFT and wall time from rank 0's clock)."""
+    logits: dict[Hashable, torch.Tensor] = {}
+    for o in outs:
+        logits.update({k: torch.from_numpy(v) for k, v in o.logits.items()})
+    zero = outs[0]
+    reqs = []
+    for r in trace:
+        if r.id in zero.done_s and r.id in logits:
+            lg = logits[r.id]
+            reqs.append(RequestResult(r.id, r.prompt_len, zero.cached[r.id], zero.done_s[r.id], int(lg.argmax()), lg))
+    rejected = [{"id": r.id, "prompt_len": r.prompt_len, "reason": zero.rejected[r.id]}
+                for r in trace if r.id in zero.rejected]
+    stats = dict(zero.stats)
+    stats["attention"] = {k: sum(o.stats["attention"][k] for o in outs) for k in ("dense", "sparse")}
+    return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats)
+
+
+def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0) -> list[RunResult]:
+    """Run several jobs (same cp and device) in one set of rank processes, one after the other."""
+    from cpkv.dist import launch
+
+    cp, device = jobs[0][0].cp, jobs[0][0].device
+    if any(c.cp != cp or c.device != device for c, _ in jobs):
+        raise ValueError("run_jobs: every job must use the same cp and device")
+    per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s)
+    return [merge(cfg, trace, [per_rank[r][i] for r in range(cp)]) for i, (cfg, trace) in enumerate(jobs)]
+
+
+def run_engine(cfg: EngineConfig, trace: Sequence[TraceRequest], *, timeout_s: float = 600.0) -> RunResult:
+    return run_jobs([(cfg, trace)], timeout_s=timeout_s)[0]
+
+
+def run_under_torchrun(cfg: EngineConfig, trace: Sequence[TraceRequest]) -> RunResult | None:
+    """This process is one rank of a torchrun group (cp = WORLD_SIZE): rank 0 gets the merged result."""
+    from cpkv.dist import context_from_env
+
+    ctx = context_from_env(cfg.device)
+    outs = rank_main(ctx, [(cfg, trace)])
+    every = ctx.all_gather_object(outs[0])
+    ctx.barrier()
+    return merge(cfg, trace, every) if ctx.rank == 0 else None
+
+
+# -- verification ----------------------------------------------------------------------------------
+@dataclass
+class VerifyReport:
+    ok: bool
+    tokens_equal: bool
+    max_logit_diff: float
+    tolerance: float
+    worst: Hashable | None
+    checked: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "tokens_equal": self.tokens_equal, "max_logit_diff": self.max_logit_diff,
+                "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked}
+
+
+def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> VerifyReport:
+    """Rerun every completed request on one process (no CP, no cache) and compare.
+
+    ok = first tokens equal and every |logit difference| <= atol + rtol * max |reference logit|.
+    """
+    from cpkv.model.model import load_model
+
+    cfg = result.cfg
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers)
+    tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
+    atol, rtol = TOLERANCE[device]
+    equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol
+    for r in result.requests:
+        ref = model.reference_prefill(tokens[r.id]).cpu()
+        diff = float((ref - r.logits).abs().max())
+        tol = atol + rtol * float(ref.abs().max())
+        equal &= int(ref.argmax()) == r.first_token
+        ok &= diff <= tol
+        if diff >= worst:
+            worst, worst_id, tol_used = diff, r.id, tol
+    return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests))

@@ -1,0 +1,208 @@
+"""The per-rank engine loop. Every rank runs it on the same inputs and takes the same decisions.
+
+    setup      model, ComposeRuntime (pool + staging in peer memory), host tier, one PageAllocator
+               mirror per rank, the CP-wide prefix cache, the scheduler
+    release    a request enters the queue once its parent finished (so the next turn of a conversation
+               can hit it); requests without a parent are queued at the start
+    reload     before admission, host-tier pages on a waiting request's cached chain come back into
+               their owner's pool (the owner copies the bytes; every rank updates its mirror)
+    batch      next_batch -> layout -> compose plan (current pages persist into the entries' pages)
+               -> forward -> finish (full pages enter the prefix cache, owned by their writers)
+
+Only the owner of a page touches its bytes (spill, reload); the bookkeeping is replicated.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from cpkv.dist import RankContext
+from cpkv.engine.config import EngineConfig
+from cpkv.engine.forward import BatchSpec, run_batch
+from cpkv.kvcache.allocator import PageAllocator
+from cpkv.kvcache.prefix_cache import Node, PrefixCache, SpillHook
+from cpkv.model.model import DSAModel, load_model
+from cpkv.scheduler import Batch, Request, Scheduler
+from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+
+
+@dataclass
+class RankOutput:
+    """What one rank returns for one run (plain picklable data: torch tensors would travel through shared
+    memory that dies with the rank). ``logits``: float32 numpy [vocab], only for requests whose last
+    token this rank held."""
+
+    rank: int
+    logits: dict[Hashable, Any] = field(default_factory=dict)
+    done_s: dict[Hashable, float] = field(default_factory=dict)   # finish time - release time
+    cached: dict[Hashable, int] = field(default_factory=dict)
+    rejected: dict[Hashable, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    pages_used: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineCache(PrefixCache):
+    """The prefix cache with this rank's spill hook bound, so every eviction (admission's included)
+    copies a spilled page to the owner's host tier before its device page is reused."""
+
+    def __init__(self, page_size: int, allocators: Sequence[PageAllocator], host_pages: int,
+                 spill: SpillHook | None) -> None:
+        super().__init__(page_size, allocators, host_pages)
+        self.spill = spill
+
+    def evict(self, num_pages: int, owner: int | None = None, on_spill: SpillHook | None = None) -> int:
+        return super().evict(num_pages, owner, on_spill or self.spill)
+
+
+class RankEngine:
+    """One rank's engine for one run (see the module docstring)."""
+
+    def __init__(self, ctx: RankContext, cfg: EngineConfig, model: DSAModel) -> None:
+        from cpkv.compose.runtime import ComposeRuntime
+        from cpkv.kvcache.host import HostTier
+
+        self.ctx, self.cfg, self.model, self.rank = ctx, cfg, model, ctx.rank
+        caps = cfg.caps()
+        self.rt = ComposeRuntime.create(ctx, model.cfg, num_pages=cfg.pages_per_rank, page_size=cfg.page_size,
+                                        caps=caps, mode=cfg.mode)
+        self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
+        allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
+        self.cache = EngineCache(cfg.page_size, allocators, cfg.host_pages, self._spill if self.host else None)
+        self.sched = Scheduler(self.cache, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
+                               staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
+        self.out = RankOutput(self.rank)
+        self.batches = 0
+
+    # -- host tier ---------------------------------------------------------------------------------
+    def _spill(self, owner: int, page_id: int, slot: int) -> None:
+        if owner == self.rank and self.host is not None:
+            self.host.offload([page_id], [slot])
+
+    def _reload_waiting(self) -> None:
+        """Bring host-tier pages of the waiting (not yet started) requests' cached chains back."""
+        if self.host is None:
+            return
+        for req in list(self.sched.waiting)[: self.cfg.caps().max_requests]:
+            if not req.started:
+                self._reload_chain(self.cache.match(req.keys).nodes)
+
+    def _reload_chain(self, nodes: tuple[Node, ...]) -> None:
+        first = next((i for i, n in enumerate(nodes) if not n.on_device), len(nodes))
+        if first == len(nodes):
+            return
+        self.cache.lock(nodes)  # neither the chain's device part nor its host part may go meanwhile
+        try:
+            for node in nodes[first:]:
+                alloc = self.cache.allocators[node.owner]
+                if alloc.num_free == 0:
+                    self.cache.evict(1, owner=node.owner)
+                if alloc.num_free == 0:
+                    break
+                page = alloc.allocate(1)[0]
+                if node.owner == self.rank:
+                    self.host.load([node.host_slot], [page])
+                self.cache.reload(node, page)
+        finally:
+            self.cache.unlock(nodes)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, trace: Sequence[TraceRequest]) -> RankOutput:
+        tokens = materialize_tokens(trace, vocab_size=self.model.cfg.vocab_size)
+        blocked, released, done = list(trace), {}, set()
+        self.ctx.barrier()
+        t0 = time.perf_counter()
+        while True:
+            blocked = self._release(blocked, tokens, released, done, time.perf_counter() - t0)
+            self._reload_waiting()
+            batch = self.sched.next_batch()
+            self._note_rejections(done)
+            if batch is None:
+                if not self.sched.has_work and not self._ready(blocked, done):
+                    break
+                continue
+            finished = self._run_batch(batch, tokens)
+            now = self._sync_time() - t0
+            for req in finished:
+                self.out.done_s[req.rid] = now - released[req.rid]
+                self.out.cached[req.rid] = req.cached
+                done.add(req.rid)
+        for r in blocked:
+            self.out.rejected[r.id] = "parent: its parent never finished"
+        self.out.wall_s = time.perf_counter() - t0
+        self._finish_stats()
+        return self.out
+
+    def _ready(self, blocked: list[TraceRequest], done: set) -> bool:
+        return any(r.parent is None or r.parent in done for r in blocked)
+
+    def _release(self, blocked, tokens, released, done, now: float) -> list[TraceRequest]:
+        still = []
+        for r in blocked:
+            if r.parent is not None and r.parent not in done:
+                still.append(r)
+                continue
+            released[r.id] = now
+            why = self.sched.add(Request(r.id, tokens[r.id], r.prompt_len, r.arrival))
+            if why is not None:
+                self.out.rejected[r.id] = f"{why.reason}: {why.detail}"
+                done.add(r.id)
+        return still
+
+    def _note_rejections(self, done: set) -> None:
+        for req in self.sched.rejected:
+            if req.rid not in self.out.rejected:
+                self.out.rejected[req.rid] = req.reason
+                done.add(req.rid)
+
+    def _run_batch(self, batch: Batch, tokens: dict[Hashable, list[int]]) -> list[Request]:
+        layout = batch.layout(self.model.cfg.max_context)
+        page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
+        assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
+        self.rt.prepare(layout, page_ids)
+        spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
+        out = run_batch(self.model, self.rt, spec, self.rank)
+        for i, e in enumerate(batch.entries):
+            if e.last_chunk and i in out:
+                self.out.logits[e.rid] = out[i].detach().float().cpu().numpy()
+        self.batches += 1
+        return self.sched.finish(batch)
+
+    def _sync_time(self) -> float:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter()
+
+    def _finish_stats(self) -> None:
+        self.out.pages_used = [a.num_used for a in self.cache.allocators]
+        self.out.stats = {
+            "batches": self.batches, "spilled": self.cache.stats["spilled"],
+            "reloaded": self.cache.stats["reloaded"], "evicted": self.cache.stats["evicted"],
+            "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
+            "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
+        }
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]]) -> list[RankOutput]:
+    """Rank entry point (cpkv.dist.launch or torchrun): run each (config, trace) job in order."""
+    models: dict[tuple, DSAModel] = {}
+    outputs = []
+    for cfg, trace in jobs:
+        key = (cfg.model, cfg.seed, cfg.num_layers)
+        if key not in models:
+            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers)
+        model = models[key]
+        for layer in model.layers:
+            layer.stats.update(dense=0, sparse=0)
+        engine = RankEngine(ctx, cfg, model)
+        try:
+            outputs.append(engine.run(trace))
+        finally:
+            engine.close()
+    return outputs
