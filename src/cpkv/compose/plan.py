@@ -92,10 +92,10 @@ class ComposePlan:
     def _arrays(self, layout: BatchLayout) -> None:
         lp = layout.logical_pages
         self.slot_rank = np.fromiter((p.rank for p in lp), np.int64, len(lp))
-        self.slot_page = np.fromiter((p.page_id for p in lp), np.int64, len(lp))
-        self.slot_compact = np.fromiter((p.compact for p in lp), np.int64, len(lp))
-        self.is_current = self.slot_compact >= 0
-        self.current_slots = np.flatnonzero(self.is_current)
+        self.slot_page = np.fromiter((p.page_id for p in lp), np.int64, len(lp))  # -1: current page
+        self.is_current = self.slot_page < 0
+        self.current_slots = np.flatnonzero(self.is_current)  # slot of compact page i (merged-span order)
+        assert self.current_slots.size == self.num_current
         writers = self.slot_rank[self.current_slots]
         local = np.zeros(self.num_current, np.int64)  # j: index among its writer's pages
         for w in range(self.cp):

@@ -1,0 +1,18 @@
+"""Compose: every rank gets the batch's dense KV, byte-exact across modes (DESIGN.md §4).
+
+    plan.py       ComposePlan: per-batch descriptors, built once, cached in layout.memo["compose"]
+    peer.py       PeerMemory: shared-memory (CPU) / CUDA IPC buffers, probed and agreed over the group
+    barrier.py    CountingBarrier over host-shared signal pads
+    staging.py    Staging (two parity halves) and the dense-buffer bump arena
+    modes.py      legacy / fused / v2 / symm / prefetch, chosen by name
+    runtime.py    ComposeRuntime: the per-rank object the engine holds
+    reference.py  single-process reference dense buffer
+    check.py      ``cpkv check compose``;  bench.py: ``cpkv bench compose``
+"""
+from __future__ import annotations
+
+from cpkv.compose.modes import MODES, get_mode
+from cpkv.compose.plan import ComposePlan
+from cpkv.compose.runtime import ComposeRuntime
+
+__all__ = ["MODES", "ComposePlan", "ComposeRuntime", "get_mode"]

@@ -1,0 +1,255 @@
+"""``cpkv bench compose``: per-batch compose time per mode, and the gather kernel against a device copy.
+
+Shape (default): the traced batch of DESIGN.md — 12 requests, 44.6K query tokens, ~500K cached prefix
+tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B), both kinds. Per-(layer, kind) cost
+does not depend on the layer, so ``--layers`` layers are timed and the per-batch figure is scaled to
+the model's layer count (78 for GLM-5); the output says so.
+
+Timing: all ranks start each iteration together (a group barrier); a rank's time is host wall time
+around ``layers x kinds`` compose calls, with the device synchronised at both ends; the figure is the
+slowest rank's median over iterations. On one GPU the ranks share the device (gloo collectives staged
+through the host, peer reads from the same HBM): peer-memory figures then measure device memory, not
+NVLink, and collective modes pay gloo's host round trips.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpkv.compose.modes import MODES
+from cpkv.compose.plan import ComposePlan
+from cpkv.compose.runtime import ComposeRuntime
+from cpkv.config import KINDS, AdmissionCaps, preset
+from cpkv.dist import RankContext, launch
+from cpkv.layout import BatchLayout, build_layout
+
+GATHER_CONFIGS = (
+    {"chunk": 4096, "block": 1024, "num_warps": 4},
+    {"chunk": 2048, "block": 2048, "num_warps": 8},
+    {"chunk": 8192, "block": 2048, "num_warps": 8},
+    {"chunk": 16384, "block": 1024, "num_warps": 4},
+    {"chunk": 1024, "block": 1024, "num_warps": 4},
+    {"chunk": 4096, "block": 4096, "num_warps": 16},
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    cp: int = 2
+    device: str = "cuda"
+    model: str = "glm5"
+    page_size: int = 64
+    requests: int = 12
+    extend_tokens: int = 44_600
+    prefix_tokens: int = 500_000
+    layers: int = 4
+    iters: int = 3
+    modes: tuple[str, ...] = tuple(MODES)
+    seed: int = 0
+    kernel: bool = True
+
+
+def traced_batch(cfg: BenchConfig) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]], list[int], int]:
+    """(requests, prefix pages, writer page id per current page, pool pages per rank) of the traced shape."""
+    rng = np.random.default_rng(cfg.seed)
+    P, n = cfg.page_size, cfg.requests
+    ext = _split(rng, cfg.extend_tokens, n, 1)
+    pre = [p * P for p in _split(rng, cfg.prefix_tokens // P, n, 0)]
+    next_id = [1] * cfg.cp
+    pages = []
+    for p in pre:
+        own = []
+        for _ in range(p // P):
+            o = int(rng.integers(0, cfg.cp))
+            own.append((o, next_id[o]))
+            next_id[o] += 1
+        pages.append(own)
+    layout = build_layout(list(zip(pre, ext)), page_size=P, cp=cfg.cp, prefix_pages=pages)
+    ids = []
+    for c in layout.current_pages:
+        ids.append(next_id[c.writer])
+        next_id[c.writer] += 1
+    return list(zip(pre, ext)), pages, ids, max(next_id) + 1
+
+
+def _split(rng: np.random.Generator, total: int, n: int, minimum: int) -> list[int]:
+    w = rng.uniform(0.3, 1.7, n)
+    parts = np.maximum(minimum, np.floor(w / w.sum() * total)).astype(int)
+    parts[-1] += total - parts.sum()
+    return [int(x) for x in parts]
+
+
+def _caps(cfg: BenchConfig) -> AdmissionCaps:
+    P = cfg.page_size
+    ext = -(-cfg.extend_tokens // P) * P
+    return AdmissionCaps(extend_tokens=ext, cached_tokens=cfg.prefix_tokens + P * cfg.requests,
+                         max_requests=cfg.requests, chunk_size=ext)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
+    """One rank: build the runtime and the traced batch, time every mode; rank 0 also runs the kernel bench."""
+    model = preset(cfg.model)
+    reqs, pages, ids, num_pages = traced_batch(cfg)
+    rt = ComposeRuntime.create(ctx, model, num_pages=num_pages, page_size=cfg.page_size, caps=_caps(cfg),
+                               num_layers=cfg.layers)
+    for k in KINDS:
+        buf = rt.pool.buffers[k]
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=buf.device))
+    out: dict[str, Any] = {"rank": ctx.rank, "modes": {}, "peer_memory": rt.mem.kind, "triton": rt.use_triton}
+    layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
+    out["plan_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
+    plan = rt.prepare(layout, ids)
+    for mode in cfg.modes:
+        lay = layout
+        if mode == "prefetch" and len(layout.requests) != 1:
+            lay = _solo_layout(cfg)
+            rt.prepare(lay)
+        out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg)
+        out["modes"][mode]["requests"] = len(lay.requests)
+    out["host_us"] = _host_us(rt, layout, plan)
+    if cfg.kernel and ctx.rank == 0 and rt.use_triton:
+        out["kernel"] = kernel_bench(rt.device)
+    ctx.barrier()
+    rt.close()
+    return out
+
+
+def _solo_layout(cfg: BenchConfig) -> BatchLayout:
+    """Prefetch takes one request: the traced batch's largest request alone (same hit ratio class)."""
+    reqs, pages, _, _ = traced_batch(cfg)
+    i = max(range(len(reqs)), key=lambda j: reqs[j][0] + reqs[j][1])
+    return build_layout([reqs[i]], page_size=cfg.page_size, cp=cfg.cp, prefix_pages=[pages[i]])
+
+
+def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig) -> float:
+    times = []
+    for _ in range(5):
+        layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
+        t0 = time.perf_counter()
+        ComposePlan(layout, rt.rank, rt.staging.capacity, rt.page_bytes, rt.device, ids)
+        _sync(rt.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: str, cfg: BenchConfig) -> dict:
+    times = []
+    for it in range(cfg.iters + 1):  # first iteration warms up (compilation, gloo buffers)
+        ctx.barrier()
+        _sync(rt.device)
+        t0 = time.perf_counter()
+        for layer in range(cfg.layers):
+            for k in KINDS:
+                rt.current_rows(layout, layer, k)
+                rt.compose(layout, layer, k, mode=mode)
+        _sync(rt.device)
+        if it:
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / cfg.layers, "effective": rt.effective_mode(mode)}
+
+
+def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 200) -> float:
+    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait, no sync)."""
+    if not rt.mem.available:
+        return float("nan")
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        kind = KINDS[i & 1]
+        p = rt.plan(layout)
+        _, pages = rt.dense(p, kind, 0)
+        rt.gather(pages, "global", 0, kind, 0, p.all)
+    t = time.perf_counter() - t0
+    _sync(rt.device)
+    return t / n * 1e6
+
+
+# the gather kernel against a device copy ------------------------------------------------------------
+
+def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: int = 16384,
+                 gather_pages: int = 8192) -> dict[str, Any]:
+    """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy."""
+    from cpkv.kernels.page_gather import load, page_gather_triton
+    pool = torch.randint(0, 256, (pool_pages, page_bytes), dtype=torch.uint8, device=device)
+    out = torch.empty((gather_pages, page_bytes), dtype=torch.uint8, device=device)
+    flat = torch.empty_like(out)
+    idx = torch.randperm(pool_pages, device=device)[:gather_pages]
+    dest = torch.arange(gather_pages, dtype=torch.int32, device=device)
+    src = torch.zeros(gather_pages, dtype=torch.int32, device=device)
+    bases = torch.tensor([pool.data_ptr()], dtype=torch.int64, device=device)
+    nbytes = 2 * gather_pages * page_bytes
+    res: dict[str, Any] = {"page_bytes": page_bytes, "pages": gather_pages, "bytes_moved": nbytes}
+    res["copy_GBps"] = nbytes / _bench(lambda: flat.copy_(pool[:gather_pages])) / 1e9
+    res["index_select_GBps"] = nbytes / _bench(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e9
+    variants = []
+    for cfg in GATHER_CONFIGS:
+        t = _bench(lambda: page_gather_triton(out, bases, dest, src, idx, config=cfg))
+        ok = bool(torch.equal(out, pool.index_select(0, idx)))
+        variants.append({**cfg, "GBps": nbytes / t / 1e9, "ratio_to_copy": nbytes / t / 1e9 / res["copy_GBps"],
+                         "correct": ok})
+    res["variants"] = variants
+    res["best"] = max(variants, key=lambda v: v["GBps"])
+    res["ptx_v4_loads"] = _count_v4(load())
+    return res
+
+
+def _count_v4(kernel: Any) -> int | None:
+    try:
+        cache = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", None)
+        for dev_cache in (cache or {}).values():
+            entries = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            for compiled in entries.values():
+                return compiled.asm["ptx"].count("ld.global.v4")
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def _bench(fn, reps: int = 30) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs timed with CUDA events (after a warm-up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Launch the ranks and aggregate: per mode the slowest rank's median, scaled to a whole batch."""
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=900)
+    model = preset(cfg.model)
+    modes = {}
+    for m in cfg.modes:
+        per_layer = max(r["modes"][m]["ms_per_layer"] for r in results)
+        modes[m] = {"ms_per_layer": per_layer, "ms_per_batch": per_layer * model.num_layers,
+                    "effective": results[0]["modes"][m]["effective"], "requests": results[0]["modes"][m]["requests"]}
+    reqs, _, _, _ = traced_batch(cfg)
+    return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
+            "plan_ms": max(r["plan_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
+            "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
+            "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
+            "batch": {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs),
+                      "prefix_tokens": sum(p for p, _ in reqs),
+                      "hit_ratio": sum(p for p, _ in reqs) / sum(p + e for p, e in reqs)}}
+
+
+def _shared(cp: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() < cp

@@ -1,0 +1,59 @@
+"""``cpkv bench compose``: per-batch compose time per mode and the gather kernel against a device copy."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "Time every compose mode at the traced-batch shape, and the page gather against a device copy."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--modes", default="all", help="comma-separated modes or all")
+    p.add_argument("--model", default="glm5", help="row sizes and layer count from this preset (default glm5)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--extend-tokens", type=int, default=44_600, help="query tokens of the batch (default 44600)")
+    p.add_argument("--prefix-tokens", type=int, default=500_000, help="cached prefix tokens (default 500000)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="layers timed per iteration; the per-batch figure is scaled to the model's layers")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--no-kernel", action="store_true", help="skip the gather-kernel bandwidth bench")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.fmt import emit_json, table
+    from cpkv.compose.bench import BenchConfig, run_bench
+    from cpkv.compose.modes import parse_modes
+
+    cfg = BenchConfig(cp=args.cp, device=args.device, model=args.model, page_size=args.page_size,
+                      requests=args.requests, extend_tokens=args.extend_tokens, prefix_tokens=args.prefix_tokens,
+                      layers=args.layers, iters=args.iters, modes=tuple(parse_modes(args.modes)),
+                      kernel=not args.no_kernel)
+    out = run_bench(cfg)
+    if args.json:
+        emit_json(out)
+        return 0
+    b = out["batch"]
+    print(f"batch: {b['requests']} requests, {b['extend_tokens']} query tokens, {b['prefix_tokens']} cached tokens "
+          f"(hit {b['hit_ratio']:.1%}), page {cfg.page_size}, {cfg.model} rows, both kinds; cp={cfg.cp} "
+          f"device={cfg.device} peer memory={out['peer_memory']} triton={out['triton']}")
+    print(f"timed {cfg.layers} layers x {cfg.iters} iterations; per batch = per layer x {out['model_layers']} layers")
+    if out["shared_device"]:
+        print("ranks share one GPU: peer-memory figures measure device memory, not NVLink; collectives are gloo "
+              "through the host")
+    table(["mode", "ms/layer", "ms/batch", "ran as"],
+          [(m, v["ms_per_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
+                                                                        else " (bs=1: largest request alone)"))
+           for m, v in out["modes"].items()])
+    print(f"plan build: {out['plan_ms']:.3f} ms; host work per (layer, kind) with the plan cached: "
+          f"{out['host_us_per_layer_kind']:.1f} us (gather path, no barrier wait)")
+    k = out.get("kernel")
+    if k:
+        print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B; device copy {k['copy_GBps']:.0f} GB/s, "
+              f"index_select {k['index_select_GBps']:.0f} GB/s ({k['index_select_GBps'] / k['copy_GBps']:.3f})")
+        table(["chunk", "block", "warps", "GB/s", "x copy", "correct"],
+              [(v["chunk"], v["block"], v["num_warps"], v["GBps"], v["ratio_to_copy"], v["correct"])
+               for v in k["variants"]])
+    return 0

@@ -1,0 +1,157 @@
+"""ComposePlan, gather reference, staging and arena in one process: the modes' arithmetic, no ranks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpkv.compose.modes import MODES, get_mode, parse_modes
+from cpkv.compose.plan import ComposePlan
+from cpkv.compose.reference import current_pages, reference_dense
+from cpkv.compose.staging import DenseArena, Staging
+from cpkv.config import KINDS, AdmissionCaps, preset
+from cpkv.errors import ComposeError, StagingOverflow
+from cpkv.kernels.page_gather import page_gather_ref
+from cpkv.layout import build_layout
+
+TINY = preset("tiny")
+LAYOUTS = [  # (requests, page_size, cp, strategy)
+    ([(0, 1)], 4, 2, "zigzag"),
+    ([(8, 13), (0, 4), (16, 31)], 4, 3, "zigzag"),
+    ([(7, 9)], 4, 2, "contiguous"),  # solo, unaligned prefix
+    ([(32, 50), (8, 3)], 8, 4, "round-robin"),
+    ([(3, 2)], 1, 3, "zigzag"),
+]
+
+
+def _layout(reqs, P, cp, strategy, seed=0):
+    rng = np.random.default_rng(seed)
+    pages = [[(int(rng.integers(0, cp)), int(rng.integers(1, 20))) for _ in range(-(-p // P))] for p, _ in reqs]
+    return build_layout(reqs, page_size=P, cp=cp, strategy=strategy, prefix_pages=pages)
+
+
+def _world(layout, kind, seed=1):
+    """Per-rank pools [20, PB] and the batch's current pages [num_current, PB], random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    pb = layout.page_size * TINY.row_bytes(kind)
+    pools = [torch.randint(0, 256, (20, pb), dtype=torch.uint8, generator=g) for _ in range(layout.cp)]
+    rows = torch.randint(0, 256, (layout.extend_tokens, TINY.row_bytes(kind)), dtype=torch.uint8, generator=g)
+    return pools, current_pages(layout, rows)
+
+
+def _plans(layout, ids=None):
+    pb = {k: layout.page_size * TINY.row_bytes(k) for k in KINDS}
+    return [ComposePlan(layout, r, 64, pb, torch.device("cpu"), ids) for r in range(layout.cp)]
+
+
+def _stagings(layout, plans, cur):
+    """Every writer's staging half: its j-th own current page at page j + 1 (page 0 reserved, poisoned)."""
+    out = []
+    for p in plans:
+        st = torch.full((1 + 64, cur.shape[1]), 0x5A, dtype=torch.uint8)
+        st[1: 1 + p.num_own] = cur[torch.from_numpy(p.own_compact)]
+        out.append(st)
+    return out
+
+
+def _gather(n, pb, sources, e):
+    out = torch.full((n, pb), 0xEE, dtype=torch.uint8)  # poisoned: every page must be written
+    page_gather_ref(out, sources, e.dest, e.src, e.page)
+    return out
+
+
+@pytest.mark.parametrize("reqs,P,cp,strategy", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_entry_set_rebuilds_the_reference(reqs, P, cp, strategy, kind):
+    layout = _layout(reqs, P, cp, strategy)
+    pools, cur = _world(layout, kind)
+    ref = reference_dense(layout, pools, cur).view(layout.num_slots, -1)
+    plans = _plans(layout)
+    stagings = _stagings(layout, plans, cur)
+    S, pb = layout.num_slots, cur.shape[1]
+    fused = torch.zeros((S, pb), dtype=torch.int64)
+    compact = torch.zeros((layout.num_current, pb), dtype=torch.int64)
+    for p, pool, st in zip(plans, pools, stagings):
+        assert torch.equal(_gather(S, pb, pools + stagings, p.all), ref)  # symm
+        pre = _gather(S, pb, pools + stagings, p.prefix)
+        assert torch.equal(pre[torch.from_numpy(~p.is_current)], ref[torch.from_numpy(~p.is_current)])
+        assert not pre[torch.from_numpy(p.is_current)].any()  # -1 zero-fills current slots
+        page_gather_ref(pre, pools + stagings, p.current.dest, p.current.src, p.current.page)
+        assert torch.equal(pre, ref)  # prefetch: prefix ahead, current after the barrier
+        fused += _gather(S, pb, [pool, st], p.own).long()
+        compact += _gather(layout.num_current, pb, [pool, st], p.compact).long()
+    assert torch.equal(fused, ref.long())  # sum all-reduce of own pages (others zero) is exact
+    assert torch.equal(compact, cur.long())  # v2's compact current pages
+    for p in plans:  # legacy spans: same sums per request span
+        for span in p.spans(layout):
+            assert span.own.n == span.end - span.start
+
+
+@pytest.mark.parametrize("reqs,P,cp,strategy", LAYOUTS)
+def test_query_and_tail_rows_tile_the_rank_block(reqs, P, cp, strategy):
+    layout = _layout(reqs, P, cp, strategy)
+    for r, p in enumerate(_plans(layout)):
+        q, t = p.query_rows.tolist(), p.tail_rows.tolist()
+        assert sorted(q + t) == list(range(p.num_own * P))
+        assert q == sorted(q) and len(q) == layout.query_tokens(r) == p.num_query_tokens
+        assert p.staging_page[p.own_compact].tolist() == list(range(1, p.num_own + 1))
+
+
+def test_current_page_ids_are_validated():
+    layout = _layout([(8, 13), (0, 4)], 4, 2, "zigzag")
+    n = layout.num_current
+    plan = ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), list(range(1, n + 1)))
+    assert plan.persists and plan.own_pool_pages.tolist() == (np.arange(1, n + 1)[plan.own_compact]).tolist()
+    with pytest.raises(ComposeError, match="one writer-side page id per current page"):
+        ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), [1, 2])
+    with pytest.raises(ComposeError, match="distinct pool pages >= 1"):
+        ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), [0] * n)
+
+
+def test_plan_refuses_another_batch():
+    a = _layout([(8, 13)], 4, 2, "zigzag")
+    b = _layout([(8, 13)], 4, 2, "zigzag")
+    plan = _plans(a)[0]
+    plan.check(a, 0, plan.signature)
+    with pytest.raises(ComposeError, match="another batch"):
+        plan.check(b, 0, plan.signature)
+    with pytest.raises(ComposeError, match="rank 0"):
+        plan.check(a, 1, plan.signature)
+
+
+def test_gather_ref_zero_fills_and_repeats_pages():
+    src = torch.arange(5 * 8, dtype=torch.uint8).view(5, 8)
+    out = torch.full((4, 8), 9, dtype=torch.uint8)
+    page_gather_ref(out, [src], torch.tensor([3, 0, 1, 2]), torch.tensor([0, -1, 0, 0]), torch.tensor([4, 0, 4, 1]))
+    assert torch.equal(out, torch.stack([torch.zeros(8, dtype=torch.uint8), src[4], src[1], src[4]]))
+
+
+def test_staging_identity_and_overflow():
+    caps = AdmissionCaps(extend_tokens=100, cached_tokens=64, max_requests=3, chunk_size=64)
+    st = Staging(TINY, 16, caps, lambda shape, name: torch.zeros(shape, dtype=torch.uint8))
+    assert st.capacity == 64 // 16 + 3 == caps.staging_pages(16)
+    assert tuple(st.buffers["token"].shape) == (2, 1 + st.capacity, 16 * TINY.row_bytes("token"))
+    st.check(st.capacity, 3)
+    with pytest.raises(StagingOverflow, match=f"staging holds {st.capacity}"):
+        st.check(st.capacity + 1, 3)
+
+
+def test_arena_grows_only_before_registration():
+    arena = DenseArena(1000, "cpu")
+    arena.reserve(5000)
+    assert arena.half_bytes >= 5000
+    arena.register()
+    arena.reserve(arena.half_bytes)
+    with pytest.raises(ComposeError, match="registered arena"):
+        arena.reserve(arena.half_bytes + 1)
+    a, b = arena.view(0, 256, 4, 8), arena.view(1, 256, 4, 8)
+    assert a.data_ptr() != b.data_ptr() and a.shape == (4, 8)
+
+
+def test_mode_registry_lists_names():
+    assert list(MODES) == ["legacy", "fused", "v2", "symm", "prefetch"]
+    assert parse_modes("all") == list(MODES) and parse_modes("v2, symm") == ["v2", "symm"]
+    with pytest.raises(ComposeError, match="supported: legacy, fused, v2, symm, prefetch"):
+        get_mode("ring")
+    with pytest.raises(ComposeError, match="unknown compose mode 'nope'"):
+        parse_modes("fused,nope")

@@ -1,0 +1,58 @@
+"""The rank launcher: results in rank order, a failed or dead rank named instead of a hang."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpkv.dist import launch, pick_backend
+from cpkv.errors import ConfigError, RankFailure
+
+
+def _sum_ranks(ctx, offset):
+    t = torch.tensor([ctx.rank + 1], dtype=torch.int64)
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "world": ctx.world_size, "sum": int(t.item()) + offset, "backend": ctx.backend,
+            "min": ctx.all_reduce_min(10 - ctx.rank), "objs": ctx.all_gather_object(ctx.rank * 2)}
+
+
+def _raise_on_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one refuses")
+    return ctx.rank
+
+
+def _die_on_zero(ctx):
+    if ctx.rank == 0:
+        os._exit(7)
+    return ctx.rank
+
+
+def test_launch_returns_results_in_rank_order():
+    out = launch(_sum_ranks, 3, args=(100,), timeout_s=120)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["sum"] == 106 and o["world"] == 3 and o["backend"] == "gloo" for o in out)
+    assert all(o["min"] == 8 and o["objs"] == [0, 2, 4] for o in out)
+
+
+def test_a_raising_rank_is_named_with_its_error():
+    with pytest.raises(RankFailure, match=r"rank 1 raised ValueError: rank one refuses") as info:
+        launch(_raise_on_one, 2, timeout_s=120, grace_s=5)
+    assert info.value.results[0] == 0 and info.value.results[1] is None
+    assert isinstance(info.value.errors[1], ValueError)
+
+
+def test_a_dead_rank_is_named_with_its_exit_code():
+    with pytest.raises(RankFailure, match=r"rank 0 died with exit code 7") as info:
+        launch(_die_on_zero, 2, timeout_s=120, grace_s=5)
+    assert info.value.results == [None, 1]
+
+
+def test_bad_arguments_raise_config_errors():
+    with pytest.raises(ConfigError, match="world_size"):
+        launch(_sum_ranks, 0)
+    with pytest.raises(ConfigError, match="'cpu' or 'cuda'"):
+        pick_backend("tpu", 2)
+    assert pick_backend("cpu", 4) == ("gloo", False)
