@@ -1,0 +1,112 @@
+"""Batch cost model for the replay: seconds of one prefill forward. No torch import.
+
+Defaults: GLM-5 on 8×H200 (estimates from FLOP and byte counts at stated efficiencies, and the
+DESIGN.md §4 reference: `symm` compose of a 544K-key batch in 62.8 ms). Every figure is per GPU, all
+layers included; a batch takes as long as its busiest rank::
+
+    t = batch_overhead_s + num_layers * layer_overhead_s
+      + max over ranks r of ( rows_r * linear_s_per_token
+                              + indexer_pairs_r * indexer_s_per_pair      # (query, visible key) pairs
+                              + attention_pairs_r * attention_s_per_pair )  # (query, min(visible, topk))
+      + shared KV:     keys * compose_s_per_token                           # peers' pages, every rank
+        replicated KV: keys * gather_s_per_token + new_tokens * allgather_s_per_token
+
+``keys``: the batch's dense-buffer tokens (prefix + new pages). A JSON file (``--costs``) replaces any
+subset of the fields: ``{"linear_s_per_token": 8e-5, "compose_s_per_token": 1.0e-7}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from cpkv.errors import ConfigError
+from cpkv.layout import causal_work
+from cpkv.scheduler.batch import Batch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-GPU unit costs (seconds) and the KV memory budget of one rank (bytes)."""
+
+    batch_overhead_s: float = 4.0e-3       # scheduling, launch, sampling of one forward
+    layer_overhead_s: float = 1.5e-4       # per layer: kernel launches, two barriers, norms
+    num_layers: int = 78
+    linear_s_per_token: float = 9.0e-5     # projections + MoE share: ~80 GFLOP/token at ~0.9 PFLOP/s fp8
+    indexer_s_per_pair: float = 7.0e-10    # 78 x (32x128x2 fp8 FLOP + 8 B logits traffic) per pair
+    attention_s_per_pair: float = 1.8e-8   # 78 x 64 heads x (576 + 512) x 2 FLOP at ~0.6 PFLOP/s bf16
+    topk: int = 2048
+    compose_s_per_token: float = 1.15e-7   # DESIGN §4: 62.8 ms / 544K keys (symm, both kinds, 78 layers)
+    gather_s_per_token: float = 2.0e-8     # replicated: local dense gather, 61.5 KB/token at ~3 TB/s
+    allgather_s_per_token: float = 1.5e-7  # replicated: every new token's KV to every rank over NVLink
+    hbm_bytes: float = 141e9               # H200
+    mem_fraction: float = 0.90
+    weight_bytes: float = 7.6e11           # GLM-5 in FP8, whole model (divided over the cp ranks)
+    reserve_bytes: float = 8e9             # activations, dense buffers, logits chunk, staging, graphs
+    kv_bytes_per_token: int = 61464        # 78 layers x (656 + 132) B
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostModel":
+        try:
+            obj = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
+        return cls().updated(obj, str(path))
+
+    def updated(self, obj: Any, source: str = "costs") -> "CostModel":
+        """A copy with the fields of ``obj`` (a JSON object) replaced; unknown or bad values raise."""
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{source}: expected a JSON object of cost fields, got {type(obj).__name__}")
+        known = {f.name: f.type for f in fields(self)}
+        unknown = sorted(set(obj) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown cost field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        for k, v in obj.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{source}: {k} must be a finite number >= 0, got {v!r}")
+        return replace(self, **{k: (int(v) if known[k] == "int" else float(v)) for k, v in obj.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def kv_tokens_per_rank(self, cp: int) -> int:
+        """KV tokens one rank holds: HBM x fraction − weights/cp − reserve, over bytes per token."""
+        free = self.hbm_bytes * self.mem_fraction - self.weight_bytes / cp - self.reserve_bytes
+        if free <= 0:
+            raise ConfigError(f"no memory left for KV at cp={cp}: weights/cp {self.weight_bytes / cp:.3g} B + reserve "
+                              f"exceed {self.hbm_bytes * self.mem_fraction:.3g} B")
+        return int(free // self.kv_bytes_per_token)
+
+    # -- a batch's time ----------------------------------------------------------------------------
+    def batch_seconds(self, batch: Batch, replicated: bool = False) -> float:
+        rank = [0.0] * batch.cp
+        for e in batch.entries:
+            for w, s, t in _runs(e.writers, e.prefix_len, e.extend_len, batch.page_size):
+                rank[w] += ((t - s) * self.linear_s_per_token + causal_work(s, t) * self.indexer_s_per_pair
+                            + _topk_pairs(s, t, self.topk) * self.attention_s_per_pair)
+        keys = batch.num_slots * batch.page_size
+        if replicated:
+            kv = keys * self.gather_s_per_token + batch.extend_tokens * self.allgather_s_per_token
+        else:
+            kv = keys * self.compose_s_per_token
+        return self.batch_overhead_s + self.num_layers * self.layer_overhead_s + max(rank) + kv
+
+
+def _runs(writers: tuple[int, ...], prefix: int, extend: int, P: int):
+    """(writer, start, end) of each run of consecutive pages with one writer (sequence positions)."""
+    end = prefix + extend
+    k = 0
+    while k < len(writers):
+        j = k
+        while j + 1 < len(writers) and writers[j + 1] == writers[k]:
+            j += 1
+        yield writers[k], prefix + k * P, min(end, prefix + (j + 1) * P)
+        k = j + 1
+
+
+def _topk_pairs(start: int, end: int, topk: int) -> int:
+    """Sum over positions p in [start, end) of min(p + 1, topk): keys each query attends to."""
+    mid = min(max(topk, start), end)
+    return causal_work(start, mid) + (end - mid) * topk

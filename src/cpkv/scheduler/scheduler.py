@@ -1,0 +1,177 @@
+"""The waiting queue and the batch loop the engine (and the replay) drive. No torch import.
+
+    sched = Scheduler(cache, caps, model=model, cp=cp_config, staging_pages=staging.pages)
+    sched.add(Request(rid, tokens, len(tokens)))
+    while sched.has_work:
+        batch = sched.next_batch()          # entries: (request, prefix_len, extend_len, pages, ...)
+        ...run the forward, writing each entry's KV into entry.pages...
+        done = sched.finish(batch)          # inserts full pages into the prefix cache, unlocks, requeues
+
+One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the
+waiting queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the
+batch). A request that cannot run even alone in an empty batch is rejected with its reason, so it never
+blocks the queue. Every decision depends only on the calls made, so every rank takes the same ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
+from cpkv.errors import AdmissionError
+from cpkv.kvcache.prefix_cache import PrefixCache
+from cpkv.scheduler.admission import Admission, Admitted, PrefillAdder, Rejected
+from cpkv.scheduler.batch import Batch, Entry
+from cpkv.scheduler.request import Request, Status
+
+
+class Scheduler:
+    """Admission over a CP-wide prefix cache.
+
+    ``cache.allocators``: one per rank (shared KV) or a single one (``replicated``: every page on every
+    rank). ``key_unit``: tokens per element of ``Request.keys`` (1: token ids; the page size: page ids,
+    with ``cache.page_size == 1``). ``staging_pages``: the compose runtime's, checked against the caps.
+    """
+
+    def __init__(self, cache: PrefixCache, caps: AdmissionCaps, *, model: ModelConfig, cp: CPConfig,
+                 policy: str = "solo", staging_pages: int | None = None, key_unit: int = 1,
+                 replicated: bool = False, full_hit: str = "page", logits_budget: int | None = None) -> None:
+        self.adm = Admission.build(caps, model, cp, policy=policy, staging_pages=staging_pages,
+                                   logits_budget=logits_budget, replicated=replicated, full_hit=full_hit)
+        _check_cache(cache, cp, key_unit, replicated)
+        self.cache = cache
+        self.key_unit = key_unit
+        self.waiting: deque[Request] = deque()
+        self.rejected: list[Request] = []
+        self.in_flight: Batch | None = None
+        self.num_batches = 0
+        self._resume: Request | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.adm.page_size
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self._resume is not None or self.in_flight is not None
+
+    # -- queue -------------------------------------------------------------------------------------
+    def add(self, req: Request) -> Rejected | None:
+        """Queue a request; a request that can never run is rejected at once (returned)."""
+        _check_request(req, self.key_unit)
+        never = self.adm.never_reason(req.prompt_len, self.pool_pages)
+        if never is not None:
+            self._reject(req, never)
+            return never
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        return None
+
+    @property
+    def pool_pages(self) -> int:
+        return sum(a.num_pages - 1 for a in self.cache.allocators)
+
+    def _reject(self, req: Request, why: Rejected) -> None:
+        if req.nodes:
+            self.cache.unlock(req.nodes)
+        req.nodes = ()
+        req.status, req.reason = Status.REJECTED, f"{why.reason}: {why.detail}"
+        self.rejected.append(req)
+
+    # -- batches -----------------------------------------------------------------------------------
+    def next_batch(self) -> Batch | None:
+        """The next batch (its pages allocated, its prefix locked), or None when nothing can run."""
+        if self.in_flight is not None:
+            raise AdmissionError(f"batch {self.in_flight.index} is still in flight: finish() it first")
+        adder = PrefillAdder(self.adm, self.cache)
+        if self._resume is not None:
+            req, self._resume = self._resume, None
+            res = adder.try_add(req)
+            if not isinstance(res, Admitted):
+                self._reject(req, res)  # alone in an empty batch: it can never go on
+        while self.waiting:
+            res = adder.try_add(self.waiting[0])
+            if isinstance(res, Admitted):
+                self.waiting.popleft()
+            elif res.permanent or not adder.entries:
+                self._reject(self.waiting.popleft(), res)
+            else:
+                break
+        if not adder.entries:
+            return None
+        return self._launch(adder.entries)
+
+    def _launch(self, entries: list[Entry]) -> Batch:
+        batch = Batch(self.num_batches, tuple(entries), self.adm.page_size, self.adm.cp, self.adm.strategy)
+        self.num_batches += 1
+        self.in_flight = batch
+        return batch
+
+    def finish(self, batch: Batch) -> list[Request]:
+        """The batch's KV is written: cache its full pages, free the rest, requeue unfinished requests.
+
+        Returns the requests whose last chunk this was.
+        """
+        if batch is not self.in_flight:
+            raise AdmissionError(f"finish(): batch {batch.index} is not the batch in flight")
+        done = [e.request for e in batch.entries if self._finish_entry(e)]
+        self.in_flight = None
+        return done
+
+    def _finish_entry(self, e: Entry) -> bool:
+        req, P = e.request, self.adm.page_size
+        end = e.seq_len
+        keep = (end // P - e.prefix_len // P) if e.prefix_len % P == 0 else 0
+        self._insert(req, end // P * P, [(n.owner, n.page_id) for n in e.nodes] + list(e.pages[:keep]),
+                     e.pages[:keep])
+        self._release(e.pages[keep:])
+        req.chunks += 1
+        if e.last_chunk:
+            self.cache.unlock(req.nodes)
+            req.nodes, req.done, req.status = (), req.prompt_len, Status.FINISHED
+            return True
+        nodes = self.cache.match(self._keys(req, end)).nodes
+        assert len(nodes) * P == end, f"chunk boundary {end} not cached ({len(nodes)} pages)"
+        self.cache.lock(nodes)
+        self.cache.unlock(req.nodes)
+        req.nodes, req.done = nodes, end
+        self._resume = req
+        return False
+
+    def _insert(self, req: Request, tokens: int, pages: list[tuple[int, int]],
+                new: Iterable[tuple[int, int]]) -> None:
+        if not pages:
+            return
+        mine = set(new)
+        dup = self.cache.insert(self._keys(req, tokens), pages)
+        self._release([p for p in dup if p in mine])
+
+    def _keys(self, req: Request, tokens: int):
+        return req.keys[: tokens // self.key_unit]
+
+    def _release(self, pages: Iterable[tuple[int, int]]) -> None:
+        by_owner: dict[int, list[int]] = {}
+        for owner, pid in pages:
+            by_owner.setdefault(owner, []).append(pid)
+        for owner, pids in sorted(by_owner.items()):
+            self.cache.allocators[owner].release(pids)
+
+
+def _check_cache(cache: PrefixCache, cp: CPConfig, key_unit: int, replicated: bool) -> None:
+    if key_unit < 1 or cp.page_size % key_unit or cache.page_size * key_unit != cp.page_size:
+        raise AdmissionError(f"prefix cache page size {cache.page_size} x key unit {key_unit} must equal the "
+                             f"page size {cp.page_size}")
+    want = 1 if replicated else cp.cp
+    if len(cache.allocators) != want:
+        kind = "replicated KV: one pool standing for every rank's copy" if replicated else f"one per rank of cp={cp.cp}"
+        raise AdmissionError(f"expected {want} allocators ({kind}), got {len(cache.allocators)}")
+
+
+def _check_request(req: Request, key_unit: int) -> None:
+    if not isinstance(req.prompt_len, int) or req.prompt_len < 1:
+        raise AdmissionError(f"request {req.rid!r}: prompt_len must be an integer >= 1, got {req.prompt_len!r}")
+    if len(req.keys) != req.prompt_len // key_unit:
+        raise AdmissionError(f"request {req.rid!r}: expected {req.prompt_len // key_unit} keys "
+                             f"({req.prompt_len} tokens / key unit {key_unit}), got {len(req.keys)}")
+    if req.status is not Status.WAITING or req.started:
+        raise AdmissionError(f"request {req.rid!r} was already scheduled ({req.status.value})")
