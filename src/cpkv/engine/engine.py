@@ -86,14 +86,15 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
     return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats)
 
 
-def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0) -> list[RunResult]:
+def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0,
+             grace_s: float = 10.0) -> list[RunResult]:
     """Run several jobs (same cp and device) in one set of rank processes, one after the other."""
     from cpkv.dist import launch
 
     cp, device = jobs[0][0].cp, jobs[0][0].device
     if any(c.cp != cp or c.device != device for c, _ in jobs):
         raise ValueError("run_jobs: every job must use the same cp and device")
-    per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s)
+    per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s, grace_s=grace_s)
     return [merge(cfg, trace, [per_rank[r][i] for r in range(cp)]) for i, (cfg, trace) in enumerate(jobs)]
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cpkv.config import KINDS
 from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
@@ -92,12 +93,14 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int)
     rows_at = lay.memo["compose"].query_rows
     h = model.embed(plan.ids)
     for n, layer in enumerate(model.layers):
-        p = layer.project(h, plan.rot)
+        p = layer.project(h, plan.rot) if plan.num_tokens else None
         dense = {}
-        for kind, rows in (("token", p.token), ("index", p.index)):
-            rt.current_rows(lay, n, kind).index_copy_(0, rows_at, rows)
+        for kind in KINDS:
+            rows = rt.current_rows(lay, n, kind)
+            if p is not None:
+                rows.index_copy_(0, rows_at, getattr(p, kind))
             dense[kind] = rt.compose(lay, n, kind)
-        if plan.num_tokens:
+        if p is not None:
             h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
     if not plan.last:
         return {}

@@ -13,6 +13,7 @@ Only the owner of a page touches its bytes (spill, reload); the bookkeeping is r
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
@@ -76,6 +77,7 @@ class RankEngine:
                                staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
         self.out = RankOutput(self.rank)
         self.batches = 0
+        self.batch_log: list[list[tuple]] = []
 
     # -- host tier ---------------------------------------------------------------------------------
     def _spill(self, owner: int, page_id: int, slot: int) -> None:
@@ -169,6 +171,9 @@ class RankEngine:
             if e.last_chunk and i in out:
                 self.out.logits[e.rid] = out[i].detach().float().cpu().numpy()
         self.batches += 1
+        self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
+        if self.cfg.fault == (self.rank, self.batches):
+            os._exit(3)  # fault injection (tests): this rank dies mid-run
         return self.sched.finish(batch)
 
     def _sync_time(self) -> float:
@@ -183,6 +188,7 @@ class RankEngine:
             "reloaded": self.cache.stats["reloaded"], "evicted": self.cache.stats["evicted"],
             "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
+            "batch_log": self.batch_log,
         }
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ softmax scale (nope + rope)^-1/2; the output latent [T, H, kv_lora] maps back th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,23 +43,26 @@ class AttnPlan:
 
     ks/ke int32 [T] on the device; ``max_keys`` = max(ke - ks), read from host lists. ``dense`` is True
     when every row sees <= top-k keys (the indexer is skipped: every visible key is selected).
+    ``indexer``: the indexer's chunk plan (cpkv.indexer.IndexerPlan) for the sparse path.
     """
 
     ks: torch.Tensor
     ke: torch.Tensor
     max_keys: int
     topk: int
-    memo: dict = field(default_factory=dict)
+    indexer: Any = None
 
     @property
     def dense(self) -> bool:
         return self.max_keys <= self.topk
 
     @classmethod
-    def build(cls, ks: list[int], ke: list[int], topk: int, device: torch.device | str) -> "AttnPlan":
-        width = max((e - s for s, e in zip(ks, ke)), default=0)
-        return cls(torch.tensor(ks, dtype=torch.int32, device=device),
-                   torch.tensor(ke, dtype=torch.int32, device=device), width, topk)
+    def build(cls, ks: list[int], ke: list[int], topk: int, device: torch.device | str,
+              chunk_max_bytes: int | None = None) -> "AttnPlan":
+        from cpkv.indexer import IndexerPlan
+
+        ip = IndexerPlan.from_bounds(ks, ke, device, chunk_max_bytes)
+        return cls(ip.ks, ip.ke, ip.max_len, topk, ip)
 
 
 class DSALayer:
@@ -94,7 +98,8 @@ class DSALayer:
     def _query(self, qr: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """qr [T, q_lora] -> absorbed query bf16 [T, H, kv_lora + rope]."""
         cfg = self.cfg
-        q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(qr.shape[0], cfg.num_heads, -1)
+        q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(
+            qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
         return torch.cat((q_lat.float(), rot.interleaved(q_rope)), dim=-1).to(torch.bfloat16)
@@ -143,10 +148,11 @@ class DSALayer:
 
     def select(self, p: Projected, index_dense: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
         """Indexer top-k: int32 [T, topk] absolute dense rows (-1 none) of each query's selected keys."""
-        from cpkv.indexer import dequantize_index_rows, index_topk
+        from cpkv.indexer import dequantize_index_rows, index_topk, topk_to_slots
 
         k_fp8, k_scale = dequantize_index_rows(index_dense)
-        return index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk)
+        rel = index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk, plan=plan.indexer)
+        return topk_to_slots(rel, plan.ks)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         w = self.w

@@ -1,0 +1,17 @@
+"""The built-in trace of ``cpkv run``: a few short multi-turn conversations at toy lengths. No torch import.
+
+Derived from the scheduler's built-in long-context trace, scaled by 1/128 (prompts of about 200-700
+tokens, so the tiny preset's top-k of 64 runs sparse selection) with short think times and about four
+turns per conversation, so that turns of one conversation follow each other (prefix hits) and one
+prompt is longer than the default chunk of 512 tokens.
+"""
+from __future__ import annotations
+
+from cpkv.scheduler.trace import BuiltinShape, TraceRequest, builtin_trace
+
+SHAPE = BuiltinShape(think_s=(0.1, 0.5), mean_turns=4.0)
+SCALE = 1 / 128
+
+
+def default_trace(n: int = 12, seed: int = 0) -> list[TraceRequest]:
+    return builtin_trace(n, seed=seed, scale=SCALE, shape=SHAPE)
