@@ -1,0 +1,34 @@
+"""Lightning indexer (DESIGN.md §5): fp8 MQA logits, top-k selection, the memory-bounded loop.
+
+    mqa_logits(q, k, k_scale, weights, ks, ke, *, clean=True) -> float32 [T, S]
+    topk(logits, ks, ke, k=2048)                              -> int32 [T, k] (relative to ks, -1 pad)
+    topk_to_slots(idx, ks)                                    -> int32 [T, k] dense-buffer rows
+    index_topk(q, k, k_scale, weights, ks, ke, *, topk=2048, chunk_max_bytes=None, plan=None)
+    IndexerPlan.build(requests, device, chunk_max_bytes=None) -- once per batch, reused by every layer
+    quantize_index_keys / dequantize_index_rows / quantize_queries -- the 132-byte index rows
+
+Triton kernels (cpkv.kernels.mqa_logits, cpkv.kernels.topk) run on CUDA; the references in
+cpkv.indexer.ref run everywhere else and define the edge cases.
+"""
+from __future__ import annotations
+
+from cpkv.indexer.logits import mqa_logits
+from cpkv.indexer.plan import IndexerChunk, IndexerPlan
+from cpkv.indexer.quant import dequantize_index_keys, dequantize_index_rows, quantize_index_keys, quantize_queries
+from cpkv.indexer.ref import mqa_logits_ref, topk_ref
+from cpkv.indexer.topk import index_topk, topk, topk_to_slots
+
+__all__ = [
+    "IndexerChunk",
+    "IndexerPlan",
+    "dequantize_index_keys",
+    "dequantize_index_rows",
+    "index_topk",
+    "mqa_logits",
+    "mqa_logits_ref",
+    "quantize_index_keys",
+    "quantize_queries",
+    "topk",
+    "topk_ref",
+    "topk_to_slots",
+]

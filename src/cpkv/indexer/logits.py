@@ -1,0 +1,91 @@
+"""MQA logits of the lightning indexer: input checks and dispatch (Triton on CUDA, reference elsewhere).
+
+    logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])   ks[i] <= j < ke[i]
+                 = -inf elsewhere (clean=True) / unspecified (clean=False)
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cpkv import envs
+from cpkv.errors import IndexerError
+from cpkv.indexer.ref import mqa_logits_ref
+
+INPUT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on CUDA, Triton imports and CPKV_DISABLE_TRITON is off."""
+    return t.is_cuda and triton_available() and not envs.get("CPKV_DISABLE_TRITON")
+
+
+def check_logits_inputs(q, k, k_scale, weights, ks, ke) -> None:
+    """Shapes, dtypes and devices of mqa_logits' inputs (host metadata only, no device read)."""
+    if q.dim() != 3 or q.dtype not in INPUT_DTYPES:
+        raise IndexerError(f"q must be [T, H, D] float8_e4m3fn or bfloat16, got {q.dtype} {tuple(q.shape)}")
+    T, H, D = q.shape
+    if k.dim() != 2 or k.shape[1] != D or k.dtype not in INPUT_DTYPES:
+        raise IndexerError(f"k must be [S, {D}] float8_e4m3fn or bfloat16, got {k.dtype} {tuple(k.shape)}")
+    if k_scale.shape != (k.shape[0],) or k_scale.dtype != torch.float32:
+        raise IndexerError(f"k_scale must be float32 [{k.shape[0]}], got {k_scale.dtype} {tuple(k_scale.shape)}")
+    if weights.shape != (T, H) or weights.dtype != torch.float32:
+        raise IndexerError(f"weights must be float32 [{T}, {H}], got {weights.dtype} {tuple(weights.shape)}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        if t.shape != (T,) or t.dtype != torch.int32:
+            raise IndexerError(f"{name} must be int32 [{T}], got {t.dtype} {tuple(t.shape)}")
+    devices = {t.device for t in (q, k, k_scale, weights, ks, ke)}
+    if len(devices) != 1:
+        raise IndexerError(f"all indexer inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def aligned_keys(k: torch.Tensor) -> torch.Tensor:
+    """k [S, D] with 16-byte aligned rows: k itself, or a packed copy (moved as uint8) when its rows
+    are not (the 132-byte index rows are not: one copy of S x D bytes per call, not per chunk)."""
+    if (k.stride(0) * k.element_size()) % 16 == 0 and k.data_ptr() % 16 == 0 and k.stride(1) == 1:
+        return k
+    out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    out.view(torch.uint8).copy_(k.view(torch.uint8))
+    return out
+
+
+def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool) -> torch.Tensor:
+    """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked)."""
+    if use_triton(q):
+        from cpkv.kernels import mqa_logits as kern
+
+        if kern.supported(q, k):
+            return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean)
+    out.copy_(mqa_logits_ref(q, k, k_scale, weights, ks, ke, clean=clean, col_offset=col_offset,
+                             num_cols=out.shape[1]))
+    return out
+
+
+def mqa_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    clean: bool = True,
+) -> torch.Tensor:
+    """q: [T, H, D] float8_e4m3fn/bf16, k: [S, D] float8_e4m3fn/bf16 (any row stride), k_scale:
+    float32 [S] (any stride), weights: float32 [T, H], ks/ke: int32 [T] -> float32 [T, S] logits
+    (module docstring). Triton kernel on CUDA for H in 8/16/32/64 and D in 64/128; reference otherwise."""
+    check_logits_inputs(q, k, k_scale, weights, ks, ke)
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
+    if use_triton(q):
+        k = aligned_keys(k)
+    return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean)

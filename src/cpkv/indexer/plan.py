@@ -1,0 +1,153 @@
+"""Per-batch ragged indexer plan (DESIGN.md §5, §8): built once per batch from host lists, reused by
+every layer, so a layer's indexer call does no host work beyond a loop over a few chunks and never
+reads a device value.
+
+Dense key buffer of a batch (composed per layer; request r's visible keys are rows base_r ...):
+
+    rows:   | req 0: prefix ... current | req 1: prefix ... current | ...
+            ^ base_0                     ^ base_1
+    query token at sequence position p of request r (causal) sees ks = base_r, ke = base_r + p + 1
+
+This rank's query tokens of a request may be several runs (zigzag gives each rank two runs of pages):
+they are given as the list of their positions, in the order the rank holds the tokens.
+
+Chunks: consecutive query rows [row_start, row_end) whose logits block
+rows x padded width x 4 B (width = max ke - min ks over the rows, padded to 4 columns) fits the
+budget; a single row that cannot fit raises IndexerError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cpkv import envs
+from cpkv.errors import IndexerError
+
+GIB = 1 << 30
+COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
+
+
+def default_chunk_max_bytes() -> int:
+    """The budget from CPKV_MQA_LOGITS_CHUNK_MAX_GB (GiB, default 2)."""
+    return int(envs.get("CPKV_MQA_LOGITS_CHUNK_MAX_GB") * GIB)
+
+
+def padded(width: int) -> int:
+    return -(-width // COL_ALIGN) * COL_ALIGN
+
+
+@dataclass(frozen=True)
+class IndexerChunk:
+    """Query rows [row_start, row_end) whose logits cover keys [key_start, key_end); max_len: the
+    longest row's ke - ks (when <= topk the chunk needs no logits)."""
+
+    row_start: int
+    row_end: int
+    key_start: int
+    key_end: int
+    max_len: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def width(self) -> int:
+        return self.key_end - self.key_start
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * padded(self.width) * 4
+
+
+@dataclass(frozen=True, eq=False)
+class IndexerPlan:
+    """ks/ke: int32 [T] on the device (absolute dense rows); rel_ks/rel_ke: int32 [T], the same bounds
+    as columns of each row's chunk; chunks: host-side; max_len: longest row (host int)."""
+
+    ks: torch.Tensor
+    ke: torch.Tensor
+    rel_ks: torch.Tensor
+    rel_ke: torch.Tensor
+    chunks: tuple[IndexerChunk, ...]
+    chunk_max_bytes: int
+    max_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ks.shape[0]
+
+    @property
+    def max_chunk_elems(self) -> int:
+        return max((c.nbytes // 4 for c in self.chunks), default=0)
+
+    @classmethod
+    def build(
+        cls,
+        requests: Sequence[tuple[int, Sequence[int]]],
+        device: torch.device | str,
+        chunk_max_bytes: int | None = None,
+    ) -> "IndexerPlan":
+        """requests: per request (dense base row, sequence positions of this rank's query tokens);
+        rows are laid out request after request, positions in the given order."""
+        ks: list[int] = []
+        ke: list[int] = []
+        for i, (base, positions) in enumerate(requests):
+            if base < 0 or any(p < 0 for p in positions):
+                raise IndexerError(f"request {i}: base row and positions must be >= 0, got base {base}")
+            ks.extend([base] * len(positions))
+            ke.extend(base + p + 1 for p in positions)
+        return cls.from_bounds(ks, ke, device, chunk_max_bytes)
+
+    @classmethod
+    def from_bounds(
+        cls,
+        ks: Sequence[int],
+        ke: Sequence[int],
+        device: torch.device | str,
+        chunk_max_bytes: int | None = None,
+    ) -> "IndexerPlan":
+        """Host lists of per-row bounds (ks <= ke; an empty row has ks == ke) -> plan on ``device``."""
+        if len(ks) != len(ke):
+            raise IndexerError(f"ks and ke must have the same length, got {len(ks)} and {len(ke)}")
+        budget = default_chunk_max_bytes() if chunk_max_bytes is None else int(chunk_max_bytes)
+        chunks = split_chunks(ks, ke, budget)
+        rel_ks, rel_ke = list(ks), list(ke)
+        for c in chunks:
+            for i in range(c.row_start, c.row_end):
+                rel_ks[i] -= c.key_start
+                rel_ke[i] -= c.key_start
+        as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device)  # noqa: E731
+        max_len = max((max(b - a, 0) for a, b in zip(ks, ke)), default=0)
+        return cls(as_t(ks), as_t(ke), as_t(rel_ks), as_t(rel_ke), tuple(chunks), budget, max_len)
+
+    @classmethod
+    def from_tensors(cls, ks: torch.Tensor, ke: torch.Tensor, chunk_max_bytes: int | None = None) -> "IndexerPlan":
+        """Plan from device bounds: reads them to the host once (a synchronisation; pass a plan
+        built from host lists on the hot path)."""
+        return cls.from_bounds(ks.tolist(), ke.tolist(), ks.device, chunk_max_bytes)
+
+
+def split_chunks(ks: Sequence[int], ke: Sequence[int], budget: int) -> list[IndexerChunk]:
+    """Greedy split of rows into chunks whose rows x padded(width) x 4 B stays within ``budget``.
+    Empty rows (ks == ke) widen no chunk."""
+    chunks: list[IndexerChunk] = []
+    start, lo, hi, longest = 0, None, None, 0
+    for i, (a, b) in enumerate(zip(ks, ke)):
+        if b < a:
+            raise IndexerError(f"row {i}: ke ({b}) < ks ({a})")
+        if padded(b - a) * 4 > budget:
+            raise IndexerError(
+                f"row {i} sees {b - a} keys: {padded(b - a) * 4} B of logits exceed the chunk budget of {budget} B"
+            )
+        nlo, nhi = (lo, hi) if a == b else ((a, b) if lo is None else (min(lo, a), max(hi, b)))
+        if nlo is not None and (i - start + 1) * padded(nhi - nlo) * 4 > budget:
+            chunks.append(IndexerChunk(start, i, lo or 0, hi or 0, longest))
+            start, longest = i, 0
+            nlo, nhi = (None, None) if a == b else (a, b)
+        lo, hi, longest = nlo, nhi, max(longest, b - a)
+    if start < len(ks):
+        chunks.append(IndexerChunk(start, len(ks), lo or 0, hi or 0, longest))
+    return chunks

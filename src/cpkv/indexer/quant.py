@@ -1,0 +1,68 @@
+"""fp8 quantisation of indexer keys and queries.
+
+Index row (DESIGN.md §1, ``ModelConfig.index_format``), D = index_head_dim:
+
+    bytes [0, D)      D float8_e4m3fn values  k_fp8[j] = k[j] / k_scale[j]
+    bytes [D, D + 4)  one float32 scale       k_scale[j] = amax(|k[j]|) / 448   (little-endian)
+
+GLM-5 / DeepSeek-V3.2: D = 128, so 132 B per token.
+
+Queries get one scale per (token, head); since relu(s * x) = s * relu(x) for s > 0 it is folded
+into the indexer weights: weights_folded[t, h] = weights[t, h] * q_scale[t, h].
+"""
+from __future__ import annotations
+
+import torch
+
+from cpkv.errors import IndexerError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-10  # keeps an all-zero row finite (its fp8 values are then all 0)
+
+
+def _amax_scale(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] float -> float32 [...] scale = amax(|x|) / 448 (at least MIN_SCALE)."""
+    return (x.float().abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
+
+
+def quantize_index_keys(k: torch.Tensor) -> torch.Tensor:
+    """k: [S, D] float/bf16 -> uint8 [S, D + 4] index rows (module docstring layout). D % 4 == 0."""
+    if k.dim() != 2 or k.shape[1] % 4:
+        raise IndexerError(f"index keys must be [S, D] with D % 4 == 0, got shape {tuple(k.shape)}")
+    scale = _amax_scale(k)
+    rows = torch.empty(k.shape[0], k.shape[1] + 4, dtype=torch.uint8, device=k.device)
+    rows[:, : k.shape[1]] = (k.float() / scale[:, None]).to(FP8).view(torch.uint8)
+    rows[:, k.shape[1]:] = scale[:, None].view(torch.uint8)
+    return rows
+
+
+def dequantize_index_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows: uint8 [S, D + 4] -> (k_fp8 float8_e4m3fn [S, D], k_scale float32 [S]), both views of
+    ``rows`` (no copy): k_fp8 has row stride D + 4 bytes, k_scale stride (D + 4) / 4 elements."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] < 8 or rows.shape[1] % 4:
+        raise IndexerError(
+            f"index rows must be uint8 [S, D + 4] with D % 4 == 0, got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if rows.stride(1) != 1 or rows.stride(0) % 4 or rows.storage_offset() % 4:
+        raise IndexerError(f"index rows must have unit column stride and 4-byte aligned rows, got strides {rows.stride()}")
+    d = rows.shape[1] - 4
+    return rows[:, :d].view(FP8), rows[:, d:].view(torch.float32)[:, 0]
+
+
+def dequantize_index_keys(rows: torch.Tensor) -> torch.Tensor:
+    """rows: uint8 [S, D + 4] -> float32 [S, D] = k_fp8 * k_scale (for tests and references)."""
+    k_fp8, k_scale = dequantize_index_rows(rows)
+    return k_fp8.float() * k_scale[:, None]
+
+
+def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, D] float/bf16, weights: [T, H] float -> (q_fp8 float8_e4m3fn [T, H, D],
+    weights_folded float32 [T, H] = weights * q_scale), q_scale[t, h] = amax(|q[t, h]|) / 448."""
+    if q.dim() != 3 or weights.shape != q.shape[:2]:
+        raise IndexerError(
+            f"expected q [T, H, D] and weights [T, H], got {tuple(q.shape)} and {tuple(weights.shape)}"
+        )
+    scale = _amax_scale(q)
+    q_fp8 = (q.float() / scale[..., None]).to(FP8)
+    return q_fp8, weights.float() * scale

@@ -1,0 +1,111 @@
+"""Top-k selection of the lightning indexer and the memory-bounded logits + top-k loop.
+
+Contract (cpkv.indexer.ref): per row the indices, relative to ks, of the k largest logits in
+[ks, ke), ties toward the lower index, listed in ascending order; a row with <= k keys gives
+0..n-1 then -1. ``index_topk`` == ``topk(mqa_logits(...))`` exactly, without the full logits matrix.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpkv.errors import IndexerError
+from cpkv.indexer.logits import aligned_keys, check_logits_inputs, logits_into, use_triton
+from cpkv.indexer.plan import IndexerPlan, padded
+from cpkv.indexer.ref import short_rows_topk, topk_ref
+
+
+def _check_topk_inputs(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise IndexerError(f"logits must be float32 [T, N], got {logits.dtype} {tuple(logits.shape)}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        if t.shape != (logits.shape[0],) or t.dtype != torch.int32 or t.device != logits.device:
+            raise IndexerError(f"{name} must be int32 [{logits.shape[0]}] on {logits.device}, got {t.dtype} "
+                               f"{tuple(t.shape)} on {t.device}")
+    if not isinstance(k, int) or k < 1:
+        raise IndexerError(f"k must be a positive int, got {k!r}")
+
+
+def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
+    """x [T, N] float32 laid out as the top-k kernel reads it (unit column stride, 16-byte aligned
+    rows, readable up to the next multiple of 4 columns): x itself, or a padded copy."""
+    T, N = x.shape
+    end = (x.storage_offset() + (T - 1) * x.stride(0) + padded(N)) * 4
+    if (x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0
+            and end <= x.untyped_storage().nbytes()):
+        return x
+    out = torch.empty(T, padded(N), dtype=x.dtype, device=x.device)
+    out[:, :N] = x
+    return out
+
+
+def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, k] int32 <- top-k of x[i, lo[i]:hi[i]] relative to lo[i] (inputs already checked;
+    0 <= lo, hi <= N required where hi > lo + k)."""
+    if use_triton(x):
+        from cpkv.kernels.topk import topk_triton
+
+        return topk_triton(_kernel_ready(x), lo, hi, k, out)
+    out.copy_(topk_ref(x, lo, hi, k))
+    return out
+
+
+def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int = 2048) -> torch.Tensor:
+    """logits: float32 [T, N], ks/ke: int32 [T] columns (0 <= ks, ke <= N) -> int32 [T, k] indices
+    relative to ks (module docstring). Triton radix-select on CUDA, reference elsewhere."""
+    _check_topk_inputs(logits, ks, ke, k)
+    out = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
+    return topk_into(logits, ks, ke, k, out)
+
+
+def topk_to_slots(idx: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
+    """idx: int32 [T, k] relative indices (-1 = none), ks: int32 [T] dense base rows -> int32 [T, k]
+    absolute rows of the composed dense key buffer (idx + ks, -1 kept)."""
+    if idx.dim() != 2 or ks.shape != (idx.shape[0],):
+        raise IndexerError(f"expected idx [T, k] and ks [T], got {tuple(idx.shape)} and {tuple(ks.shape)}")
+    return torch.where(idx >= 0, idx + ks[:, None], -1).to(torch.int32)
+
+
+def index_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    topk: int = 2048,
+    chunk_max_bytes: int | None = None,
+    plan: IndexerPlan | None = None,
+) -> torch.Tensor:
+    """Inputs as mqa_logits -> int32 [T, topk] indices relative to ks, equal to
+    ``topk(mqa_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk)``.
+
+    Query rows run in the plan's chunks: one logits block rows x (max ke - min ks) x 4 B at a time,
+    within ``chunk_max_bytes`` (default CPKV_MQA_LOGITS_CHUNK_MAX_GB GiB). A chunk whose rows all see
+    <= topk keys computes no logits. Pass ``plan`` (IndexerPlan.build, once per batch; its ks/ke and
+    budget are used) to avoid reading ks/ke back from the device on every call."""
+    check_logits_inputs(q, k, k_scale, weights, ks, ke)
+    if plan is None:
+        plan = IndexerPlan.from_tensors(ks, ke, chunk_max_bytes)
+    elif plan.num_tokens != q.shape[0]:
+        raise IndexerError(f"plan has {plan.num_tokens} query rows, q has {q.shape[0]}")
+    out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    if plan.max_len <= topk:
+        return short_rows_topk(plan.ke - plan.ks, topk)
+    if use_triton(q):
+        k = aligned_keys(k)
+    buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
+    for c in plan.chunks:
+        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk)
+    return out
+
+
+def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int) -> None:
+    """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out."""
+    r = slice(c.row_start, c.row_end)
+    if c.max_len <= topk:
+        out[r] = short_rows_topk(plan.ke[r] - plan.ks[r], topk)
+        return
+    logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
+    logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False)
+    topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r])

@@ -1,0 +1,149 @@
+"""Triton kernel for the lightning indexer's MQA logits (DESIGN.md §5); reference: cpkv.indexer.ref.
+
+    out[i, c] = k_scale[j] * sum_h w[i, h] * relu(q[i, h, :] . k[j, :]),  j = col_offset + c,
+                -inf where j is outside [ks[i], ke[i])
+
+q: [T, H, D] float8_e4m3fn or bfloat16 (head rows contiguous), k: [S, D] float8_e4m3fn or bfloat16
+(any row stride, unit column stride: the 132-byte index rows are read in place), k_scale: [S] float32
+(any stride), w: [T, H] float32, ks/ke: [T] int32, out: [T, n_cols] float32 (any row stride).
+
+Tiling: one program owns BQ query tokens (so N = BQ*H query rows, as the N side of one tensor-core
+dot) and a span of SPAN key tiles of BLOCK_S keys (the M side). Per key tile one dot
+[BLOCK_S, D] x [D, BQ*H] gives every (key, token, head) score; relu, weights and the head sum run on
+the accumulator in registers. Key tiles outside the union [min ks, max ke) of the program's tokens are
+never computed: with ``clean`` they are filled with -inf, otherwise left unwritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEADS = (8, 16, 32, 64)
+SUPPORTED_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class LogitsConfig:
+    """Tile shape: N = BQ * H query rows per program (tokens x heads), BLOCK_S keys per tile, SPAN tiles."""
+
+    n_rows: int = 128
+    block_s: int = 128
+    span: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    maxnreg: int | None = 128
+
+    def bq(self, heads: int) -> int:
+        return max(self.n_rows // heads, 1)
+
+
+DEFAULT_CONFIG = LogitsConfig()
+
+
+@triton.jit
+def mqa_logits_kernel(
+    q_ptr, k_ptr, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    T, S, col_off, n_cols,
+    stride_qt, stride_k, stride_ksc, stride_wt, stride_out,
+    H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPAN: tl.constexpr, CLEAN: tl.constexpr, CAST_BF16: tl.constexpr, K_ALIGN: tl.constexpr,
+):
+    N: tl.constexpr = BQ * H
+    pid_s = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    t0 = pid_t * BQ
+    offs_t = t0 + tl.arange(0, BQ)
+    tmask = offs_t < T
+    ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
+    ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
+    lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
+    hi = tl.minimum(tl.minimum(tl.max(ke_v, axis=0), S) - col_off, n_cols)
+    span_lo = pid_s * (SPAN * BLOCK_S)
+    span_hi = tl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
+    c_start = span_lo + (tl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
+    c_end = tl.minimum(span_hi, hi)
+    n_tiles = tl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
+    offs_bs = tl.arange(0, BLOCK_S)
+    if CLEAN:
+        ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
+        for c in range(span_lo, c_start, BLOCK_S):
+            oc = c + offs_bs
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+        for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
+            oc = c + offs_bs
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+    if n_tiles > 0:
+        offs_n = tl.arange(0, N)
+        offs_d = tl.arange(0, D)
+        n_tok = t0 + offs_n // H
+        nmask = n_tok < T
+        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + (offs_n % H)[:, None] * D + offs_d[None, :],
+                        mask=nmask[:, None], other=0.0)
+        if CAST_BF16:
+            q_blk = q_blk.to(tl.bfloat16)
+        q_t = tl.trans(q_blk)
+        w = tl.load(w_ptr + n_tok * stride_wt + offs_n % H, mask=nmask, other=0.0)
+        for tile in range(0, n_tiles):
+            oc = c_start + tile * BLOCK_S + offs_bs
+            j = oc + col_off
+            kmask = j < S
+            k_blk = tl.load(k_ptr + (j * stride_k)[:, None] * K_ALIGN + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            if CAST_BF16:
+                k_blk = k_blk.to(tl.bfloat16)
+            s = tl.dot(k_blk, q_t)
+            s = tl.maximum(s, 0.0) * w[None, :]
+            acc = tl.sum(tl.reshape(s, [BLOCK_S, BQ, H]), axis=2)
+            ksc = tl.load(ksc_ptr + j * stride_ksc, mask=kmask, other=0.0)
+            val = acc * ksc[:, None]
+            valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
+            val = tl.where(valid, val, float("-inf"))
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
+                     mask=tmask[None, :] & (oc < n_cols)[:, None])
+
+
+
+def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when the Triton kernel handles these shapes (H in 8/16/32/64, D in 64/128, fp8/bf16)."""
+    ok_dtypes = (torch.float8_e4m3fn, torch.bfloat16)
+    return (q.shape[1] in SUPPORTED_HEADS and q.shape[2] in SUPPORTED_DIMS and q.dtype in ok_dtypes
+            and k.dtype in ok_dtypes and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == 1)
+
+
+def mqa_logits_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    col_offset: int = 0,
+    clean: bool = True,
+    config: LogitsConfig | None = None,
+) -> torch.Tensor:
+    """Fill out [T, n_cols] float32 (column c = key col_offset + c); see the module docstring.
+    Inputs must already be validated (cpkv.indexer.logits does it)."""
+    cfg = config or DEFAULT_CONFIG
+    T, H, D = q.shape
+    n_cols = out.shape[1]
+    if T == 0 or n_cols == 0:
+        return out
+    bq = cfg.bq(H)
+    k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
+    grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
+    mqa_logits_kernel[grid](
+        q, k, k_scale, weights, ks, ke, out,
+        T, k.shape[0], col_offset, n_cols,
+        q.stride(0), k.stride(0) // k_align, k_scale.stride(0), weights.stride(0), out.stride(0),
+        H=H, D=D, BQ=bq, BLOCK_S=cfg.block_s, SPAN=cfg.span, CLEAN=clean,
+        CAST_BF16=q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn,
+        K_ALIGN=k_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
+    return out

@@ -1,0 +1,194 @@
+"""Triton top-k over ragged row ranges (sample, compact, bisect); reference: cpkv.indexer.ref.topk_ref.
+
+x: [T, N] float32 (any row stride), lo/hi: [T] int32 columns (row i's candidates are x[i, lo:hi]),
+out: [T, k] int32 (any row stride) receives relative indices c - lo[i], ascending, ties toward the
+lower index (the contract of cpkv.indexer.ref).
+
+Keys: float32 bits mapped to an int32 ``skey`` whose signed order is the float order (-0.0 folded
+into +0.0). A persistent program takes rows in turn:
+
+    n <= k      : write 0, 1, ..., n-1 then -1 (no pass over the row)
+    k < n <= C  : every key is a candidate
+    n > C       : a sample of SAMPLE keys (64 spread runs of 64) gives, by bisection on the key bits,
+                  a threshold t_low expected to leave about sqrt(k*C) keys above it
+    one pass over the row copies the candidates (skey >= t_low) with their columns, in index
+    order, into the program's scratch (C slots; prefix sums give the positions)
+    k <= m <= C : the exact k-th largest key t comes from a 32-step bisection over the candidates
+                  in registers; a last prefix sum writes every candidate above t and the first
+                  k - count(> t) equal to t, in index order
+    otherwise   : (ties or a skewed sample; rare) the same bisection and write over the whole row,
+                  32 counting passes: exact, only slower.
+
+Every step is exact; the sample only decides how much work the exact steps do.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+SAMPLE = 4096
+NUM_WARPS = 8
+PROGRAMS_PER_SM = 2
+
+
+def candidate_slots(k: int) -> int:
+    """C: candidate capacity per row (a power of two, >= 2k and >= 4096)."""
+    return max(4096, 1 << (2 * k - 1).bit_length())
+
+
+@triton.jit
+def _skey(x):
+    """float32 -> int32 key with the float order (-0.0 -> +0.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return bits ^ ((bits >> 31) & 2147483647)
+
+
+@triton.jit
+def _kth_largest(skey, valid, r):
+    """Largest t with count(valid & skey >= t) >= r (r >= 1 and <= count(valid))."""
+    t_u = tl.full([], -2147483648, tl.int32)  # unsigned bits, MSB first
+    cnt = tl.sum((valid & (skey >= 0)).to(tl.int32), axis=0)
+    t_u = tl.where(cnt >= r, t_u, 0)
+    for b in tl.static_range(1, 32):
+        trial = t_u | (1 << (31 - b))
+        cnt = tl.sum((valid & (skey >= (trial ^ -2147483648))).to(tl.int32), axis=0)
+        t_u = tl.where(cnt >= r, trial, t_u)
+    return t_u ^ -2147483648
+
+
+@triton.jit
+def _count_ge_row(base, n, t, BLOCK: tl.constexpr):
+    cnt = tl.zeros([], tl.int32)
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < n
+        cnt += tl.sum((m & (_skey(tl.load(base + offs, mask=m, other=0.0)) >= t)).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _kth_largest_row(base, n, r, BLOCK: tl.constexpr):
+    """_kth_largest over the whole row (32 counting passes): the slow exact path."""
+    t_u = tl.full([], -2147483648, tl.int32)
+    t_u = tl.where(_count_ge_row(base, n, 0, BLOCK) >= r, t_u, 0)
+    for b in tl.static_range(1, 32):
+        trial = t_u | (1 << (31 - b))
+        t_u = tl.where(_count_ge_row(base, n, trial ^ -2147483648, BLOCK) >= r, trial, t_u)
+    return t_u ^ -2147483648
+
+
+@triton.jit
+def _write_row(base, n, thr, remaining, out, BLOCK: tl.constexpr):
+    """Write, in index order, every column with key > thr and the first `remaining` equal to it."""
+    n_sel = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < n
+        sk = _skey(tl.load(base + offs, mask=m, other=0.0))
+        eq = (m & (sk == thr)).to(tl.int32)
+        sel = (m & (sk > thr)) | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq + n_eq) < remaining))
+        seli = sel.to(tl.int32)
+        tl.store(out + tl.cumsum(seli, axis=0) - seli + n_sel, offs, mask=sel)
+        n_sel += tl.sum(seli, axis=0)
+        n_eq += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _sample_threshold(base, n, target, SAMPLE: tl.constexpr):
+    """Key t_low with about `target` of the row's n keys above it, from SAMPLE sampled keys."""
+    s = tl.arange(0, SAMPLE)
+    offs = ((s // 64).to(tl.int64) * n // (SAMPLE // 64)).to(tl.int32) + s % 64
+    sk = _skey(tl.load(base + offs))
+    r = tl.minimum(tl.maximum((target * SAMPLE + n - 1) // n, 1), SAMPLE)
+    return _kth_largest(sk, s < SAMPLE, r)
+
+
+@triton.jit
+def _count_eq_row(base, n, t, BLOCK: tl.constexpr):
+    cnt = tl.zeros([], tl.int32)
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        m = offs < n
+        cnt += tl.sum((m & (_skey(tl.load(base + offs, mask=m, other=0.0)) == t)).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def topk_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x, stride_out,
+                K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
+                SAMPLE: tl.constexpr, KBLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    scols = scratch_ptr + pid.to(tl.int64) * C
+    for it in range(0, (T - pid + nprog - 1) // nprog):
+        row = pid + it * nprog
+        lo = tl.load(lo_ptr + row)
+        n = tl.maximum(tl.load(hi_ptr + row) - lo, 0)
+        base = x_ptr + row.to(tl.int64) * stride_x + lo
+        out = out_ptr + row.to(tl.int64) * stride_out
+        if n <= K:
+            for c in range(0, K, KBLOCK):
+                offs = c + tl.arange(0, KBLOCK)
+                tl.store(out + offs, tl.where(offs < n, offs, -1), mask=offs < K)
+        else:
+            t_low = tl.full([], -2147483648, tl.int32)
+            if n > C:
+                t_low = _sample_threshold(base, n, TARGET, SAMPLE)
+            m_cnt = tl.zeros([], tl.int32)
+            rowp = x_ptr + row.to(tl.int64) * stride_x
+            hi = lo + n
+            hi_up = tl.multiple_of(((hi + 3) // 4) * 4, 4)
+            quad = tl.arange(0, BLOCK // 4)[:, None] * 4
+            lane = tl.arange(0, 4)[None, :]
+            c0 = (lo // 4) * 4
+            for i in range(0, tl.cdiv(hi - c0, BLOCK)):
+                cols = tl.multiple_of(c0 + i * BLOCK, 4) + quad + lane
+                sk = _skey(tl.load(rowp + cols, mask=cols < hi_up, other=0.0))
+                cand = ((cols >= lo) & (cols < hi) & (sk >= t_low)).to(tl.int32)
+                per_quad = tl.sum(cand, axis=1)
+                pos = (tl.cumsum(per_quad, axis=0) - per_quad + m_cnt)[:, None] + tl.cumsum(cand, axis=1) - cand
+                tl.store(scols + pos, cols - lo, mask=(cand != 0) & (pos < C))
+                m_cnt += tl.sum(per_quad, axis=0)
+            tl.debug_barrier()
+            if (m_cnt >= K) & (m_cnt <= C):
+                slot = tl.arange(0, C)
+                valid = slot < m_cnt
+                cols = tl.load(scols + slot, mask=valid, other=0)
+                sk = tl.where(valid, _skey(tl.load(base + cols, mask=valid, other=0.0)), -2147483648)
+                thr = _kth_largest(sk, valid, K)
+                gt = valid & (sk > thr)
+                eq = (valid & (sk == thr)).to(tl.int32)
+                remaining = K - tl.sum(gt.to(tl.int32), axis=0)
+                sel = gt | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq) < remaining))
+                seli = sel.to(tl.int32)
+                tl.store(out + tl.cumsum(seli, axis=0) - seli, cols, mask=sel)
+            else:
+                thr = _kth_largest_row(base, n, K, BLOCK)
+                remaining = K - _count_ge_row(base, n, thr, BLOCK) + _count_eq_row(base, n, thr, BLOCK)
+                _write_row(base, n, thr, remaining, out, BLOCK)
+            tl.debug_barrier()
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Fill out [T, k] int32 with the top-k relative indices of each row's x[i, lo[i]:hi[i]]
+    (module docstring). Inputs must already be validated (cpkv.indexer.topk does it)."""
+    T = x.shape[0]
+    if T == 0:
+        return out
+    c = candidate_slots(k)
+    programs = min(T, PROGRAMS_PER_SM * _num_sms(x.device))
+    scratch = torch.empty(programs, c, dtype=torch.int32, device=x.device)
+    kblock = min(4096, 1 << max(k - 1, 1).bit_length())
+    target = int((k * c) ** 0.5)
+    topk_kernel[(programs,)](
+        x, lo, hi, out, scratch, T, programs, x.stride(0), out.stride(0),
+        K=k, C=c, TARGET=target, BLOCK=BLOCK, SAMPLE=SAMPLE, KBLOCK=kblock, num_warps=NUM_WARPS,
+    )
+    return out

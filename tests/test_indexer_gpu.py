@@ -1,0 +1,145 @@
+"""GPU tests of the indexer's Triton kernels against the references (skip without CUDA or Triton).
+
+Tolerances: logits vs the float64 reference within 2e-3 of each row's largest |logit| (fp8 and bf16
+products are exact in float32; the error is the tensor cores' float32 accumulation over D and the
+head sum); -inf positions and every top-k index exactly equal."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cpkv.indexer import (
+    IndexerPlan,
+    dequantize_index_rows,
+    index_topk,
+    mqa_logits,
+    mqa_logits_ref,
+    quantize_index_keys,
+    quantize_queries,
+    topk,
+    topk_ref,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
+]
+FP8 = torch.float8_e4m3fn
+
+
+def _inputs(T, H, D, S, seed=0, dtype=FP8, causal=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, w = quantize_queries(torch.randn(T, H, D, device="cuda", generator=g),
+                            torch.randn(T, H, device="cuda", generator=g))
+    k, k_scale = dequantize_index_rows(quantize_index_keys(torch.randn(S, D, device="cuda", generator=g)))
+    if dtype == torch.bfloat16:
+        q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    if causal:
+        ks = torch.zeros(T, dtype=torch.int32, device="cuda")
+        ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32, device="cuda")
+    else:
+        ks = torch.randint(0, S // 2, (T,), device="cuda", generator=g, dtype=torch.int32)
+        ke = (ks + torch.randint(0, S, (T,), device="cuda", generator=g, dtype=torch.int32)).clamp(max=S).int()
+    ks[1], ke[1] = 9, 9  # no valid key
+    return q, k, k_scale, w, ks, ke
+
+
+def _assert_logits_close(out, ref):
+    assert torch.equal(torch.isinf(out), torch.isinf(ref)), "-inf positions differ"
+    fin = torch.isfinite(ref)
+    scale = ref.masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp(min=1e-30)
+    err = ((out.double() - ref).abs() / scale).masked_fill(~fin, 0)
+    assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
+
+
+@pytest.mark.parametrize("H", [8, 16, 32, 64])
+@pytest.mark.parametrize("D", [64, 128])
+def test_logits_kernel_fp8(H, D):
+    q, k, k_scale, w, ks, ke = _inputs(77, H, D, 700, seed=H + D)
+    out = mqa_logits(q, k, k_scale, w, ks, ke)
+    _assert_logits_close(out, mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64))
+    assert bool((out[1] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("H,D", [(32, 128), (8, 64)])
+def test_logits_kernel_bf16_and_mixed(H, D):
+    q, k, k_scale, w, ks, ke = _inputs(50, H, D, 333, seed=7, dtype=torch.bfloat16)
+    ref = mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64)
+    _assert_logits_close(mqa_logits(q, k, k_scale, w, ks, ke), ref)
+    q8 = q.to(FP8)  # fp8 queries against bf16 keys
+    _assert_logits_close(mqa_logits(q8, k, k_scale, w, ks, ke),
+                         mqa_logits_ref(q8, k, k_scale, w, ks, ke, dtype=torch.float64))
+
+
+def test_logits_kernel_causal_and_unclean():
+    q, k, k_scale, w, ks, ke = _inputs(300, 32, 128, 2000, seed=3, causal=True)
+    clean = mqa_logits(q, k, k_scale, w, ks, ke)
+    _assert_logits_close(clean, mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64))
+    raw = mqa_logits(q, k, k_scale, w, ks, ke, clean=False)
+    fin = torch.isfinite(clean)
+    assert torch.equal(raw[fin], clean[fin])
+
+
+def _ragged_rows(T, N, seed, k):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ks = torch.randint(0, 50, (T,), device="cuda", generator=g, dtype=torch.int32)
+    n = torch.randint(0, N - 50, (T,), device="cuda", generator=g, dtype=torch.int32)
+    n[:4] = torch.tensor([0, 1, k, k + 1], dtype=torch.int32)
+    return ks, (ks + n).int()
+
+
+@pytest.mark.parametrize("k", [16, 2048])
+@pytest.mark.parametrize("N", [3000, 70000])
+def test_topk_kernel_random(k, N):
+    x = torch.randn(64, N, device="cuda")
+    ks, ke = _ragged_rows(64, N, seed=N + k, k=k)
+    assert torch.equal(topk(x, ks, ke, k), topk_ref(x, ks, ke, k))
+
+
+@pytest.mark.parametrize("levels", [2, 50, 1000])
+def test_topk_kernel_ties(levels):
+    g = torch.Generator(device="cuda").manual_seed(levels)
+    x = torch.randint(0, levels, (48, 20000), device="cuda", generator=g).float() - levels / 2
+    x[0, ::3] = -0.0
+    x[1, ::5] = float("-inf")
+    ks, ke = _ragged_rows(48, 20000, seed=levels, k=256)
+    assert torch.equal(topk(x, ks, ke, 256), topk_ref(x, ks, ke, 256))
+
+
+def test_topk_kernel_unaligned_view():
+    base = torch.randn(40, 9001, device="cuda")
+    x = base[:, 3:8990]  # rows not 16-byte aligned: the wrapper copies
+    ks, ke = _ragged_rows(40, 8987, seed=1, k=100)
+    assert torch.equal(topk(x, ks, ke, 100), topk_ref(x, ks, ke, 100))
+
+
+def test_topk_kernel_skewed_rows():
+    # increasing values: the sample sees the whole range, the top keys sit at the row's end
+    x = torch.arange(100000, device="cuda", dtype=torch.float32).repeat(8, 1)
+    x[4:] = x[4:].flip(1)
+    ks = torch.zeros(8, dtype=torch.int32, device="cuda")
+    ke = torch.full((8,), 100000, dtype=torch.int32, device="cuda")
+    assert torch.equal(topk(x, ks, ke, 2048), topk_ref(x, ks, ke, 2048))
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 20, 300_000])
+def test_index_topk_chunked_equals_full(budget):
+    q, k, k_scale, w, ks, ke = _inputs(400, 32, 128, 9000, seed=11, causal=True)
+    want = topk(mqa_logits(q, k, k_scale, w, ks, ke), ks, ke, 2048)
+    assert torch.equal(index_topk(q, k, k_scale, w, ks, ke, topk=2048, chunk_max_bytes=budget), want)
+
+
+def test_index_topk_plan_zigzag():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    requests = [(0, list(range(0, 256)) + list(range(3840, 4096))), (4096, list(range(6000, 6300)))]
+    plan = IndexerPlan.build(requests, "cuda", chunk_max_bytes=2 << 20)
+    S, T = 4096 + 6300, plan.num_tokens
+    q, w = quantize_queries(torch.randn(T, 32, 128, device="cuda", generator=g),
+                            torch.randn(T, 32, device="cuda", generator=g))
+    k, k_scale = dequantize_index_rows(quantize_index_keys(torch.randn(S, 128, device="cuda", generator=g)))
+    want = topk(mqa_logits(q, k, k_scale, w, plan.ks, plan.ke), plan.ks, plan.ke, 2048)
+    got = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=2048, plan=plan)
+    assert len(plan.chunks) > 1 and torch.equal(got, want)
