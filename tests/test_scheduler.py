@@ -297,3 +297,13 @@ def test_next_batch_requires_finish():
     sched.finish(batch)
     with pytest.raises(AdmissionError, match="not the batch in flight"):
         sched.finish(batch)
+
+
+def test_scheduler_package_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, cpkv.scheduler, cpkv.scheduler.cli, cpkv.scheduler.replay; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = {"PYTHONPATH": __file__.rsplit("/tests/", 1)[0] + "/src"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,149 @@
+"""``cpkv replay``: replay a trace through the real prefix cache and admission code; report TTFT."""
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import ExitStack
+from typing import Any, Sequence
+
+from cpkv.cli.fmt import Progress, emit_json, table
+from cpkv.errors import ConfigError
+from cpkv.scheduler.admission import POLICIES
+from cpkv.scheduler.batch import Batch
+from cpkv.scheduler.costs import CostModel
+from cpkv.scheduler.replay import KV_MODES, ReplayConfig, RunResult, replay
+from cpkv.scheduler.trace import TraceRequest, builtin_trace, ideal_hit_ratio, load_trace, write_trace
+
+HELP = "Replay a request trace through the real prefix cache and admission code; report time to first token."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="JSONL trace (docs/trace-format.md); default: the built-in trace")
+    p.add_argument("--policy", choices=(*POLICIES, "both"), default="solo", help="admission policy (default solo)")
+    p.add_argument("--kv", choices=(*KV_MODES, "both"), default="shared",
+                   help="KV capacity: shared (each page once in the group) or replicated (on every rank)")
+    p.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
+    p.add_argument("--chunk", type=int, default=16384, help="chunk size in tokens (default 16384)")
+    p.add_argument("--kv-tokens-per-rank", type=int, default=None,
+                   help="KV budget of one rank in tokens (default: an H200 after GLM-5 weights, per the cost model)")
+    p.add_argument("--costs", metavar="COSTS.json", help="cost-model fields to replace (see cpkv.scheduler.costs)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
+    p.add_argument("--requests", type=int, default=2000, help="built-in trace: number of requests (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="built-in trace: random seed (default 0)")
+    p.add_argument("--scale", type=float, default=1.0, help="built-in trace: length multiplier (default 1.0)")
+    p.add_argument("--save-trace", metavar="FILE.jsonl", help="write the replayed trace to this file")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the TTFT distribution per run (matplotlib)")
+    p.add_argument("--log-batches", metavar="FILE.jsonl", help="write one JSON line per batch")
+
+
+def run(args: argparse.Namespace) -> int:
+    plt = _pyplot() if args.plot else None
+    costs = CostModel.from_json(args.costs) if args.costs else CostModel()
+    trace, source = _trace(args)
+    if args.save_trace:
+        write_trace(trace, args.save_trace)
+    combos = [(p, k) for p in _choices(args.policy, POLICIES) for k in _choices(args.kv, KV_MODES)]
+    results = _replay_all(trace, combos, args, costs)
+    if args.json:
+        emit_json({"runs": [r.summary() for r in results]})
+    else:
+        _print_report(results, trace, source, args)
+    if plt is not None:
+        _plot(plt, results, args.plot, source)
+    return 0
+
+
+def _choices(value: str, names: Sequence[str]) -> list[str]:
+    return list(names) if value == "both" else [value]
+
+
+def _trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    if args.trace:
+        return load_trace(args.trace), args.trace
+    trace = builtin_trace(args.requests, seed=args.seed, scale=args.scale)
+    return trace, f"built-in trace (n={args.requests}, seed={args.seed}, scale={args.scale:g})"
+
+
+def _config(args: argparse.Namespace, policy: str, kv: str) -> ReplayConfig:
+    for name in ("cp", "chunk", "page_size", "max_requests"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_tokens_per_rank is not None and args.kv_tokens_per_rank < args.page_size:
+        raise ConfigError(f"--kv-tokens-per-rank must hold at least one page ({args.page_size}), "
+                          f"got {args.kv_tokens_per_rank}")
+    return ReplayConfig(policy=policy, kv=kv, cp=args.cp, page_size=args.page_size, chunk=args.chunk,
+                        max_requests=args.max_requests, kv_tokens_per_rank=args.kv_tokens_per_rank)
+
+
+def _replay_all(trace, combos, args, costs: CostModel) -> list[RunResult]:
+    bar = Progress(len(trace) * len(combos), "replay")
+    results = []
+    with ExitStack() as stack:
+        log_file = stack.enter_context(open(args.log_batches, "w")) if args.log_batches else None
+        for policy, kv in combos:
+            log = _batch_logger(log_file, policy, kv) if log_file else None
+            results.append(replay(trace, _config(args, policy, kv), costs, log=log, progress=bar.update))
+    bar.close()
+    return results
+
+
+def _batch_logger(f, policy: str, kv: str):
+    def log(batch: Batch, t_start: float, t_end: float) -> None:
+        f.write(json.dumps({"t_start": t_start, "t_end": t_end, "requests": [e.to_dict() for e in batch.entries],
+                            "policy": policy, "kv": kv}) + "\n")
+    return log
+
+
+def _print_report(results: list[RunResult], trace, source: str, args: argparse.Namespace) -> None:
+    rows = []
+    for r in results:
+        s = r.summary()
+        t = s["ttft_s"]
+        rows.append([s["policy"], s["kv"], s["requests"], s["rejected"], round(s["cache_hit_ratio"], 4),
+                     t["p50"], t["p90"], t["p99"], t["max"], s["batches"], round(s["mean_batch_requests"], 3),
+                     s["mean_queue_s"]])
+    table(["policy", "kv", "requests", "rejected", "hit ratio", "ttft p50 s", "p90 s", "p99 s", "max s", "batches",
+           "req/batch", "queue s"], rows)
+    kv_tokens = results[0].kv_tokens_per_rank if results else 0
+    print(f"\n{source}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, "
+          f"ideal hit ratio {ideal_hit_ratio(trace, args.page_size):.3f}; cp={args.cp}, chunk={args.chunk}, "
+          f"page={args.page_size}, KV {kv_tokens} tokens per rank")
+    for r in results:
+        if r.rejected:
+            print(f"{r.policy}/{r.kv}: rejected {dict(sorted(r.rejected.items()))}")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'cpkv[plot]' "
+                          "(or pip install matplotlib)") from None
+    return plt
+
+
+def _plot(plt: Any, results: list[RunResult], path: str, source: str) -> None:
+    """Empirical CDF of TTFT per run, log time axis, p90/p99 marked."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        t = sorted(r.ttft)
+        if not t:
+            continue
+        s = r.summary()["ttft_s"]
+        ax.step(t, [(i + 1) / len(t) for i in range(len(t))], where="post",
+                label=f"{r.policy}/{r.kv}: p90 {s['p90']:.3g} s, p99 {s['p99']:.3g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    for q in (0.9, 0.99):
+        ax.axhline(q, color="grey", lw=0.5, ls=":")
+    ax.set_title(f"TTFT distribution — {source}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="both", lw=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
