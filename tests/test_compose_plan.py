@@ -82,9 +82,12 @@ def test_every_entry_set_rebuilds_the_reference(reqs, P, cp, strategy, kind):
         compact += _gather(layout.num_current, pb, [pool, st], p.compact).long()
     assert torch.equal(fused, ref.long())  # sum all-reduce of own pages (others zero) is exact
     assert torch.equal(compact, cur.long())  # v2's compact current pages
-    for p in plans:  # legacy spans: same sums per request span
-        for span in p.spans(layout):
-            assert span.own.n == span.end - span.start
+    legacy = torch.zeros((S, pb), dtype=torch.int64)
+    for p, pool, st in zip(plans, pools, stagings):  # legacy: own pages per request span, summed
+        for span in p.spans:
+            part = _gather(S, pb, [pool, st], span.own)[span.start: span.end]
+            legacy[span.start: span.end] += part.long()
+    assert torch.equal(legacy, ref.long())
 
 
 @pytest.mark.parametrize("reqs,P,cp,strategy", LAYOUTS)

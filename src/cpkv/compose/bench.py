@@ -28,13 +28,15 @@ from cpkv.config import KINDS, AdmissionCaps, preset
 from cpkv.dist import RankContext, launch
 from cpkv.layout import BatchLayout, build_layout
 
-GATHER_CONFIGS = (
-    {"chunk": 4096, "block": 1024, "num_warps": 4},
-    {"chunk": 2048, "block": 2048, "num_warps": 8},
-    {"chunk": 8192, "block": 2048, "num_warps": 8},
-    {"chunk": 16384, "block": 1024, "num_warps": 4},
-    {"chunk": 1024, "block": 1024, "num_warps": 4},
-    {"chunk": 4096, "block": 4096, "num_warps": 16},
+GATHER_CONFIGS = (  # int32 elements per program (one 2-D grid cell), warps; elements/thread = block/(32 warps)
+    {"block": 4096, "num_warps": 4},
+    {"block": 2048, "num_warps": 4},
+    {"block": 2048, "num_warps": 2},
+    {"block": 4096, "num_warps": 8},
+    {"block": 8192, "num_warps": 8},
+    {"block": 8192, "num_warps": 4},
+    {"block": 16384, "num_warps": 8},
+    {"block": 1024, "num_warps": 2},
 )
 
 
@@ -193,27 +195,44 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     res["copy_GBps"] = nbytes / _bench(lambda: flat.copy_(pool[:gather_pages])) / 1e9
     res["index_select_GBps"] = nbytes / _bench(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e9
     variants = []
+    launch_us = _launch_us(lambda: page_gather_triton(out, bases, dest, src, idx))
     for cfg in GATHER_CONFIGS:
         t = _bench(lambda: page_gather_triton(out, bases, dest, src, idx, config=cfg))
         ok = bool(torch.equal(out, pool.index_select(0, idx)))
         variants.append({**cfg, "GBps": nbytes / t / 1e9, "ratio_to_copy": nbytes / t / 1e9 / res["copy_GBps"],
                          "correct": ok})
     res["variants"] = variants
+    res["launch_host_us"] = launch_us
     res["best"] = max(variants, key=lambda v: v["GBps"])
     res["ptx_v4_loads"] = _count_v4(load())
     return res
 
 
-def _count_v4(kernel: Any) -> int | None:
+def _count_v4(kernel: Any) -> list[int] | None:
+    """Per compiled variant: 16-byte global loads (``ld.global...v4.b32``) in its PTX."""
+    import re
     try:
         cache = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", None)
+        out = []
         for dev_cache in (cache or {}).values():
             entries = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
             for compiled in entries.values():
-                return compiled.asm["ptx"].count("ld.global.v4")
+                out.append(len(re.findall(r"ld\.global[^\n]*\.v4\.b32", compiled.asm["ptx"])))
+        return out
     except Exception:  # noqa: BLE001
         return None
-    return None
+
+
+def _launch_us(fn, n: int = 300) -> float:
+    """Host µs per call of ``fn`` (asynchronous launches, no synchronisation inside the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / n * 1e6
 
 
 def _bench(fn, reps: int = 30) -> float:

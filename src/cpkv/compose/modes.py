@@ -43,10 +43,9 @@ class Mode:
 
 def _legacy(rt, plan, layout, layer, kind, half):
     dense, pages = rt.dense(plan, kind, half)
-    for span in plan.spans(layout):
-        part = pages[span.start: span.end]
-        rt.gather(part, "local", layer, kind, half, span.own)
-        rt.all_reduce(part)
+    for span in plan.spans:
+        rt.gather(pages, "local", layer, kind, half, span.own)
+        rt.all_reduce(pages[span.start: span.end])
     rt.persist(plan, layer, kind, half)
     return dense
 

@@ -39,35 +39,72 @@ from cpkv.layout import BatchLayout
 MEMO_KEY = "compose"
 
 
-@dataclass
+class Packer:
+    """Collects int64 index arrays and moves them to the device in one copy (views come back)."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+
+    def add(self, a: np.ndarray) -> int:
+        self.arrays.append(np.ascontiguousarray(a, dtype=np.int64))
+        return len(self.arrays) - 1
+
+    def upload(self, device: torch.device) -> list[torch.Tensor]:
+        sizes = [a.size for a in self.arrays]
+        flat = np.concatenate(self.arrays) if self.arrays else np.zeros(0, np.int64)
+        return list(torch.from_numpy(flat).to(device).split(sizes))
+
+
 class Entries:
-    """One gather's descriptors on the device. ``groups``: per source (index, dest int64, page int64) and
-    ``zero`` (dest int64 of -1 entries), for the torch path."""
+    """One gather's descriptors: dest page, source index (-1 = zero fill), source page; int64 [n] on the
+    device, uploaded with the rest of the plan in one copy. ``groups()`` splits them per source for the
+    torch path (built on first use)."""
 
-    dest: torch.Tensor
-    src: torch.Tensor
-    page: torch.Tensor
-    groups: list[tuple[int, torch.Tensor, torch.Tensor]]
-    zero: torch.Tensor
-    n: int
+    def __init__(self, dest: np.ndarray, src: np.ndarray, page: np.ndarray, pack: Packer) -> None:
+        self.np = (dest, src, page)
+        self.n = int(dest.size)
+        self._ids = [pack.add(a) for a in self.np]
+        self.dest = self.src = self.page = torch.empty(0, dtype=torch.int64)
+        self._groups: tuple[list, torch.Tensor] | None = None
 
-    @classmethod
-    def build(cls, dest: np.ndarray, src: np.ndarray, page: np.ndarray, device: torch.device) -> Entries:
-        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-        groups = [(int(s), dev(dest[src == s], torch.int64), dev(page[src == s], torch.int64))
-                  for s in np.unique(src) if s >= 0]
-        return cls(dev(dest, torch.int32), dev(src, torch.int32), dev(page, torch.int64), groups,
-                   dev(dest[src < 0], torch.int64), int(dest.size))
+    def bind(self, views: list[torch.Tensor]) -> None:
+        self.dest, self.src, self.page = (views[i] for i in self._ids)
+
+    def slice(self, start: int, end: int) -> Entries:
+        """Entries [start, end) as views (dest pages unchanged)."""
+        out = Entries.__new__(Entries)
+        out.np = tuple(a[start:end] for a in self.np)
+        out.n, out._ids, out._groups = end - start, [], None
+        out.dest, out.src, out.page = self.dest[start:end], self.src[start:end], self.page[start:end]
+        return out
+
+    def groups(self) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """([(source, dest int64, page int64)], dest int64 of the -1 entries) on the entries' device."""
+        if self._groups is None:
+            dest, src, page = self.np
+            dev = self.dest.device
+            per = [(int(s), torch.from_numpy(dest[src == s]).to(dev), torch.from_numpy(page[src == s]).to(dev))
+                   for s in np.unique(src) if s >= 0]
+            self._groups = (per, torch.from_numpy(dest[src < 0]).to(dev))
+        return self._groups
 
 
 @dataclass
 class Span:
-    """A request's slots [start, end) and the ``own`` entries restricted to them (legacy mode)."""
+    """A request's slots [start, end) and the ``own`` entries of those slots (legacy mode; dest is the slot)."""
 
     start: int
     end: int
     own: Entries
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of [starts[i], starts[i] + lengths[i]) for every i (int64)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    first = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return first + np.arange(total, dtype=np.int64)
 
 
 class ComposePlan:
@@ -81,10 +118,13 @@ class ComposePlan:
         self.num_slots, self.num_current = layout.num_slots, layout.num_current
         self.num_requests = len(layout.requests)
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
+        self.views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # runtime's arena views
+        pack = Packer()
         self._arrays(layout)
-        self._entries()
-        self._rows(layout)
-        self._persist(current_page_ids)
+        self._entries(pack)
+        self._rows(layout, pack)
+        self._persist(current_page_ids, pack)
+        self._upload(pack, layout)
         self._arena(page_bytes)
 
     # numpy descriptors ----------------------------------------------------------------------------
@@ -107,63 +147,61 @@ class ComposePlan:
         self.current_tokens = np.fromiter((c.end - c.start for c in layout.current_pages), np.int64,
                                           self.num_current)
 
-    def _entries(self) -> None:
-        S, cp, dev = self.num_slots, self.cp, self.device
+    def _entries(self, pack: Packer) -> None:
+        S, cp = self.num_slots, self.cp
         slots = np.arange(S, dtype=np.int64)
         cur = self.is_current
         stage = np.zeros(S, np.int64)
         stage[self.current_slots] = self.staging_page
         src_all = np.where(cur, cp + self.slot_rank, self.slot_rank)
         page_all = np.where(cur, stage, self.slot_page)
-        self.all = Entries.build(slots, src_all, page_all, dev)
-        self.prefix = Entries.build(slots, np.where(cur, -1, self.slot_rank), np.where(cur, 0, self.slot_page), dev)
+        self.all = Entries(slots, src_all, page_all, pack)
+        self.prefix = Entries(slots, np.where(cur, -1, self.slot_rank), np.where(cur, 0, self.slot_page), pack)
         cs = self.current_slots
-        self.current = Entries.build(cs, src_all[cs], page_all[cs], dev)
+        self.current = Entries(cs, src_all[cs], page_all[cs], pack)
         mine = self.slot_rank == self.rank
-        self.own_src = np.where(mine, np.where(cur, 1, 0), -1)
-        self.own_page = np.where(mine, page_all, 0)
-        self.own = Entries.build(slots, self.own_src, self.own_page, dev)
+        self.own = Entries(slots, np.where(mine, np.where(cur, 1, 0), -1), np.where(mine, page_all, 0), pack)
         ncur = np.arange(self.num_current, dtype=np.int64)
         own_c = np.zeros(self.num_current, bool)
         own_c[self.own_compact] = True
-        self.compact = Entries.build(ncur, np.where(own_c, 1, -1), np.where(own_c, self.staging_page, 0), dev)
-        self.current_slots_t = torch.from_numpy(cs).to(dev)
-        self._spans: list[Span] | None = None
+        self.compact = Entries(ncur, np.where(own_c, 1, -1), np.where(own_c, self.staging_page, 0), pack)
+        self._cs_id = pack.add(cs)
 
-    def spans(self, layout: BatchLayout) -> list[Span]:
-        """Per-request spans with their own-page entries (legacy mode; built on first use)."""
-        if self._spans is None:
-            self._spans = []
-            for r in layout.requests:
-                s, e = r.slot_start, r.slot_end
-                sl = np.arange(e - s, dtype=np.int64)
-                self._spans.append(Span(s, e, Entries.build(sl, self.own_src[s:e], self.own_page[s:e], self.device)))
-        return self._spans
-
-    def _rows(self, layout: BatchLayout) -> None:
+    def _rows(self, layout: BatchLayout, pack: Packer) -> None:
+        """query rows j * P + [0, n_j) and tail rows j * P + [n_j, P) of the rank's own pages j."""
         P = self.page_size
         counts = self.current_tokens[self.own_compact]
         starts = np.arange(self.num_own, dtype=np.int64) * P
-        q = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, counts)]
-        t = [np.arange(s + n, s + P, dtype=np.int64) for s, n in zip(starts, counts) if n < P]
-        self.query_rows = torch.from_numpy(np.concatenate(q) if q else np.zeros(0, np.int64)).to(self.device)
-        self.tail_rows = torch.from_numpy(np.concatenate(t) if t else np.zeros(0, np.int64)).to(self.device)
+        self._q_id = pack.add(_ranges(starts, counts))
+        self._t_id = pack.add(_ranges(starts + counts, P - counts))
         self.num_query_tokens = int(counts.sum())
         assert self.num_query_tokens == layout.query_tokens(self.rank)
 
-    def _persist(self, current_page_ids: Sequence[int] | None) -> None:
+    def _persist(self, current_page_ids: Sequence[int] | None, pack: Packer) -> None:
         self.current_page_ids = None if current_page_ids is None else np.asarray(current_page_ids, np.int64)
-        self.own_pool_pages: torch.Tensor | None = None
+        self._pp_id = None
         if self.current_page_ids is None:
             return
         if self.current_page_ids.shape != (self.num_current,):
             raise ComposeError(f"current_page_ids: expected one writer-side page id per current page "
                                f"({self.num_current}, compact order), got shape {list(self.current_page_ids.shape)}")
         mine = self.current_page_ids[self.own_compact]
-        if mine.size and (mine.min() < 1 or len(set(mine.tolist())) != mine.size):
+        if mine.size and (mine.min() < 1 or np.unique(mine).size != mine.size):
             raise ComposeError(f"rank {self.rank}: current page ids must be distinct pool pages >= 1 (page 0 is "
                                f"reserved), got {mine.tolist()}")
-        self.own_pool_pages = torch.from_numpy(mine).to(self.device)
+        self.max_own_pool_page = int(mine.max()) if mine.size else 0
+        self._pp_id = pack.add(mine)
+
+    def _upload(self, pack: Packer, layout: BatchLayout) -> None:
+        """One host-to-device copy of every index array, then views."""
+        views = pack.upload(self.device)
+        for e in (self.all, self.prefix, self.current, self.own, self.compact):
+            e.bind(views)
+        self.current_slots_t = views[self._cs_id]
+        self.query_rows, self.tail_rows = views[self._q_id], views[self._t_id]
+        self.own_pool_pages: torch.Tensor | None = None if self._pp_id is None else views[self._pp_id]
+        self.spans = [Span(r.slot_start, r.slot_end, self.own.slice(r.slot_start, r.slot_end))
+                      for r in layout.requests]
 
     def _arena(self, page_bytes: dict[str, int]) -> None:
         """Deterministic offsets inside an arena half: per kind the dense buffer, then v2's compact scratch."""

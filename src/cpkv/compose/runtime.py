@@ -133,7 +133,7 @@ class ComposeRuntime:
         if self.mem.available:
             self.pools = {k: self.mem.peers(f"pool.{k}") for k in KINDS}
             self.stagings = {k: self.mem.peers(f"staging.{k}") for k in KINDS}
-        self.bases: dict[str, dict[str, torch.Tensor]] = {"global": {}, "local": {}}
+        self.bases: dict[str, dict[str, list[list[torch.Tensor]]]] = {"global": {}, "local": {}}
         self.aligned16: dict[str, bool] = {}
         if not self.use_triton:
             return
@@ -143,10 +143,13 @@ class ComposeRuntime:
             addrs = [a for rows in (glob or []) + loc for a in rows]
             self.aligned16[k] = self.page_bytes[k] % 16 == 0 and all(a % 16 == 0 for a in addrs)
             if glob is not None:
-                self.bases["global"][k] = torch.tensor(glob, dtype=torch.int64, device=self.device).view(
-                    self.num_layers, 2, -1)
-            self.bases["local"][k] = torch.tensor(loc, dtype=torch.int64, device=self.device).view(
-                self.num_layers, 2, -1)
+                self.bases["global"][k] = self._base_views(glob)
+            self.bases["local"][k] = self._base_views(loc)
+
+    def _base_views(self, rows: list[list[int]]) -> list[list[torch.Tensor]]:
+        """[layer][half] -> int64 [n_src] device view (looked up per call with no torch op)."""
+        t = torch.tensor(rows, dtype=torch.int64, device=self.device).view(self.num_layers, 2, -1)
+        return [[t[layer, h] for h in (0, 1)] for layer in range(self.num_layers)]
 
     def _base_rows(self, kind: str, pools: Sequence[torch.Tensor], stagings: Sequence[torch.Tensor]) -> list[list[int]]:
         rows = []
@@ -170,7 +173,7 @@ class ComposeRuntime:
             raise ComposeError(f"the batch uses page_size {layout.page_size}; the pools use {self.page_size}")
         self.staging.check(layout.num_current, len(layout.requests))
         plan = ComposePlan(layout, self.rank, self.staging.capacity, self.page_bytes, self.device, current_page_ids)
-        if plan.persists and int(plan.own_pool_pages.max().item() if plan.num_own else 0) >= self.pool.num_pages:
+        if plan.persists and plan.max_own_pool_page >= self.pool.num_pages:
             raise ComposeError(f"rank {self.rank}: current page ids must be < {self.pool.num_pages} (pool pages)")
         self.arena.reserve(plan.arena_bytes)
         layout.memo[MEMO_KEY] = plan
@@ -222,10 +225,15 @@ class ComposeRuntime:
     # primitives used by the modes -----------------------------------------------------------------
 
     def dense(self, plan: ComposePlan, kind: str, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows uint8 [S * P, row_bytes], pages uint8 [S, page_bytes]) of the arena half ``half``."""
-        pb = self.page_bytes[kind]
-        pages = self.arena.view(half, plan.dense_offset[kind], plan.num_slots, pb)
-        return pages.view(plan.num_slots * self.page_size, pb // self.page_size), pages
+        """(rows uint8 [S * P, row_bytes], pages uint8 [S, page_bytes]) of the arena half ``half`` (views
+        cached on the plan: the registered arena never moves)."""
+        key = (kind, half)
+        views = plan.views.get(key)
+        if views is None:
+            pb = self.page_bytes[kind]
+            pages = self.arena.view(half, plan.dense_offset[kind], plan.num_slots, pb)
+            views = plan.views[key] = (pages.view(plan.num_slots * self.page_size, pb // self.page_size), pages)
+        return views
 
     def compact(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
         """uint8 [num_current, page_bytes] scratch for v2's compact current pages."""
@@ -236,13 +244,14 @@ class ComposeRuntime:
         if e.n == 0:
             return
         if self.use_triton:
-            page_gather_triton(out, self.bases[table][kind][layer, half], e.dest, e.src, e.page,
+            page_gather_triton(out, self.bases[table][kind][layer][half], e.dest, e.src, e.page,
                                aligned16=self.aligned16[kind])
             return
-        if e.zero.numel():
-            out.index_fill_(0, e.zero, 0)
+        groups, zero = e.groups()
+        if zero.numel():
+            out.index_fill_(0, zero, 0)
         sources = self._sources(table, layer, kind, half)
-        for s, dest, page in e.groups:
+        for s, dest, page in groups:
             gather_group(out, sources[s], dest, page)
 
     def all_reduce(self, t: torch.Tensor) -> None:

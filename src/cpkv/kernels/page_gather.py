@@ -11,7 +11,9 @@
     out[dest[i]] = source[src[i]][page[i]]      (all page_bytes bytes), or zeros where src[i] == -1
 
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
-(4-byte words otherwise, bytes as a last resort). Program (i, c) copies chunk c of entry i's page.
+(4-byte words otherwise, bytes as a last resort). Program (i, c) copies block c of entry i's page with
+no loop, so all of a thread's loads are in flight before its stores (a looped variant that stored
+between loads reached only 0.83 of a device copy on H200).
 Triton is imported lazily; :func:`page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-DEFAULT_CONFIG = {"chunk": 4096, "block": 1024, "num_warps": 4}
+DEFAULT_CONFIG = {"block": 4096, "num_warps": 4}
 
 
 def page_gather_ref(out: torch.Tensor, sources: Sequence[torch.Tensor], dest: torch.Tensor, src: torch.Tensor,
@@ -51,56 +53,58 @@ def load() -> Any:
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-                     VEC: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                     VEC: tl.constexpr, BLOCK: tl.constexpr):
+        # program (i, c): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's page; one load per element,
+        # all issued before the stores (no loop: every thread keeps BLOCK / threads elements in flight)
         i = tl.program_id(0)
-        c0 = tl.program_id(1) * CHUNK
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        mask = offs < PAGE_ELEMS
         s = tl.load(SRC + i)
-        d = tl.load(DEST + i).to(tl.int64)
-        out_page = OUT + d * PAGE_ELEMS
+        out_page = OUT + tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS
         if s >= 0:
-            base = tl.load(BASES + s)
-            pg = tl.load(PAGE + i)
-            delta = (base + pg * (PAGE_ELEMS * ELEM_BYTES) - out_addr) // ELEM_BYTES
-            delta = tl.multiple_of(delta, VEC)
-            src_page = OUT + delta
-            for c in tl.static_range(0, CHUNK, BLOCK):
-                offs = tl.max_contiguous(tl.multiple_of(c0 + c + tl.arange(0, BLOCK), BLOCK), BLOCK)
-                mask = offs < PAGE_ELEMS
-                x = tl.load(src_page + offs, mask=mask, eviction_policy="evict_first")
-                tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
+            addr = tl.load(BASES + s) + tl.load(PAGE + i) * (PAGE_ELEMS * ELEM_BYTES)
+            # element offset from OUT, written as q * VEC so the compiler knows its 16-byte alignment
+            delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
+            x = tl.load(OUT + delta + offs, mask=mask, eviction_policy="evict_first")
+            tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
         else:
-            for c in tl.static_range(0, CHUNK, BLOCK):
-                offs = c0 + c + tl.arange(0, BLOCK)
-                mask = offs < PAGE_ELEMS
-                tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
+            tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
     return _page_gather
 
 
-def _word(page_bytes: int, addr_ok16: bool) -> tuple[torch.dtype, int, int]:
-    """(element dtype, element bytes, elements per 16-byte vector) for this page size."""
-    if page_bytes % 16 == 0 and addr_ok16:
-        return torch.int32, 4, 4
-    if page_bytes % 4 == 0:
-        return torch.int32, 4, 1
-    return torch.uint8, 1, 1
+@lru_cache(maxsize=256)
+def launch_params(page_bytes: int, aligned16: bool, block: int) -> tuple[torch.dtype, int, int, int, int, int]:
+    """(element dtype, element bytes, elements per 16-byte vector, page elements, block, blocks per page).
+
+    16-byte vectors need ``page_bytes`` and every address to be multiples of 16; 4-byte words need
+    multiples of 4; bytes otherwise."""
+    if page_bytes % 16 == 0 and aligned16:
+        dtype, ebytes, vec = torch.int32, 4, 4
+    elif page_bytes % 4 == 0:
+        dtype, ebytes, vec = torch.int32, 4, 1
+    else:
+        dtype, ebytes, vec = torch.uint8, 1, 1
+    elems = page_bytes // ebytes
+    block = min(block, _pow2_at_least(elems))
+    return dtype, ebytes, vec, elems, block, -(-elems // block)
 
 
 def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
-    """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every
-    address (bases and out) is a multiple of 16. See the module docstring for the semantics."""
-    n, page_bytes = dest.numel(), out.shape[-1]
+    """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
+    address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. See the
+    module docstring for the semantics."""
+    n = dest.numel()
     if n == 0:
         return
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
-    dtype, ebytes, vec = _word(page_bytes, aligned16 and out.data_ptr() % 16 == 0)
-    elems = page_bytes // ebytes
-    chunk = min(cfg["chunk"], _pow2_at_least(elems))
-    block = min(cfg["block"], chunk)
-    grid = (n, -(-elems // chunk))
-    load()[grid](out.view(dtype), bases, dest, src, page, out.data_ptr(), PAGE_ELEMS=elems, ELEM_BYTES=ebytes,
-                 VEC=vec, CHUNK=chunk, BLOCK=block, num_warps=cfg["num_warps"])
+    cfg = config or DEFAULT_CONFIG
+    addr = out.data_ptr()
+    dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
+                                                              cfg.get("block", DEFAULT_CONFIG["block"]))
+    load()[(n, nblocks)](out.view(dtype), bases, dest, src, page, addr, PAGE_ELEMS=elems, ELEM_BYTES=ebytes,
+                         VEC=vec, BLOCK=block, num_warps=cfg.get("num_warps", DEFAULT_CONFIG["num_warps"]))
 
 
 def _pow2_at_least(n: int) -> int:
