@@ -77,7 +77,8 @@ class RankEngine:
                                staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
         self.out = RankOutput(self.rank)
         self.batches = 0
-        self.batch_log: list[list[tuple]] = []
+        self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
+        self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced)
 
     # -- host tier ---------------------------------------------------------------------------------
     def _spill(self, owner: int, page_id: int, slot: int) -> None:
@@ -164,6 +165,7 @@ class RankEngine:
         layout = batch.layout(self.model.cfg.max_context)
         page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
         assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
+        start = self._sync_time()
         self.rt.prepare(layout, page_ids)
         spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
         out = run_batch(self.model, self.rt, spec, self.rank)
@@ -171,6 +173,7 @@ class RankEngine:
             if e.last_chunk and i in out:
                 self.out.logits[e.rid] = out[i].detach().float().cpu().numpy()
         self.batches += 1
+        self.batch_s.append(self._sync_time() - start)
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
@@ -188,7 +191,7 @@ class RankEngine:
             "reloaded": self.cache.stats["reloaded"], "evicted": self.cache.stats["evicted"],
             "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
-            "batch_log": self.batch_log,
+            "batch_log": self.batch_log, "batch_s": self.batch_s,
         }
 
     def close(self) -> None:
@@ -197,6 +200,8 @@ class RankEngine:
 
 def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]]) -> list[RankOutput]:
     """Rank entry point (cpkv.dist.launch or torchrun): run each (config, trace) job in order."""
+    if ctx.device.type == "cpu":  # ranks share the host's cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace in jobs:
