@@ -28,15 +28,20 @@ from cpkv.config import KINDS, AdmissionCaps, preset
 from cpkv.dist import RankContext, launch
 from cpkv.layout import BatchLayout, build_layout
 
-GATHER_CONFIGS = (  # int32 elements per program (one 2-D grid cell), warps; elements/thread = block/(32 warps)
-    {"block": 4096, "num_warps": 4},
-    {"block": 2048, "num_warps": 4},
-    {"block": 2048, "num_warps": 2},
-    {"block": 4096, "num_warps": 8},
-    {"block": 8192, "num_warps": 8},
-    {"block": 8192, "num_warps": 4},
-    {"block": 16384, "num_warps": 8},
-    {"block": 1024, "num_warps": 2},
+GATHER_CONFIGS = (  # block: int32 elements per unit; waves: 0 = one program per unit, k = k programs per SM
+    {"block": 2048, "num_warps": 2, "hints": False, "waves": 0},
+    {"block": 2048, "num_warps": 2, "hints": True, "waves": 0},
+    {"block": 2048, "num_warps": 4, "hints": False, "waves": 0},
+    {"block": 4096, "num_warps": 4, "hints": False, "waves": 0},
+    {"block": 4096, "num_warps": 4, "hints": True, "waves": 0},
+    {"block": 1024, "num_warps": 2, "hints": False, "waves": 0},
+    {"block": 1024, "num_warps": 1, "hints": False, "waves": 0},
+    {"block": 8192, "num_warps": 8, "hints": False, "waves": 0},
+    {"block": 2048, "num_warps": 2, "hints": False, "waves": 16},
+    {"block": 2048, "num_warps": 4, "hints": False, "waves": 8},
+    {"block": 4096, "num_warps": 4, "hints": False, "waves": 8},
+    {"block": 1024, "num_warps": 2, "hints": False, "waves": 32},
+    {"block": 4096, "num_warps": 8, "hints": True, "waves": 4},
 )
 
 
@@ -110,6 +115,13 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": ctx.rank, "modes": {}, "peer_memory": rt.mem.kind, "triton": rt.use_triton}
     layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
     out["plan_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
+    if cfg.kernel and rt.use_triton:  # rank 0 sweeps the gather configs; every rank then uses the best
+        from cpkv.kernels import page_gather
+        kern = kernel_bench(rt.device) if ctx.rank == 0 else None
+        kern = ctx.all_gather_object(kern)[0]
+        best = {k: v for k, v in kern["best"].items() if k in page_gather.DEFAULT_CONFIG}
+        page_gather.DEFAULT_CONFIG.update(best)
+        out["kernel"] = kern if ctx.rank == 0 else None
     plan = rt.prepare(layout, ids)
     for mode in cfg.modes:
         lay = layout
@@ -119,8 +131,6 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg)
         out["modes"][mode]["requests"] = len(lay.requests)
     out["host_us"] = _host_us(rt, layout, plan)
-    if cfg.kernel and ctx.rank == 0 and rt.use_triton:
-        out["kernel"] = kernel_bench(rt.device)
     ctx.barrier()
     rt.close()
     return out

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if k:
         print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B; device copy {k['copy_GBps']:.0f} GB/s, "
               f"index_select {k['index_select_GBps']:.0f} GB/s ({k['index_select_GBps'] / k['copy_GBps']:.3f})")
-        table(["block", "warps", "GB/s", "x copy", "correct"],
-              [(v["block"], v["num_warps"], v["GBps"], v["ratio_to_copy"], v["correct"]) for v in k["variants"]])
+        table(["block", "warps", "hints", "waves", "GB/s", "x copy", "correct"],
+              [(v["block"], v["num_warps"], v["hints"], v["waves"], v["GBps"], v["ratio_to_copy"], v["correct"])
+               for v in k["variants"]])
+        print(f"compose modes above ran with the best gather config: {k['best']}")
         print(f"gather launch host time {k['launch_host_us']:.1f} us; 16-byte loads per compiled variant (PTX): "
               f"{k['ptx_v4_loads']}")
     return 0
