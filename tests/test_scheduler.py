@@ -171,26 +171,33 @@ def test_caps_name_the_reason():
 
 
 def test_buffer_cap_admits_followers_within_bytes():
-    # mix: the tail chunk of A, then followers until the dense + staging + logits bytes hit the cap
+    # mix: the tail chunk of A, then followers while dense + staging + logits bytes stay within the cap
     probe, _, _ = make(policy="mix")
-    adm = probe.adm
-    tail_slots = cdiv(36, P)
-    one = adm.buffer_bytes(tail_slots + 2, 6)   # A's tail (9 slots) + one 5-token follower (2 slots)
-    sched, cache, allocs = make(policy="mix", buffer_bytes=one + 1)
-    sched.add(req("A", toks(100, 36)))
-    sched.add(req("B", toks(300, 5)))
-    sched.add(req("C", toks(400, 5)))
-    b1, b2 = sched.next_batch(), None
-    sched.finish(b1)
-    sched.finish(sched.next_batch())
+    one = probe.adm.buffer_bytes(cdiv(36, P) + 2, 6)   # A's tail (9 slots) + one 5-token follower (2 slots)
+    assert probe.adm.buffer_bytes(cdiv(36, P) + 4, 6) > one
+
+    def setup():
+        sched, cache, _ = make(policy="mix", buffer_bytes=one + 1)
+        for rid, base, n in (("A", 100, 36), ("B", 300, 5), ("C", 400, 5)):
+            sched.add(req(rid, toks(base, n)))
+        for _ in range(2):
+            sched.finish(sched.next_batch())
+        return sched, cache
+
+    sched, cache = setup()
+    adder = PrefillAdder(sched.adm, cache)
+    assert isinstance(adder.try_add(sched._resume), Admitted)
+    assert isinstance(adder.try_add(sched.waiting[0]), Admitted)
+    res = adder.try_add(sched.waiting[1])
+    assert isinstance(res, Rejected) and res.reason == "buffer_bytes" and not res.permanent
+
+    sched, cache = setup()
     b3 = sched.next_batch()
     assert [e.rid for e in b3.entries] == ["A", "B"]
     rows = max(b3.layout().query_tokens(r) for r in range(2))
-    assert adm.buffer_bytes(b3.num_slots, rows) <= one + 1
-    res = PrefillAdder(sched.adm, cache)
+    assert sched.adm.buffer_bytes(b3.num_slots, rows) <= one + 1
     sched.finish(b3)
     assert run_all(sched) == [[("C", 0, 5, False, True)]]
-    del b2, res
 
 
 def test_page_tail_split_of_the_tail_chunk_under_mix():
@@ -307,3 +314,27 @@ def test_scheduler_package_imports_no_torch():
     env = {"PYTHONPATH": __file__.rsplit("/tests/", 1)[0] + "/src"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
+
+
+def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
+    allocs = [PageAllocator(5, f"rank{r}") for r in range(2)]     # 4 pages per rank
+    cache = PrefixCache(P, allocs, host_pages=8)
+    caps = AdmissionCaps(extend_tokens=16, chunk_size=16, max_requests=4)
+    with pytest.raises(AdmissionError, match="on_spill"):
+        Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P))
+    spilled = []
+    sched = Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P), on_spill=lambda o, p, s: spilled.append((o, p, s)))
+    sched.add(req("old", toks(100, 16)))
+    run_all(sched)
+    sched.add(req("new", toks(200, 16)))
+    run_all(sched)
+    sched.add(req("newer", toks(300, 16)))   # evicts "old" (LRU) to the host tier through the hook
+    run_all(sched)
+    assert len(spilled) >= 2
+    m = cache.match(toks(100, 16))
+    assert m.num_tokens == 16 and m.host_nodes
+    sched.add(req("old2", toks(100, 16) + [1]))
+    batch = sched.next_batch()
+    e = batch.entries[0]
+    assert e.prefix_len == P * next(i for i, n in enumerate(m.nodes) if not n.on_device)
+    sched.finish(batch)

@@ -29,7 +29,7 @@ from functools import lru_cache
 from cpkv import envs
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import AdmissionError
-from cpkv.kvcache.prefix_cache import Node, PrefixCache
+from cpkv.kvcache.prefix_cache import Node, PrefixCache, SpillHook
 from cpkv.layout import cdiv, split_writers
 from cpkv.scheduler.batch import Entry
 from cpkv.scheduler.request import Request, Status
@@ -151,7 +151,8 @@ class Admission:
         if self.last_prefix(prompt_len, 0) > caps.cached_tokens:
             return Rejected("cached_tokens", f"its last chunk carries {self.last_prefix(prompt_len, 0)} prefix "
                             f"tokens, above the cached cap of {caps.cached_tokens}", True)
-        for start in range(0, prompt_len, self.extend_cap):
+        last = self.last_prefix(prompt_len, 0)
+        for start in sorted({max(0, last - self.extend_cap), last}):  # bytes grow with keys and rows
             extend = min(self.extend_cap, prompt_len - start)
             need = self.buffer_bytes(cdiv(start + extend, P), max(self.chunk_rows(extend, 0)[1]))
             if need > caps.buffer_bytes:
@@ -188,6 +189,7 @@ class PrefillAdder:
 
     adm: Admission
     cache: PrefixCache
+    on_spill: SpillHook | None = None   # with a host tier: copies an evicted page to the host first
     entries: list[Entry] = field(default_factory=list)
     extend: int = 0
     cached: int = 0
@@ -213,10 +215,11 @@ class PrefillAdder:
         if len(self.entries) >= caps.max_requests:
             return Rejected("max_requests", f"the batch already holds {caps.max_requests} requests")
         plan = self._plan(req)
-        why = self._check_caps(plan)
+        writers, rows = self.adm.chunk_rows(plan.extend, self.rot)
+        why = self._check_caps(plan, rows)
         if why is not None:
             return why
-        return self._admit(req, plan)
+        return self._admit(req, plan, writers, rows)
 
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self, req: Request) -> _Plan:
@@ -253,7 +256,7 @@ class PrefillAdder:
         return plan.chunked and (self.adm.policy == "solo" or not plan.last)
 
     # -- caps --------------------------------------------------------------------------------------
-    def _check_caps(self, plan: _Plan) -> Rejected | None:
+    def _check_caps(self, plan: _Plan, rows: list[int]) -> Rejected | None:
         adm, caps = self.adm, self.adm.caps
         if self.entries and self._alone(plan):
             return Rejected("solo", "this chunk must run alone (chunked or unaligned prefix)")
@@ -261,20 +264,18 @@ class PrefillAdder:
             return Rejected("extend_tokens", f"{self.extend} + {plan.extend} new tokens > cap {adm.extend_cap}")
         if self.cached + plan.prefix > caps.cached_tokens:
             return Rejected("cached_tokens", f"{self.cached} + {plan.prefix} prefix tokens > cap {caps.cached_tokens}")
-        need = self._buffer_with(plan)
+        need = self._buffer_with(plan, rows)
         if need > caps.buffer_bytes:
             return Rejected("buffer_bytes", f"the batch would need {need} buffer bytes > cap {caps.buffer_bytes}")
         return None
 
-    def _buffer_with(self, plan: _Plan) -> int:
+    def _buffer_with(self, plan: _Plan, rows: list[int]) -> int:
         P = self.adm.page_size
-        _, rows = self.adm.chunk_rows(plan.extend, self.rot)
         slots = self.slots + cdiv(plan.prefix, P) + cdiv(plan.extend, P)
         return self.adm.buffer_bytes(slots, max(a + b for a, b in zip(self.rows, rows)))
 
     # -- pages -------------------------------------------------------------------------------------
-    def _admit(self, req: Request, plan: _Plan) -> Admitted | Rejected:
-        writers, rows = self.adm.chunk_rows(plan.extend, self.rot)
+    def _admit(self, req: Request, plan: _Plan, writers: list[int], rows: list[int]) -> Admitted | Rejected:
         owners = [0 if self.adm.replicated else w for w in writers]
         if plan.fresh:
             self.cache.lock(plan.nodes)
@@ -300,7 +301,7 @@ class PrefillAdder:
         for o in sorted(need):
             short = need[o] - allocs[o].num_free
             if short > 0:
-                self.cache.evict(short, owner=o)
+                self.cache.evict(short, owner=o, on_spill=self.on_spill)
         if any(allocs[o].num_free < n for o, n in need.items()):
             return None
         got = {o: iter(allocs[o].allocate(n)) for o, n in sorted(need.items())}

@@ -15,11 +15,11 @@ blocks the queue. Every decision depends only on the calls made, so every rank t
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import AdmissionError
-from cpkv.kvcache.prefix_cache import PrefixCache
+from cpkv.kvcache.prefix_cache import PrefixCache, SpillHook
 from cpkv.scheduler.admission import Admission, Admitted, PrefillAdder, Rejected
 from cpkv.scheduler.batch import Batch, Entry
 from cpkv.scheduler.request import Request, Status
@@ -31,16 +31,21 @@ class Scheduler:
     ``cache.allocators``: one per rank (shared KV) or a single one (``replicated``: every page on every
     rank). ``key_unit``: tokens per element of ``Request.keys`` (1: token ids; the page size: page ids,
     with ``cache.page_size == 1``). ``staging_pages``: the compose runtime's, checked against the caps.
+    ``on_spill``: passed to ``cache.evict`` (a cache with a host tier needs it to copy evicted pages).
     """
 
     def __init__(self, cache: PrefixCache, caps: AdmissionCaps, *, model: ModelConfig, cp: CPConfig,
                  policy: str = "solo", staging_pages: int | None = None, key_unit: int = 1,
-                 replicated: bool = False, full_hit: str = "page", logits_budget: int | None = None) -> None:
+                 replicated: bool = False, full_hit: str = "page", logits_budget: int | None = None,
+                 on_spill: SpillHook | None = None) -> None:
         self.adm = Admission.build(caps, model, cp, policy=policy, staging_pages=staging_pages,
                                    logits_budget=logits_budget, replicated=replicated, full_hit=full_hit)
         _check_cache(cache, cp, key_unit, replicated)
+        if cache.host is not None and on_spill is None:
+            raise AdmissionError("the prefix cache has a host tier: pass on_spill so that evicted pages are copied")
         self.cache = cache
         self.key_unit = key_unit
+        self.on_spill = on_spill
         self.waiting: deque[Request] = deque()
         self.rejected: list[Request] = []
         self.in_flight: Batch | None = None
@@ -83,7 +88,7 @@ class Scheduler:
         """The next batch (its pages allocated, its prefix locked), or None when nothing can run."""
         if self.in_flight is not None:
             raise AdmissionError(f"batch {self.in_flight.index} is still in flight: finish() it first")
-        adder = PrefillAdder(self.adm, self.cache)
+        adder = PrefillAdder(self.adm, self.cache, self.on_spill)
         if self._resume is not None:
             req, self._resume = self._resume, None
             res = adder.try_add(req)
@@ -139,9 +144,9 @@ class Scheduler:
         return False
 
     def _insert(self, req: Request, tokens: int, pages: list[tuple[int, int]],
-                new: Iterable[tuple[int, int]]) -> None:
-        if not pages:
-            return
+                new: Sequence[tuple[int, int]]) -> None:
+        if not new:
+            return  # no full page written: the tree already holds the whole carried prefix
         mine = set(new)
         dup = self.cache.insert(self._keys(req, tokens), pages)
         self._release([p for p in dup if p in mine])
