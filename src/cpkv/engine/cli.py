@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
-    p.add_argument("--host-pages", type=int, default=0, help="host-tier pages per rank (spill/reload)")
+    p.add_argument("--host-pages", type=int, default=0, help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and reload on a hit")
     p.add_argument("--chunk-size", type=int, default=512, help="extend cap / chunk size in tokens")
     p.add_argument("--max-requests", type=int, default=8)
     p.add_argument("--strategy", choices=("zigzag", "contiguous", "round-robin"), default="zigzag")

@@ -24,7 +24,7 @@ from cpkv.dist import RankContext
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.forward import BatchSpec, run_batch
 from cpkv.kvcache.allocator import PageAllocator
-from cpkv.kvcache.prefix_cache import Node, PrefixCache, SpillHook
+from cpkv.kvcache.prefix_cache import Node, PrefixCache
 from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
@@ -46,19 +46,6 @@ class RankOutput:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-class EngineCache(PrefixCache):
-    """The prefix cache with this rank's spill hook bound, so every eviction (admission's included)
-    copies a spilled page to the owner's host tier before its device page is reused."""
-
-    def __init__(self, page_size: int, allocators: Sequence[PageAllocator], host_pages: int,
-                 spill: SpillHook | None) -> None:
-        super().__init__(page_size, allocators, host_pages)
-        self.spill = spill
-
-    def evict(self, num_pages: int, owner: int | None = None, on_spill: SpillHook | None = None) -> int:
-        return super().evict(num_pages, owner, on_spill or self.spill)
-
-
 class RankEngine:
     """One rank's engine for one run (see the module docstring)."""
 
@@ -72,9 +59,10 @@ class RankEngine:
                                         caps=caps, mode=cfg.mode)
         self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
-        self.cache = EngineCache(cfg.page_size, allocators, cfg.host_pages, self._spill if self.host else None)
+        self.cache = PrefixCache(cfg.page_size, allocators, cfg.host_pages)
+        self.spill = self._spill if self.host is not None else None
         self.sched = Scheduler(self.cache, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
-                               staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
+                               staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit, on_spill=self.spill)
         self.out = RankOutput(self.rank)
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
@@ -102,7 +90,7 @@ class RankEngine:
             for node in nodes[first:]:
                 alloc = self.cache.allocators[node.owner]
                 if alloc.num_free == 0:
-                    self.cache.evict(1, owner=node.owner)
+                    self.cache.evict(1, owner=node.owner, on_spill=self.spill)
                 if alloc.num_free == 0:
                     break
                 page = alloc.allocate(1)[0]
