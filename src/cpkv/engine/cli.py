@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="extend cap / chunk size in tokens")
     p.add_argument("--max-requests", type=int, default=8)
     p.add_argument("--strategy", choices=("zigzag", "contiguous", "round-robin"), default="zigzag")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run a short untimed request first (default: on with --device cuda, to JIT the kernels)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are ended")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -44,7 +46,8 @@ def engine_config(args: argparse.Namespace, cp: int):
     return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, cp=cp, mode=args.mode,
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
-                        chunk_size=args.chunk_size, max_requests=args.max_requests)
+                        chunk_size=args.chunk_size, max_requests=args.max_requests,
+                        warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 
 def load_requests(args: argparse.Namespace):

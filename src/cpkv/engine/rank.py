@@ -199,9 +199,23 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)
-        engine = RankEngine(ctx, cfg, model)
-        try:
-            outputs.append(engine.run(trace))
-        finally:
-            engine.close()
+        if cfg.warmup:
+            _run_once(ctx, cfg, model, warmup_trace(cfg, model))
+            for layer in model.layers:
+                layer.stats.update(dense=0, sparse=0)
+        outputs.append(_run_once(ctx, cfg, model, trace))
     return outputs
+
+
+def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Sequence[TraceRequest]) -> RankOutput:
+    engine = RankEngine(ctx, cfg, model)
+    try:
+        return engine.run(trace)
+    finally:
+        engine.close()
+
+
+def warmup_trace(cfg: EngineConfig, model: DSAModel) -> list[TraceRequest]:
+    """A prompt past the top-k (sparse path) and its next turn (prefix hit), within one chunk."""
+    n = min(cfg.chunk_size - 2 * cfg.page_size, model.cfg.index_topk + 2 * cfg.page_size)
+    return [TraceRequest("warmup0", 0.0, n), TraceRequest("warmup1", 0.0, n + cfg.page_size, None, "warmup0")]

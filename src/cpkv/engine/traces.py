@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from cpkv.scheduler.trace import BuiltinShape, TraceRequest, builtin_trace
 
-SHAPE = BuiltinShape(think_s=(0.1, 0.5), mean_turns=4.0)
+SHAPE = BuiltinShape(rate=1.5, fresh_share=0.06, fresh_len=(16384, 131072), root_len=(16384, 98304),
+                     turn_len=(256, 3072), mean_turns=4.0, think_s=(0.1, 0.5), branch_p=0.05, max_len=196608)
 SCALE = 1 / 128
 
 
