@@ -14,7 +14,7 @@ from cpkv.dist import launch
 from cpkv.errors import ComposeTimeout, RankFailure
 from cpkv.layout import build_layout
 
-ROUNDS = 90
+ROUNDS = 60
 
 
 def _storm(ctx, rounds):

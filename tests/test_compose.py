@@ -49,9 +49,12 @@ def test_check_batches_cover_the_corner_cases():
 
 def test_without_peer_memory_every_mode_falls_back_to_fused(monkeypatch):
     monkeypatch.setenv("CPKV_DISABLE_PEER_MEMORY", "1")
-    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2))
-    assert out["ok"] and out["peer_memory"] == "none"
+    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2, corrupt_mode="v2"))
+    assert out["peer_memory"] == "none"
     assert {v["effective"] for v in out["modes"].values()} == {"legacy", "fused"}
+    # the injected one-byte fault is caught (by the comparison and by the ranks' digests), nothing else is
+    assert not out["ok"] and out["modes"]["v2"]["mismatches"] >= 1 and not out["modes"]["v2"]["ranks_agree"]
+    assert all(v["mismatches"] == 0 for m, v in out["modes"].items() if m != "v2")
 
 
 def _misuse(ctx):

@@ -158,3 +158,24 @@ def test_mode_registry_lists_names():
         get_mode("ring")
     with pytest.raises(ComposeError, match="unknown compose mode 'nope'"):
         parse_modes("fused,nope")
+
+
+def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
+    import argparse
+    import json
+
+    from cpkv.compose import check, cli_check
+    fake = {"ok": False, "cp": 2, "device": "cpu", "batches": 1, "page_size": 16, "layers": 1, "peer_memory": "shm",
+            "backend": "gloo", "shared_device": False, "solo_batches": 1, "prefetch_hits": [0, 0],
+            "modes": {"fused": {"digest": "ab" * 32, "mismatches": 3, "bytes": 10, "batches": 1, "effective": "fused"}}}
+    monkeypatch.setattr(check, "run_check", lambda cfg: fake)
+    parser = argparse.ArgumentParser()
+    cli_check.add_arguments(parser)
+    assert cli_check.run(parser.parse_args(["--modes", "fused", "--json"])) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["modes"]["fused"]["mismatches"] == 3
+    assert set(out["modes"]["fused"]) >= {"digest", "mismatches", "bytes"}
+    fake["ok"] = True
+    fake["modes"]["fused"]["mismatches"] = 0
+    assert cli_check.run(parser.parse_args(["--modes", "fused"])) == 0
+    assert "fused" in capsys.readouterr().out

@@ -56,3 +56,29 @@ def test_bad_arguments_raise_config_errors():
     with pytest.raises(ConfigError, match="'cpu' or 'cuda'"):
         pick_backend("tpu", 2)
     assert pick_backend("cpu", 4) == ("gloo", False)
+
+
+def test_context_from_env_joins_a_torchrun_style_group(monkeypatch):
+    import socket
+
+    from cpkv.dist import context_from_env
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        ctx = context_from_env("cpu", timeout_s=30)
+        assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device.type) == (0, 1, "gloo", "cpu")
+        assert ctx.all_reduce_min(5) == 5 and ctx.all_gather_object("x") == ["x"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_context_from_env_needs_torchrun_variables(monkeypatch):
+    from cpkv.dist import context_from_env
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="RANK"):
+        context_from_env("cpu")

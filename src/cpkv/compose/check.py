@@ -12,7 +12,7 @@ mode persisted the rank's current pages into its pool (the pages are scribbled o
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ class CheckConfig:
     max_prefix_pages: int = 6
     max_extend_pages: int = 5
     timeout_s: float = 600.0
-    extra: dict = field(default_factory=dict)
+    corrupt_mode: str | None = None  # fault injection (tests): rank 0 flips one byte of this mode's output
 
     def caps(self) -> AdmissionCaps:
         ext = self.max_bs * self.max_extend_pages * self.page_size
@@ -166,6 +166,9 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
             mine = cur[torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
             rows.index_copy_(0, plan.query_rows, mine.index_select(0, plan.query_rows))
             dense = rt.compose(layout, layer, k, mode=mode).cpu()
+            if cfg.corrupt_mode == mode and rt.rank == 0 and layer == 0:
+                dense = dense.clone()
+                dense.view(-1)[0] ^= 1
             st.add(dense, reference_dense(layout, [m[layer] for m in mirror[k]], cur))
             if own is not None:
                 got = rt.pool.buffers[k][layer][own.to(rt.device)].cpu()

@@ -23,8 +23,12 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.compose.modes import parse_modes
     from cpkv.errors import ConfigError
 
-    if args.batches < 1 or args.layers < 1:
-        raise ConfigError(f"--batches and --layers must be >= 1, got {args.batches} and {args.layers}")
+    from cpkv.config import is_power_of_two
+
+    if args.batches < 1 or args.layers < 1 or args.cp < 1:
+        raise ConfigError(f"--cp, --batches and --layers must be >= 1, got {args.cp}, {args.batches}, {args.layers}")
+    if not is_power_of_two(args.page_size):
+        raise ConfigError(f"--page-size must be a power of two >= 1, got {args.page_size}")
     cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
                       device=args.device, page_size=args.page_size, layers=args.layers)
     out = run_check(cfg)

@@ -207,6 +207,8 @@ class ComposeRuntime:
         if m.needs_peer and not self.mem.available:
             m = get_mode("fused")
         half = self.uses[kind] & 1
+        if m.name != "prefetch" and self._pending[kind] is not None:
+            self.settle_prefetch(kind)
         dense = m.run(self, plan, layout, layer, kind, half)
         self.uses[kind] += 1
         return dense
@@ -272,13 +274,18 @@ class ComposeRuntime:
 
     def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
         """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""
-        p, self._pending[kind] = self._pending[kind], None
+        p = self.settle_prefetch(kind)
         if p is None or p.plan is not plan or p.layer != layer or p.half != half:
             return False
-        if p.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(p.event)
         self.prefetch_hits += 1
         return True
+
+    def settle_prefetch(self, kind: str) -> _Pending | None:
+        """Order the current stream after a pending prefetch of ``kind`` (hit or stale: it writes the arena)."""
+        p, self._pending[kind] = self._pending[kind], None
+        if p is not None and p.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(p.event)
+        return p
 
     def issue_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Gather ``layer``'s prefix pages into arena half ``half`` ahead of time (side stream on GPU)."""
