@@ -9,15 +9,15 @@ from cpkv.cli import main
 from cpkv.errors import ConfigError
 from cpkv.scheduler.costs import CostModel
 from cpkv.scheduler.replay import ReplayConfig, percentile, replay
-from cpkv.scheduler.trace import TraceRequest, builtin_trace, write_trace
+from cpkv.scheduler.trace import BuiltinShape, TraceRequest, builtin_trace, write_trace
 
 SMALL = dict(cp=2, page_size=16, chunk=256, kv_tokens_per_rank=8192)
 
 
 @pytest.fixture(scope="module")
 def trace():
-    # chunked fresh prompts and multi-turn cache hits at a small scale
-    return builtin_trace(300, seed=1, scale=1 / 128)
+    # chunked fresh prompts and multi-turn cache hits at a small scale, arriving fast enough to queue
+    return builtin_trace(300, seed=1, scale=1 / 128, shape=BuiltinShape(rate=80.0, think_s=(0.05, 0.2)))
 
 
 def batches_of(trace, **kw):

@@ -338,3 +338,12 @@ def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
     e = batch.entries[0]
     assert e.prefix_len == P * next(i for i, n in enumerate(m.nodes) if not n.on_device)
     sched.finish(batch)
+
+
+def test_try_add_refuses_misuse():
+    sched, cache, _ = make()
+    adder = PrefillAdder(sched.adm, cache)
+    r = req("a", toks(100, 5))
+    assert isinstance(adder.try_add(r), Admitted)
+    with pytest.raises(AdmissionError, match="already in this batch"):
+        adder.try_add(r)

@@ -263,7 +263,7 @@ class BuiltinShape:
     of ~0.93 (~0.91 replayed on 8×H200 with shared KV).
     """
 
-    rate: float = 3.0                 # requests per second, on average
+    rate: float = 4.0                 # requests per second, on average
     fresh_share: float = 0.06         # share of sessions that are one fresh long prompt
     fresh_len: tuple[int, int] = (16384, 98304)
     root_len: tuple[int, int] = (12288, 65536)   # a conversation's first prompt (long shared history)
