@@ -241,3 +241,16 @@ def test_attention_bad_input() -> None:
     for call, msg in cases:
         with pytest.raises(AttentionError, match=msg):
             call()
+
+
+def test_kernel_config_choice_without_hopper() -> None:
+    """The Gluon kernel is chosen only on sm_90 with 512 + 64 dims and > 32 heads; tags name configs."""
+    from cpkv.kernels import sparse_mla as kernel
+
+    for cap in (None, (8, 0), (10, 0)):
+        assert kernel.default_config(64, 512, 64, cap).impl == "triton"
+    assert kernel.default_config(16, 512, 64, (9, 0)).impl == "triton"
+    assert kernel.default_config(64, 128, 32, (9, 0)).impl == "triton"
+    assert not kernel.gluon_supported(256, 64, (9, 0))
+    assert kernel.Config(64, 64, 8, 2).tag() == "h64 k64 w8 s2"
+    assert kernel.GLUON.tag() == "h64 k64 w8 s2 gluon"

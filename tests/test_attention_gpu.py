@@ -68,20 +68,53 @@ def test_sparse_odd_topk_glm5() -> None:
     check_sparse(t=3, h=64, d_v=512, d_r=64, s=700, topk=333, seed=11)
 
 
-@pytest.mark.parametrize("cfg", [(64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True),
-                                 (64, 32, 8, 3, True, True), (16, 64, 4, 2, True, True)])
-def test_sparse_kernel_configs(cfg: tuple) -> None:
-    """Every tuned variant (index prefetch, lazy rescale) against float64, large-magnitude scores."""
+def _configs() -> list:
+    from cpkv.kernels.sparse_mla import GLUON, Config
+
+    return [Config(64, 64, 8, 2), Config(64, 64, 8, 2, False, True), Config(64, 32, 8, 3, True, True),
+            Config(16, 64, 4, 2, True, True), GLUON]
+
+
+def _skip_unless_gluon(cfg) -> None:
+    from cpkv.kernels.sparse_mla import gluon_supported
+
+    if cfg.impl == "gluon" and not gluon_supported(512, 64, torch.cuda.get_device_capability()):
+        pytest.skip("the Gluon kernel needs sm_90 and triton.experimental.gluon")
+
+
+@pytest.mark.parametrize("i", range(5), ids=["default-triton", "lazy", "k32-pf-lazy", "h16", "gluon"])
+def test_sparse_kernel_configs(i: int) -> None:
+    """Every kernel variant against float64: large-magnitude scores, leading invalid tiles, odd topk."""
     from cpkv.kernels import sparse_mla as kernel
 
+    cfg = _configs()[i]
+    _skip_unless_gluon(cfg)
     gen = torch.Generator(device="cuda").manual_seed(12)
     q = (torch.randn(6, 64, 576, generator=gen, device="cuda") * 4).to(torch.bfloat16)
     kv = torch.randn(2000, 576, generator=gen, device="cuda").to(torch.bfloat16)
     idx = gpu_indices(6, 1000, 2000, gen)
     idx[0, :700] = -1  # leading invalid tiles
-    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, kernel.Config(*cfg))
+    idx[1, 130:] = -1  # trailing invalid tiles
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, cfg)
     ref = sparse_mla_ref(q.cpu(), kv.cpu(), idx.cpu(), 0.1, 512, dtype=torch.float64)
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+
+
+@pytest.mark.parametrize("h,topk,t", [(16, 64, 3), (32, 333, 4), (64, 2048, 3), (128, 100, 2), (64, 0, 2)])
+def test_gluon_kernel_heads_and_lengths(h: int, topk: int, t: int) -> None:
+    """Gluon kernel: heads padded to 64 (16, 32) or split in blocks of 64 (128), partial / single / no tiles."""
+    from cpkv.kernels import sparse_mla as kernel
+
+    _skip_unless_gluon(kernel.GLUON)
+    gen = torch.Generator(device="cuda").manual_seed(h + topk)
+    q = torch.randn(t, h, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(3000, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = gpu_indices(t, topk, 3000, gen) if topk else torch.empty(t, 0, dtype=torch.int32, device="cuda")
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.07, 512, kernel.GLUON)
+    ref = sparse_mla_ref(q.cpu(), kv.cpu(), idx.cpu(), 0.07, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+    _, tri_lse, _ = kernel.launch(q, kv, idx, None, None, 0.07, 512, kernel.default_config(h, 512, 64))
+    assert torch.equal(torch.isinf(lse), torch.isinf(tri_lse))
 
 
 def test_sparse_strided_q() -> None:

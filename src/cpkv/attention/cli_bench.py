@@ -121,10 +121,10 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
 
     ms = _do_bench(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms)
     tflops = _flops(inp) / ms / 1e9
-    cfg = kernel.default_config(inp["q"].shape[1], 512, 64)
+    cfg = kernel.default_config(inp["q"].shape[1], 512, 64, kernel.device_capability(inp["q"]))
     case = {
         "tokens": inp["q"].shape[0], "ms": ms, "tflops": tflops, "ratio": tflops / gemm,
-        "config": cfg.__dict__, "rel_err": _rel_err(inp),
+        "config": cfg.tag(), "rel_err": _rel_err(inp),
     }
     if inp["pattern"] == "window":
         from cpkv.attention import dense_causal_mla
@@ -134,41 +134,42 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     return case
 
 
-def _rel_err(inp: dict[str, Any], rows: int = 8) -> float:
+def _rel_err(inp: dict[str, Any], rows: int = 8, config: Any = None) -> float:
     """||out - ref|| / ||ref|| on the first ``rows`` query rows, reference in float64 on the device."""
     import torch
 
-    from cpkv.attention import sparse_mla, sparse_mla_ref
+    from cpkv.attention import sparse_mla_ref
+    from cpkv.kernels import sparse_mla as kernel
 
     q, idx = inp["q"][:rows], inp["idx"][:rows]
-    out, _ = sparse_mla(q, inp["kv"], idx, inp["scale"])
+    out, _, _ = kernel.launch(q, inp["kv"], idx, None, None, inp["scale"], 512, config)
     ref, _ = sparse_mla_ref(q, inp["kv"], idx, inp["scale"], 512, dtype=torch.float64, chunk=1)
     return float((out.double() - ref).norm() / ref.norm())
 
 
-SWEEP = [  # (block_h, block_k, warps, stages, prefetch_idx, lazy_rescale)
-    (64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True), (64, 32, 8, 3, True, True),
-]
+def _sweep_configs() -> list[Any]:
+    """Candidate kernel configs: the Triton kernel (previous default) and the Gluon kernel."""
+    from cpkv.kernels import sparse_mla as kernel
+
+    return [kernel.Config(64, 64, 8, 2), kernel.GLUON]
 
 
 def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]]:
     from cpkv.kernels import sparse_mla as kernel
 
     rows = []
-    for bh, bk, warps, stages, pre, lazy in SWEEP:
-        cfg = kernel.Config(bh, bk, warps, stages, pre, lazy)
-        tags = (" pf" if pre else "") + (" lazy" if lazy else "")
-        row: dict[str, Any] = {"config": f"h{bh} k{bk} w{warps} s{stages}{tags}"}
+    for cfg in _sweep_configs():
+        row: dict[str, Any] = {"config": cfg.tag()}
         try:
             call = lambda: kernel.launch(inp["q"], inp["kv"], inp["idx"], None, None, inp["scale"], 512, cfg)  # noqa: E731
             compiled = call()[2]
             ms = _do_bench(call, rep_ms)
             tflops = _flops(inp) / ms / 1e9
-            row.update(ms=ms, tflops=tflops, ratio=tflops / gemm, regs=getattr(compiled, "n_regs", None),
-                       spills=getattr(compiled, "n_spills", None),
+            row.update(ms=ms, tflops=tflops, ratio=tflops / gemm, rel_err=_rel_err(inp, config=cfg),
+                       regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
                        smem=getattr(getattr(compiled, "metadata", None), "shared", None))
         except Exception as exc:  # a config that does not fit (shared memory, registers) is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         rows.append(row)
     return rows
 
@@ -194,10 +195,10 @@ def _report(res: dict[str, Any], as_json: bool) -> None:
     print(f"sparse MLA: H={res['heads']} topk={res['topk']} S={res['kv_rows']} d_qk=576 d_v=512, "
           f"indices {res['pattern']}")
     if res["sweep"]:
-        keys = ["config", "ms", "tflops", "ratio", "regs", "spills", "smem", "error"]
+        keys = ["config", "ms", "tflops", "ratio", "rel_err", "regs", "spills", "smem", "error"]
         table(keys, [[r.get(k, "") for k in keys] for r in res["sweep"]])
-    table(["T", "ms", "TFLOP/s", "ratio to GEMM", "rel err", "dense TFLOP/s"],
-          [[c["tokens"], c["ms"], c["tflops"], c["ratio"], c["rel_err"], c.get("dense_tflops", "")]
+    table(["T", "config", "ms", "TFLOP/s", "ratio to GEMM", "rel err", "dense TFLOP/s"],
+          [[c["tokens"], c["config"], c["ms"], c["tflops"], c["ratio"], c["rel_err"], c.get("dense_tflops", "")]
            for c in res["cases"]])
     d = res["dequant"]
     print(f"dequant {d['rows']} rows: {d['ms']:.3f} ms, {d['gbs']:.0f} GB/s ({d['ratio_to_copy']:.2f} of copy)")
