@@ -159,6 +159,10 @@ class PeerMemory:
         func, args = handle[1]
         return func(*args)
 
+    def has(self, name: str) -> bool:
+        """True when this rank allocated ``name`` through this PeerMemory."""
+        return name in self._own
+
     def peer(self, rank: int, name: str) -> torch.Tensor:
         """Rank ``rank``'s buffer ``name`` as mapped in this process (this rank's own tensor for itself)."""
         if name not in self._peers:

@@ -109,7 +109,7 @@ class ComposeRuntime:
             if buf.dtype != torch.uint8 or tuple(buf.shape) != want:
                 raise ComposeError(f"pool {k!r} buffer must be uint8 {list(want)} (layers, pages, page_size * "
                                    f"row_bytes {self.pool.row_bytes(k)}), got {buf.dtype} {list(buf.shape)}")
-        if self.mem.available and any(f"pool.{k}" not in self.mem._own for k in KINDS):
+        if self.mem.available and not all(self.mem.has(f"pool.{k}") for k in KINDS):
             raise ComposeError("the pool was not allocated through PeerMemory.alloc (pass alloc=mem.alloc to KVPool)")
         if self.mem.ctx.world_size != self.ctx.world_size:
             raise ComposeError(f"peer memory spans {self.mem.ctx.world_size} ranks, the group has {self.ctx.world_size}")
