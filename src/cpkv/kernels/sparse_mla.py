@@ -23,10 +23,21 @@ Tuning notes (H200, Triton 3.6, H=64, topk=2048, S=65536, T=4096, uniform random
     h64 k64 w8 s2, idx prefetch 205; lazy rescale 198 (both spill)
     h32 k32 w4 s2 (2 CTAs/SM) 165;  h64 k32 w16 s2: 76
     L2-resident indices: 274; contiguous windows: 256 (dense path 252)
-The gap to the GEMM is on the compute side (L2-resident keys gain only 12%): with M = 64 heads the
-two warpgroups split N of each dot, so every tile's row max/sum and P cross warpgroups through
-shared memory, and Triton does not overlap softmax with the next tile's wgmma (FlashMLA's
-warp-specialised kernel does).
+The gap to the GEMM is on the compute side (L2-resident keys gain only 12%). Reading the compiled
+TTGIR explains most of it: Triton's chained-dot heuristic (AccelerateMatmul ``warpsPerTileV3``)
+puts all 8 warps on M for the score dot, and with M = 64 heads both warpgroups compute the SAME
+[64, 64] score tile with m64n32k16 wgmma (72 per tile, A = Q from shared memory each time), i.e.
+the QK half of the work is done twice and shared-memory reads per tile are ~2x FlashMLA's.
+
+The Gluon kernel (``load_gluon``, default on sm_90 for 512 + 64 dims and > 32 heads) fixes the
+layouts by hand: S split over the two warpgroups along the keys (n32 each, no duplicate), O split
+along d_v (n256), P through 8 KB of shared memory, gathers issued while QK runs (230 KB shared,
+243 regs, no spills). 2026-11-30, H200, same bench, GEMM 744 TFLOP/s in the same run:
+    gluon h64 k64 w8          T=4096 315-317 (0.42-0.43), T=16384 322 (0.43); rel err 1.9e-3
+    triton h64 k64 w8 s2      T=4096 244 (0.33)
+Not overlapped yet: softmax leaves the tensor cores idle (FA3-style overlap needs the gather of
+tile j + 2 in flight while PV of tile j runs, i.e. a third 74 KB key buffer, which does not fit
+beside Q; a warp-specialised producer, as FlashMLA's, is the next step).
 """
 from __future__ import annotations
 
@@ -39,7 +50,7 @@ from typing import Any
 import torch
 
 LOG2E = 1.4426950408889634
-USE_GLUON_BY_DEFAULT = True  # set from the H200 measurements (module docstring)
+USE_GLUON_BY_DEFAULT = True  # faster and correct on H200 (module docstring); False = Triton kernel
 
 
 @dataclass(frozen=True)
