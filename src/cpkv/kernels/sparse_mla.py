@@ -32,7 +32,7 @@ the QK half of the work is done twice and shared-memory reads per tile are ~2x F
 The Gluon kernel (``load_gluon``, default on sm_90 for 512 + 64 dims and > 32 heads) fixes the
 layouts by hand: S split over the two warpgroups along the keys (n32 each, no duplicate), O split
 along d_v (n256), P through 8 KB of shared memory, gathers issued while QK runs (230 KB shared,
-243 regs, no spills). 2026-11-30, H200, same bench, GEMM 744 TFLOP/s in the same run:
+243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744 TFLOP/s in the same run:
     gluon h64 k64 w8          T=4096 315-317 (0.42-0.43), T=16384 322 (0.43); rel err 1.9e-3
     triton h64 k64 w8 s2      T=4096 244 (0.33)
 Not overlapped yet: softmax leaves the tensor cores idle (FA3-style overlap needs the gather of
