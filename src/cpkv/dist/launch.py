@@ -18,6 +18,7 @@ and ``exc.errors`` (rank -> exception object, when it could be pickled) carry th
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import time
@@ -101,13 +102,22 @@ def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, 
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         conn.send((rank, False, _failure_payload(exc)))
         conn.close()
-        os._exit(1)
+        _exit(1)
     try:
         dist.barrier()  # nobody tears down memory a peer may still read
         dist.destroy_process_group()
     finally:
         conn.close()
-        os._exit(0)
+        _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Run atexit handlers (they remove shared-memory files), then exit without interpreter teardown
+    (a dead peer must not make process-group destructors hang)."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        os._exit(code)
 
 
 def _failure_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
