@@ -127,8 +127,12 @@ class Admission:
         rest = prompt_len - cached
         return cached if rest <= cap else cached + (rest - 1) // cap * cap
 
-    def chunk_rows(self, extend: int, rot: int) -> tuple[list[int], list[int]]:
+    def chunk_rows(self, extend: int, rot: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(writer of each new page, query rows per rank) of a chunk of ``extend`` tokens at rotation ``rot``."""
+        return self._chunk_rows(extend, rot % (2 * self.cp))  # the split depends on rot modulo the runs
+
+    @lru_cache(maxsize=1 << 14)
+    def _chunk_rows(self, extend: int, rot: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         P = self.page_size
         writers = split_writers(cdiv(extend, P), self.cp, self.strategy, rot)
         rows = [0] * self.cp
@@ -136,7 +140,7 @@ class Admission:
             rows[w] += P
         if extend % P:
             rows[writers[-1]] -= P - extend % P
-        return writers, rows
+        return tuple(writers), tuple(rows)
 
     @lru_cache(maxsize=8192)
     def never_reason(self, prompt_len: int, pool_pages: int) -> Rejected | None:
@@ -258,7 +262,7 @@ class PrefillAdder:
         return plan.chunked and (self.adm.policy == "solo" or not plan.last)
 
     # -- caps --------------------------------------------------------------------------------------
-    def _check_caps(self, plan: _Plan, rows: list[int]) -> Rejected | None:
+    def _check_caps(self, plan: _Plan, rows: tuple[int, ...]) -> Rejected | None:
         adm, caps = self.adm, self.adm.caps
         if self.entries and self._alone(plan):
             return Rejected("solo", "this chunk must run alone (chunked or unaligned prefix)")
@@ -271,13 +275,13 @@ class PrefillAdder:
             return Rejected("buffer_bytes", f"the batch would need {need} buffer bytes > cap {caps.buffer_bytes}")
         return None
 
-    def _buffer_with(self, plan: _Plan, rows: list[int]) -> int:
+    def _buffer_with(self, plan: _Plan, rows: tuple[int, ...]) -> int:
         P = self.adm.page_size
         slots = self.slots + cdiv(plan.prefix, P) + cdiv(plan.extend, P)
         return self.adm.buffer_bytes(slots, max(a + b for a, b in zip(self.rows, rows)))
 
     # -- pages -------------------------------------------------------------------------------------
-    def _admit(self, req: Request, plan: _Plan, writers: list[int], rows: list[int]) -> Admitted | Rejected:
+    def _admit(self, req: Request, plan: _Plan, writers: tuple[int, ...], rows: tuple[int, ...]) -> Admitted | Rejected:
         owners = [0 if self.adm.replicated else w for w in writers]
         if plan.fresh:
             self.cache.lock(plan.nodes)
@@ -286,8 +290,7 @@ class PrefillAdder:
             if plan.fresh:
                 self.cache.unlock(plan.nodes)
             return Rejected("pages", "a writer rank has too few free pages after eviction")
-        entry = Entry(req, plan.prefix, plan.extend, plan.chunked, plan.last, plan.nodes, tuple(pages),
-                      tuple(writers))
+        entry = Entry(req, plan.prefix, plan.extend, plan.chunked, plan.last, plan.nodes, tuple(pages), writers)
         self._account(entry, rows)
         if plan.fresh:
             req.cached, req.done, req.nodes = plan.prefix, plan.prefix, plan.nodes
@@ -309,7 +312,7 @@ class PrefillAdder:
         got = {o: iter(allocs[o].allocate(n)) for o, n in sorted(need.items())}
         return [(o, next(got[o])) for o in owners]
 
-    def _account(self, entry: Entry, rows: list[int]) -> None:
+    def _account(self, entry: Entry, rows: tuple[int, ...]) -> None:
         P = self.adm.page_size
         self.entries.append(entry)
         self.extend += entry.extend_len

@@ -25,6 +25,9 @@ from cpkv.scheduler.batch import Batch, Entry
 from cpkv.scheduler.request import Request, Status
 
 
+_HELD = (-1, -1)  # stands for a page the tree already holds (never adopted: its node exists and is locked)
+
+
 class Scheduler:
     """Admission over a CP-wide prefix cache.
 
@@ -127,8 +130,7 @@ class Scheduler:
         req, P = e.request, self.adm.page_size
         end = e.seq_len
         keep = (end // P - e.prefix_len // P) if e.prefix_len % P == 0 else 0
-        self._insert(req, end // P * P, [(n.owner, n.page_id) for n in e.nodes] + list(e.pages[:keep]),
-                     e.pages[:keep])
+        self._insert(req, end // P * P, len(e.nodes), list(e.pages[:keep]))
         self._release(e.pages[keep:])
         req.chunks += 1
         if e.last_chunk:
@@ -143,13 +145,18 @@ class Scheduler:
         self._resume = req
         return False
 
-    def _insert(self, req: Request, tokens: int, pages: list[tuple[int, int]],
-                new: Sequence[tuple[int, int]]) -> None:
+    def _insert(self, req: Request, tokens: int, num_prefix: int, new: list[tuple[int, int]]) -> None:
+        """Insert the full pages of ``tokens``: the tree holds the first ``num_prefix`` (locked), ``new`` follow.
+
+        The locked prefix pages are already cached, so the placeholders standing for them come back
+        rejected (the first ``num_prefix`` entries); duplicates of ``new`` come back after them.
+        """
         if not new:
             return  # no full page written: the tree already holds the whole carried prefix
-        mine = set(new)
-        dup = self.cache.insert(self._keys(req, tokens), pages)
-        self._release([p for p in dup if p in mine])
+        dup = self.cache.insert(self._keys(req, tokens), [_HELD] * num_prefix + new)
+        if dup.count(_HELD) != num_prefix:
+            raise AdmissionError(f"request {req.rid!r}: its locked prefix is no longer in the prefix cache")
+        self._release(dup[num_prefix:])
 
     def _keys(self, req: Request, tokens: int):
         return req.keys[: tokens // self.key_unit]
