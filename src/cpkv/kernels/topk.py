@@ -23,6 +23,8 @@ Every step is exact; the sample only decides how much work the exact steps do.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -166,29 +168,197 @@ def topk_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x,
                 seli = sel.to(tl.int32)
                 tl.store(out + tl.cumsum(seli, axis=0) - seli, cols, mask=sel)
             else:
-                thr = _kth_largest_row(base, n, K, BLOCK)
-                remaining = K - _count_ge_row(base, n, thr, BLOCK) + _count_eq_row(base, n, thr, BLOCK)
-                _write_row(base, n, thr, remaining, out, BLOCK)
+                thr = _kth_largest_row_loop(base, n, K, CBLOCK)
+                remaining = K - _count_ge_row(base, n, thr, CBLOCK) + _count_eq_row(base, n, thr, CBLOCK)
+                _write_row(base, n, thr, remaining, out, CBLOCK)
             tl.debug_barrier()
+
+
+@triton.jit
+def _kth_largest_loop(skey, valid, r):
+    """_kth_largest with a rolled bit loop (smaller code, fewer live registers)."""
+    t_u = tl.full([], -2147483648, tl.int32)
+    cnt = tl.sum((valid & (skey >= 0)).to(tl.int32), axis=0)
+    t_u = tl.where(cnt >= r, t_u, 0)
+    for b in range(1, 32):
+        trial = t_u | (1 << (31 - b))
+        cnt = tl.sum((valid & (skey >= (trial ^ -2147483648))).to(tl.int32), axis=0)
+        t_u = tl.where(cnt >= r, trial, t_u)
+    return t_u ^ -2147483648
+
+
+@triton.jit
+def _kth_largest_row_loop(base, n, r, BLOCK: tl.constexpr):
+    """_kth_largest_row with a rolled bit loop."""
+    t_u = tl.full([], -2147483648, tl.int32)
+    t_u = tl.where(_count_ge_row(base, n, 0, BLOCK) >= r, t_u, 0)
+    for b in range(1, 32):
+        trial = t_u | (1 << (31 - b))
+        t_u = tl.where(_count_ge_row(base, n, trial ^ -2147483648, BLOCK) >= r, trial, t_u)
+    return t_u ^ -2147483648
+
+
+@triton.jit
+def _rank_threshold(base, n, r, SAMPLE: tl.constexpr):
+    """Sample key of rank r (1 = largest) among SAMPLE keys of the row (64 spread runs; n > SAMPLE)."""
+    s = tl.arange(0, SAMPLE)
+    offs = ((s // 64).to(tl.int64) * n // (SAMPLE // 64)).to(tl.int32) + s % 64
+    return _kth_largest_loop(_skey(tl.load(base + offs)), s < SAMPLE, r)
+
+
+@triton.jit
+def _compact(rowp, lo, hi, t_low, scols, skeys, C: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr):
+    """One streaming pass over row columns [lo, hi): (col - lo, skey) of every key >= t_low, in
+    index order, into the first C scratch slots; returns the count (which may exceed C). Blocks are
+    [BLOCK // 4, 4] (one aligned 16-byte quad per row of the tile); the loads of the next DEPTH
+    (1 or 2) blocks are in flight while the current block is scanned (register buffers)."""
+    c0 = tl.multiple_of((lo // 4) * 4, 4)
+    hi_up = ((hi + 3) // 4) * 4
+    offs = tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    x0 = tl.load(rowp + c0 + offs, mask=c0 + offs < hi_up, other=0.0)
+    x1 = x0
+    if DEPTH == 2:
+        x1 = tl.load(rowp + (c0 + BLOCK) + offs, mask=(c0 + BLOCK) + offs < hi_up, other=0.0)
+    m = tl.zeros([], tl.int32)
+    for i in range(0, tl.cdiv(hi - c0, BLOCK)):
+        cols = tl.multiple_of(c0 + i * BLOCK, 4) + offs
+        ncols = tl.multiple_of(c0 + (i + DEPTH) * BLOCK, 4) + offs
+        xn = tl.load(rowp + ncols, mask=ncols < hi_up, other=0.0)
+        sk = _skey(x0)
+        cand = ((cols >= lo) & (cols < hi) & (sk >= t_low)).to(tl.int32)
+        per_quad = tl.sum(cand, axis=1)
+        pos = (tl.cumsum(per_quad, axis=0) - per_quad + m)[:, None] + tl.cumsum(cand, axis=1) - cand
+        ok = (cand != 0) & (pos < C)
+        tl.store(scols + pos, cols - lo, mask=ok)
+        tl.store(skeys + pos, sk, mask=ok)
+        m += tl.sum(per_quad, axis=0)
+        if DEPTH == 2:
+            x0 = x1
+            x1 = xn
+        else:
+            x0 = xn
+    return m
+
+
+@triton.jit
+def _select_from_scratch(scols, skeys, m, out, K: tl.constexpr, C: tl.constexpr, CBLOCK: tl.constexpr):
+    """Exact top-K of the m (K <= m <= C) scratch candidates, written to out in index order."""
+    slot = tl.arange(0, C)
+    valid = slot < m
+    sk_all = tl.load(skeys + slot, mask=valid, other=-2147483648)
+    thr = _kth_largest_loop(sk_all, valid, K)
+    remaining = K - tl.sum((valid & (sk_all > thr)).to(tl.int32), axis=0)
+    n_sel = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for c in range(0, m, CBLOCK):
+        o = c + tl.arange(0, CBLOCK)
+        v = o < m
+        sk = tl.load(skeys + o, mask=v, other=-2147483648)
+        eq = (v & (sk == thr)).to(tl.int32)
+        sel = (v & (sk > thr)) | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq + n_eq) < remaining))
+        si = sel.to(tl.int32)
+        tl.store(out + tl.cumsum(si, axis=0) - si + n_sel, tl.load(scols + o, mask=v, other=0), mask=sel)
+        n_sel += tl.sum(si, axis=0)
+        n_eq += tl.sum(eq, axis=0)
+
+
+@triton.jit
+def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x4, stride_out,
+                       K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
+                       SAMPLE: tl.constexpr, KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr,
+                       DEPTH: tl.constexpr):
+    """Variant "stream" (module docstring of topk_triton_stream); stride_x4 = x's row stride / 4."""
+    pid = tl.program_id(0)
+    for it in range(0, (T - pid + nprog - 1) // nprog):
+        row = pid + it * nprog
+        lo = tl.load(lo_ptr + row)
+        n = tl.maximum(tl.load(hi_ptr + row) - lo, 0)
+        # scratch addressed through the row's loaded bounds: keeps the compiler from hoisting
+        # per-slot pointer tensors out of the row loop (they would pin ~150 registers)
+        scols = scratch_ptr + (pid.to(tl.int64) * (2 * C) + tl.minimum(lo, 0))
+        skeys = scols + C
+        rowp = x_ptr + row.to(tl.int64) * stride_x4 * 4
+        out = out_ptr + row.to(tl.int64) * stride_out
+        if n <= K:
+            for c in range(0, K, KBLOCK):
+                offs = c + tl.arange(0, KBLOCK)
+                tl.store(out + offs, tl.where(offs < n, offs, -1), mask=offs < K)
+        else:
+            base = rowp + lo
+            r = tl.minimum(tl.maximum((TARGET * SAMPLE + n - 1) // n, 1), SAMPLE)
+            m = tl.full([], -1, tl.int32)
+            tries = tl.zeros([], tl.int32)
+            while ((m < K) | (m > C)) & (tries <= RETRIES):
+                t_low = tl.full([], -2147483648, tl.int32)
+                if n > C:
+                    t_low = _rank_threshold(base, n, r, SAMPLE)
+                tl.debug_barrier()
+                m = _compact(rowp, lo, lo + n, t_low, scols, skeys, C, BLOCK, DEPTH)
+                # m keys lie above the sample's rank-r key: rescale the rank toward TARGET keys
+                r_new = tl.minimum(tl.maximum((r * TARGET) // tl.maximum(m, 1), 1), SAMPLE)
+                r_new = tl.where((m < K) & (r_new <= r), r + 1, r_new)
+                r_new = tl.where((m > C) & (r_new >= r), r - 1, r_new)
+                r = tl.minimum(tl.maximum(r_new, 1), SAMPLE)
+                tries = tl.where(n > C, tries + 1, RETRIES + 1)
+            tl.debug_barrier()
+            if (m >= K) & (m <= C):
+                _select_from_scratch(scols, skeys, m, out, K, C, CBLOCK)
+            else:
+                thr = _kth_largest_row_loop(base, n, K, CBLOCK)
+                remaining = K - _count_ge_row(base, n, thr, CBLOCK) + _count_eq_row(base, n, thr, CBLOCK)
+                _write_row(base, n, thr, remaining, out, CBLOCK)
+            tl.debug_barrier()
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """variant "stream": topk_stream_kernel (sample threshold + one streaming compaction pass, a
+    rescaled retry instead of the 32-pass path when the sample misses, 4 warps, several programs per
+    SM); "sample": the first kernel (topk_kernel). block: keys per streaming step."""
+
+    variant: str = "stream"
+    num_warps: int = 4
+    programs_per_sm: int = 4
+    block: int = 1024
+    maxnreg: int | None = 128
+    depth: int = 2
+
+
+DEFAULT_CONFIG = TopkConfig()
+SAMPLE_CONFIG = TopkConfig(variant="sample", num_warps=NUM_WARPS, programs_per_sm=PROGRAMS_PER_SM, block=BLOCK)
+RETRIES = 2
 
 
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
+                config: TopkConfig | None = None) -> torch.Tensor:
     """Fill out [T, k] int32 with the top-k relative indices of each row's x[i, lo[i]:hi[i]]
     (module docstring). Inputs must already be validated (cpkv.indexer.topk does it)."""
+    cfg = config or DEFAULT_CONFIG
     T = x.shape[0]
     if T == 0:
         return out
     c = candidate_slots(k)
-    programs = min(T, PROGRAMS_PER_SM * _num_sms(x.device))
-    scratch = torch.empty(programs, c, dtype=torch.int32, device=x.device)
+    programs = min(T, cfg.programs_per_sm * _num_sms(x.device))
     kblock = min(4096, 1 << max(k - 1, 1).bit_length())
     target = int((k * c) ** 0.5)
-    topk_kernel[(programs,)](
-        x, lo, hi, out, scratch, T, programs, x.stride(0), out.stride(0),
-        K=k, C=c, TARGET=target, BLOCK=BLOCK, SAMPLE=SAMPLE, KBLOCK=kblock, num_warps=NUM_WARPS,
+    if cfg.variant == "sample":
+        scratch = torch.empty(programs, c, dtype=torch.int32, device=x.device)
+        topk_kernel[(programs,)](
+            x, lo, hi, out, scratch, T, programs, x.stride(0), out.stride(0),
+            K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, num_warps=cfg.num_warps,
+        )
+        return out
+    if cfg.variant != "stream":
+        raise ValueError(f"unknown top-k variant {cfg.variant!r}; expected 'stream' or 'sample'")
+    scratch = torch.empty(programs, 2 * c, dtype=torch.int32, device=x.device)
+    topk_stream_kernel[(programs,)](
+        x, lo, hi, out, scratch, T, programs, x.stride(0) // 4, out.stride(0),
+        K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, CBLOCK=1024, RETRIES=RETRIES,
+        DEPTH=cfg.depth,
+        num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
