@@ -115,6 +115,7 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": ctx.rank, "modes": {}, "peer_memory": rt.mem.kind, "triton": rt.use_triton}
     layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
     out["plan_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
+    out["plan_ms_host_only"] = _time_plan(rt, reqs, pages, ids, cfg, torch.device("cpu"))
     if cfg.kernel and rt.use_triton:  # rank 0 sweeps the gather configs; every rank then uses the best
         from cpkv.kernels import page_gather
         kern = kernel_bench(rt.device) if ctx.rank == 0 else None
@@ -143,12 +144,14 @@ def _solo_layout(cfg: BenchConfig) -> BatchLayout:
     return build_layout([reqs[i]], page_size=cfg.page_size, cp=cfg.cp, prefix_pages=[pages[i]])
 
 
-def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig) -> float:
+def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig, device: torch.device | None = None) -> float:
+    """Median ms to build the traced batch's plan (``device`` cpu: without the host-to-device copy)."""
+    device = device or rt.device
     times = []
     for _ in range(5):
         layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
         t0 = time.perf_counter()
-        ComposePlan(layout, rt.rank, rt.staging.capacity, rt.page_bytes, rt.device, ids)
+        ComposePlan(layout, rt.rank, rt.staging.capacity, rt.page_bytes, device, ids)
         _sync(rt.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -213,6 +216,12 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
                          "correct": ok})
     res["variants"] = variants
     res["launch_host_us"] = launch_us
+    tiny = torch.zeros(1, device=device)
+    res["torch_launch_host_us"] = _launch_us(lambda: tiny.add_(1))  # the host's launch floor, same run
+    best = max(variants, key=lambda v: v["GBps"])
+    cfg = {k: best[k] for k in ("block", "num_warps", "hints", "waves")}
+    ordered = idx.sort().values  # same pages in address order: separates access pattern from kernel cost
+    res["sorted_GBps"] = nbytes / _bench(lambda: page_gather_triton(out, bases, dest, src, ordered, config=cfg)) / 1e9
     res["best"] = max(variants, key=lambda v: v["GBps"])
     res["ptx_v4_loads"] = _count_v4(load())
     return res
@@ -272,7 +281,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     "effective": results[0]["modes"][m]["effective"], "requests": results[0]["modes"][m]["requests"]}
     reqs, _, _, _ = traced_batch(cfg)
     return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
-            "plan_ms": max(r["plan_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
+            "plan_ms": max(r["plan_ms"] for r in results),
+            "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
             "batch": {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs),

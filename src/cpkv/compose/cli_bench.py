@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
           [(m, v["ms_per_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
                                                                         else " (bs=1: largest request alone)"))
            for m, v in out["modes"].items()])
-    print(f"plan build: {out['plan_ms']:.3f} ms; host work per (layer, kind) with the plan cached: "
+    print(f"plan build: {out['plan_ms']:.3f} ms ({out['plan_ms_host_only']:.3f} ms without the upload); host work "
+          f"per (layer, kind) with the plan cached: "
           f"{out['host_us_per_layer_kind']:.1f} us (gather path, no barrier wait)")
     k = out.get("kernel")
     if k:
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
               [(v["block"], v["num_warps"], v["hints"], v["waves"], v["GBps"], v["ratio_to_copy"], v["correct"])
                for v in k["variants"]])
         print(f"compose modes above ran with the best gather config: {k['best']}")
-        print(f"gather launch host time {k['launch_host_us']:.1f} us; 16-byte loads per compiled variant (PTX): "
-              f"{k['ptx_v4_loads']}")
+        print(f"gather launch host time {k['launch_host_us']:.1f} us (a one-element torch op: "
+              f"{k['torch_launch_host_us']:.1f} us); best config on pages in address order {k['sorted_GBps']:.0f} GB/s;"
+              f" 16-byte loads per compiled variant (PTX): {k['ptx_v4_loads']}")
     return 0
