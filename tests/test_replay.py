@@ -153,3 +153,9 @@ def test_cli_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["replay", "--requests", "10", "--scale", "0.01", "--plot", str(tmp_path / "x.png")]) == 2
     assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_replay_reports_rejected_requests_and_goes_on():
+    trace = [TraceRequest("ok", 0.0, 300), TraceRequest("too-long", 0.0, 300_000), TraceRequest("ok2", 1.0, 200)]
+    s = replay(trace, ReplayConfig(**SMALL)).summary()
+    assert (s["completed"], s["rejected"], s["rejected_by_reason"]) == (2, 1, {"max_context": 1})

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-trace", metavar="FILE.jsonl", help="write the replayed trace to this file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the TTFT distribution per run (matplotlib)")
-    p.add_argument("--log-batches", metavar="FILE.jsonl", help="write one JSON line per batch")
+    p.add_argument("--log-batches", metavar="FILE.jsonl",
+                   help="write one JSON line per batch: t_start, t_end, requests, policy, kv")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ blocks the queue. Every decision depends only on the calls made, so every rank t
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import AdmissionError
