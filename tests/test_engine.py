@@ -11,6 +11,7 @@ import torch
 
 from cpkv.engine.config import MODES, EngineConfig
 from cpkv.engine.engine import RunResult, run_jobs, verify_run
+from cpkv.engine.traces import default_trace
 from cpkv.errors import ConfigError, RankFailure
 from cpkv.model import load_model
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
@@ -132,7 +133,9 @@ def cp3_runs():
     base = dataclasses.replace(BASE, cp=3, chunk_size=512)
     return run_jobs([(dataclasses.replace(base, pages_per_rank=12, host_pages=48), HOST_TRACE),
                      (dataclasses.replace(base, policy="mix"), MIX_TRACE),
-                     (base, TRACE)], timeout_s=300)
+                     (base, TRACE),
+                     (dataclasses.replace(base, pages_per_rank=40, host_pages=64, policy="mix", mode="v2"),
+                      default_trace(12))], timeout_s=300)
 
 
 def test_cp3_matches_single_rank(cp3_runs, reference):
@@ -153,6 +156,14 @@ def test_mix_policy_shares_batches_after_a_tail_chunk(cp3_runs, reference):
     assert shared, res.stats["batch_log"]
     assert {r.id: r.cached_len for r in res.requests}["p1"] == 192
     assert_verified(res, MIX_TRACE, reference)
+
+
+def test_host_tier_under_pressure_with_peer_gathers(cp3_runs, reference):
+    """Reloaded pages are read by peers' v2 gathers before any collective: the engine syncs first.
+    Pages inserted under a spilled parent leave device nodes after host nodes in a chain."""
+    res = cp3_runs[3]
+    assert res.summary["pages_reloaded"] > 0 and not res.rejected
+    assert_verified(res, default_trace(12), reference)
 
 
 # -- failures --------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=8)
     p.add_argument("--strategy", choices=("zigzag", "contiguous", "round-robin"), default="zigzag")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="run a short untimed request first (default: on with --device cuda, to JIT the kernels)")
+                   help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
+                        "autotuning stay out of TTFT)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are ended")
     p.add_argument("--json", action="store_true", help="print JSON")
 

@@ -33,7 +33,7 @@ class EngineConfig:
     chunk_size: int = 512
     max_requests: int = 8
     full_hit: str = "page"
-    warmup: bool = False  # one short untimed request first (JIT-compiles the GPU kernels)
+    warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
 
     def __post_init__(self) -> None:

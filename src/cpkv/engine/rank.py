@@ -74,22 +74,33 @@ class RankEngine:
             self.host.offload([page_id], [slot])
 
     def _reload_waiting(self) -> None:
-        """Bring host-tier pages of the waiting (not yet started) requests' cached chains back."""
+        """Bring host-tier pages of the waiting (not yet started) requests' cached chains back.
+
+        The queue head may evict to make room; later requests only use free pages (no thrashing).
+        When any page came back, the group synchronises: peers gather prefix pages straight from the
+        owner's pool (``v2`` before any collective), so the bytes must have landed first.
+        """
         if self.host is None:
             return
-        for req in list(self.sched.waiting)[: self.cfg.caps().max_requests]:
+        before = self.cache.stats["reloaded"]
+        for i, req in enumerate(list(self.sched.waiting)[: self.cfg.caps().max_requests]):
             if not req.started:
-                self._reload_chain(self.cache.match(req.keys).nodes)
+                self._reload_chain(self.cache.match(req.keys).nodes, may_evict=i == 0)
+        if self.cache.stats["reloaded"] != before:  # same count on every rank
+            self._sync_time()
+            self.ctx.barrier()
 
-    def _reload_chain(self, nodes: tuple[Node, ...]) -> None:
+    def _reload_chain(self, nodes: tuple[Node, ...], may_evict: bool) -> None:
         first = next((i for i, n in enumerate(nodes) if not n.on_device), len(nodes))
         if first == len(nodes):
             return
         self.cache.lock(nodes)  # neither the chain's device part nor its host part may go meanwhile
         try:
             for node in nodes[first:]:
+                if node.on_device:  # a page inserted later under a spilled parent
+                    continue
                 alloc = self.cache.allocators[node.owner]
-                if alloc.num_free == 0:
+                if alloc.num_free == 0 and may_evict:
                     self.cache.evict(1, owner=node.owner, on_spill=self.spill)
                 if alloc.num_free == 0:
                     break
@@ -200,7 +211,7 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)
         if cfg.warmup:
-            _run_once(ctx, cfg, model, warmup_trace(cfg, model))
+            _run_once(ctx, cfg, model, trace)  # untimed: JIT/autotune every kernel shape of this trace
             for layer in model.layers:
                 layer.stats.update(dense=0, sparse=0)
         outputs.append(_run_once(ctx, cfg, model, trace))
@@ -213,9 +224,3 @@ def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Seque
         return engine.run(trace)
     finally:
         engine.close()
-
-
-def warmup_trace(cfg: EngineConfig, model: DSAModel) -> list[TraceRequest]:
-    """A prompt past the top-k (sparse path) and its next turn (prefix hit), within one chunk."""
-    n = min(cfg.chunk_size - 2 * cfg.page_size, model.cfg.index_topk + 2 * cfg.page_size)
-    return [TraceRequest("warmup0", 0.0, n), TraceRequest("warmup1", 0.0, n + cfg.page_size, None, "warmup0")]
