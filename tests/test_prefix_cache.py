@@ -97,3 +97,21 @@ def test_rank_uniform_decisions():
         cache.evict(5)
         return [cache.match([i] * 8).pages for i in range(6)], [a.num_free for a in allocs]
     assert scenario() == scenario()
+
+
+def test_evict_without_hook_drops_instead_of_spilling():
+    cache, allocs = make(host=2)
+    put(cache, allocs, [5] * 4, [1])
+    assert cache.evict(1) == 1
+    assert cache.match([5] * 4).num_tokens == 0 and cache.host.num_free == 2
+
+
+def test_insert_over_spilled_page_adopts_the_fresh_copy():
+    cache, allocs = make(host=2)
+    put(cache, allocs, [5] * 8, [1, 0])
+    cache.evict(2, on_spill=lambda o, p, s: None)
+    assert cache.match([5] * 8).pages == [(1, -1), (0, -1)]
+    fresh = [(0, allocs[0].allocate(1)[0]), (1, allocs[1].allocate(1)[0])]
+    assert cache.insert([5] * 8, fresh) == []
+    assert cache.match([5] * 8).pages == fresh
+    assert cache.host.num_free == 2 and cache.num_device_pages == 2

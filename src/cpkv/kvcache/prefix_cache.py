@@ -109,6 +109,10 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 child = self._add(node, key, owner, page_id)
+            elif not child.on_device:  # spilled: adopt the fresh device copy, free the host slot
+                child.owner = owner
+                self.reload(child, page_id)
+                self.stats["reloaded"] -= 1
             else:
                 rejected.append((owner, page_id))
             child.last_use = self._clock
@@ -147,8 +151,8 @@ class PrefixCache:
     def evict(self, num_pages: int, owner: int | None = None, on_spill: SpillHook | None = None) -> int:
         """Free device pages, LRU leaves first, until ``num_pages`` are freed (on ``owner`` if given).
 
-        With a host tier, a victim's page is spilled (``on_spill`` copies it) and the node stays in the
-        tree on the host; otherwise, or when the host tier is full, the node is dropped. Returns the
+        With a host tier and an ``on_spill`` hook, a victim's page is spilled (the hook copies it) and the
+        node stays in the tree on the host; otherwise, or when no host slot can be freed, the node is dropped. Returns the
         number of device pages freed that count toward the target.
         """
         heap = [(n.last_use, n.nid, n) for n in self._device_leaves if n.lock == 0]
@@ -167,8 +171,9 @@ class PrefixCache:
 
     def _evict_device(self, node: Node, on_spill: SpillHook | None) -> Node | None:
         owner, page_id = node.owner, node.page_id
-        slot = self._host_slot() if self.host is not None else -1
-        if slot > 0 and on_spill is not None:
+        # without a hook nothing would copy the bytes: drop the node rather than keep an empty host page
+        slot = self._host_slot() if self.host is not None and on_spill is not None else -1
+        if slot > 0:
             on_spill(owner, page_id, slot)
         self._on_device_removed(node)
         self.allocators[owner].release([page_id])
@@ -250,7 +255,7 @@ class PrefixCache:
         return sum(self.device_pages)
 
     def evictable_pages(self, owner: int | None = None) -> int:
-        """Device pages that eviction could free now (not locked, not under a locked node)."""
+        """Device pages that eviction could free now: nodes with no lock on them or on any descendant."""
         count = 0
         stack = [self.root]
         while stack:
