@@ -22,6 +22,29 @@ from cpkv.indexer import (
     topk_ref,
 )
 
+# every logits / top-k kernel variant the bench can select (None = the default config)
+LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
+                   "lanes_w4_s64": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
+                   "lanes_w4_s64_r128": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=128),
+                   "lanes_w8_s128": dict(variant="lanes")}
+TOPK_VARIANTS = {"default": None, "sample": dict(variant="sample", num_warps=8, programs_per_sm=2, block=2048, maxnreg=None),
+                 "stream_d1": dict(depth=1), "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048)}
+
+
+def _logits_cfg(name):
+    from cpkv.kernels.mqa_logits import LogitsConfig
+
+    kw = LOGITS_VARIANTS[name]
+    return None if kw is None else LogitsConfig(**kw)
+
+
+def _topk_cfg(name):
+    from cpkv.kernels.topk import TopkConfig
+
+    kw = TOPK_VARIANTS[name]
+    return None if kw is None else TopkConfig(**kw)
+
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -55,30 +78,35 @@ def _assert_logits_close(out, ref):
     assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
 
 
+@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64", "lanes_w4_s64_r128"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
-def test_logits_kernel_fp8(H, D):
+def test_logits_kernel_fp8(H, D, variant):
     q, k, k_scale, w, ks, ke = _inputs(77, H, D, 700, seed=H + D)
-    out = mqa_logits(q, k, k_scale, w, ks, ke)
+    out = mqa_logits(q, k, k_scale, w, ks, ke, config=_logits_cfg(variant))
     _assert_logits_close(out, mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64))
     assert bool((out[1] == float("-inf")).all())
 
 
+@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64"])
 @pytest.mark.parametrize("H,D", [(32, 128), (8, 64)])
-def test_logits_kernel_bf16_and_mixed(H, D):
+def test_logits_kernel_bf16_and_mixed(H, D, variant):
+    cfg = _logits_cfg(variant)
     q, k, k_scale, w, ks, ke = _inputs(50, H, D, 333, seed=7, dtype=torch.bfloat16)
     ref = mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64)
-    _assert_logits_close(mqa_logits(q, k, k_scale, w, ks, ke), ref)
+    _assert_logits_close(mqa_logits(q, k, k_scale, w, ks, ke, config=cfg), ref)
     q8 = q.to(FP8)  # fp8 queries against bf16 keys
-    _assert_logits_close(mqa_logits(q8, k, k_scale, w, ks, ke),
+    _assert_logits_close(mqa_logits(q8, k, k_scale, w, ks, ke, config=cfg),
                          mqa_logits_ref(q8, k, k_scale, w, ks, ke, dtype=torch.float64))
 
 
-def test_logits_kernel_causal_and_unclean():
+@pytest.mark.parametrize("variant", list(LOGITS_VARIANTS))
+def test_logits_kernel_causal_and_unclean(variant):
+    cfg = _logits_cfg(variant)
     q, k, k_scale, w, ks, ke = _inputs(300, 32, 128, 2000, seed=3, causal=True)
-    clean = mqa_logits(q, k, k_scale, w, ks, ke)
+    clean = mqa_logits(q, k, k_scale, w, ks, ke, config=cfg)
     _assert_logits_close(clean, mqa_logits_ref(q, k, k_scale, w, ks, ke, dtype=torch.float64))
-    raw = mqa_logits(q, k, k_scale, w, ks, ke, clean=False)
+    raw = mqa_logits(q, k, k_scale, w, ks, ke, clean=False, config=cfg)
     fin = torch.isfinite(clean)
     assert torch.equal(raw[fin], clean[fin])
 
@@ -91,22 +119,33 @@ def _ragged_rows(T, N, seed, k):
     return ks, (ks + n).int()
 
 
+@pytest.mark.parametrize("variant", list(TOPK_VARIANTS))
 @pytest.mark.parametrize("k", [16, 2048])
 @pytest.mark.parametrize("N", [3000, 70000])
-def test_topk_kernel_random(k, N):
+def test_topk_kernel_random(k, N, variant):
     x = torch.randn(64, N, device="cuda")
     ks, ke = _ragged_rows(64, N, seed=N + k, k=k)
-    assert torch.equal(topk(x, ks, ke, k), topk_ref(x, ks, ke, k))
+    assert torch.equal(topk(x, ks, ke, k, config=_topk_cfg(variant)), topk_ref(x, ks, ke, k))
 
 
+@pytest.mark.parametrize("variant", list(TOPK_VARIANTS))
+def test_topk_kernel_many_rows_long(variant):
+    # 600 rows of 131072 keys: enough rows for a rare sample miss (retry path) to occur
+    x = torch.randn(600, 131072, device="cuda")
+    ks = torch.randint(0, 16, (600,), device="cuda", dtype=torch.int32)
+    ke = torch.full((600,), 131072, device="cuda", dtype=torch.int32) - ks
+    assert torch.equal(topk(x, ks, ke, 2048, config=_topk_cfg(variant)), topk_ref(x, ks, ke, 2048))
+
+
+@pytest.mark.parametrize("variant", list(TOPK_VARIANTS))
 @pytest.mark.parametrize("levels", [2, 50, 1000])
-def test_topk_kernel_ties(levels):
+def test_topk_kernel_ties(levels, variant):
     g = torch.Generator(device="cuda").manual_seed(levels)
     x = torch.randint(0, levels, (48, 20000), device="cuda", generator=g).float() - levels / 2
     x[0, ::3] = -0.0
     x[1, ::5] = float("-inf")
     ks, ke = _ragged_rows(48, 20000, seed=levels, k=256)
-    assert torch.equal(topk(x, ks, ke, 256), topk_ref(x, ks, ke, 256))
+    assert torch.equal(topk(x, ks, ke, 256, config=_topk_cfg(variant)), topk_ref(x, ks, ke, 256))
 
 
 def test_topk_kernel_unaligned_view():
@@ -116,13 +155,14 @@ def test_topk_kernel_unaligned_view():
     assert torch.equal(topk(x, ks, ke, 100), topk_ref(x, ks, ke, 100))
 
 
-def test_topk_kernel_skewed_rows():
+@pytest.mark.parametrize("variant", list(TOPK_VARIANTS))
+def test_topk_kernel_skewed_rows(variant):
     # increasing values: the sample sees the whole range, the top keys sit at the row's end
     x = torch.arange(100000, device="cuda", dtype=torch.float32).repeat(8, 1)
     x[4:] = x[4:].flip(1)
     ks = torch.zeros(8, dtype=torch.int32, device="cuda")
     ke = torch.full((8,), 100000, dtype=torch.int32, device="cuda")
-    assert torch.equal(topk(x, ks, ke, 2048), topk_ref(x, ks, ke, 2048))
+    assert torch.equal(topk(x, ks, ke, 2048, config=_topk_cfg(variant)), topk_ref(x, ks, ke, 2048))
 
 
 @pytest.mark.parametrize("budget", [None, 1 << 20, 300_000])

@@ -3,6 +3,8 @@
 Per scenario: logits TFLOP/s over unmasked pairs (2*H*D FLOPs each) against torch._scaled_mm fp8
 measured in the same run; top-k time against torch.topk on the same rows; index_topk time at chunk
 budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 rows x 65536 keys.
+--variants also times every named kernel variant (logits_variants / topk_variants) with a check of
+its output against the reference kernel, so the default can be chosen from measurements.
 """
 from __future__ import annotations
 
@@ -37,6 +39,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of " + ", ".join(s.name for s in SCENARIOS))
     p.add_argument("--tune", action="store_true", help="also time logits tile configs on the first scenario")
     p.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
+    p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
+    p.add_argument("--variants", action="store_true",
+                   help="also time every named logits / top-k kernel variant in each scenario and the headline")
+
+
+def logits_variants() -> dict:
+    """Named LogitsConfig variants timed by --variants (the first is the default)."""
+    from cpkv.kernels.mqa_logits import BASE_CONFIG, DEFAULT_CONFIG, LogitsConfig
+
+    named = {"base": BASE_CONFIG,
+             "lanes_w8_s128": LogitsConfig(variant="lanes"),
+             "lanes_w4_s64": LogitsConfig(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
+             "lanes_w4_s64_r128": LogitsConfig(variant="lanes", block_s=64, num_warps=4, maxnreg=128)}
+    return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
+
+
+def topk_variants() -> dict:
+    """Named TopkConfig variants timed by --variants (the first is the default)."""
+    from cpkv.kernels.topk import DEFAULT_CONFIG, SAMPLE_CONFIG, TopkConfig
+
+    named = {"sample": SAMPLE_CONFIG,
+             "stream_w4_p4_d2": TopkConfig(),
+             "stream_w4_p4_d1": TopkConfig(depth=1),
+             "stream_w8_p2_b2048": TopkConfig(num_warps=8, programs_per_sm=2, block=2048)}
+    return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
     chosen = [s for s in SCENARIOS if s.name in names]
     if args.tune:
         report["tune"] = tune_logits(chosen[0])
-    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep) for s in chosen]
-    report["topk_headline"] = bench_topk_headline()
+    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants)
+                           for s in chosen]
+    if not args.no_headline:
+        report["topk_headline"] = bench_topk_headline(variants=args.variants)
     if args.json:
         emit_json(report)
     else:
@@ -110,7 +139,7 @@ def _plan(requests, budget_bytes):
     return IndexerPlan.build(requests, "cuda", chunk_max_bytes=budget_bytes)
 
 
-def bench_scenario(s: Scenario, ceiling: float, sweep: bool) -> dict:
+def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = False) -> dict:
     import torch
 
     from cpkv.indexer import index_topk
@@ -136,11 +165,65 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool) -> dict:
            "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": tflops / ceiling,
            "key_repack_ms": t_repack, "topk_ms": t_topk, "torch_topk_ms": t_torch,
            "topk_speedup": t_torch / t_topk}
+    if variants:
+        res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling)
+        res["topk_variants"] = _topk_variant_rows(buf, full, out, t_torch)
     del buf
     if sweep:
         res["sweep"] = _sweep(q, k, k_scale, w, requests, index_topk)
     torch.cuda.empty_cache()
     return res
+
+
+def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling) -> list[dict]:
+    """Each logits variant: time, TFLOP/s, ratio to the ceiling, and whether its clean output equals
+    the default kernel's on every -inf position and within 1e-5 of the row maximum elsewhere."""
+    import torch
+
+    from cpkv.indexer.logits import logits_into
+
+    run_logits(True)
+    want = buf.clone()
+    rows = []
+    for name, cfg in logits_variants().items():
+        try:
+            ms = _bench(lambda: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,
+                                            clean=False, config=cfg))
+            logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start, clean=True, config=cfg)
+            same_inf = bool(torch.equal(torch.isinf(buf), torch.isinf(want)))
+            fin = torch.isfinite(want)
+            scale = want.masked_fill(~fin, 0).abs().amax().clamp(min=1e-30)
+            err = float(((buf - want).abs().masked_fill(~fin, 0).amax() / scale))
+            tflops = pairs * 2 * HEADS * DIM / ms / 1e9
+            rows.append({"variant": name, "config": repr(cfg), "ms": ms, "tflops": tflops,
+                         "ratio_to_fp8_gemm": tflops / ceiling, "same_inf": same_inf, "max_rel_diff": err})
+        except Exception as exc:  # a variant that does not compile is reported, not fatal
+            rows.append({"variant": name, "config": repr(cfg), "error": str(exc)[:300]})
+    buf.copy_(want)
+    return rows
+
+
+def _topk_variant_rows(buf, full, out, t_torch) -> list[dict]:
+    """Each top-k variant on the scenario's logits: time, speed-up over torch.topk, exact equality
+    with the first ("sample") kernel's result."""
+    import torch
+
+    from cpkv.kernels.topk import SAMPLE_CONFIG
+    from cpkv.indexer.topk import topk_into
+
+    want = torch.empty_like(out)
+    topk_into(buf, full.rel_ks, full.rel_ke, TOPK, want, config=SAMPLE_CONFIG)
+    rows = []
+    for name, cfg in topk_variants().items():
+        try:
+            ms = _bench(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg))
+            out.fill_(-2)
+            topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg)
+            rows.append({"variant": name, "config": repr(cfg), "ms": ms, "speedup": t_torch / ms,
+                         "equal_to_sample_kernel": bool(torch.equal(out, want))})
+        except Exception as exc:
+            rows.append({"variant": name, "config": repr(cfg), "error": str(exc)[:300]})
+    return rows
 
 
 def _sweep(q, k, k_scale, w, requests, index_topk) -> list[dict]:
@@ -168,9 +251,10 @@ def tune_logits(s: Scenario) -> list[dict]:
     ka = aligned_keys(k)
     pairs = int((plan.ke - plan.ks).sum())
     buf = torch.empty(c.rows, padded(c.width), device="cuda")[:, : c.width]
-    configs = [LogitsConfig(), LogitsConfig(maxnreg=None), LogitsConfig(n_rows=256, maxnreg=None),
-               LogitsConfig(block_s=64, num_warps=4, maxnreg=None), LogitsConfig(block_s=64, num_warps=4),
-               LogitsConfig(span=16), LogitsConfig(span=4), LogitsConfig(num_stages=2)]
+    configs = [LogitsConfig(block_s=64, num_warps=4, maxnreg=None), LogitsConfig(block_s=64, num_warps=4, maxnreg=168),
+               LogitsConfig(block_s=64, num_warps=4, maxnreg=None, span=16),
+               LogitsConfig(block_s=64, num_warps=4, maxnreg=None, num_stages=4), LogitsConfig(maxnreg=None),
+               LogitsConfig(span=16)]
     rows = []
     for cfg in configs:
         try:
@@ -182,7 +266,7 @@ def tune_logits(s: Scenario) -> list[dict]:
     return rows
 
 
-def bench_topk_headline(rows: int = 4096, cols: int = 65536) -> dict:
+def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: bool = False) -> dict:
     """Top-k of 4096 x 65536 random logits, k = 2048: Triton kernel vs torch.topk."""
     import torch
 
@@ -195,8 +279,20 @@ def bench_topk_headline(rows: int = 4096, cols: int = 65536) -> dict:
     t_ours = _bench(lambda: topk_into(x, lo, hi, TOPK, out))
     t_torch = _bench(lambda: torch.topk(x, TOPK, dim=1))
     ref = torch.topk(x, TOPK, dim=1).indices.sort(dim=1).values.int()
-    return {"rows": rows, "cols": cols, "k": TOPK, "topk_ms": t_ours, "torch_topk_ms": t_torch,
-            "speedup": t_torch / t_ours, "matches_torch_set": bool(torch.equal(out, ref))}
+    res = {"rows": rows, "cols": cols, "k": TOPK, "topk_ms": t_ours, "torch_topk_ms": t_torch,
+           "speedup": t_torch / t_ours, "matches_torch_set": bool(torch.equal(out, ref))}
+    if variants:
+        res["variants"] = []
+        for name, cfg in topk_variants().items():
+            try:
+                ms = _bench(lambda: topk_into(x, lo, hi, TOPK, out, config=cfg))
+                out.fill_(-2)
+                topk_into(x, lo, hi, TOPK, out, config=cfg)
+                res["variants"].append({"variant": name, "config": repr(cfg), "ms": ms, "speedup": t_torch / ms,
+                                        "matches_torch_set": bool(torch.equal(out, ref))})
+            except Exception as exc:
+                res["variants"].append({"variant": name, "config": repr(cfg), "error": str(exc)[:300]})
+    return res
 
 
 def _print_tables(r: dict, table) -> None:
@@ -212,6 +308,16 @@ def _print_tables(r: dict, table) -> None:
              for s in r["scenarios"] for x in s.get("sweep", [])]
     if sweep:
         table(["scenario", "budget GiB", "chunks", "index_topk ms", "vs 8 GiB"], sweep)
+    vrows = [(s["name"], "logits", v["variant"], v.get("ms", "-"), v.get("ratio_to_fp8_gemm", v.get("error")))
+             for s in r["scenarios"] for v in s.get("logits_variants", [])]
+    vrows += [(s["name"], "topk", v["variant"], v.get("ms", "-"), v.get("speedup", v.get("error")))
+              for s in r["scenarios"] for v in s.get("topk_variants", [])]
+    vrows += [("headline", "topk", v["variant"], v.get("ms", "-"), v.get("speedup", v.get("error")))
+              for v in r.get("topk_headline", {}).get("variants", [])]
+    if vrows:
+        table(["scenario", "kernel", "variant", "ms", "/fp8 GEMM or speed-up"], vrows)
+    if "topk_headline" not in r:
+        return
     h = r["topk_headline"]
     print(f"top-k {h['rows']}x{h['cols']} k={h['k']}: {h['topk_ms']:.3f} ms vs torch.topk "
           f"{h['torch_topk_ms']:.3f} ms ({h['speedup']:.2f}x), same set as torch: {h['matches_torch_set']}")

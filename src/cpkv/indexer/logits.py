@@ -59,13 +59,16 @@ def aligned_keys(k: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool) -> torch.Tensor:
-    """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked)."""
+def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool,
+                config=None) -> torch.Tensor:
+    """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked).
+    config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default)."""
     if use_triton(q):
         from cpkv.kernels import mqa_logits as kern
 
         if kern.supported(q, k):
-            return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean)
+            return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
+                                          config=config)
     out.copy_(mqa_logits_ref(q, k, k_scale, weights, ks, ke, clean=clean, col_offset=col_offset,
                              num_cols=out.shape[1]))
     return out
@@ -80,12 +83,14 @@ def mqa_logits(
     ke: torch.Tensor,
     *,
     clean: bool = True,
+    config=None,
 ) -> torch.Tensor:
     """q: [T, H, D] float8_e4m3fn/bf16, k: [S, D] float8_e4m3fn/bf16 (any row stride), k_scale:
     float32 [S] (any stride), weights: float32 [T, H], ks/ke: int32 [T] -> float32 [T, S] logits
-    (module docstring). Triton kernel on CUDA for H in 8/16/32/64 and D in 64/128; reference otherwise."""
+    (module docstring). Triton kernel on CUDA for H in 8/16/32/64 and D in 64/128 (``config``: its
+    LogitsConfig, None = default variant); reference otherwise."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
     out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
     if use_triton(q):
         k = aligned_keys(k)
-    return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean)
+    return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean, config=config)

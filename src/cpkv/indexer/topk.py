@@ -38,23 +38,25 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
+              config=None) -> torch.Tensor:
     """out [T, k] int32 <- top-k of x[i, lo[i]:hi[i]] relative to lo[i] (inputs already checked;
-    0 <= lo, hi <= N required where hi > lo + k)."""
+    0 <= lo, hi <= N required where hi > lo + k). config: a cpkv.kernels.topk.TopkConfig (None: default)."""
     if use_triton(x):
         from cpkv.kernels.topk import topk_triton
 
-        return topk_triton(_kernel_ready(x), lo, hi, k, out)
+        return topk_triton(_kernel_ready(x), lo, hi, k, out, config=config)
     out.copy_(topk_ref(x, lo, hi, k))
     return out
 
 
-def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int = 2048) -> torch.Tensor:
+def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int = 2048, *, config=None) -> torch.Tensor:
     """logits: float32 [T, N], ks/ke: int32 [T] columns (0 <= ks, ke <= N) -> int32 [T, k] indices
-    relative to ks (module docstring). Triton radix-select on CUDA, reference elsewhere."""
+    relative to ks (module docstring). Triton select on CUDA (``config``: its TopkConfig, None =
+    default variant), reference elsewhere."""
     _check_topk_inputs(logits, ks, ke, k)
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
-    return topk_into(logits, ks, ke, k, out)
+    return topk_into(logits, ks, ke, k, out, config=config)
 
 
 def topk_to_slots(idx: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -76,6 +78,8 @@ def index_topk(
     topk: int = 2048,
     chunk_max_bytes: int | None = None,
     plan: IndexerPlan | None = None,
+    logits_config=None,
+    topk_config=None,
 ) -> torch.Tensor:
     """Inputs as mqa_logits -> int32 [T, topk] indices relative to ks, equal to
     ``topk(mqa_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk)``.
@@ -83,7 +87,8 @@ def index_topk(
     Query rows run in the plan's chunks: one logits block rows x (max ke - min ks) x 4 B at a time,
     within ``chunk_max_bytes`` (default CPKV_MQA_LOGITS_CHUNK_MAX_GB GiB). A chunk whose rows all see
     <= topk keys computes no logits. Pass ``plan`` (IndexerPlan.build, once per batch; its ks/ke and
-    budget are used) to avoid reading ks/ke back from the device on every call."""
+    budget are used) to avoid reading ks/ke back from the device on every call. logits_config /
+    topk_config pick the Triton kernels' variants (None: the defaults)."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
     if plan is None:
         plan = IndexerPlan.from_tensors(ks, ke, chunk_max_bytes)
@@ -96,16 +101,18 @@ def index_topk(
         k = aligned_keys(k)
     buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
     for c in plan.chunks:
-        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk)
+        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config)
     return out
 
 
-def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int) -> None:
+def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int,
+               logits_config=None, topk_config=None) -> None:
     """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out."""
     r = slice(c.row_start, c.row_end)
     if c.max_len <= topk:
         out[r] = short_rows_topk(plan.ke[r] - plan.ks[r], topk)
         return
     logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
-    logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False)
-    topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r])
+    logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False,
+                config=logits_config)
+    topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config)

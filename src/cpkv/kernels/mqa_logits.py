@@ -27,7 +27,8 @@ SUPPORTED_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class LogitsConfig:
-    """Tile shape: N = BQ * H query rows per program (tokens x heads), BLOCK_S keys per tile, SPAN tiles."""
+    """Tile shape: N = BQ * H query rows per program (tokens x heads), BLOCK_S keys per tile, SPAN tiles.
+    variant: "lanes" (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel)."""
 
     n_rows: int = 128
     block_s: int = 128
@@ -35,12 +36,14 @@ class LogitsConfig:
     num_warps: int = 8
     num_stages: int = 3
     maxnreg: int | None = 128
+    variant: str = "lanes"
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
 
 
 DEFAULT_CONFIG = LogitsConfig()
+BASE_CONFIG = LogitsConfig(variant="base")
 
 
 @triton.jit
@@ -107,6 +110,109 @@ def mqa_logits_kernel(
 
 
 
+@triton.jit
+def _column_token_head(n, BQ: tl.constexpr):
+    """Column n of the N = BQ*H score tile -> (token, head), laid out for the tensor-core accumulator:
+    a thread's columns are 2*(lane % 4) + e + 8*i (e in 0..1, i in 0..N/8), so a token's heads are
+    placed on one lane of each quad (two for BQ = 2) and the head sum needs no cross-lane shuffle."""
+    e = n % 2
+    c = (n // 2) % 4
+    i = n // 8
+    if BQ >= 4:
+        tok = c + 4 * (i % (BQ // 4))
+        head = e + 2 * (i // (BQ // 4))
+    else:
+        tok = c // (4 // BQ)
+        head = e + 2 * (c % (4 // BQ)) + 8 // BQ * i
+    return tok, head
+
+
+@triton.jit
+def _head_sum_lanes(s, BLOCK_S: tl.constexpr, N: tl.constexpr, BQ: tl.constexpr):
+    """[BLOCK_S, N] weighted scores in _column_token_head order -> [BLOCK_S, BQ] per-token sums."""
+    if BQ >= 4:
+        x = tl.permute(tl.reshape(s, [BLOCK_S, N // 8 // (BQ // 4), BQ // 4, 4, 2]), [0, 2, 3, 1, 4])
+        x = tl.sum(tl.reshape(x, [BLOCK_S, BQ, N // BQ]), axis=2)  # one in-thread chain per token
+    else:
+        x = tl.permute(tl.reshape(s, [BLOCK_S, N // 8, BQ, 4 // BQ, 2]), [0, 2, 3, 1, 4])
+        x = tl.sum(tl.reshape(x, [BLOCK_S, BQ, 4 // BQ, N // 8 * 2]), axis=3)
+        x = tl.sum(x, axis=2)
+    return x
+
+
+@triton.jit
+def mqa_logits_kernel_lanes(
+    q_ptr, k_ptr, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    T, S, col_off, n_cols,
+    stride_qt, stride_k, stride_ksc, stride_wt, stride_out,
+    H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPAN: tl.constexpr, CLEAN: tl.constexpr, CAST_BF16: tl.constexpr, K_ALIGN: tl.constexpr,
+):
+    """Variant "lanes" of mqa_logits_kernel (same tiling, same result up to float summation order):
+    the query rows of the tile are permuted (_column_token_head) so each thread's accumulator
+    columns hold whole heads of one token: relu, weight and head sum are in-thread FMNMX + FFMA
+    with no shuffles; k_scale is loaded one tile ahead; with CLEAN off, columns outside [ks, ke)
+    are not masked (they are unspecified), only -inf tiles/columns of a clean call are."""
+    N: tl.constexpr = BQ * H
+    pid_s = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    t0 = pid_t * BQ
+    offs_t = t0 + tl.arange(0, BQ)
+    tmask = offs_t < T
+    ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
+    ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
+    lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
+    hi = tl.minimum(tl.minimum(tl.max(ke_v, axis=0), S) - col_off, n_cols)
+    span_lo = pid_s * (SPAN * BLOCK_S)
+    span_hi = tl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
+    c_start = span_lo + (tl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
+    c_end = tl.minimum(span_hi, hi)
+    n_tiles = tl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
+    offs_bs = tl.arange(0, BLOCK_S)
+    if CLEAN:
+        ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
+        for c in range(span_lo, c_start, BLOCK_S):
+            oc = c + offs_bs
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+        for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
+            oc = c + offs_bs
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+    if n_tiles > 0:
+        offs_n = tl.arange(0, N)
+        offs_d = tl.arange(0, D)
+        tok, head = _column_token_head(offs_n, BQ)
+        n_tok = t0 + tok
+        nmask = n_tok < T
+        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
+                        mask=nmask[:, None], other=0.0)
+        if CAST_BF16:
+            q_blk = q_blk.to(tl.bfloat16)
+        q_t = tl.trans(q_blk)
+        w = tl.load(w_ptr + n_tok * stride_wt + head, mask=nmask, other=0.0)
+        j0 = c_start + col_off + offs_bs
+        ksc = tl.load(ksc_ptr + j0 * stride_ksc, mask=j0 < S, other=0.0)
+        for tile in range(0, n_tiles):
+            oc = c_start + tile * BLOCK_S + offs_bs
+            j = oc + col_off
+            kmask = j < S
+            k_blk = tl.load(k_ptr + (j * stride_k)[:, None] * K_ALIGN + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            if CAST_BF16:
+                k_blk = k_blk.to(tl.bfloat16)
+            jn = j + BLOCK_S
+            ksc_n = tl.load(ksc_ptr + jn * stride_ksc, mask=(jn < S) & (tile + 1 < n_tiles), other=0.0)
+            s = tl.dot(k_blk, q_t)
+            s = tl.maximum(s, 0.0) * w[None, :]
+            val = _head_sum_lanes(s, BLOCK_S, N, BQ) * ksc[:, None]
+            if CLEAN:
+                valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
+                val = tl.where(valid, val, float("-inf"))
+            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
+                     mask=tmask[None, :] & (oc < n_cols)[:, None])
+            ksc = ksc_n
+
+
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     """True when the Triton kernel handles these shapes (H in 8/16/32/64, D in 64/128, fp8/bf16)."""
     ok_dtypes = (torch.float8_e4m3fn, torch.bfloat16)
@@ -137,7 +243,10 @@ def mqa_logits_triton(
     bq = cfg.bq(H)
     k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
     grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
-    mqa_logits_kernel[grid](
+    kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes}
+    if cfg.variant not in kernels:
+        raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
+    kernels[cfg.variant][grid](
         q, k, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k.stride(0) // k_align, k_scale.stride(0), weights.stride(0), out.stride(0),
