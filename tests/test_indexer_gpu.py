@@ -26,7 +26,9 @@ from cpkv.indexer import (
 LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
                    "lanes_w4_s64": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
                    "lanes_w4_s64_r128": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=128),
-                   "lanes_w8_s128": dict(variant="lanes")}
+                   "lanes_w8_s128": dict(variant="lanes"),
+                   "tma_w8_s128": dict(variant="lanes", tma=True),
+                   "tma_w4_s64": dict(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
 TOPK_VARIANTS = {"default": None, "sample": dict(variant="sample", num_warps=8, programs_per_sm=2, block=2048, maxnreg=None),
                  "stream_d1": dict(depth=1), "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048)}
 
@@ -78,7 +80,7 @@ def _assert_logits_close(out, ref):
     assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
 
 
-@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64", "lanes_w4_s64_r128"])
+@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128", "tma_w4_s64"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
 def test_logits_kernel_fp8(H, D, variant):
@@ -88,7 +90,7 @@ def test_logits_kernel_fp8(H, D, variant):
     assert bool((out[1] == float("-inf")).all())
 
 
-@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64"])
+@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64", "tma_w8_s128"])
 @pytest.mark.parametrize("H,D", [(32, 128), (8, 64)])
 def test_logits_kernel_bf16_and_mixed(H, D, variant):
     cfg = _logits_cfg(variant)
@@ -170,6 +172,15 @@ def test_index_topk_chunked_equals_full(budget):
     q, k, k_scale, w, ks, ke = _inputs(400, 32, 128, 9000, seed=11, causal=True)
     want = topk(mqa_logits(q, k, k_scale, w, ks, ke), ks, ke, 2048)
     assert torch.equal(index_topk(q, k, k_scale, w, ks, ke, topk=2048, chunk_max_bytes=budget), want)
+
+
+@pytest.mark.parametrize("lv,tv", [("base", "sample"), ("tma_w4_s64", "stream_d1"), ("tma_w8_s128", "stream_w8")])
+def test_index_topk_variants_agree(lv, tv):
+    q, k, k_scale, w, ks, ke = _inputs(400, 32, 128, 9000, seed=12, causal=True)
+    want = topk_ref(mqa_logits(q, k, k_scale, w, ks, ke, config=_logits_cfg(lv)), ks, ke, 2048)
+    got = index_topk(q, k, k_scale, w, ks, ke, topk=2048, chunk_max_bytes=1 << 20,
+                     logits_config=_logits_cfg(lv), topk_config=_topk_cfg(tv))
+    assert torch.equal(got, want)
 
 
 def test_index_topk_plan_zigzag():

@@ -37,6 +37,7 @@ class LogitsConfig:
     num_stages: int = 3
     maxnreg: int | None = 128
     variant: str = "lanes"
+    tma: bool = False
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -147,12 +148,15 @@ def mqa_logits_kernel_lanes(
     stride_qt, stride_k, stride_ksc, stride_wt, stride_out,
     H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BLOCK_S: tl.constexpr,
     SPAN: tl.constexpr, CLEAN: tl.constexpr, CAST_BF16: tl.constexpr, K_ALIGN: tl.constexpr,
+    k_desc, USE_TMA: tl.constexpr,
 ):
     """Variant "lanes" of mqa_logits_kernel (same tiling, same result up to float summation order):
     the query rows of the tile are permuted (_column_token_head) so each thread's accumulator
     columns hold whole heads of one token: relu, weight and head sum are in-thread FMNMX + FFMA
     with no shuffles; k_scale is loaded one tile ahead; with CLEAN off, columns outside [ks, ke)
-    are not masked (they are unspecified), only -inf tiles/columns of a clean call are."""
+    are not masked (they are unspecified), only -inf tiles/columns of a clean call are. USE_TMA:
+    key tiles come through k_desc (a [S, D] tensor descriptor, block [BLOCK_S, D], rows past S read
+    as zeros) instead of per-thread pointer loads."""
     N: tl.constexpr = BQ * H
     pid_s = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -197,7 +201,11 @@ def mqa_logits_kernel_lanes(
             oc = c_start + tile * BLOCK_S + offs_bs
             j = oc + col_off
             kmask = j < S
-            k_blk = tl.load(k_ptr + (j * stride_k)[:, None] * K_ALIGN + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            if USE_TMA:
+                k_blk = k_desc.load([c_start + col_off + tile * BLOCK_S, 0])
+            else:
+                k_blk = tl.load(k_ptr + (j * stride_k)[:, None] * K_ALIGN + offs_d[None, :], mask=kmask[:, None],
+                                other=0.0)
             if CAST_BF16:
                 k_blk = k_blk.to(tl.bfloat16)
             jn = j + BLOCK_S
@@ -211,6 +219,20 @@ def mqa_logits_kernel_lanes(
             tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
                      mask=tmask[None, :] & (oc < n_cols)[:, None])
             ksc = ksc_n
+
+
+def _tma_ready(k: torch.Tensor) -> bool:
+    """True when k [S, D] can back a TMA descriptor: 16-byte aligned base and row stride, rows of at
+    most 128 bytes (one 128-byte-swizzled box row; wider bf16 rows take the pointer path)."""
+    return (k.data_ptr() % 16 == 0 and (k.stride(0) * k.element_size()) % 16 == 0 and k.stride(1) == 1
+            and k.shape[0] > 0 and k.shape[1] * k.element_size() <= 128)
+
+
+def _key_descriptor(k: torch.Tensor, block_s: int):
+    """TMA descriptor of k [S, D], block [block_s, D] (rows past S read as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(k, [block_s, k.shape[1]])
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -246,13 +268,17 @@ def mqa_logits_triton(
     kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes}
     if cfg.variant not in kernels:
         raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
+    extra = {}
+    if cfg.variant == "lanes":
+        use_tma = cfg.tma and _tma_ready(k)
+        extra = {"k_desc": _key_descriptor(k, cfg.block_s) if use_tma else k, "USE_TMA": use_tma}
     kernels[cfg.variant][grid](
         q, k, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k.stride(0) // k_align, k_scale.stride(0), weights.stride(0), out.stride(0),
         H=H, D=D, BQ=bq, BLOCK_S=cfg.block_s, SPAN=cfg.span, CLEAN=clean,
         CAST_BF16=q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn,
-        K_ALIGN=k_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_ALIGN=k_align, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out
