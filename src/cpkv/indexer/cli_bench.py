@@ -51,10 +51,8 @@ def logits_variants() -> dict:
     named = {"base": BASE_CONFIG,
              "lanes_w8_s128": LogitsConfig(variant="lanes"),
              "lanes_w4_s64": LogitsConfig(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
-             "lanes_w4_s64_r128": LogitsConfig(variant="lanes", block_s=64, num_warps=4, maxnreg=128),
              "tma_w8_s128": LogitsConfig(variant="lanes", tma=True),
-             "tma_w4_s64": LogitsConfig(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None),
-             "tma_w4_s64_r128": LogitsConfig(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=128)}
+             "tma_w4_s64": LogitsConfig(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 

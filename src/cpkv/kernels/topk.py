@@ -168,9 +168,9 @@ def topk_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x,
                 seli = sel.to(tl.int32)
                 tl.store(out + tl.cumsum(seli, axis=0) - seli, cols, mask=sel)
             else:
-                thr = _kth_largest_row_loop(base, n, K, CBLOCK)
-                remaining = K - _count_ge_row(base, n, thr, CBLOCK) + _count_eq_row(base, n, thr, CBLOCK)
-                _write_row(base, n, thr, remaining, out, CBLOCK)
+                thr = _kth_largest_row(base, n, K, BLOCK)
+                remaining = K - _count_ge_row(base, n, thr, BLOCK) + _count_eq_row(base, n, thr, BLOCK)
+                _write_row(base, n, thr, remaining, out, BLOCK)
             tl.debug_barrier()
 
 
