@@ -24,13 +24,13 @@ from cpkv.indexer import (
 
 # every logits / top-k kernel variant the bench can select (None = the default config)
 LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
-                   "lanes_w4_s64": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
-                   "lanes_w4_s64_r128": dict(variant="lanes", block_s=64, num_warps=4, maxnreg=128),
-                   "lanes_w8_s128": dict(variant="lanes"),
+                   "lanes_w4_s64": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
+                   "lanes_w4_s64_r128": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=128),
+                   "lanes_w8_s128": dict(variant="lanes", tma=False),
                    "tma_w8_s128": dict(variant="lanes", tma=True),
                    "tma_w4_s64": dict(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
 TOPK_VARIANTS = {"default": None, "sample": dict(variant="sample", num_warps=8, programs_per_sm=2, block=2048, maxnreg=None),
-                 "stream_d1": dict(depth=1), "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048)}
+                 "stream_d2": dict(depth=2), "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048)}
 
 
 def _logits_cfg(name):
@@ -174,7 +174,7 @@ def test_index_topk_chunked_equals_full(budget):
     assert torch.equal(index_topk(q, k, k_scale, w, ks, ke, topk=2048, chunk_max_bytes=budget), want)
 
 
-@pytest.mark.parametrize("lv,tv", [("base", "sample"), ("tma_w4_s64", "stream_d1"), ("tma_w8_s128", "stream_w8")])
+@pytest.mark.parametrize("lv,tv", [("base", "sample"), ("tma_w4_s64", "stream_d2"), ("tma_w8_s128", "stream_w8")])
 def test_index_topk_variants_agree(lv, tv):
     q, k, k_scale, w, ks, ke = _inputs(400, 32, 128, 9000, seed=12, causal=True)
     want = topk_ref(mqa_logits(q, k, k_scale, w, ks, ke, config=_logits_cfg(lv)), ks, ke, 2048)

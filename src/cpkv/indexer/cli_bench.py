@@ -49,8 +49,8 @@ def logits_variants() -> dict:
     from cpkv.kernels.mqa_logits import BASE_CONFIG, DEFAULT_CONFIG, LogitsConfig
 
     named = {"base": BASE_CONFIG,
-             "lanes_w8_s128": LogitsConfig(variant="lanes"),
-             "lanes_w4_s64": LogitsConfig(variant="lanes", block_s=64, num_warps=4, maxnreg=None),
+             "lanes_w8_s128": LogitsConfig(variant="lanes", tma=False),
+             "lanes_w4_s64": LogitsConfig(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
              "tma_w8_s128": LogitsConfig(variant="lanes", tma=True),
              "tma_w4_s64": LogitsConfig(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
@@ -61,7 +61,7 @@ def topk_variants() -> dict:
     from cpkv.kernels.topk import DEFAULT_CONFIG, SAMPLE_CONFIG, TopkConfig
 
     named = {"sample": SAMPLE_CONFIG,
-             "stream_w4_p4_d2": TopkConfig(),
+             "stream_w4_p4_d2": TopkConfig(depth=2),
              "stream_w4_p4_d1": TopkConfig(depth=1),
              "stream_w8_p2_b2048": TopkConfig(num_warps=8, programs_per_sm=2, block=2048)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}

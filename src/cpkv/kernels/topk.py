@@ -20,6 +20,16 @@ into +0.0). A persistent program takes rows in turn:
                   32 counting passes: exact, only slower.
 
 Every step is exact; the sample only decides how much work the exact steps do.
+
+Variant "stream" (topk_stream_kernel, the default): the same sample + compaction + exact select, with
+  - 4 warps and <= 128 registers so 4 programs share an SM (the first kernel: 1 program of 8 warps);
+  - the compaction pass streaming [BLOCK/4, 4] tiles of aligned 16-byte loads, the next tile's loads
+    in flight while the current one is scanned; candidates' keys stored beside their columns, so
+    the exact select reads only the scratch;
+  - a sample miss (m < k or m > C) retried up to RETRIES times with the sample rank rescaled by
+    TARGET / m (one more pass each) before the 32-pass fallback: no slow row per launch, which is
+    what made small chunk budgets cost ~20% (a launch waits for its slowest program);
+  - rolled bisection loops (short compile, low register pressure).
 """
 from __future__ import annotations
 
@@ -314,14 +324,17 @@ def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, st
 class TopkConfig:
     """variant "stream": topk_stream_kernel (sample threshold + one streaming compaction pass, a
     rescaled retry instead of the 32-pass path when the sample misses, 4 warps, several programs per
-    SM); "sample": the first kernel (topk_kernel). block: keys per streaming step."""
+    SM); "sample": the first kernel (topk_kernel). block: keys per streaming step; depth: blocks
+    whose loads are in flight while one is scanned. The default (stream, 4 warps, 4 programs per SM,
+    depth 1) was the fastest measured on an H200 (2026-11-29): 0.88 ms at 4096 x 65536, k = 2048,
+    3.8x torch.topk (the "sample" kernel: 1.84 ms)."""
 
     variant: str = "stream"
     num_warps: int = 4
     programs_per_sm: int = 4
     block: int = 1024
     maxnreg: int | None = 128
-    depth: int = 2
+    depth: int = 1
 
 
 DEFAULT_CONFIG = TopkConfig()
