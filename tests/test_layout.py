@@ -61,6 +61,14 @@ def test_zigzag_runs_pair_ranks():
     assert split_writers(8, 2, "zigzag", 0) == [0, 0, 1, 1, 1, 1, 0, 0]
     assert split_writers(6, 3, "contiguous", 0) == [0, 0, 1, 1, 2, 2]
     assert split_writers(5, 3, "round-robin", 1) == [1, 2, 0, 1, 2]
+    assert split_writers(3, 2, "zigzag", 0) == [0, 1, 0]      # extras go to runs 0, 1, 3 (ranks 0, 1, 0)
+    assert split_writers(2, 2, "zigzag", 3) == [0, 1]         # then runs 2, 0 (ranks 1, 0), in page order
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_short_requests_spread_over_ranks(strategy):
+    L = build_layout([(0, 10)] * 8, page_size=64, cp=4, strategy=strategy)
+    assert [len(x) for x in L.rank_current] == [2, 2, 2, 2]
 
 
 def test_exact_pages_and_slots():

@@ -207,27 +207,40 @@ def _check_requests(reqs: Sequence[tuple[int, int]], page_size: int, max_context
                 f" must run alone in its batch (this batch has {len(reqs)} requests)")
 
 
-def run_sizes(n: int, runs: int, rot: int) -> list[int]:
-    """Split n pages into ``runs`` near-equal runs; the n % runs extra pages go to runs rot, rot+1, ..."""
+def run_sizes(n: int, order: Sequence[int], rot: int) -> list[int]:
+    """Split n pages into len(order) near-equal runs; the n % runs extra pages go to runs order[rot], order[rot+1], ..."""
+    runs = len(order)
     base, rem = divmod(n, runs)
     sizes = [base] * runs
     for i in range(rem):
-        sizes[(rot + i) % runs] += 1
+        sizes[order[(rot + i) % runs]] += 1
     return sizes
 
 
 def split_writers(n: int, cp: int, strategy: str, rot: int) -> list[int]:
-    """Writer rank of each of a request's n current pages, in page order."""
+    """Writer rank of each of a request's n current pages, in page order.
+
+    ``rot`` rotates where remainder pages go, so the short requests of a batch spread over the ranks.
+    """
     if strategy == "round-robin":
         return [(rot + i) % cp for i in range(n)]
     if strategy == "contiguous":
         owners = list(range(cp))
-    else:  # zigzag: runs r and 2cp-1-r belong to rank r
+        order = owners
+    else:  # zigzag: runs r and 2cp-1-r belong to rank r; extras visit ranks 0..cp-1 then again
         owners = list(range(cp)) + list(reversed(range(cp)))
+        order = list(range(cp)) + list(range(2 * cp - 1, cp - 1, -1))
     writers: list[int] = []
-    for run, size in enumerate(run_sizes(n, len(owners), rot)):
+    for run, size in enumerate(run_sizes(n, order, rot)):
         writers.extend([owners[run]] * size)
     return writers
+
+
+def rotation_step(n: int, cp: int, strategy: str) -> int:
+    """How far ``rot`` advances after a request of n pages (the extras it placed, or n for round-robin)."""
+    if strategy == "round-robin":
+        return n
+    return n % (cp if strategy == "contiguous" else 2 * cp)
 
 
 def default_prefix_pages(reqs: Sequence[tuple[int, int]], page_size: int, cp: int) -> list[list[PrefixPage]]:
@@ -297,7 +310,7 @@ def _assemble(reqs, given, page_size: int, cp: int, strategy: str) -> BatchLayou
                                        min(start + page_size, prefix)))
         n = cdiv(extend, page_size)
         writers = split_writers(n, cp, strategy, rot)
-        rot += n
+        rot += rotation_step(n, cp, strategy)
         cur = []
         for k, w in enumerate(writers):
             start = prefix + k * page_size
