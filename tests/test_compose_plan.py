@@ -100,6 +100,50 @@ def test_query_and_tail_rows_tile_the_rank_block(reqs, P, cp, strategy):
         assert p.staging_page[p.own_compact].tolist() == list(range(1, p.num_own + 1))
 
 
+def _slot_reference(layout, rank):
+    """Per-slot (all, own, prefix) (src, page) lists straight from ``layout.logical_pages`` (the plan's spec)."""
+    stage, seen = {}, [0] * layout.cp
+    for c in layout.current_pages:
+        seen[c.writer] += 1
+        stage[c.compact] = seen[c.writer]
+    ref = {"all": ([], []), "own": ([], []), "prefix": ([], [])}
+    for lp in layout.logical_pages:
+        cur = lp.page_id < 0
+        page = stage[lp.compact] if cur else lp.page_id
+        mine = lp.rank == rank
+        for name, (src, pg) in (("all", (layout.cp + lp.rank if cur else lp.rank, page)),
+                                ("own", ((1 if cur else 0) if mine else -1, page if mine else 0)),
+                                ("prefix", (-1 if cur else lp.rank, 0 if cur else page))):
+            ref[name][0].append(src)
+            ref[name][1].append(pg)
+    return ref, stage
+
+
+@pytest.mark.parametrize("reqs,P,cp,strategy", LAYOUTS + [([(64, 9), (0, 70), (8, 1), (128, 64)], 8, 8, "zigzag")])
+def test_plan_arrays_match_a_per_slot_reference(reqs, P, cp, strategy):
+    layout = _layout(reqs, P, cp, strategy, seed=3)
+    slots = list(range(layout.num_slots))
+    current = [lp.slot for lp in layout.logical_pages if lp.page_id < 0]
+    for rank, plan in enumerate(_plans(layout)):
+        ref, stage = _slot_reference(layout, rank)
+        for name, (src, page) in ref.items():
+            e = getattr(plan, name)
+            assert (e.dest.tolist(), e.src.tolist(), e.page.tolist()) == (slots, src, page), name
+        own = set(layout.rank_current[rank])
+        C = layout.num_current
+        assert (plan.current.dest.tolist(), plan.current.src.tolist(), plan.current.page.tolist()) == (
+            current, [layout.cp + c.writer for c in layout.current_pages], [stage[i] for i in range(C)])
+        assert (plan.compact.dest.tolist(), plan.compact.src.tolist(), plan.compact.page.tolist()) == (
+            list(range(C)), [1 if i in own else -1 for i in range(C)], [stage[i] if i in own else 0 for i in range(C)])
+        assert plan.current_slots_t.tolist() == current and plan.is_current.tolist() == [
+            lp.page_id < 0 for lp in layout.logical_pages]
+        assert plan.own_compact.tolist() == list(layout.rank_current[rank])
+        rows = [j * P + t for j, c in enumerate(layout.rank_current[rank]) for t in range(P)]
+        n = [layout.current_pages[c].num_tokens for c in layout.rank_current[rank]]
+        assert plan.query_rows.tolist() == [r for r in rows if r % P < n[r // P]]
+        assert plan.tail_rows.tolist() == [r for r in rows if r % P >= n[r // P]]
+
+
 def test_current_page_ids_are_validated():
     layout = _layout([(8, 13), (0, 4)], 4, 2, "zigzag")
     n = layout.num_current
@@ -109,6 +153,11 @@ def test_current_page_ids_are_validated():
         ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), [1, 2])
     with pytest.raises(ComposeError, match="distinct pool pages >= 1"):
         ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), [0] * n)
+    with pytest.raises(ComposeError, match="one writer-side page id per current page"):
+        ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), np.ones((n, 1), np.int64))
+    arr = ComposePlan(layout, 0, 64, {k: 4 for k in KINDS}, torch.device("cpu"), np.arange(1, n + 1))
+    assert arr.own_pool_pages.tolist() == plan.own_pool_pages.tolist()
+    assert arr.current_page_ids.tolist() == list(range(1, n + 1)) and arr.max_own_pool_page == plan.max_own_pool_page
 
 
 def test_plan_refuses_another_batch():
