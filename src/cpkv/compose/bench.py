@@ -114,8 +114,8 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=buf.device))
     out: dict[str, Any] = {"rank": ctx.rank, "modes": {}, "peer_memory": rt.mem.kind, "triton": rt.use_triton}
     layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
-    out["plan_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
-    out["plan_ms_host_only"] = _time_plan(rt, reqs, pages, ids, cfg, torch.device("cpu"))
+    out["plan_ms"], out["layout_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
+    out["plan_ms_host_only"], _ = _time_plan(rt, reqs, pages, ids, cfg, torch.device("cpu"))
     if cfg.kernel and rt.use_triton:  # rank 0 sweeps the gather configs; every rank then uses the best
         from cpkv.kernels import page_gather
         kern = kernel_bench(rt.device) if ctx.rank == 0 else None
@@ -144,17 +144,22 @@ def _solo_layout(cfg: BenchConfig) -> BatchLayout:
     return build_layout([reqs[i]], page_size=cfg.page_size, cp=cfg.cp, prefix_pages=[pages[i]])
 
 
-def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig, device: torch.device | None = None) -> float:
-    """Median ms to build the traced batch's plan (``device`` cpu: without the host-to-device copy)."""
+def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig,
+               device: torch.device | None = None) -> tuple[float, float]:
+    """Median ms to build the traced batch's plan from a fresh layout (``device`` cpu: without the
+    host-to-device copy), and median ms of that ``build_layout`` itself (not part of the plan figure)."""
     device = device or rt.device
-    times = []
-    for _ in range(5):
-        layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
+    plan_s, layout_s = [], []
+    for _ in range(11):
         t0 = time.perf_counter()
-        ComposePlan(layout, rt.rank, rt.staging.capacity, rt.page_bytes, device, ids)
+        layout = build_layout(reqs, page_size=cfg.page_size, cp=cfg.cp, prefix_pages=pages)
+        t1 = time.perf_counter()
+        plan = ComposePlan(layout, rt.rank, rt.staging.capacity, rt.page_bytes, device, ids)
         _sync(rt.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        plan_s.append(time.perf_counter() - t1)
+        layout_s.append(t1 - t0)
+        del plan, layout  # freed outside the timed span
+    return statistics.median(plan_s) * 1e3, statistics.median(layout_s) * 1e3
 
 
 def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: str, cfg: BenchConfig) -> dict:
@@ -282,7 +287,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     reqs, _, _, _ = traced_batch(cfg)
     return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
             "plan_ms": max(r["plan_ms"] for r in results),
-            "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
+            "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results),
+            "layout_ms": max(r["layout_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
             "batch": {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs),
