@@ -21,22 +21,20 @@ Remainders rotate across the requests of a batch so that short requests do not a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from cpkv.config import STRATEGIES, is_power_of_two
 from cpkv.errors import ConfigError, LayoutError
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixPage:
+class PrefixPage(NamedTuple):
     """A cached page: which rank's pool holds it, and its page id there."""
 
     owner: int
     page_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class CurrentPage:
+class CurrentPage(NamedTuple):
     """A new page: tokens [start, end) of its request's sequence, computed by ``writer``.
 
     ``compact`` is its index among the batch's current pages (merged-span order); ``index`` its index
@@ -55,8 +53,7 @@ class CurrentPage:
         return self.end - self.start
 
 
-@dataclass(frozen=True, slots=True)
-class LogicalPage:
+class LogicalPage(NamedTuple):
     """Slot ``slot`` of the dense buffer. ``rank`` is the owner (prefix) or writer (current).
 
     ``page_id``: pool page id for prefix pages, −1 for current pages. ``compact``: index of the current
@@ -262,11 +259,17 @@ def default_prefix_pages(reqs: Sequence[tuple[int, int]], page_size: int, cp: in
 def _check_prefix_pages(i: int, pages: Sequence[PrefixPage], expected: int, cp: int) -> None:
     if len(pages) != expected:
         raise LayoutError(f"request {i}: expected {expected} prefix pages, got {len(pages)}")
-    for p in pages:
-        if not (0 <= p.owner < cp):
-            raise LayoutError(f"request {i}: prefix page owner must be in [0, {cp}), got {p.owner}")
-        if p.page_id < 1:
-            raise LayoutError(f"request {i}: prefix page id must be >= 1 (page 0 is reserved), got {p.page_id}")
+    if not pages:
+        return
+    if any(len(p) != 2 for p in pages):
+        raise LayoutError(f"request {i}: each prefix page must be (owner, page_id)")
+    owners = [p[0] for p in pages]
+    if min(owners) < 0 or max(owners) >= cp:
+        bad = next(o for o in owners if not 0 <= o < cp)
+        raise LayoutError(f"request {i}: prefix page owner must be in [0, {cp}), got {bad}")
+    if min(p[1] for p in pages) < 1:
+        bad = min(p[1] for p in pages)
+        raise LayoutError(f"request {i}: prefix page id must be >= 1 (page 0 is reserved), got {bad}")
 
 
 def causal_work(start: int, end: int) -> int:
@@ -292,7 +295,8 @@ def build_layout(
     else:
         if len(prefix_pages) != len(reqs):
             raise LayoutError(f"prefix_pages: expected one list per request ({len(reqs)}), got {len(prefix_pages)}")
-        given = [[p if isinstance(p, PrefixPage) else PrefixPage(*p) for p in pages] for pages in prefix_pages]
+        new = tuple.__new__
+        given = [[new(PrefixPage, p) for p in pages] for pages in prefix_pages]
     return _assemble(reqs, given, page_size, cp, strategy)
 
 
@@ -304,10 +308,7 @@ def _assemble(reqs, given, page_size: int, cp: int, strategy: str) -> BatchLayou
     for i, (prefix, extend) in enumerate(reqs):
         _check_prefix_pages(i, given[i], cdiv(prefix, page_size), cp)
         slot_start = len(logical)
-        for k, p in enumerate(given[i]):
-            start = k * page_size
-            logical.append(LogicalPage(len(logical), i, "prefix", p.owner, p.page_id, -1, start,
-                                       min(start + page_size, prefix)))
+        logical.extend(_prefix_slots(i, given[i], slot_start, prefix, page_size))
         n = cdiv(extend, page_size)
         writers = split_writers(n, cp, strategy, rot)
         rot += rotation_step(n, cp, strategy)
@@ -320,6 +321,16 @@ def _assemble(reqs, given, page_size: int, cp: int, strategy: str) -> BatchLayou
             logical.append(LogicalPage(len(logical), i, "current", w, -1, page.compact, page.start, page.end))
         requests.append(RequestLayout(i, prefix, extend, tuple(given[i]), tuple(cur), slot_start))
     return _finish(requests, logical, current, page_size, cp, strategy)
+
+
+def _prefix_slots(i: int, pages: Sequence[PrefixPage], slot_start: int, prefix: int, P: int) -> list[LogicalPage]:
+    """Logical pages of request i's prefix (tuple.__new__ skips the NamedTuple constructor: ~8K pages/batch)."""
+    new = tuple.__new__
+    out = [new(LogicalPage, (slot_start + k, i, "prefix", o, pid, -1, k * P, k * P + P))
+           for k, (o, pid) in enumerate(pages)]
+    if out and prefix % P:
+        out[-1] = out[-1]._replace(end=prefix)
+    return out
 
 
 def _finish(requests, logical, current, page_size: int, cp: int, strategy: str) -> BatchLayout:
