@@ -189,6 +189,8 @@ def _check_setup(page_size: int, cp: int, strategy: str) -> None:
 def _check_requests(reqs: Sequence[tuple[int, int]], page_size: int, max_context: int | None) -> None:
     if len(reqs) == 0:
         raise LayoutError("a batch needs at least one request, got none")
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise LayoutError(f"max_context must be an integer >= 1, got {max_context!r}")
     for i, (prefix, extend) in enumerate(reqs):
         if not isinstance(prefix, int) or prefix < 0:
             raise LayoutError(f"request {i}: prefix_len must be an integer >= 0, got {prefix!r}")

@@ -19,11 +19,13 @@ HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--heads", type=int, default=64, help="query heads (default 64, GLM-5)")
-    parser.add_argument("--topk", type=int, default=2048, help="selected keys per query (default 2048)")
-    parser.add_argument("--tokens", default="4096,16384", help="comma-separated query-token counts T")
-    parser.add_argument("--kv-rows", type=int, default=65536, help="rows S of the composed KV (default 65536)")
-    parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition budget per case (ms)")
+    from cpkv.cli.args import int_list, positive_int
+
+    parser.add_argument("--heads", type=positive_int, default=64, help="query heads (default 64, GLM-5)")
+    parser.add_argument("--topk", type=positive_int, default=2048, help="selected keys per query (default 2048)")
+    parser.add_argument("--tokens", type=int_list, default="4096,16384", help="comma-separated query-token counts T")
+    parser.add_argument("--kv-rows", type=positive_int, default=65536, help="rows S of the composed KV (default 65536)")
+    parser.add_argument("--rep-ms", type=positive_int, default=200, help="do_bench repetition budget per case (ms)")
     parser.add_argument("--pattern", choices=PATTERNS, default="random",
                         help="indices: random (distinct uniform rows of [0, S)), window (a contiguous run of "
                              "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.attention.backend import triton_available
     from cpkv.errors import AttentionError
 
+    if args.topk > args.kv_rows:
+        raise AttentionError(f"--topk {args.topk}: expected at most --kv-rows ({args.kv_rows}) distinct keys per query")
     if not (torch.cuda.is_available() and triton_available()):
         raise AttentionError("cpkv bench attention needs a CUDA device and triton")
     result = _bench(args)
@@ -55,7 +59,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "heads": args.heads, "topk": args.topk, "kv_rows": args.kv_rows, "pattern": args.pattern,
         "cases": [], "sweep": [],
     }
-    tokens = [int(x) for x in args.tokens.split(",") if x]
+    tokens = args.tokens  # parsed by int_list
     for i, t in enumerate(tokens):
         inputs = _inputs(t, args.heads, args.topk, args.kv_rows, args.pattern)
         res["cases"].append(_case(inputs, gemm, args.rep_ms))

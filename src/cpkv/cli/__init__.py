@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except CpkvError as exc:
-        print(f"cpkv {args.command}: error: {exc}", file=sys.stderr)
+        name = " ".join(x for x in (args.command, getattr(args, "target", None)) if x)
+        print(f"cpkv {name}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("cpkv: interrupted", file=sys.stderr)

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpkv.compose.modes import MODES
+from cpkv.compose.modes import MODES, get_mode
 from cpkv.compose.plan import ComposePlan
 from cpkv.compose.runtime import ComposeRuntime
-from cpkv.config import KINDS, AdmissionCaps, preset
+from cpkv.config import KINDS, AdmissionCaps, CPConfig, preset
 from cpkv.dist import RankContext, launch
+from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
 
 GATHER_CONFIGS = (  # block: int32 elements per unit; waves: 0 = one program per unit, k = k programs per SM
@@ -59,6 +60,25 @@ class BenchConfig:
     modes: tuple[str, ...] = tuple(MODES)
     seed: int = 0
     kernel: bool = True
+
+    def __post_init__(self) -> None:
+        """Validate before any rank process starts."""
+        CPConfig(self.cp, self.page_size)  # validates cp and page_size
+        for key in ("requests", "extend_tokens", "layers", "iters"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.extend_tokens < self.requests:
+            raise ConfigError(f"extend_tokens must be >= requests (every request needs a new token), got "
+                              f"{self.extend_tokens} for {self.requests} requests")
+        if not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
+            raise ConfigError(f"prefix_tokens must be an integer >= 0, got {self.prefix_tokens!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not self.modes:
+            raise ConfigError("modes: expected at least one compose mode, got none")
+        for mode in self.modes:
+            get_mode(mode)
+        preset(self.model)  # validates the preset name
 
 
 def traced_batch(cfg: BenchConfig) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]], list[int], int]:

@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpkv.compose.modes import parse_modes
+from cpkv.compose.modes import get_mode, parse_modes
 from cpkv.compose.reference import current_pages, reference_dense
 from cpkv.compose.runtime import ComposeRuntime
-from cpkv.config import KINDS, AdmissionCaps, ModelConfig, preset
+from cpkv.config import KINDS, AdmissionCaps, CPConfig, ModelConfig, preset
 from cpkv.dist import RankContext, launch
+from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
 
 SCRIBBLE = 0xA5
@@ -44,6 +45,23 @@ class CheckConfig:
     max_extend_pages: int = 5
     timeout_s: float = 600.0
     corrupt_mode: str | None = None  # fault injection (tests): rank 0 flips one byte of this mode's output
+
+    def __post_init__(self) -> None:
+        """Validate before any rank process starts."""
+        CPConfig(self.cp, self.page_size)  # validates cp and page_size
+        for key in ("batches", "layers", "pages_per_rank", "max_bs", "max_prefix_pages", "max_extend_pages"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not self.modes:
+            raise ConfigError("modes: expected at least one compose mode, got none")
+        for mode in self.modes:
+            get_mode(mode)  # raises ComposeError naming the supported modes
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
 
     def caps(self) -> AdmissionCaps:
         ext = self.max_bs * self.max_extend_pages * self.page_size

@@ -21,17 +21,10 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.cli.fmt import emit_json, table
     from cpkv.compose.check import CheckConfig, run_check
     from cpkv.compose.modes import parse_modes
-    from cpkv.errors import ConfigError
 
-    from cpkv.config import is_power_of_two
-
-    if args.batches < 1 or args.layers < 1 or args.cp < 1:
-        raise ConfigError(f"--cp, --batches and --layers must be >= 1, got {args.cp}, {args.batches}, {args.layers}")
-    if not is_power_of_two(args.page_size):
-        raise ConfigError(f"--page-size must be a power of two >= 1, got {args.page_size}")
     cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
                       device=args.device, page_size=args.page_size, layers=args.layers)
-    out = run_check(cfg)
+    out = run_check(cfg)  # CheckConfig validated every value above
     if args.json:
         emit_json({"ok": out["ok"], "modes": {m: {k: v[k] for k in ("digest", "mismatches", "bytes", "batches",
                                                                       "effective")} for m, v in out["modes"].items()},

@@ -14,15 +14,16 @@ HELP = "Run CP prefill of a trace (KV shared across ranks) and verify it against
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
+    from cpkv.cli.args import nonneg_int, positive_float, positive_int
     from cpkv.engine.config import MODES
 
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
     p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode (default CPKV_COMPOSE_MODE, symm); prefetch runs batches of one")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")
-    p.add_argument("--requests", type=int, default=12, help="requests of the built-in trace (default 12)")
+    p.add_argument("--requests", type=positive_int, default=12, help="requests of the built-in trace (default 12)")
     p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir")
-    p.add_argument("--num-layers", type=int, help="override the model's depth")
+    p.add_argument("--num-layers", type=positive_int, help="override the model's depth")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
@@ -30,14 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
-    p.add_argument("--host-pages", type=int, default=0, help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and reload on a hit")
+    p.add_argument("--host-pages", type=nonneg_int, default=0, help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and reload on a hit")
     p.add_argument("--chunk-size", type=int, default=512, help="extend cap / chunk size in tokens")
     p.add_argument("--max-requests", type=int, default=8)
     p.add_argument("--strategy", choices=("zigzag", "contiguous", "round-robin"), default="zigzag")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
                         "autotuning stay out of TTFT)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are ended")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are ended")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -61,6 +62,7 @@ def load_requests(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from cpkv.engine.engine import run_engine, run_under_torchrun, verify_run
 
+    engine_config(args, args.cp)  # validates every option before the trace is read or a rank starts
     trace = load_requests(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         result = run_under_torchrun(engine_config(args, int(os.environ["WORLD_SIZE"])), trace)

@@ -14,9 +14,11 @@ HELP = "Prefill tokens/s of a long prompt through the CP engine, cold and with a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli.args import positive_int
+
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--prompt", type=int, default=32768, help="prompt tokens (default 32768)")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--prompt", type=positive_int, default=32768, help="prompt tokens (default 32768)")
     p.add_argument("--cached", type=float, default=0.9, help="cached share of the warm case (default 0.9)")
     p.add_argument("--cp", type=int, default=1, help="rank processes (default 1: the whole GPU)")
     p.add_argument("--mode", default="symm", help="compose mode (default symm)")
@@ -26,11 +28,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.args import require_cuda
     from cpkv.cli.fmt import emit_json, table
+    from cpkv.config import CPConfig
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs
+    from cpkv.errors import ConfigError
     from cpkv.model.config import load_model_config
 
+    if not 0.0 <= args.cached < 1.0:
+        raise ConfigError(f"--cached: expected a share in [0, 1), got {args.cached}")
+    CPConfig(args.cp, args.page_size)  # validates cp and page_size before they size anything
     cfg_m = load_model_config(args.model, args.layers)
     P = args.page_size
     prefix = int(args.prompt * args.cached) // P * P
@@ -39,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     pages = 2 * (-(-args.prompt // P)) + 8
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
                        page_size=P, pages_per_rank=pages // args.cp + 8, chunk_size=chunk, max_requests=1)
+    require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
     warm, timed = run_jobs([(cfg, trace), (cfg, trace)], timeout_s=580)
     rows = [case_row(name, timed, rid, cfg_m, ceiling) for name, rid in (("cold", "cold"), ("cached", "hit"))]

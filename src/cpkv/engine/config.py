@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpkv.config import AdmissionCaps, CPConfig
+from cpkv.config import AdmissionCaps, CacheConfig, CPConfig
 from cpkv.errors import ConfigError
 
 MODES = ("legacy", "fused", "v2", "symm", "prefetch")
@@ -37,13 +37,26 @@ class EngineConfig:
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
 
     def __post_init__(self) -> None:
+        """Validate every field before any rank process starts (ranks only ever see valid configs)."""
+        from cpkv.model.config import load_model_config
+        from cpkv.scheduler.admission import POLICIES
+
         if self.mode not in MODES:
             raise ConfigError(f"unknown compose mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown admission policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        CPConfig(self.cp, self.page_size, self.strategy)  # validates
+        CacheConfig(self.pages_per_rank, self.host_pages)  # validates
+        for key in ("chunk_size", "max_requests"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
         if self.chunk_size % self.page_size:
             raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
-        CPConfig(self.cp, self.page_size, self.strategy)  # validates
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json
 
     @property
     def cp_config(self) -> CPConfig:

@@ -73,12 +73,17 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.cli.fmt import emit_json, table
     from cpkv.errors import IndexerError
 
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in {s.name for s in SCENARIOS}]
+    if unknown or not names:
+        raise IndexerError(f"--scenarios: expected some of {', '.join(s.name for s in SCENARIOS)}, "
+                           f"got {args.scenarios!r}")
     if not torch.cuda.is_available():
         raise IndexerError("cpkv bench indexer needs a CUDA device (none is visible)")
-    names = args.scenarios.split(",")
-    unknown = [n for n in names if n not in {s.name for s in SCENARIOS}]
-    if unknown:
-        raise IndexerError(f"unknown scenario(s) {unknown}; expected some of {[s.name for s in SCENARIOS]}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise IndexerError("cpkv bench indexer needs triton, which is not installed") from None
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]

@@ -37,11 +37,16 @@ OPTIONAL_KEYS: dict[str, str] = {"rope_theta": "rope_theta", "rms_norm_eps": "rm
 
 def config_from_dict(raw: dict[str, Any], name: str = "checkpoint") -> ModelConfig:
     """A ModelConfig from a parsed ``config.json`` (missing keys named in a CheckpointError)."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{name}: config.json must hold a JSON object, got {type(raw).__name__}")
     missing = [key for key in HF_KEYS.values() if key not in raw]
     if missing:
         raise CheckpointError(f"{name}: config.json lacks {', '.join(missing)}")
-    values: dict[str, Any] = {field: int(raw[key]) for field, key in HF_KEYS.items()}
-    values.update({field: float(raw[key]) for field, key in OPTIONAL_KEYS.items() if key in raw})
+    try:
+        values: dict[str, Any] = {field: int(raw[key]) for field, key in HF_KEYS.items()}
+        values.update({field: float(raw[key]) for field, key in OPTIONAL_KEYS.items() if key in raw})
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{name}: config.json holds a non-numeric model field ({exc})") from None
     return ModelConfig(name=name, **values)
 
 
@@ -65,7 +70,11 @@ def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}) or a directory "
                               f"holding config.json")
-        cfg = config_from_dict(json.loads((path / "config.json").read_text()), name=path.name or str(path))
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
+            raise CheckpointError(f"{path / 'config.json'}: expected a JSON object of model fields ({exc})") from None
+        cfg = config_from_dict(raw, name=path.name or str(path))
     if num_layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     return cfg

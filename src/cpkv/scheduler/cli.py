@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, Sequence
 
+from cpkv.cli.args import atomic_output, atomic_path, check_output, positive_float, positive_int
 from cpkv.cli.fmt import Progress, emit_json, table
 from cpkv.errors import ConfigError
 from cpkv.scheduler.admission import POLICIES
@@ -29,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--costs", metavar="COSTS.json", help="cost-model fields to replace (see cpkv.scheduler.costs)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
-    p.add_argument("--requests", type=int, default=2000, help="built-in trace: number of requests (default 2000)")
+    p.add_argument("--requests", type=positive_int, default=2000, help="built-in trace: number of requests (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="built-in trace: random seed (default 0)")
-    p.add_argument("--scale", type=float, default=1.0, help="built-in trace: length multiplier (default 1.0)")
+    p.add_argument("--scale", type=positive_float, default=1.0, help="built-in trace: length multiplier (default 1.0)")
     p.add_argument("--save-trace", metavar="FILE.jsonl", help="write the replayed trace to this file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the TTFT distribution per run (matplotlib)")
@@ -40,13 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plt = _pyplot() if args.plot else None
+    """Every option and output path is checked before the trace is read; output files appear whole or not at all."""
+    combos = [(p, k) for p in _choices(args.policy, POLICIES) for k in _choices(args.kv, KV_MODES)]
+    configs = [_config(args, p, k) for p, k in combos]
+    for option in ("save_trace", "log_batches", "plot"):
+        check_output(getattr(args, option), "--" + option.replace("_", "-"))
+    plt = _pyplot(args.plot) if args.plot else None
     costs = CostModel.from_json(args.costs) if args.costs else CostModel()
     trace, source = _trace(args)
     if args.save_trace:
         write_trace(trace, args.save_trace)
-    combos = [(p, k) for p in _choices(args.policy, POLICIES) for k in _choices(args.kv, KV_MODES)]
-    results = _replay_all(trace, combos, args, costs)
+    results = _replay_all(trace, configs, args, costs)
     if args.json:
         emit_json({"runs": [r.summary() for r in results]})
     else:
@@ -68,24 +74,19 @@ def _trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
 
 
 def _config(args: argparse.Namespace, policy: str, kv: str) -> ReplayConfig:
-    for name in ("cp", "chunk", "page_size", "max_requests"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.kv_tokens_per_rank is not None and args.kv_tokens_per_rank < args.page_size:
-        raise ConfigError(f"--kv-tokens-per-rank must hold at least one page ({args.page_size}), "
-                          f"got {args.kv_tokens_per_rank}")
+    """The run's ReplayConfig (which validates every value)."""
     return ReplayConfig(policy=policy, kv=kv, cp=args.cp, page_size=args.page_size, chunk=args.chunk,
                         max_requests=args.max_requests, kv_tokens_per_rank=args.kv_tokens_per_rank)
 
 
-def _replay_all(trace, combos, args, costs: CostModel) -> list[RunResult]:
-    bar = Progress(len(trace) * len(combos), "replay")
+def _replay_all(trace, configs: list[ReplayConfig], args, costs: CostModel) -> list[RunResult]:
+    bar = Progress(len(trace) * len(configs), "replay")
     results = []
     with ExitStack() as stack:
-        log_file = stack.enter_context(open(args.log_batches, "w")) if args.log_batches else None
-        for policy, kv in combos:
-            log = _batch_logger(log_file, policy, kv) if log_file else None
-            results.append(replay(trace, _config(args, policy, kv), costs, log=log, progress=bar.update))
+        log_file = stack.enter_context(atomic_output(args.log_batches)) if args.log_batches else None
+        for cfg in configs:
+            log = _batch_logger(log_file, cfg.policy, cfg.kv) if log_file else None
+            results.append(replay(trace, cfg, costs, log=log, progress=bar.update))
     bar.close()
     return results
 
@@ -116,7 +117,8 @@ def _print_report(results: list[RunResult], trace, source: str, args: argparse.N
             print(f"{r.policy}/{r.kv}: rejected {dict(sorted(r.rejected.items()))}")
 
 
-def _pyplot() -> Any:
+def _pyplot(path: str) -> Any:
+    """matplotlib.pyplot (Agg), after checking that it can write ``path``'s format."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -124,6 +126,12 @@ def _pyplot() -> Any:
     except ImportError:
         raise ConfigError("--plot needs matplotlib, which is not installed: pip install 'cpkv[plot]' "
                           "(or pip install matplotlib)") from None
+    fmt = Path(path).suffix.lstrip(".").lower()
+    supported = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if fmt not in supported:
+        raise ConfigError(f"--plot {path!r}: expected a file name ending in one of "
+                          f"{', '.join('.' + k for k in sorted(supported))}, got {'.' + fmt if fmt else 'no suffix'}")
     return plt
 
 
@@ -146,5 +154,6 @@ def _plot(plt: Any, results: list[RunResult], path: str, source: str) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", lw=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".").lower())
     plt.close(fig)

@@ -51,7 +51,7 @@ class CostModel:
     def from_json(cls, path: str | Path) -> "CostModel":
         try:
             obj = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
             raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
         return cls().updated(obj, str(path))
 

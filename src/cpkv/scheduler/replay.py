@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig, preset
+from cpkv.errors import ConfigError
 from cpkv.kvcache import PageAllocator, PrefixCache
 from cpkv.scheduler.batch import Batch
 from cpkv.scheduler.costs import CostModel
@@ -34,6 +35,24 @@ class ReplayConfig:
     max_requests: int = 16
     kv_tokens_per_rank: int | None = None  # default: the cost model's memory budget
     model: str = "glm5"
+
+    def __post_init__(self) -> None:
+        from cpkv.scheduler.admission import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown admission policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if self.kv not in KV_MODES:
+            raise ConfigError(f"unknown kv mode {self.kv!r}; expected one of {', '.join(KV_MODES)}")
+        CPConfig(self.cp, self.page_size)  # validates cp and page_size
+        for key in ("chunk", "max_requests"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.extend_tokens is not None and self.extend_tokens < 1:
+            raise ConfigError(f"extend_tokens must be >= 1, got {self.extend_tokens}")
+        if self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.page_size:
+            raise ConfigError(f"kv_tokens_per_rank must hold at least one page ({self.page_size} tokens), "
+                              f"got {self.kv_tokens_per_rank}")
+        preset(self.model)  # validates the preset name
 
     def caps(self) -> AdmissionCaps:
         return AdmissionCaps(extend_tokens=self.extend_tokens or self.chunk, max_requests=self.max_requests,

@@ -56,6 +56,9 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         text = Path(path).read_text()
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: expected a UTF-8 JSONL text file, got undecodable bytes at offset "
+                         f"{exc.start}") from None
     return parse_trace(text.splitlines(), source=str(path))
 
 
@@ -181,7 +184,10 @@ def _explain(exc: _LineError, lines: Sequence[str], n: int) -> str:
 
 
 def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
-    with open(path, "w") as f:
+    """Write the JSONL trace; the file appears at ``path`` only once it is complete."""
+    from cpkv.cli.args import atomic_output
+
+    with atomic_output(path) as f:
         for r in requests:
             f.write(json.dumps(r.to_json()) + "\n")
 

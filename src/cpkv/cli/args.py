@@ -1,0 +1,107 @@
+"""Argument helpers shared by the commands: numeric argparse types, output files, device checks. No torch import
+at module level.
+
+Numeric types turn a bad value into an argparse usage error (exit 2, one line naming the option, what was
+expected and what came). Output files (``--log-batches``, ``--save-trace``, ``--plot``) are checked before any
+work starts and written through :func:`atomic_output`, so a failed or interrupted run never leaves a partly
+written file behind (an existing file keeps its old contents).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TextIO
+
+from cpkv.errors import ConfigError
+
+
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _int_at_least(1, "an integer >= 1")
+nonneg_int = _int_at_least(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (timeouts, scales)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """'4096,16384' -> [4096, 16384]: a comma-separated list of integers >= 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1 (e.g. 4096,16384), got {text!r}")
+    return values
+
+
+def check_output(path: str | None, option: str) -> None:
+    """Raise ConfigError unless ``path`` can be created: its folder exists and it is not itself a folder."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option} {path!r}: expected a file name, got a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} is not writable")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[str]:
+    """A temporary path beside ``path`` (same suffix); renamed onto ``path`` only if the block succeeds."""
+    p = Path(path)
+    # not created here: the block creates it, so the file gets the usual umask permissions
+    tmp = str(p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp{p.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@contextmanager
+def atomic_output(path: str | Path) -> Iterator[TextIO]:
+    """Open a text file for writing that appears at ``path`` only when the block succeeds."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            yield f
+
+
+def require_cuda(device: str, command: str) -> None:
+    """Raise ConfigError when ``device`` is cuda and torch sees no CUDA device (imports torch)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{command} runs on --device cuda (the default), but torch sees no CUDA device on this "
+                          "machine")

@@ -1,0 +1,160 @@
+"""Bad input from the shell: every command answers with one line naming what was expected and what came,
+exits 2, prints no traceback, and leaves no partly written output file. In-process (``cpkv.cli.main``) except
+for one subprocess check of the whole program."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpkv.cli import main
+
+ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bin.jsonl").write_bytes(bytes(range(128, 256)) * 2)
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "arrival": 0,\n')
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text("{not json")
+    names = {"empty": "empty.jsonl", "bin": "bin.jsonl", "bad": "bad.jsonl", "dir": "dir", "badcfg": "badcfg"}
+    return {k: str(tmp_path / v) for k, v in names.items()} | {
+        "missing": str(tmp_path / "missing.jsonl"), "nofolder": str(tmp_path / "no" / "x.jsonl"), "tmp": str(tmp_path)}
+
+
+def _call(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+CASES = [
+    # cpkv run: validated by EngineConfig / the parser before any rank starts
+    (["run", "--cp", "0"], "cp must be an integer >= 1, got 0"),
+    (["run", "--cp", "-1"], "cp must be an integer >= 1, got -1"),
+    (["run", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
+    (["run", "--chunk-size", "0"], "chunk_size must be an integer >= 1, got 0"),
+    (["run", "--chunk-size", "24"], "chunk_size 24 must be a multiple of page_size 16"),
+    (["run", "--pages-per-rank", "0"], "pages_per_rank must be >= 2"),
+    (["run", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),
+    (["run", "--host-pages", "-1"], "--host-pages: expected an integer >= 0, got -1"),
+    (["run", "--num-layers", "0"], "--num-layers: expected an integer >= 1, got 0"),
+    (["run", "--requests", "0"], "--requests: expected an integer >= 1, got 0"),
+    (["run", "--timeout", "0"], "--timeout: expected a finite number > 0, got 0"),
+    (["run", "--mode", "bogus"], "invalid choice: 'bogus'"),
+    (["run", "--policy", "bogus"], "invalid choice: 'bogus'"),
+    (["run", "--model", "bogus"], "expected a preset (glm5, deepseek-v32, tiny) or a directory holding config.json"),
+    (["run", "--model", "{dir}"], "or a directory holding config.json"),
+    (["run", "--model", "{badcfg}"], "config.json: expected a JSON object of model fields"),
+    (["run", "--trace", "{dir}"], "cannot read the trace (Is a directory)"),
+    (["run", "--trace", "{missing}"], "cannot read the trace (No such file or directory)"),
+    (["run", "--trace", "{empty}"], "the trace holds no requests"),
+    (["run", "--trace", "{bin}"], "expected a UTF-8 JSONL text file"),
+    (["run", "--trace", "{bad}"], "bad.jsonl:1: bad JSON"),
+    # cpkv replay: validated by ReplayConfig / the parser; output paths checked before the run
+    (["replay", "--cp", "0"], "cp must be an integer >= 1, got 0"),
+    (["replay", "--chunk", "0"], "chunk must be an integer >= 1, got 0"),
+    (["replay", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
+    (["replay", "--kv-tokens-per-rank", "0"], "kv_tokens_per_rank must hold at least one page (64 tokens), got 0"),
+    (["replay", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),
+    (["replay", "--requests", "0"], "--requests: expected an integer >= 1, got 0"),
+    (["replay", "--scale", "-1"], "--scale: expected a finite number > 0, got -1"),
+    (["replay", "--policy", "fifo"], "invalid choice: 'fifo'"),
+    (["replay", "{bin}"], "expected a UTF-8 JSONL text file"),
+    (["replay", "{dir}"], "cannot read the trace (Is a directory)"),
+    (["replay", "--costs", "{bin}"], "cannot read a cost model"),
+    (["replay", "--requests", "5", "--log-batches", "{dir}"], "--log-batches '{dir}': expected a file name, got a directory"),
+    (["replay", "--requests", "5", "--save-trace", "{nofolder}"], "does not exist"),
+    (["replay", "--requests", "5", "--plot", "{tmp}/ttft.foo"], "expected a file name ending in one of"),
+    # cpkv layout
+    (["layout", "--cp", "0", "--page-size", "64", "--req", "0:3"], "cp must be an integer >= 1, got 0"),
+    (["layout", "--cp", "2", "--page-size", "64", "--req", "0:3", "--max-context", "0"],
+     "max_context must be an integer >= 1, got 0"),
+    # cpkv check compose: validated by CheckConfig
+    (["check", "compose", "--cp", "0"], "cpkv check compose: error: cp must be an integer >= 1, got 0"),
+    (["check", "compose", "--batches", "0"], "batches must be an integer >= 1, got 0"),
+    (["check", "compose", "--layers", "0"], "layers must be an integer >= 1, got 0"),
+    (["check", "compose", "--seed", "-1"], "seed must be an integer >= 0, got -1"),
+    (["check", "compose", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
+    (["check", "compose", "--modes", "bogus"], "unknown compose mode 'bogus'; supported: legacy"),
+    # benches: bad values first, then the missing device
+    (["bench", "compose", "--cp", "0"], "cp must be an integer >= 1, got 0"),
+    (["bench", "compose", "--requests", "0"], "requests must be an integer >= 1, got 0"),
+    (["bench", "compose", "--modes", "x"], "unknown compose mode 'x'"),
+    (["bench", "engine", "--cp", "0"], "cp must be an integer >= 1, got 0"),
+    (["bench", "engine", "--cached", "1.5"], "--cached: expected a share in [0, 1), got 1.5"),
+    (["bench", "engine", "--layers", "0"], "--layers: expected an integer >= 1, got 0"),
+    (["bench", "attention", "--tokens", "a,b"], "--tokens: expected comma-separated integers >= 1"),
+    (["bench", "attention", "--topk", "10", "--kv-rows", "5"], "expected at most --kv-rows (5)"),
+    (["bench", "indexer", "--scenarios", "nope"], "--scenarios: expected some of cold, tail, warm, warm_long"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_usage_errors_exit_2_with_one_line(argv, needle, files, capsys):
+    argv = [a.format(**files) for a in argv]
+    code, out, err = _call(argv, capsys)
+    assert code == 2, err
+    assert needle.format(**files) in err
+    assert "Traceback" not in err and out == ""
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on CPU machines")
+
+
+@NO_CUDA
+@pytest.mark.parametrize("argv", [["bench", t] for t in ("compose", "indexer", "attention", "engine")]
+                         + [["run", "--device", "cuda"], ["check", "compose", "--device", "cuda"]])
+def test_cuda_on_a_cpu_machine_says_so(argv, capsys):
+    code, out, err = _call(argv + ["--json"] if argv[0] == "bench" else argv, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "CUDA" in err
+
+
+def test_failed_replay_leaves_no_partial_output(tmp_path, capsys, monkeypatch):
+    """An error mid-run keeps an existing --log-batches file intact and leaves no temporary file."""
+    import cpkv.scheduler.cli as replay_cli
+
+    log = tmp_path / "batches.jsonl"
+    log.write_text("old\n")
+    real = replay_cli.replay
+
+    def failing(trace, cfg, costs, log=None, progress=None):
+        real(trace, cfg, costs, log=log, progress=progress)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_cli, "replay", failing)
+    code = main(["replay", "--requests", "20", "--scale", "0.01", "--log-batches", str(log)])
+    assert code == 130
+    assert log.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batches.jsonl"]
+
+
+def test_replay_outputs_written_whole(tmp_path, capsys):
+    log, saved = tmp_path / "b.jsonl", tmp_path / "t.jsonl"
+    assert main(["replay", "--requests", "20", "--scale", "0.01", "--json", "--log-batches", str(log),
+                 "--save-trace", str(saved)]) == 0
+    json.loads(capsys.readouterr().out)  # --json: only JSON on stdout
+    assert all(json.loads(line)["requests"] for line in log.read_text().splitlines())
+    assert len(saved.read_text().splitlines()) == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.jsonl", "t.jsonl"]
+
+
+def test_whole_program_binary_trace_and_bad_config():
+    """Through ``python -m cpkv``: exit 2, the one-line message, no traceback."""
+    for args, needle in ((["replay", "/bin/sh"], "expected a UTF-8 JSONL text file"),
+                         (["run", "--cp", "0"], "cpkv run: error: cp must be an integer >= 1, got 0")):
+        out = subprocess.run([sys.executable, "-m", "cpkv", *args], capture_output=True, text=True, env=ENV,
+                             timeout=120)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
