@@ -14,6 +14,8 @@ import argparse
 import math
 from typing import Any
 
+from cpkv.scheduler.costs import unit_costs_attention
+
 PATTERNS = ("random", "window", "hot")
 HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEMM measured in the same run."
 
@@ -68,6 +70,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         del inputs
         torch.cuda.empty_cache()
     res["dequant"] = _dequant_case(args.kv_rows, copy_gbs, args.rep_ms)
+    res["costs"] = unit_costs_attention(res["cases"], args.topk)  # usable as `cpkv replay --costs`
     return res
 
 

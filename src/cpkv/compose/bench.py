@@ -28,6 +28,7 @@ from cpkv.config import KINDS, AdmissionCaps, CPConfig, preset
 from cpkv.dist import RankContext, launch
 from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
+from cpkv.scheduler.costs import unit_costs_compose
 
 GATHER_CONFIGS = (  # block: int32 elements per unit; waves: 0 = one program per unit, k = k programs per SM
     {"block": 2048, "num_warps": 2, "hints": False, "waves": 0},
@@ -305,15 +306,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         modes[m] = {"ms_per_layer": per_layer, "ms_per_batch": per_layer * model.num_layers,
                     "effective": results[0]["modes"][m]["effective"], "requests": results[0]["modes"][m]["requests"]}
     reqs, _, _, _ = traced_batch(cfg)
+    batch = {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs), "prefix_tokens": sum(p for p, _ in reqs),
+             "hit_ratio": sum(p for p, _ in reqs) / sum(p + e for p, e in reqs)}
     return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
+            "costs": unit_costs_compose(modes, batch),  # usable as `cpkv replay --costs`
             "plan_ms": max(r["plan_ms"] for r in results),
             "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results),
             "layout_ms": max(r["layout_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
-            "batch": {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs),
-                      "prefix_tokens": sum(p for p, _ in reqs),
-                      "hit_ratio": sum(p for p, _ in reqs) / sum(p + e for p, e in reqs)}}
+            "batch": batch}
 
 
 def _shared(cp: int) -> bool:

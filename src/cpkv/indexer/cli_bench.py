@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from cpkv.scheduler.costs import unit_costs_indexer
+
 HELP = "Indexer: fp8 logits vs the fp8 GEMM ceiling, top-k vs torch.topk, chunk-size sweep (CUDA)."
 HEADS, DIM, TOPK = 32, 128, 2048
 BUDGETS_GIB = (8.0, 4.0, 2.0, 1.0, 0.5)
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         report["tune"] = tune_logits(chosen[0])
     report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants)
                            for s in chosen]
+    report["costs"] = unit_costs_indexer(report["scenarios"])  # usable as `cpkv replay --costs`
     if not args.no_headline:
         report["topk_headline"] = bench_topk_headline(variants=args.variants)
     if args.json:

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=16384, help="chunk size in tokens (default 16384)")
     p.add_argument("--kv-tokens-per-rank", type=int, default=None,
                    help="KV budget of one rank in tokens (default: an H200 after GLM-5 weights, per the cost model)")
-    p.add_argument("--costs", metavar="COSTS.json", help="cost-model fields to replace (see cpkv.scheduler.costs)")
+    p.add_argument("--costs", metavar="COSTS.json", action="append",
+                   help="cost-model fields to replace, or a `cpkv bench ... --json` report (repeatable; applied in order)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
     p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
     p.add_argument("--requests", type=positive_int, default=2000, help="built-in trace: number of requests (default 2000)")
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     for option in ("save_trace", "log_batches", "plot"):
         check_output(getattr(args, option), "--" + option.replace("_", "-"))
     plt = _pyplot(args.plot) if args.plot else None
-    costs = CostModel.from_json(args.costs) if args.costs else CostModel()
+    costs = CostModel.from_json(*args.costs) if args.costs else CostModel()
     trace, source = _trace(args)
     if args.save_trace:
         write_trace(trace, args.save_trace)

@@ -12,7 +12,9 @@ layers included; a batch takes as long as its busiest rank::
         replicated KV: keys * gather_s_per_token + new_tokens * allgather_s_per_token
 
 ``keys``: the batch's dense-buffer tokens (prefix + new pages). A JSON file (``--costs``) replaces any
-subset of the fields: ``{"linear_s_per_token": 8e-5, "compose_s_per_token": 1.0e-7}``.
+subset of the fields: ``{"linear_s_per_token": 8e-5, "compose_s_per_token": 1.0e-7}``. The ``--json``
+report of ``cpkv bench attention|indexer|compose`` works as such a file too: its ``"costs"`` object holds
+the unit costs that bench measured (``unit_costs_*`` below), and several files apply in order.
 """
 from __future__ import annotations
 
@@ -48,12 +50,18 @@ class CostModel:
     kv_bytes_per_token: int = 61464        # 78 layers x (656 + 132) B
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "CostModel":
-        try:
-            obj = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
-            raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
-        return cls().updated(obj, str(path))
+    def from_json(cls, *paths: str | Path) -> "CostModel":
+        """Defaults updated by each file in turn: a cost object, or a bench report with a ``costs`` object."""
+        model = cls()
+        for path in paths:
+            try:
+                obj = json.loads(Path(path).read_text())
+            except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
+                raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
+            if isinstance(obj, dict) and isinstance(obj.get("costs"), dict):
+                obj = obj["costs"]
+            model = model.updated(obj, str(path))
+        return model
 
     def updated(self, obj: Any, source: str = "costs") -> "CostModel":
         """A copy with the fields of ``obj`` (a JSON object) replaced; unknown or bad values raise."""
@@ -110,3 +118,29 @@ def _topk_pairs(start: int, end: int, topk: int) -> int:
     """Sum over positions p in [start, end) of min(p + 1, topk): keys each query attends to."""
     mid = min(max(topk, start), end)
     return causal_work(start, mid) + (end - mid) * topk
+
+
+# -- unit costs from `cpkv bench` reports (per GPU, all layers of a GLM-5-shaped model) ---------------
+def unit_costs_attention(cases: list[dict[str, Any]], topk: int, num_layers: int = 78) -> dict[str, float]:
+    """``attention_s_per_pair`` from ``cpkv bench attention`` cases (``tokens``, ``ms``): time per
+    (query, selected key) pair of one layer, times the layers."""
+    pairs = sum(c["tokens"] * topk for c in cases)
+    seconds = sum(c["ms"] for c in cases) / 1e3
+    return {"attention_s_per_pair": num_layers * seconds / pairs} if pairs else {}
+
+
+def unit_costs_indexer(scenarios: list[dict[str, Any]], num_layers: int = 78) -> dict[str, float]:
+    """``indexer_s_per_pair`` from ``cpkv bench indexer`` scenarios: logits + top-k time over the
+    (query, visible key) pairs, times the layers."""
+    pairs = sum(s["pairs"] for s in scenarios)
+    seconds = sum(s["logits_ms"] + s["topk_ms"] for s in scenarios) / 1e3
+    return {"indexer_s_per_pair": num_layers * seconds / pairs} if pairs else {}
+
+
+def unit_costs_compose(modes: dict[str, dict[str, Any]], batch: dict[str, Any], mode: str = "symm") -> dict[str, float]:
+    """``compose_s_per_token`` from ``cpkv bench compose``: ``mode``'s per-batch time (all layers) over
+    the batch's dense-buffer tokens."""
+    keys = batch["prefix_tokens"] + batch["extend_tokens"]
+    if mode not in modes or not keys:
+        return {}
+    return {"compose_s_per_token": modes[mode]["ms_per_batch"] / 1e3 / keys}
