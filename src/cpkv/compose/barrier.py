@@ -13,8 +13,10 @@ cell is >= k (wait). Counters only grow, so
   and the fast rank cannot pass k+1 before everyone arrived at k+1 (it is at most one round ahead).
 
 After the last round every pad reads ``[rounds] * cp`` ("drained"). Single-writer cells need no atomic
-read-modify-write, so plain stores through numpy views of the shared mapping suffice (x86-64 keeps
-stores in order; the data a rank wrote before arriving is visible to a peer that saw its count).
+read-modify-write, so plain stores through numpy views of the shared mapping suffice. Ordering: a full
+fence sits between a rank's data writes and its arrival stores, and between seeing every count and
+reading peers' data (``_fence``: releasing then re-acquiring a private lock, whose atomics order memory
+on weakly ordered CPUs such as aarch64 too; on x86-64 stores are in order anyway).
 
 Waiting is on the host: on CUDA the caller synchronises its stream before arriving (its writes are done)
 and the peers' writes were done before they arrived. After ``CPKV_BARRIER_TIMEOUT_S`` (default 60 s)
@@ -22,6 +24,7 @@ the waiting rank raises ``ComposeTimeout`` naming the ranks whose count stayed b
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -44,6 +47,8 @@ class CountingBarrier:
         self.local = mem.alloc_host((self.world_size,), name)
         self.rounds = 0
         self._pads: list[np.ndarray] | None = None
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held by this rank for good; see _fence
 
     def _bind(self) -> list[np.ndarray]:
         if self._pads is None:
@@ -53,6 +58,7 @@ class CountingBarrier:
     def arrive(self) -> int:
         """Announce round ``rounds + 1`` to every rank; returns the round number."""
         self.rounds += 1
+        self._fence()  # this rank's data writes before its count
         for pad in self._bind():
             pad[self.rank] = self.rounds
         return self.rounds
@@ -73,6 +79,12 @@ class CountingBarrier:
             elif now > deadline:
                 raise self._timeout(pad, k)
             time.sleep(SLEEP_S)
+        self._fence()  # peers' counts before reading their data
+
+    def _fence(self) -> None:
+        """A full memory fence: a release of the held lock, then an acquire (ordered release -> acquire)."""
+        self._lock.release()
+        self._lock.acquire()
 
     def __call__(self) -> None:
         """One round: arrive, then wait."""
