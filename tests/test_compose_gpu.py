@@ -50,6 +50,30 @@ def test_triton_gather_matches_reference(page_bytes, config):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("page_bytes", [64 * 656, 16 * 196, 132])
+def test_prepared_launcher_matches_reference(page_bytes):
+    """gather_launcher: resolved once, then each call gathers the sources' current bytes, on the current stream."""
+    from cpkv.kernels.page_gather import gather_launcher
+    sources, bases, dest, src, page = _case(page_bytes, 200, seed=page_bytes + 1)
+    want = torch.full((200, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
+    got = want.clone()
+    launch = gather_launcher(got, bases, dest, src, page)
+    side = torch.cuda.Stream()
+    for it in range(3):
+        for s in sources:
+            s.random_(0, 256)
+        page_gather_ref(want, sources, dest, src, page)
+        got.fill_(0xEE)
+        if it == 2:  # on another stream: the launch follows the current stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                launch()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            launch()
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("page_bytes", [64 * 132, 16 * 196])
 def test_triton_gather_unaligned_sources(page_bytes):
     from cpkv.kernels.page_gather import page_gather_triton

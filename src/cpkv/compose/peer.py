@@ -37,6 +37,7 @@ from cpkv.errors import ComposeError
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_PEER_ENABLED: set[tuple[int, int]] = set()  # (this GPU, peer GPU) pairs with peer access enabled in this process
 
 
 class PeerMemory:
@@ -84,6 +85,7 @@ class PeerMemory:
             try:
                 peers = [[self._map(r, n, everyone[r][1][n]) for n in ("probe", "probe-host")]
                          for r in range(self.ctx.world_size)]
+                self._enable_peer_reads([d for d, _ in peers])
                 ok = all(int(d[0].item()) == r + 1 and int(h[0].item()) == r + 1
                          for r, (d, h) in enumerate(peers))
             except Exception:  # noqa: BLE001
@@ -144,6 +146,7 @@ class PeerMemory:
             raise RuntimeError("a rank could not share its buffers")
         for i, name in enumerate(new):
             self._peers[name] = [self._map(r, name, everyone[r][i][1]) for r in range(self.ctx.world_size)]
+            self._enable_peer_reads(self._peers[name])
         self.ctx.barrier()  # every rank mapped every file: the names can go
         self._unlink()
 
@@ -158,6 +161,22 @@ class PeerMemory:
             return flat[: nbytes if _numel(shape) else 0].view(dtype).view(shape)
         func, args = handle[1]
         return func(*args)
+
+    def _enable_peer_reads(self, tensors: list[torch.Tensor]) -> None:
+        """Let kernels on this rank's GPU dereference peers' buffers that live on other GPUs (one GPU per
+        rank): enable peer access from this device's context to each of theirs, or raise if the GPUs cannot
+        reach each other. torch enables it from the source device to the destination on a cross-device
+        copy, and remembers it; there is no public call for it."""
+        own = self.ctx.device
+        if own.type != "cuda":
+            return
+        for dev in {t.device.index for t in tensors if t.is_cuda} - {own.index}:
+            if not torch.cuda.can_device_access_peer(own.index, dev):
+                raise ComposeError(f"rank {self.ctx.rank}: GPU {own.index} cannot access peer GPU {dev}")
+            if (own.index, dev) not in _PEER_ENABLED:
+                torch.empty(1, device=torch.device("cuda", dev)).copy_(torch.empty(1, device=own))
+                torch.cuda.synchronize(own)
+                _PEER_ENABLED.add((own.index, dev))
 
     def has(self, name: str) -> bool:
         """True when this rank allocated ``name`` through this PeerMemory."""

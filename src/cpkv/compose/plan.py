@@ -29,7 +29,7 @@ import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +93,7 @@ class Entries:
         self.np = (dest[1], src[1], page[1])
         self.n = int(dest[1].size)
         self._groups: tuple[list, torch.Tensor] | None = None
+        self.launchers: dict[tuple, Callable[[], None]] = {}  # prepared kernel launches (see ComposeRuntime.gather)
 
     def __getattr__(self, name: str) -> torch.Tensor:
         if name not in ("dest", "src", "page") or "_regions" not in self.__dict__:
@@ -104,7 +105,7 @@ class Entries:
         """Entries [start, end) as views (dest pages unchanged)."""
         out = Entries.__new__(Entries)
         out.np = tuple(a[start:end] for a in self.np)
-        out.n, out._groups = end - start, None
+        out.n, out._groups, out.launchers = end - start, None, {}
         out.dest, out.src, out.page = self.dest[start:end], self.src[start:end], self.page[start:end]
         return out
 

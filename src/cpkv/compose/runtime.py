@@ -47,7 +47,7 @@ from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
 from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
-from cpkv.kernels.page_gather import gather_group, page_gather_triton, triton_available
+from cpkv.kernels.page_gather import gather_group, gather_launcher, triton_available
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
 
@@ -98,7 +98,10 @@ class ComposeRuntime:
 
     @property
     def signature(self) -> tuple:
-        return (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
+        sig = self.__dict__.get("_signature")
+        if sig is None:  # fixed once the staging exists; built once (checked on every compose call)
+            sig = self._signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
+        return sig
 
     # registration checks --------------------------------------------------------------------------
 
@@ -245,9 +248,13 @@ class ComposeRuntime:
         """``out[e.dest] = source[e.src][e.page]`` (zeros for -1) through the ``table`` sources."""
         if e.n == 0:
             return
-        if self.use_triton:
-            page_gather_triton(out, self.bases[table][kind][layer][half], e.dest, e.src, e.page,
-                               aligned16=self.aligned16[kind])
+        if self.use_triton:  # launches prepared once per (entries, target) and kept on the plan's entries
+            key = (table, layer, kind, half, out.data_ptr(), out.shape[-1])
+            launch = e.launchers.get(key)
+            if launch is None:
+                launch = e.launchers[key] = gather_launcher(out, self.bases[table][kind][layer][half], e.dest, e.src,
+                                                            e.page, aligned16=self.aligned16[kind])
+            launch()
             return
         groups, zero = e.groups()
         if zero.numel():

@@ -19,8 +19,9 @@ Triton is imported lazily; :func:`page_gather_ref` is the reference and the CPU 
 """
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -126,30 +127,86 @@ def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tenso
     address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``:
     block (elements per program), num_warps, hints (cache hints), waves (0: one program per block of a
     page; k: a persistent grid of k programs per SM). See the module docstring for the semantics."""
-    n = dest.numel()
-    if n == 0:
+    if dest.numel() == 0:
         return
-    cfg = config or DEFAULT_CONFIG
-    addr = out.data_ptr()
-    dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
-                                                              cfg.get("block", DEFAULT_CONFIG["block"]))
-    units = n * nblocks
-    waves = cfg.get("waves", 0)
-    grid = (min(units, waves * _sm_count(out.device.index or 0)) if waves else units, 1, 1)
-    args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
-            bool(cfg.get("hints", False)), bool(waves))
-    warps = cfg.get("num_warps", DEFAULT_CONFIG["num_warps"])
-    key = (warps, out.device.index, dest.dtype, src.dtype, page.dtype, *args[8:],
-           *(t.data_ptr() % 16 == 0 for t in args[:5]), addr % 16 == 0, n == 1, n % 16 == 0, units == 1,
-           units % 16 == 0)
-    compiled = _COMPILED.get(key)
+    launch = _Launch(out, bases, dest, src, page, aligned16, config)
+    compiled = _COMPILED.get(launch.key)
     if compiled is not None and FAST_LAUNCH[0]:
         try:
-            return _launch(compiled, grid, args, out.device)
+            return _launch(compiled, launch.grid, launch.args, out.device)
         except Exception:  # noqa: BLE001 - fall back to the JIT launcher for good
             FAST_LAUNCH[0] = False
-    _COMPILED[key] = load()[grid](*args[:8], PAGE_ELEMS=elems, ELEM_BYTES=ebytes, VEC=vec, BLOCK=block,
-                                  HINTS=args[12], PERSISTENT=args[13], num_warps=warps)
+    _COMPILED[launch.key] = launch.jit()
+
+
+def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
+                    page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> Callable[[], None]:
+    """A zero-argument function that runs ``page_gather_triton(out, bases, dest, src, page, ...)`` on the
+    current stream, for a gather repeated with the same tensors (a compose plan's entries, every layer).
+
+    Everything but the stream is resolved here, once: the compiled kernel (compiled now, without a
+    launch, if needed), the grid, and the arguments as raw addresses, so a call is one C-level launch.
+    The tensors must outlive the launcher (the caller keeps them: they belong to the plan/runtime).
+    Falls back to ``page_gather_triton`` per call where a direct launch is not possible (launch hooks
+    installed, or direct launches disabled after a failure)."""
+    if dest.numel() == 0:
+        return _noop
+    launch = _Launch(out, bases, dest, src, page, aligned16, config)
+    slow = functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
+    from triton import knobs
+    if not FAST_LAUNCH[0] or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return slow
+    with torch.cuda.device(out.device):  # the module is loaded into the current device's context
+        compiled = _COMPILED.get(launch.key)
+        if compiled is None:
+            compiled = _COMPILED[launch.key] = launch.jit(warmup=True)
+        run = compiled.run  # loads the binary on first use
+    function, meta = compiled.function, compiled.packed_metadata
+    g0, g1, g2 = launch.grid
+    raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
+    current_stream, index = torch._C._cuda_getCurrentRawStream, out.device.index or 0
+
+    def fast() -> None:
+        run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
+    return fast
+
+
+def _noop() -> None:
+    return None
+
+
+class _Launch:
+    """One gather's launch: grid, positional arguments, the compile-cache key, and how to JIT it."""
+
+    __slots__ = ("grid", "args", "key", "warps")
+
+    def __init__(self, out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
+                 page: torch.Tensor, aligned16: bool, config: dict | None) -> None:
+        n = dest.numel()
+        cfg = config or DEFAULT_CONFIG
+        addr = out.data_ptr()
+        dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
+                                                                  cfg.get("block", DEFAULT_CONFIG["block"]))
+        units = n * nblocks
+        waves = cfg.get("waves", 0)
+        self.grid = (min(units, waves * _sm_count(out.device.index or 0)) if waves else units, 1, 1)
+        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
+                     bool(cfg.get("hints", False)), bool(waves))
+        self.warps = cfg.get("num_warps", DEFAULT_CONFIG["num_warps"])
+        # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
+        self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
+                    *(t.data_ptr() % 16 == 0 for t in self.args[:5]), addr % 16 == 0, n == 1, n % 16 == 0,
+                    units == 1, units % 16 == 0)
+
+    def jit(self, warmup: bool = False) -> Any:
+        """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
+        a = self.args
+        kernel = load()
+        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], HINTS=a[12], PERSISTENT=a[13],
+                  num_warps=self.warps)
+        if warmup:
+            return kernel.warmup(*a[:8], grid=self.grid, **kw)
+        return kernel[self.grid](*a[:8], **kw)
 
 
 def _launch(compiled: Any, grid: tuple[int, int, int], args: tuple, device: torch.device) -> None:
