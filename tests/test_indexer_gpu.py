@@ -24,6 +24,8 @@ from cpkv.indexer import (
 
 # every logits / top-k kernel variant the bench can select (None = the default config)
 LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
+                   "gluon_span3_st2": dict(gluon_span=3, gluon_stages=2),
+                   "gluon_r168": dict(gluon_maxnreg=168),
                    "lanes_w4_s64": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
                    "lanes_w4_s64_r128": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=128),
                    "lanes_w8_s128": dict(variant="lanes", tma=False),
@@ -80,7 +82,8 @@ def _assert_logits_close(out, ref):
     assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
 
 
-@pytest.mark.parametrize("variant", ["default", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128", "tma_w4_s64"])
+@pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
+                                     "tma_w4_s64"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
 def test_logits_kernel_fp8(H, D, variant):
@@ -174,7 +177,8 @@ def test_index_topk_chunked_equals_full(budget):
     assert torch.equal(index_topk(q, k, k_scale, w, ks, ke, topk=2048, chunk_max_bytes=budget), want)
 
 
-@pytest.mark.parametrize("lv,tv", [("base", "sample"), ("tma_w4_s64", "stream_d2"), ("tma_w8_s128", "stream_w8")])
+@pytest.mark.parametrize("lv,tv", [("base", "sample"), ("tma_w4_s64", "stream_d2"), ("tma_w8_s128", "stream_w8"),
+                                   ("gluon_span3_st2", "stream_d2")])
 def test_index_topk_variants_agree(lv, tv):
     q, k, k_scale, w, ks, ke = _inputs(400, 32, 128, 9000, seed=12, causal=True)
     want = topk_ref(mqa_logits(q, k, k_scale, w, ks, ke, config=_logits_cfg(lv)), ks, ke, 2048)
@@ -194,3 +198,15 @@ def test_index_topk_plan_zigzag():
     want = topk(mqa_logits(q, k, k_scale, w, plan.ks, plan.ke), plan.ks, plan.ke, 2048)
     got = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=2048, plan=plan)
     assert len(plan.chunks) > 1 and torch.equal(got, want)
+
+
+def test_logits_default_takes_gluon_kernel_on_hopper():
+    # the bench shapes (fp8, H = 32, D = 128) must reach the Gluon kernel, not its Triton fallback
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    from cpkv.indexer.logits import aligned_keys
+    from cpkv.kernels.mqa_logits import _gluon_applies
+
+    q, k, _, _, _, _ = _inputs(8, 32, 128, 100)
+    assert _gluon_applies(q, aligned_keys(k))
+    assert not _gluon_applies(q.to(torch.bfloat16), aligned_keys(k))

@@ -48,13 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def logits_variants() -> dict:
     """Named LogitsConfig variants timed by --variants (the first is the default)."""
-    from cpkv.kernels.mqa_logits import BASE_CONFIG, DEFAULT_CONFIG, LogitsConfig
+    from cpkv.kernels.mqa_logits import BASE_CONFIG, DEFAULT_CONFIG, LANES_CONFIG, LogitsConfig
 
     named = {"base": BASE_CONFIG,
-             "lanes_w8_s128": LogitsConfig(variant="lanes", tma=False),
-             "lanes_w4_s64": LogitsConfig(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
-             "tma_w8_s128": LogitsConfig(variant="lanes", tma=True),
-             "tma_w4_s64": LogitsConfig(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
+             "lanes_tma_w8_s128": LANES_CONFIG,
+             "gluon_span8": LogitsConfig(gluon_span=8),
+             "gluon_span32": LogitsConfig(gluon_span=32),
+             "gluon_st6": LogitsConfig(gluon_stages=6),
+             "gluon_r168": LogitsConfig(gluon_maxnreg=168)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 

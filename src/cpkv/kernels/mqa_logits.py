@@ -14,15 +14,18 @@ the accumulator in registers. Key tiles outside the union [min ks, max ke) of th
 never computed: with ``clean`` they are filled with -inf, otherwise left unwritten.
 
 Kernels (LogitsConfig.variant): mqa_logits_kernel ("base", the first one: heads in natural order, a
-two-step shuffle per head sum, k_scale loaded after each dot) and mqa_logits_kernel_lanes ("lanes",
-default): query rows permuted to the accumulator's lane layout so the head sum is an in-thread
-FMNMX + FFMA chain (SASS per warp and 128x128x128 tile: ~250 instructions vs ~340), k_scale one tile
-ahead, unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past S). Remaining
-gap to the 0.8 target: the dot is still waited on before the epilogue of the same tile (Triton does
-not keep a wgmma in flight across it), so tensor cores and ALUs overlap only across programs.
+two-step shuffle per head sum, k_scale loaded after each dot), mqa_logits_kernel_lanes ("lanes"):
+query rows permuted to the accumulator's lane layout so the head sum is an in-thread FMNMX + FFMA
+chain (SASS per warp and 128x128x128 tile: ~250 instructions vs ~340), k_scale one tile ahead,
+unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past S); its dot is waited
+on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
+and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits_gluon, a Gluon
+kernel for Hopper that keeps the next tile's wgmma in flight during each epilogue (fp8 q and k,
+H <= 32, TMA-ready keys); other inputs and GPUs run "lanes" with the same config.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +39,13 @@ SUPPORTED_DIMS = (64, 128)
 @dataclass(frozen=True)
 class LogitsConfig:
     """Tile shape: N = BQ * H query rows per program (tokens x heads), BLOCK_S keys per tile, SPAN tiles.
-    variant: "lanes" (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel);
-    tma: lanes only, key tiles by TMA when k allows it (_tma_ready), else pointer loads. The default
-    (lanes, TMA, 8 warps, 128-key tiles) was the fastest variant measured on an H200 (2026-11-29,
-    `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for "base"."""
+    variant: "gluon" (mqa_logits_gluon where it applies, else "lanes" with these fields), "lanes"
+    (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
+    key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
+    gluon_maxnreg: the Gluon kernel's 64-key tiles per program, TMA ring depth and register cap.
+    Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
+    (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
+    "base"."""
 
     n_rows: int = 128
     block_s: int = 128
@@ -47,14 +53,18 @@ class LogitsConfig:
     num_warps: int = 8
     num_stages: int = 3
     maxnreg: int | None = 128
-    variant: str = "lanes"
+    variant: str = "gluon"
     tma: bool = True
+    gluon_span: int = 16
+    gluon_stages: int = 4
+    gluon_maxnreg: int | None = None
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
 
 
 DEFAULT_CONFIG = LogitsConfig()
+LANES_CONFIG = LogitsConfig(variant="lanes")
 BASE_CONFIG = LogitsConfig(variant="base", tma=False)
 
 
@@ -246,6 +256,24 @@ def _key_descriptor(k: torch.Tensor, block_s: int):
     return TensorDescriptor.from_tensor(k, [block_s, k.shape[1]])
 
 
+def _gluon_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The Gluon kernel's domain: Hopper (sm_90) with Gluon importable, fp8 q and k, H in 8/16/32,
+    D in 64/128, k rows TMA-ready."""
+    if not (q.is_cuda and q.dtype == torch.float8_e4m3fn and k.dtype == torch.float8_e4m3fn
+            and q.shape[1] in (8, 16, 32) and q.shape[2] in (64, 128) and _tma_ready(k)):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_importable()
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_importable() -> bool:
+    try:
+        import cpkv.kernels.mqa_logits_gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
+
+
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     """True when the Triton kernel handles these shapes (H in 8/16/32/64, D in 64/128, fp8/bf16)."""
     ok_dtypes = (torch.float8_e4m3fn, torch.bfloat16)
@@ -276,11 +304,16 @@ def mqa_logits_triton(
     bq = cfg.bq(H)
     k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
     grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
-    kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes}
+    kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes, "gluon": mqa_logits_kernel_lanes}
     if cfg.variant not in kernels:
         raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
+    if cfg.variant == "gluon" and _gluon_applies(q, k):
+        from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+
+        return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
+                                span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg)
     extra = {}
-    if cfg.variant == "lanes":
+    if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)
         extra = {"k_desc": _key_descriptor(k, cfg.block_s) if use_tma else k, "USE_TMA": use_tma}
     kernels[cfg.variant][grid](

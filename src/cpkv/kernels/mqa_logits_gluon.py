@@ -1,0 +1,248 @@
+"""Gluon (explicit-layout Triton) kernel for the indexer's MQA logits on Hopper; reference: cpkv.indexer.ref.
+
+Same contract as cpkv.kernels.mqa_logits (its module docstring): out[i, c] = k_scale[j] * sum_h w[i, h] *
+relu(q[i, h] . k[j]), j = col_offset + c, -inf outside [ks[i], ke[i]) with ``clean``, key tiles outside
+the union of a program's token ranges never computed. Covers fp8 q and k, H in {8, 16, 32} (N = 128
+query rows = 128 // H tokens x H heads per program), D in {64, 128}, keys TMA-ready (16-byte rows);
+other inputs take the Triton kernels.
+
+Why a separate kernel: in the Triton kernels the wgmma of a key tile is waited on before that tile's
+epilogue (relu, weights, head sum, k_scale, store: ~130 ALU instructions per thread and tile), so the
+tensor cores idle while it runs, and programs sharing an SM fall into step (both issue their dots at
+once, then both run their epilogues). Here one warpgroup (4 warps) owns a program and keeps one dot in
+flight across every epilogue: the dot of key tile i + 1 is issued (async wgmma into a second
+accumulator) before the epilogue of tile i, so tensor cores and ALUs overlap inside each program.
+
+Per program: BQ tokens (N = BQ * H query rows, the wgmma N side, q in shared memory once, rows
+permuted as in mqa_logits._column_token_head so a thread's accumulator columns are whole heads of one token and
+the head sum is an in-thread FMNMX + FFMA chain), SPAN key tiles of BLOCK_S = 64 keys (the M side,
+K = D), key tiles by TMA into a STAGES-deep ring of shared buffers (mbarrier per stage, refilled as
+soon as the dot reading it has completed), k_scale loaded one tile ahead.
+
+This module imports Triton's Gluon at import time: import it only where Triton is present
+(cpkv.kernels.mqa_logits does, on CUDA).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
+
+
+@gluon.constexpr_function
+def _result_layout(block_s, bq):
+    """[BLOCK_S, BQ] per-token sums as the accumulator leaves them (no data movement): rows
+    lane // 4 + 8 r + 16 warp, tokens lane % 4 + 4 r' (r, r' register bits)."""
+    tok_regs = [[0, 4 << b] for b in range((bq // 4).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]] + tok_regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[block_s, bq])
+
+
+@gluon.jit
+def _token_head(n, BQ):
+    """Accumulator column n -> (token, head): a thread of the wgmma accumulator holds columns
+    2 * (lane % 4) + e + 8 * i (e in 0..1, i in 0..N/8), so token = lane % 4 (+ 4 * ...) puts all of
+    a thread's columns of one row on whole heads of its tokens (BQ >= 4)."""
+    e = n % 2
+    c = (n // 2) % 4
+    i = n // 8
+    tok = c + 4 * (i % (BQ // 4))
+    head = e + 2 * (i // (BQ // 4))
+    return tok, head
+
+
+@gluon.jit
+def _issue(k_bufs, bars, q_t, zero, i, STAGES: gl.constexpr):
+    """Wait for key tile i's TMA and start its dot (async) into a fresh accumulator."""
+    mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1)
+    return warpgroup_mma(k_bufs.index(i % STAGES), q_t, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
+    """Tile i's dot is done in this warp: once every warp is, load tile i + STAGES into its buffer."""
+    gl.thread_barrier()
+    nxt = i + STAGES
+    st = i % STAGES
+    mbarrier.expect(bars.index(st), k_desc.block_type.nbytes, pred=nxt < n_tiles)
+    tma.async_copy_global_to_shared(k_desc, [k0 + nxt * BLOCK_S, 0], bars.index(st), k_bufs.index(st),
+                                    pred=nxt < n_tiles)
+
+
+@gluon.jit
+def _scales(ksc_ptr, j, stride_ksc, S):
+    return gl.load(ksc_ptr + j * stride_ksc, mask=j < S, other=0.0)
+
+
+@gluon.jit
+def _uniform(x):
+    """x from lane 0 of the warp: provably warp-uniform for ptxas, so branches and loop bounds
+    derived from it are not divergent (a divergent path around an in-flight wgmma serializes it)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _epilogue(acc, w, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_cols,
+              BQ: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr, CLEAN: gl.constexpr,
+              res_l: gl.constexpr):
+    """relu, weights, head sum, k_scale, mask and store of one [BLOCK_S, BQ * H] accumulator."""
+    s = gl.maximum(acc, 0.0) * w[None, :]
+    # columns n = 2c + e + 8 * (t' + (BQ / 4) * g): token c + 4 t', head e + 2 g
+    x = gl.reshape(s, [BLOCK_S, H // 2, BQ // 4, 4, 2])
+    x = gl.permute(x, [0, 2, 3, 1, 4])
+    x = gl.sum(gl.reshape(x, [BLOCK_S, BQ, H]), axis=2)
+    val = gl.convert_layout(x, res_l) * ksc[:, None]
+    oc = c0 + rows
+    if CLEAN:
+        j = oc + col_off
+        valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
+        val = gl.where(valid, val, float("-inf"))
+    gl.store(out_rows[None, :] + oc[:, None], val,
+             mask=tmask[None, :] & (oc < n_cols)[:, None])
+
+
+@gluon.jit
+def mqa_logits_gluon_kernel(
+    q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    T, S, col_off, n_cols,
+    stride_qt, stride_ksc, stride_wt, stride_out,
+    H: gl.constexpr, D: gl.constexpr, BQ: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
+    STAGES: gl.constexpr, CLEAN: gl.constexpr,
+):
+    N: gl.constexpr = BQ * H
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, N, 32])
+    res_l: gl.constexpr = _result_layout(BLOCK_S, BQ)
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float8e4nv)
+
+    pid_s = gl.program_id(0)
+    pid_t = gl.program_id(1)
+    t0 = pid_t * BQ
+    offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
+    tmask = offs_t < T
+    ks_v = gl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
+    ke_v = gl.load(ke_ptr + offs_t, mask=tmask, other=0)
+    out_rows = out_ptr + offs_t.to(gl.int64) * stride_out
+    lo = gl.maximum(gl.min(ks_v, axis=0) - col_off, 0)
+    hi = gl.minimum(gl.minimum(gl.max(ke_v, axis=0), S) - col_off, n_cols)
+    span_lo = pid_s * (SPAN * BLOCK_S)
+    span_hi = gl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
+    c_start = span_lo + (gl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
+    c_end = gl.minimum(span_hi, hi)
+    n_tiles = gl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
+    c_start = _uniform(c_start)
+    n_tiles = _uniform(n_tiles)
+    rows = gl.arange(0, BLOCK_S, gl.SliceLayout(1, res_l))
+    if CLEAN:
+        ninf = gl.full([BLOCK_S, BQ], float("-inf"), gl.float32, res_l)
+        for c in range(span_lo, c_start, BLOCK_S):
+            oc = c + rows
+            gl.store(out_rows[None, :] + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+        for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
+            oc = c + rows
+            gl.store(out_rows[None, :] + oc[:, None], ninf,
+                     mask=tmask[None, :] & (oc < span_hi)[:, None])
+    if n_tiles > 0:
+        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_S, D], k_desc.layout)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [N, D], q_sl)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        k0 = c_start + col_off
+        for s in gl.static_range(STAGES):
+            mbarrier.expect(bars.index(s), k_desc.block_type.nbytes, pred=s < n_tiles)
+            tma.async_copy_global_to_shared(k_desc, [k0 + s * BLOCK_S, 0], bars.index(s), k_bufs.index(s),
+                                            pred=s < n_tiles)
+        # q rows in accumulator-column order, weights per column, k_scale of tile 0
+        qn = gl.arange(0, N, gl.SliceLayout(1, q_ld))
+        q_tok, q_head = _token_head(qn, BQ)
+        qd = gl.arange(0, D, gl.SliceLayout(0, q_ld))
+        q_blk = gl.load(q_ptr + ((t0 + q_tok) * stride_qt + q_head * D)[:, None] + qd[None, :],
+                        mask=((t0 + q_tok) < T)[:, None], other=0.0)
+        q_s.store(q_blk)
+        wn = gl.arange(0, N, gl.SliceLayout(0, mma_l))
+        w_tok, w_head = _token_head(wn, BQ)
+        w = gl.load(w_ptr + (t0 + w_tok) * stride_wt + w_head, mask=(t0 + w_tok) < T, other=0.0)
+        j0 = k0 + rows
+        ksc = gl.load(ksc_ptr + j0 * stride_ksc, mask=j0 < S, other=0.0)
+        fence_async_shared()
+        gl.thread_barrier()
+        q_t = q_s.permute((1, 0))
+        zero = gl.zeros([BLOCK_S, N], gl.float32, mma_l)
+
+        # Two accumulators, A (even tiles) and B (odd tiles), each only ever written by its wgmma
+        # (a loop-carried swap would copy in-flight accumulator registers and make ptxas serialize
+        # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight.
+        mbarrier.wait(bars.index(0), 0)
+        tok_a = warpgroup_mma(k_bufs.index(0), q_t, zero, use_acc=False, is_async=True)
+        for p in range((n_tiles - 1) // 2):
+            i = 2 * p
+            tok_b = _issue(k_bufs, bars, q_t, zero, i + 1, STAGES)
+            ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
+            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
+            _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
+            _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+            tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
+            ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
+            acc_b = warpgroup_mma_wait(1, deps=[tok_b])
+            _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
+            _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                      out_rows, n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+        m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
+        if n_tiles - m == 2:
+            tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
+            ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
+            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
+            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+            acc_b = warpgroup_mma_wait(0, deps=[tok_b])
+            _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                      out_rows, n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+        else:
+            acc_a = warpgroup_mma_wait(0, deps=[tok_a])
+            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+
+
+def key_layout(d: int):
+    """Shared layout of a [BLOCK_S, d] fp8 key tile (the TMA box and the wgmma A operand)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_S, d], gl.float8e4nv)
+
+
+def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
+                     span: int = 16, stages: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+    """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
+    domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
+    depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200)."""
+    T, H, D = q.shape
+    n_cols = out.shape[1]
+    if T == 0 or n_cols == 0:
+        return out
+    bq = 128 // H
+    k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S, D], key_layout(D))
+    grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
+    mqa_logits_gluon_kernel[grid](
+        q, k_desc, k_scale, weights, ks, ke, out,
+        T, k.shape[0], col_offset, n_cols,
+        q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
+        H=H, D=D, BQ=bq, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    return out
