@@ -30,20 +30,17 @@ from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
 from cpkv.scheduler.costs import unit_costs_compose
 
-GATHER_CONFIGS = (  # block: int32 elements per unit; waves: 0 = one program per unit, k = k programs per SM
+GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves: 0 = one program per unit,
+    # k = k programs per SM
+    {"block": 16384, "num_warps": 8, "hints": True, "waves": 0},
+    {"block": 16384, "num_warps": 8, "hints": False, "waves": 0},
+    {"block": 16384, "num_warps": 4, "hints": True, "waves": 0},
+    {"block": 16384, "num_warps": 16, "hints": True, "waves": 0},
+    {"block": 16384, "num_warps": 8, "hints": False, "waves": 16},
+    {"block": 4096, "num_warps": 8, "hints": True, "waves": 0},
+    {"block": 2048, "num_warps": 8, "hints": True, "waves": 0},
     {"block": 2048, "num_warps": 2, "hints": False, "waves": 0},
-    {"block": 2048, "num_warps": 2, "hints": True, "waves": 0},
     {"block": 2048, "num_warps": 4, "hints": False, "waves": 0},
-    {"block": 4096, "num_warps": 4, "hints": False, "waves": 0},
-    {"block": 4096, "num_warps": 4, "hints": True, "waves": 0},
-    {"block": 1024, "num_warps": 2, "hints": False, "waves": 0},
-    {"block": 1024, "num_warps": 1, "hints": False, "waves": 0},
-    {"block": 8192, "num_warps": 8, "hints": False, "waves": 0},
-    {"block": 2048, "num_warps": 2, "hints": False, "waves": 16},
-    {"block": 2048, "num_warps": 4, "hints": False, "waves": 8},
-    {"block": 4096, "num_warps": 4, "hints": False, "waves": 8},
-    {"block": 1024, "num_warps": 2, "hints": False, "waves": 32},
-    {"block": 4096, "num_warps": 8, "hints": True, "waves": 4},
 )
 
 

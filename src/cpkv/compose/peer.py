@@ -11,7 +11,9 @@ Transports (``mem.kind``):
 - ``shm``: CPU tensors backed by ``/dev/shm/cpkv-<token>-r<rank>-<name>`` files, mapped by every rank
   (``torch.from_file(shared=True)``); files are unlinked once every rank has mapped them.
 - ``cuda-ipc``: device memory from torch's allocator, its CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``) exchanged once with ``all_gather_object``.
+  (``torch.multiprocessing.reductions.reduce_tensor``) exchanged once with ``all_gather_object`` and
+  opened in the reading rank's own device context (peers' buffers then appear on this rank's device,
+  whether the ranks share one GPU or have one each).
 - ``none``: peer memory off (``CPKV_DISABLE_PEER_MEMORY`` or the probe failed on some rank): ``alloc``
   gives plain tensors and compose modes fall back to collectives.
 
@@ -37,7 +39,7 @@ from cpkv.errors import ComposeError
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_PEER_ENABLED: set[tuple[int, int]] = set()  # (this GPU, peer GPU) pairs with peer access enabled in this process
+_IPC_DEVICE_ARG = 6  # storage_device in the arguments of torch's rebuild_cuda_tensor (torch >= 2.0)
 
 
 class PeerMemory:
@@ -85,7 +87,6 @@ class PeerMemory:
             try:
                 peers = [[self._map(r, n, everyone[r][1][n]) for n in ("probe", "probe-host")]
                          for r in range(self.ctx.world_size)]
-                self._enable_peer_reads([d for d, _ in peers])
                 ok = all(int(d[0].item()) == r + 1 and int(h[0].item()) == r + 1
                          for r, (d, h) in enumerate(peers))
             except Exception:  # noqa: BLE001
@@ -146,7 +147,6 @@ class PeerMemory:
             raise RuntimeError("a rank could not share its buffers")
         for i, name in enumerate(new):
             self._peers[name] = [self._map(r, name, everyone[r][i][1]) for r in range(self.ctx.world_size)]
-            self._enable_peer_reads(self._peers[name])
         self.ctx.barrier()  # every rank mapped every file: the names can go
         self._unlink()
 
@@ -160,23 +160,13 @@ class PeerMemory:
             flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             return flat[: nbytes if _numel(shape) else 0].view(dtype).view(shape)
         func, args = handle[1]
+        if self.ctx.device.type == "cuda" and getattr(func, "__name__", "") == "rebuild_cuda_tensor":
+            # Open the handle in this rank's own device context (with one GPU per rank the buffer lives on
+            # another GPU): the mapping is then valid for this rank's kernels, which reach it over NVLink
+            # (peer access enabled lazily by CUDA). torch would open it in the owner GPU's context, where
+            # this rank's kernels fault on it. The tensor is labelled with this rank's device accordingly.
+            args = (*args[:_IPC_DEVICE_ARG], self.ctx.device.index, *args[_IPC_DEVICE_ARG + 1:])
         return func(*args)
-
-    def _enable_peer_reads(self, tensors: list[torch.Tensor]) -> None:
-        """Let kernels on this rank's GPU dereference peers' buffers that live on other GPUs (one GPU per
-        rank): enable peer access from this device's context to each of theirs, or raise if the GPUs cannot
-        reach each other. torch enables it from the source device to the destination on a cross-device
-        copy, and remembers it; there is no public call for it."""
-        own = self.ctx.device
-        if own.type != "cuda":
-            return
-        for dev in {t.device.index for t in tensors if t.is_cuda} - {own.index}:
-            if not torch.cuda.can_device_access_peer(own.index, dev):
-                raise ComposeError(f"rank {self.ctx.rank}: GPU {own.index} cannot access peer GPU {dev}")
-            if (own.index, dev) not in _PEER_ENABLED:
-                torch.empty(1, device=torch.device("cuda", dev)).copy_(torch.empty(1, device=own))
-                torch.cuda.synchronize(own)
-                _PEER_ENABLED.add((own.index, dev))
 
     def has(self, name: str) -> bool:
         """True when this rank allocated ``name`` through this PeerMemory."""

@@ -14,7 +14,9 @@ The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address ar
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
 copies one unit (or, with ``waves``, strides over units) with no inner loop, so all of a thread's loads
 are in flight before its stores (a variant looping over a page, storing between loads, reached 0.83
-of a device copy on H200; loop-free 2048-element blocks 0.89).
+of a device copy on H200; loop-free 2048-element blocks 0.89; whole pages per program with streaming
+hints 0.915). A plain Triton contiguous copy reached 0.93-0.95 of ``copy_`` in the same runs: that, not
+the gather's indexing, bounds this kernel (cudaMemcpy's copy path is out of reach of ld/st.global).
 Triton is imported lazily; :func:`page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -25,7 +27,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-DEFAULT_CONFIG = {"block": 2048, "num_warps": 2, "hints": False, "waves": 0}  # best measured on H200
+# one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each
+# fit one 16,384-element block), 8 warps, streaming cache hints: best measured on H200 (2026-12-01 sweep:
+# 0.915 of a device copy for token pages, 0.923 for index pages, vs 0.888 for 2,048-element blocks)
+DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "hints": True, "waves": 0}
 
 
 def page_gather_ref(out: torch.Tensor, sources: Sequence[torch.Tensor], dest: torch.Tensor, src: torch.Tensor,
