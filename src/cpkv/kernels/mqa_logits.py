@@ -42,7 +42,8 @@ class LogitsConfig:
     variant: "gluon" (mqa_logits_gluon where it applies, else "lanes" with these fields), "lanes"
     (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
     key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
-    gluon_maxnreg: the Gluon kernel's 64-key tiles per program, TMA ring depth and register cap.
+    gluon_maxnreg / gluon_warpgroups: the Gluon kernel's 64-key tiles per program, TMA ring depth,
+    register cap and warpgroups sharing each key tile (1 or 2).
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""
@@ -55,9 +56,10 @@ class LogitsConfig:
     maxnreg: int | None = 128
     variant: str = "gluon"
     tma: bool = True
-    gluon_span: int = 16
+    gluon_span: int = 32
     gluon_stages: int = 4
     gluon_maxnreg: int | None = None
+    gluon_warpgroups: int = 1
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -311,7 +313,8 @@ def mqa_logits_triton(
         from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
 
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
-                                span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg)
+                                span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
+                                warpgroups=cfg.gluon_warpgroups)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

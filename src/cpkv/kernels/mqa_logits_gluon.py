@@ -40,25 +40,27 @@ BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
 
 @gluon.constexpr_function
-def _result_layout(block_s, bq):
-    """[BLOCK_S, BQ] per-token sums as the accumulator leaves them (no data movement): rows
-    lane // 4 + 8 r + 16 warp, tokens lane % 4 + 4 r' (r, r' register bits)."""
-    tok_regs = [[0, 4 << b] for b in range((bq // 4).bit_length() - 1)]
+def _result_layout(block_s, bqw, wgs):
+    """[BLOCK_S, WGS * BQW] per-token sums as the accumulator leaves them (no data movement): rows
+    lane // 4 + 8 r + 16 (warp % 4), tokens BQW (warp // 4) + lane % 4 + 4 r' (r, r' register bits)."""
+    tok_regs = [[0, 4 << b] for b in range((bqw // 4).bit_length() - 1)]
+    wg_bases = [[0, bqw << b] for b in range(wgs.bit_length() - 1)]
     return gl.DistributedLinearLayout(
         reg_bases=[[8, 0]] + tok_regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[block_s, bq])
+        warp_bases=[[16, 0], [32, 0]] + wg_bases, block_bases=[], shape=[block_s, bqw * wgs])
 
 
 @gluon.jit
-def _token_head(n, BQ):
-    """Accumulator column n -> (token, head): a thread of the wgmma accumulator holds columns
-    2 * (lane % 4) + e + 8 * i (e in 0..1, i in 0..N/8), so token = lane % 4 (+ 4 * ...) puts all of
-    a thread's columns of one row on whole heads of its tokens (BQ >= 4)."""
+def _token_head(n, BQW):
+    """Accumulator column n -> (token, head). Warpgroup g owns columns [128 g, 128 g + 128) = tokens
+    [BQW g, BQW g + BQW); within them a thread holds columns 2 * (lane % 4) + e + 8 * i (e in 0..1,
+    i in 0..15), so token = lane % 4 (+ 4 * ...) puts all of a thread's columns of one row on whole
+    heads of its tokens (BQW = 128 / H >= 4)."""
     e = n % 2
     c = (n // 2) % 4
-    i = n // 8
-    tok = c + 4 * (i % (BQ // 4))
-    head = e + 2 * (i // (BQ // 4))
+    i = (n % 128) // 8
+    tok = (n // 128) * BQW + c + 4 * (i % (BQW // 4))
+    head = e + 2 * (i // (BQW // 4))
     return tok, head
 
 
@@ -95,14 +97,14 @@ def _uniform(x):
 
 @gluon.jit
 def _epilogue(acc, w, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_cols,
-              BQ: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr, CLEAN: gl.constexpr,
-              res_l: gl.constexpr):
+              BQW: gl.constexpr, WGS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
+              CLEAN: gl.constexpr, res_l: gl.constexpr):
     """relu, weights, head sum, k_scale, mask and store of one [BLOCK_S, BQ * H] accumulator."""
     s = gl.maximum(acc, 0.0) * w[None, :]
-    # columns n = 2c + e + 8 * (t' + (BQ / 4) * g): token c + 4 t', head e + 2 g
-    x = gl.reshape(s, [BLOCK_S, H // 2, BQ // 4, 4, 2])
-    x = gl.permute(x, [0, 2, 3, 1, 4])
-    x = gl.sum(gl.reshape(x, [BLOCK_S, BQ, H]), axis=2)
+    # columns n = 128 wg + 2c + e + 8 * (t' + (BQW / 4) * g): token BQW wg + c + 4 t', head e + 2 g
+    x = gl.reshape(s, [BLOCK_S, WGS, H // 2, BQW // 4, 4, 2])
+    x = gl.permute(x, [0, 1, 3, 4, 2, 5])
+    x = gl.sum(gl.reshape(x, [BLOCK_S, WGS * BQW, H]), axis=2)
     val = gl.convert_layout(x, res_l) * ksc[:, None]
     oc = c0 + rows
     if CLEAN:
@@ -118,14 +120,16 @@ def mqa_logits_gluon_kernel(
     q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
     T, S, col_off, n_cols,
     stride_qt, stride_ksc, stride_wt, stride_out,
-    H: gl.constexpr, D: gl.constexpr, BQ: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
+    H: gl.constexpr, D: gl.constexpr, WGS: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
     STAGES: gl.constexpr, CLEAN: gl.constexpr,
 ):
-    N: gl.constexpr = BQ * H
-    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, N, 32])
-    res_l: gl.constexpr = _result_layout(BLOCK_S, BQ)
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
+    BQW: gl.constexpr = 128 // H  # tokens per warpgroup
+    BQ: gl.constexpr = BQW * WGS
+    N: gl.constexpr = 128 * WGS
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WGS],
+                                                    instr_shape=[16, 128, 32])
+    res_l: gl.constexpr = _result_layout(BLOCK_S, BQW, WGS)
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4 * WGS, 1], [1, 0])
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float8e4nv)
 
     pid_s = gl.program_id(0)
@@ -169,13 +173,13 @@ def mqa_logits_gluon_kernel(
                                             pred=s < n_tiles)
         # q rows in accumulator-column order, weights per column, k_scale of tile 0
         qn = gl.arange(0, N, gl.SliceLayout(1, q_ld))
-        q_tok, q_head = _token_head(qn, BQ)
+        q_tok, q_head = _token_head(qn, BQW)
         qd = gl.arange(0, D, gl.SliceLayout(0, q_ld))
         q_blk = gl.load(q_ptr + ((t0 + q_tok) * stride_qt + q_head * D)[:, None] + qd[None, :],
                         mask=((t0 + q_tok) < T)[:, None], other=0.0)
         q_s.store(q_blk)
         wn = gl.arange(0, N, gl.SliceLayout(0, mma_l))
-        w_tok, w_head = _token_head(wn, BQ)
+        w_tok, w_head = _token_head(wn, BQW)
         w = gl.load(w_ptr + (t0 + w_tok) * stride_wt + w_head, mask=(t0 + w_tok) < T, other=0.0)
         j0 = k0 + rows
         ksc = gl.load(ksc_ptr + j0 * stride_ksc, mask=j0 < S, other=0.0)
@@ -196,27 +200,27 @@ def mqa_logits_gluon_kernel(
             acc_a = warpgroup_mma_wait(1, deps=[tok_a])
             _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
             _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
             tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
             ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
             acc_b = warpgroup_mma_wait(1, deps=[tok_b])
             _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
             _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
         if n_tiles - m == 2:
             tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
             ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
             acc_a = warpgroup_mma_wait(1, deps=[tok_a])
             _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
             acc_b = warpgroup_mma_wait(0, deps=[tok_b])
             _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         else:
             acc_a = warpgroup_mma_wait(0, deps=[tok_a])
             _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQ, H, BLOCK_S, CLEAN, res_l)
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
@@ -227,22 +231,24 @@ def key_layout(d: int):
 
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
-                     span: int = 16, stages: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+                     span: int = 16, stages: int = 4, maxnreg: int | None = None,
+                     warpgroups: int = 1) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
-    depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200)."""
+    depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
+    2 (two warpgroups share each key tile, each with its own 128 // H tokens)."""
     T, H, D = q.shape
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
         return out
-    bq = 128 // H
+    bq = 128 // H * warpgroups
     k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S, D], key_layout(D))
     grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, BQ=bq, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
-        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
+        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
+        num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
