@@ -69,20 +69,20 @@ def test_sparse_odd_topk_glm5() -> None:
 
 
 def _configs() -> list:
-    from cpkv.kernels.sparse_mla import GLUON, Config
+    from cpkv.kernels.sparse_mla import GLUON, GLUON_WS, Config
 
     return [Config(64, 64, 8, 2), Config(64, 64, 8, 2, False, True), Config(64, 32, 8, 3, True, True),
-            Config(16, 64, 4, 2, True, True), GLUON]
+            Config(16, 64, 4, 2, True, True), GLUON, GLUON_WS]
 
 
 def _skip_unless_gluon(cfg) -> None:
     from cpkv.kernels.sparse_mla import gluon_supported
 
-    if cfg.impl == "gluon" and not gluon_supported(512, 64, torch.cuda.get_device_capability()):
+    if cfg.impl.startswith("gluon") and not gluon_supported(512, 64, torch.cuda.get_device_capability()):
         pytest.skip("the Gluon kernel needs sm_90 and triton.experimental.gluon")
 
 
-@pytest.mark.parametrize("i", range(5), ids=["default-triton", "lazy", "k32-pf-lazy", "h16", "gluon"])
+@pytest.mark.parametrize("i", range(6), ids=["default-triton", "lazy", "k32-pf-lazy", "h16", "gluon", "gluon-ws"])
 def test_sparse_kernel_configs(i: int) -> None:
     """Every kernel variant against float64: large-magnitude scores, leading invalid tiles, odd topk."""
     from cpkv.kernels import sparse_mla as kernel
@@ -100,17 +100,19 @@ def test_sparse_kernel_configs(i: int) -> None:
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
 
 
+@pytest.mark.parametrize("impl", ["gluon", "gluon_ws"])
 @pytest.mark.parametrize("h,topk,t", [(16, 64, 3), (32, 333, 4), (64, 2048, 3), (128, 100, 2), (64, 0, 2)])
-def test_gluon_kernel_heads_and_lengths(h: int, topk: int, t: int) -> None:
-    """Gluon kernel: heads padded to 64 (16, 32) or split in blocks of 64 (128), partial / single / no tiles."""
+def test_gluon_kernel_heads_and_lengths(h: int, topk: int, t: int, impl: str) -> None:
+    """Gluon kernels: heads padded to 64 (16, 32) or split in blocks of 64 (128), partial / single / no tiles."""
     from cpkv.kernels import sparse_mla as kernel
 
-    _skip_unless_gluon(kernel.GLUON)
+    cfg = kernel.GLUON if impl == "gluon" else kernel.GLUON_WS
+    _skip_unless_gluon(cfg)
     gen = torch.Generator(device="cuda").manual_seed(h + topk)
     q = torch.randn(t, h, 576, generator=gen, device="cuda").to(torch.bfloat16)
     kv = torch.randn(3000, 576, generator=gen, device="cuda").to(torch.bfloat16)
     idx = gpu_indices(t, topk, 3000, gen) if topk else torch.empty(t, 0, dtype=torch.int32, device="cuda")
-    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.07, 512, kernel.GLUON)
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.07, 512, cfg)
     ref = sparse_mla_ref(q.cpu(), kv.cpu(), idx.cpu(), 0.07, 512, dtype=torch.float64)
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
     _, tri_lse, _ = kernel.launch(q, kv, idx, None, None, 0.07, 512, kernel.default_config(h, 512, 64))

@@ -18,7 +18,7 @@ Triton is imported lazily by :func:`load`; this module imports on machines witho
 
 Tuning notes (H200, Triton 3.6, H=64, topk=2048, S=65536, T=4096, uniform random indices; GEMM
 8192^3 bf16 700-767 TFLOP/s in the same runs), TFLOP/s = 2 T topk H (576 + 512) / time:
-    h64 k64 w8 s2             244-246   (default; 221 KB shared: Q + two K tiles, 255 regs, no spills)
+    h64 k64 w8 s2             244-246   (Triton default; 221 KB shared: Q + two K tiles, 255 regs, no spills)
     h64 k32 w8 s3 / s2        168 / 153
     h64 k64 w8 s2, idx prefetch 205; lazy rescale 198 (both spill)
     h32 k32 w4 s2 (2 CTAs/SM) 165;  h64 k32 w16 s2: 76
@@ -29,15 +29,22 @@ puts all 8 warps on M for the score dot, and with M = 64 heads both warpgroups c
 [64, 64] score tile with m64n32k16 wgmma (72 per tile, A = Q from shared memory each time), i.e.
 the QK half of the work is done twice and shared-memory reads per tile are ~2x FlashMLA's.
 
-The Gluon kernel (``load_gluon``, default on sm_90 for 512 + 64 dims and > 32 heads) fixes the
-layouts by hand: S split over the two warpgroups along the keys (n32 each, no duplicate), O split
-along d_v (n256), P through 8 KB of shared memory, gathers issued while QK runs (230 KB shared,
-243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744 TFLOP/s in the same run:
+The Gluon kernel (``load_gluon``) fixes the layouts by hand: S split over the two warpgroups along
+the keys (n32 each, no duplicate), O split along d_v (n256), P through 8 KB of shared memory, gathers
+issued while QK runs (230 KB shared, 243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744
+TFLOP/s in the same run:
     gluon h64 k64 w8          T=4096 315-317 (0.42-0.43), T=16384 322 (0.43); rel err 1.9e-3
     triton h64 k64 w8 s2      T=4096 244 (0.33)
-Not overlapped yet: softmax leaves the tensor cores idle (FA3-style overlap needs the gather of
-tile j + 2 in flight while PV of tile j runs, i.e. a third 74 KB key buffer, which does not fit
-beside Q; a warp-specialised producer, as FlashMLA's, is the next step).
+It leaves the tensor cores idle during the softmax (both warpgroups in lockstep) and its n32 score
+wgmma reads Q from shared memory twice per tile.
+
+The warp-specialised Gluon kernel (``sparse_mla_ws``, default on sm_90 for 512 + 64 dims and > 32
+heads) adds a producer warpgroup for the gathers (cp.async completing on mbarriers) and gives each
+consumer warpgroup whole 64-key blocks (n64 score wgmma), so one consumer's softmax overlaps the
+other's wgmma. 2026-12-01, H200, `cpkv bench attention --sweep --rep-ms 60`, GEMM 695 TFLOP/s in
+the same run:
+    gluon_ws (12 warps)       T=4096 468 (0.67), T=16384 474 (0.68); sweep at T=4096 463 (0.67)
+    gluon (8 warps)           T=4096 315 (0.45);  triton h64 k64 w8 s2: 244 (0.35)
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ from typing import Any
 import torch
 
 LOG2E = 1.4426950408889634
-USE_GLUON_BY_DEFAULT = True  # faster and correct on H200 (module docstring); False = Triton kernel
+USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
 
 
 @dataclass(frozen=True)
@@ -63,16 +70,19 @@ class Config:
     num_stages: int
     prefetch_idx: bool = False  # load the next tile's indices one iteration ahead (slower on H200)
     lazy_rescale: bool = False  # keep a stale row max unless a row's max grew by > 2^8 (slower on H200)
-    impl: str = "triton"  # "triton" (any sm_80+) or "gluon" (Hopper wgmma, 64 heads, 512 + 64 dims)
+    # "triton" (any sm_80+); "gluon" / "gluon_ws" (Hopper wgmma, blocks of 64 heads, 512 + 64 dims):
+    # one 8-warp partition, or warp-specialised (producer + two consumers, sparse_mla_ws.py)
+    impl: str = "triton"
 
     def tag(self) -> str:
-        """Short name for tables: ``h64 k64 w8 s2 [pf] [lazy] [gluon]``."""
+        """Short name for tables: ``h64 k64 w8 s2 [pf] [lazy] [gluon|gluon_ws]``."""
         extra = (" pf" if self.prefetch_idx else "") + (" lazy" if self.lazy_rescale else "")
-        extra += " gluon" if self.impl == "gluon" else ""
+        extra += f" {self.impl}" if self.impl != "triton" else ""
         return f"h{self.block_h} k{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
 GLUON = Config(64, 64, 8, 2, impl="gluon")
+GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws")  # 12 warps; 2 key buffers
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -80,7 +90,7 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 def gluon_supported(d_v: int, d_rope: int, capability: tuple[int, int] | None) -> bool:
-    """Whether the Gluon kernel applies: Hopper (sm_90), d_v = 512, d_rope = 64, Gluon importable."""
+    """Whether the Gluon kernels apply: Hopper (sm_90), d_v = 512, d_rope = 64, Gluon importable."""
     if capability != (9, 0) or (d_v, d_rope) != (512, 64):
         return False
     try:
@@ -92,10 +102,10 @@ def gluon_supported(d_v: int, d_rope: int, capability: tuple[int, int] | None) -
 def default_config(h: int, d_v: int, d_rope: int, capability: tuple[int, int] | None = None) -> Config:
     """Configuration for ``h`` heads and a ``d_v + d_rope`` score width (tuned on H200 for 512 + 64).
 
-    ``capability`` is the device's (major, minor); the Gluon kernel needs (9, 0).
+    ``capability`` is the device's (major, minor); the Gluon kernels need (9, 0).
     """
     if USE_GLUON_BY_DEFAULT and h > 32 and gluon_supported(d_v, d_rope, capability):
-        return GLUON
+        return GLUON_WS
     block_h = min(64, _pow2_at_least(h, 16))
     if d_v >= 512:
         return Config(block_h, 64, 8, 2) if block_h == 64 else Config(block_h, 64, 4, 2)
@@ -219,6 +229,10 @@ def launch(
     topk = 0 if dense else indices.shape[1]
     if cfg.impl == "gluon":
         return out, lse, _launch_gluon(q, kv, indices, ks, ke, sm_scale, d_v, cfg, out, lse)
+    if cfg.impl == "gluon_ws":
+        from cpkv.kernels import sparse_mla_ws
+
+        return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
     grid = (math.ceil(h / cfg.block_h), t)
     compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,

@@ -1,0 +1,350 @@
+"""Warp-specialised Gluon sparse MLA prefill kernel for Hopper (512 + 64 dims, blocks of 64 heads).
+
+Same contract as :mod:`cpkv.kernels.sparse_mla` (one program = one query token x 64 heads; sparse
+indices or the dense causal range ``ks[t] .. ke[t]-1``), different schedule. Three warpgroups:
+
+* producer (4 warps, few registers): loads Q once, then gathers key blocks of 64 rows with 16-byte
+  ``cp.async`` into two shared buffers; each buffer is split into a part A (dims 0..255) and a part
+  BR (dims 256..511 plus the 64 rope dims) with its own "ready" / "free" mbarrier, so a part is
+  refilled as soon as its last reader is done. Completion is tracked per thread by
+  ``cp.async.mbarrier.arrive.noinc`` (no wait_group in the consumers).
+* consumer 0 (default partition) computes the scores of the even key block of each pair (buffer 0),
+  consumer 1 those of the odd block (buffer 1): full [64 heads, 64 keys] tiles with m64n64 wgmma,
+  so Q is read from shared memory once per key block (the single-partition kernel split every
+  tile over both warpgroups with n32 wgmma, twice the Q reads). While one consumer does its
+  softmax, the other's score wgmma runs ("seesaw", the schedule FlashMLA's sm90 kernels use).
+* each consumer owns half of the output (d_v 0..255 / 256..511): it multiplies its own P from
+  registers (RS wgmma) with its half of its block's values, and the other consumer's P from shared
+  memory with its half of the other block's values. Row maxima go through shared memory: consumer
+  0 publishes its max, consumer 1 takes the max over both and publishes it back, consumer 0
+  rescales its P (before sharing it) and its accumulator to the common max. P of block 0 is
+  written over the rope part of key buffer 0 (no longer needed once its scores are done).
+
+Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barriers = 230,792 B (of
+232,448). Registers: launch cap 168 x 12 warps, re-split 224 / 224 / 56 (consumer 0 / 1 / producer),
+no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
+flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
+
+2026-12-01, H200, `cpkv bench attention --sweep --rep-ms 60` (H=64, topk=2048, S=65536 random rows),
+bf16 GEMM 695 TFLOP/s in the same run: T=4096 468 TFLOP/s (0.67), T=16384 474 (0.68); the
+one-partition Gluon kernel 315 (0.45) in the same run. Triton is imported lazily by :func:`load`.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+LOG2E = 1.4426950408889634
+MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
+
+
+@lru_cache(maxsize=1)
+def load() -> Any:
+    """Compile-on-demand kernel (imports Gluon lazily)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    @gluon.jit
+    def _rows(idx_row, ks_t, k0, n_keys, S, layout: gl.constexpr, DENSE: gl.constexpr):
+        """(row, valid) for keys k0 .. k0 + 63 of this query, in ``layout`` (1-D)."""
+        offs = k0 + gl.arange(0, 64, layout)
+        if DENSE:
+            idx = ks_t + offs
+            valid = (offs < n_keys) & (idx >= 0) & (idx < S)
+        else:
+            idx = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
+            valid = (idx >= 0) & (idx < S)
+        return gl.where(valid, idx, 0), valid
+
+    @gluon.jit
+    def _gather(KV, stride_kv, rows, valid, col0, buf, lg: gl.constexpr, N: gl.constexpr):
+        """cp.async rows x [col0, col0 + N) of KV into ``buf`` (zero-filled where not valid)."""
+        c = col0 + gl.arange(0, N, gl.SliceLayout(0, lg))
+        ptr = KV + (rows.to(gl.int64) * stride_kv)[:, None] + c[None, :]
+        async_copy.async_copy_global_to_shared(buf, ptr, mask=valid[:, None], cache_modifier=".cg")
+
+    @gluon.jit
+    def _producer(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
+                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr):
+        lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rl: gl.constexpr = gl.SliceLayout(1, lg)
+        pid_h = gl.program_id(0)
+        t = gl.program_id(1).to(gl.int64)
+        bar_q = bars.index(0)
+        # Q rows (heads >= H zero-filled)
+        hq = pid_h * 64 + gl.arange(0, 64, rl)
+        qv = hq < H
+        qb = Q + t * stride_qt
+        _gather(qb, stride_qh, hq, qv, 0, q_a.index(0), lg, 256)
+        _gather(qb, stride_qh, hq, qv, 256, q_b.index(0), lg, 256)
+        _gather(qb, stride_qh, hq, qv, 512, q_r.index(0), lg, 64)
+        async_copy.mbarrier_arrive(bar_q, increment_count=False)
+
+        if DENSE:
+            ks_t = gl.load(KS + t)
+            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
+        else:
+            ks_t = 0
+            n_keys = TOPK
+        idx_row = IDX + t * stride_it
+        for i in range(gl.cdiv(n_keys, 128)):
+            ph = (i & 1) ^ 1  # a fresh barrier passes a wait on parity 1
+            r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
+            r1, v1 = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, rl, DENSE)
+            # order of need: A0 (consumer 0 starts its scores there), BR1, BR0, A1
+            mbarrier.wait(bars.index(5), ph)  # free A0
+            _gather(KV, stride_kv, r0, v0, 0, k_a.index(0), lg, 256)
+            async_copy.mbarrier_arrive(bars.index(1), increment_count=False)
+            mbarrier.wait(bars.index(8), ph)  # free BR1
+            _gather(KV, stride_kv, r1, v1, 256, k_b.index(1), lg, 256)
+            _gather(KV, stride_kv, r1, v1, 512, k_r.index(1), lg, 64)
+            async_copy.mbarrier_arrive(bars.index(4), increment_count=False)
+            mbarrier.wait(bars.index(6), ph)  # free BR0
+            _gather(KV, stride_kv, r0, v0, 256, k_b.index(0), lg, 256)
+            _gather(KV, stride_kv, r0, v0, 512, k_r.index(0), lg, 64)
+            async_copy.mbarrier_arrive(bars.index(2), increment_count=False)
+            mbarrier.wait(bars.index(7), ph)  # free A1
+            _gather(KV, stride_kv, r1, v1, 0, k_a.index(1), lg, 256)
+            async_copy.mbarrier_arrive(bars.index(3), increment_count=False)
+
+    @gluon.jit
+    def _opaque_zero(x):
+        """0 from inline asm the compiler cannot hoist: shared-memory views indexed by it get their
+        wgmma descriptors rebuilt inside the loop (cheap adds) instead of being hoisted out of it, where
+        72 loop-invariant 64-bit descriptors would spill."""
+        return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _softmax_in(s, valid, m_ref, scale_log2):
+        """Masked scores -> (row max of the scaled scores, max with m_ref)."""
+        s = gl.where(valid[None, :], s, float("-inf"))
+        mx = gl.max(s, 1) * scale_log2
+        return s, gl.maximum(m_ref, mx)
+
+    @gluon.jit
+    def _consumer0(IDX, KS, KE, S, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
+                   DENSE: gl.constexpr):
+        """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max)."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        t = gl.program_id(1).to(gl.int64)
+        if DENSE:
+            ks_t = gl.load(KS + t)
+            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
+        else:
+            ks_t = 0
+            n_keys = TOPK
+        idx_row = IDX + t * stride_it
+        m_run = gl.full([64], -1.0e30, gl.float32, row_l)
+        l_run = gl.zeros([64], gl.float32, row_l)
+        o = gl.zeros([64, 256], gl.float32, o_l)
+        s0 = gl.zeros([64, 64], gl.float32, s_l)
+        mbarrier.wait(bars.index(0), 0)
+        for i in range(gl.cdiv(n_keys, 128)):
+            ph = i & 1
+            z = _opaque_zero(i)
+            qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
+            ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
+            _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+            mbarrier.wait(bars.index(1), ph)  # A0 ready
+            fence_async_shared()
+            s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(bars.index(2), ph)  # BR0 ready
+            fence_async_shared()
+            s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            s, m_new = _softmax_in(s, valid, m_run, scale_log2)
+            alpha = gl.exp2(m_run - m_new)
+            p = gl.exp2(s * scale_log2 - m_new[:, None])
+            l_run = l_run * alpha + gl.sum(p, 1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            sm.index(0).store(m_new)
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(9))  # my max published
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[o])
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(5))  # A0 free
+            mbarrier.wait(bars.index(10), ph)  # common max from consumer 1
+            m1 = sm.index(1).load(row_l)
+            f = gl.exp2(m_new - m1)
+            kr.store((p * f[:, None]).to(gl.bfloat16))  # P0 over the rope part of buffer 0
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(11))  # P0 ready
+            o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
+            l_run = l_run * f
+            m_run = m1
+            mbarrier.wait(bars.index(12), ph)  # P1 ready
+            fence_async_shared()
+            o = warpgroup_mma(p1, ka1, o, is_async=True)
+            # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
+            # accumulator in flight across the loop's back edge and would serialise every wgmma
+            o = warpgroup_mma_wait(0, deps=[o])
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(7))  # A1 and P1 free
+        return o, l_run, m_run
+
+    @gluon.jit
+    def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
+                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
+        """Odd key block of each pair (buffer 1); output columns 256..511 and the lse."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        t = gl.program_id(1).to(gl.int64)
+        if DENSE:
+            ks_t = gl.load(KS + t)
+            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
+        else:
+            ks_t = 0
+            n_keys = TOPK
+        idx_row = IDX + t * stride_it
+        m_run = gl.full([64], -1.0e30, gl.float32, row_l)
+        l_run = gl.zeros([64], gl.float32, row_l)
+        o = gl.zeros([64, 256], gl.float32, o_l)  # waited at the end of every pair
+        s0 = gl.zeros([64, 64], gl.float32, s_l)
+        mbarrier.wait(bars.index(0), 0)
+        for i in range(gl.cdiv(n_keys, 128)):
+            ph = i & 1
+            z = _opaque_zero(i)
+            qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
+            ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
+            _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+            mbarrier.wait(bars.index(4), ph)  # BR1 ready
+            fence_async_shared()
+            s = warpgroup_mma(qb, kb.permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(bars.index(3), ph)  # A1 ready
+            fence_async_shared()
+            s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.wait(bars.index(9), ph)  # max of consumer 0
+            m0 = sm.index(0).load(row_l)
+            s, m_new = _softmax_in(s, valid, m0, scale_log2)
+            alpha = gl.exp2(m_run - m_new)
+            p = gl.exp2(s * scale_log2 - m_new[:, None])
+            l_run = l_run * alpha + gl.sum(p, 1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            sm.index(1).store(m_new)
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(10))  # common max published
+            pb = p.to(gl.bfloat16)
+            o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
+            p1.store(pb)
+            fence_async_shared()
+            mbarrier.wait(bars.index(11), ph)  # P0 ready
+            fence_async_shared()
+            o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(12))  # P1 ready
+            o = warpgroup_mma_wait(1, deps=[o])
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(8))  # BR1 free
+            o = warpgroup_mma_wait(0, deps=[o])
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(6))  # BR0 free (its values and P0 read)
+            m_run = m_new
+        o = warpgroup_mma_wait(0, deps=[o])
+        # combine the row sums of both consumers, write columns 256..511 and the lse
+        sl.index(1).store(l_run)
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(13))
+        mbarrier.wait(bars.index(13), 0)
+        l_tot = l_run + sl.index(0).load(row_l)
+        empty = l_tot == 0.0
+        l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
+        pid_h = gl.program_id(0)
+        ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
+        co = 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
+        gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
+                 mask=(ho < H)[:, None])
+        lse = gl.where(empty, float("inf"), (m_run + gl.log2(gl.where(empty, 1.0, l_tot))) / 1.4426950408889634)
+        hl = pid_h * 64 + gl.arange(0, 64, row_l)
+        gl.store(LSE + t * stride_lt + hl, lse, mask=hl < H)
+
+    @gluon.jit
+    def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
+        o, l_run, _ = _consumer0(IDX, KS, KE, S, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm,
+                                 bars, DENSE)
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        sl.index(0).store(l_run)
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(13))
+        mbarrier.wait(bars.index(13), 0)
+        l_tot = l_run + sl.index(1).load(row_l)
+        empty = l_tot == 0.0
+        l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
+        pid_h = gl.program_id(0)
+        t = gl.program_id(1).to(gl.int64)
+        ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
+        co = gl.arange(0, 256, gl.SliceLayout(0, o_l))
+        gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
+                 mask=(ho < H)[:, None])
+
+    @gluon.jit
+    def _sparse_mla_ws(
+        Q, KV, IDX, KS, KE, OUT, LSE,
+        S, H, TOPK, scale_log2,
+        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+        DENSE: gl.constexpr,
+    ):
+        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_a = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], sh)
+        q_b = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 256], sh)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], sh)
+        k_a = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], sh)
+        k_b = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], sh)
+        k_r = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], sh)
+        p1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sh)
+        # row maxima / row sums exchanged between the consumers: [consumer, head]
+        sm = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
+        sl = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
+        # 0 Q ready | 1 A0, 2 BR0, 3 A1, 4 BR1 ready | 5 A0, 6 BR0, 7 A1, 8 BR1 free |
+        # 9 max0, 10 max1, 11 P0, 12 P1 ready | 13 row sums exchanged
+        bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(5):
+            mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
+        for j in gl.static_range(5, 13):
+            mbarrier.init(bars.index(j), count=1)
+        mbarrier.init(bars.index(13), count=2)
+        gl.warp_specialize([
+            (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+            (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
+                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+            (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
+                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE)),
+        ], [4, 4], [224, 56])  # registers: consumer 1, producer (consumer 0 gets the rest)
+
+    return _sparse_mla_ws
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: torch.Tensor | None,
+           ke: torch.Tensor | None, sm_scale: float, out: torch.Tensor, lse: torch.Tensor) -> Any:
+    """Run on ``q`` [T, H, 576], ``kv`` [S, 576] (last dims contiguous), filling ``out`` and ``lse``."""
+    t, h, _ = q.shape
+    dense = indices is None
+    idx = ks if dense else indices
+    grid = ((h + 63) // 64, t)
+    return load()[grid](
+        q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
+        kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        DENSE=dense, num_warps=4, maxnreg=MAX_REGS,
+    )
