@@ -52,11 +52,11 @@ def logits_variants() -> dict:
 
     named = {"base": BASE_CONFIG,
              "lanes_tma_w8_s128": LANES_CONFIG,
-             "gluon_span16": LogitsConfig(gluon_span=16),
-             "gluon_span64": LogitsConfig(gluon_span=64),
+             "gluon_span32": LogitsConfig(gluon_span=32),
              "gluon_span128": LogitsConfig(gluon_span=128),
-             "gluon_wg2_span32": LogitsConfig(gluon_span=32, gluon_warpgroups=2),
-             "gluon_wg2_span64": LogitsConfig(gluon_span=64, gluon_warpgroups=2)}
+             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2),
+             "gluon_banked_span64": LogitsConfig(gluon_banked=True),
+             "gluon_banked_span128": LogitsConfig(gluon_span=128, gluon_banked=True)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 
