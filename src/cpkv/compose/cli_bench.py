@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if out["shared_device"]:
         print("ranks share one GPU: peer-memory figures measure device memory, not NVLink; collectives are gloo "
               "through the host")
+    elif cfg.device == "cuda":
+        print("one GPU per rank: collectives through NCCL, peer reads through CUDA IPC over the GPUs' links")
     table(["mode", "ms/layer", "ms/batch", "ran as"],
           [(m, v["ms_per_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
                                                                         else " (bs=1: largest request alone)"))
