@@ -26,7 +26,6 @@ from cpkv.indexer import (
 LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
                    "gluon_span3_st2": dict(gluon_span=3, gluon_stages=2),
                    "gluon_wg2_span5": dict(gluon_span=5, gluon_warpgroups=2),
-                   "gluon_banked_span3_st2": dict(gluon_span=3, gluon_stages=2, gluon_banked=True),
                    "lanes_w4_s64": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
                    "lanes_w4_s64_r128": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=128),
                    "lanes_w8_s128": dict(variant="lanes", tma=False),
@@ -83,8 +82,7 @@ def _assert_logits_close(out, ref):
     assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
 
 
-@pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "gluon_wg2_span5", "gluon_banked_span3_st2",
-                                     "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
+@pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "gluon_wg2_span5", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
                                      "tma_w4_s64"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])

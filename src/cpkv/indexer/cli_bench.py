@@ -54,9 +54,7 @@ def logits_variants() -> dict:
              "lanes_tma_w8_s128": LANES_CONFIG,
              "gluon_span32": LogitsConfig(gluon_span=32),
              "gluon_span128": LogitsConfig(gluon_span=128),
-             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2),
-             "gluon_banked_span64": LogitsConfig(gluon_banked=True),
-             "gluon_banked_span128": LogitsConfig(gluon_span=128, gluon_banked=True)}
+             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 

@@ -21,7 +21,8 @@ unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past 
 on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
 and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits_gluon, a Gluon
 kernel for Hopper that keeps the next tile's wgmma in flight during each epilogue (fp8 q and k,
-H <= 32, TMA-ready keys); other inputs and GPUs run "lanes" with the same config.
+H <= 32, TMA-ready keys; 0.57-0.65 of the fp8 GEMM rate on an H200 vs 0.51-0.63 for "lanes" in the
+same runs, 2026-12-01); other inputs and GPUs run "lanes" with the same config.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class LogitsConfig:
     (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
     key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
     gluon_maxnreg / gluon_warpgroups: the Gluon kernel's 64-key tiles per program, TMA ring depth,
-    register cap and warpgroups sharing each key tile (1 or 2); gluon_banked: its banked kernel.
+    register cap and warpgroups sharing each key tile (1 or 2).
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""
@@ -60,7 +61,6 @@ class LogitsConfig:
     gluon_stages: int = 4
     gluon_maxnreg: int | None = None
     gluon_warpgroups: int = 1
-    gluon_banked: bool = False
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -315,7 +315,7 @@ def mqa_logits_triton(
 
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
-                                warpgroups=cfg.gluon_warpgroups, banked=cfg.gluon_banked)
+                                warpgroups=cfg.gluon_warpgroups)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

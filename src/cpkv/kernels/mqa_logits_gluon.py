@@ -13,11 +13,19 @@ once, then both run their epilogues). Here one warpgroup (4 warps) owns a progra
 flight across every epilogue: the dot of key tile i + 1 is issued (async wgmma into a second
 accumulator) before the epilogue of tile i, so tensor cores and ALUs overlap inside each program.
 
-Per program: BQ tokens (N = BQ * H query rows, the wgmma N side, q in shared memory once, rows
-permuted as in mqa_logits._column_token_head so a thread's accumulator columns are whole heads of one token and
-the head sum is an in-thread FMNMX + FFMA chain), SPAN key tiles of BLOCK_S = 64 keys (the M side,
-K = D), key tiles by TMA into a STAGES-deep ring of shared buffers (mbarrier per stage, refilled as
-soon as the dot reading it has completed), k_scale loaded one tile ahead.
+Per program: BQ = 128 // H tokens per warpgroup (N = 128 query rows per warpgroup, the wgmma N side, q
+in shared memory once, rows permuted as in mqa_logits._column_token_head so a thread's accumulator
+columns are whole heads of one token and the head sum is an in-thread FMNMX + FFMA chain), SPAN key
+tiles of BLOCK_S = 64 keys (the M side, K = D), key tiles by TMA into a STAGES-deep ring of shared
+buffers (mbarrier per stage, refilled as soon as the dot reading it has completed), k_scale loaded
+one tile ahead. WGS = 2 puts two warpgroups (each its own tokens) on every key tile.
+
+Measured (H200, `cpkv bench indexer --variants`, 2026-12-01): 0.57-0.65 of the fp8 GEMM rate with
+one warpgroup and 64 tiles per program, vs 0.51-0.63 for the "lanes" Triton kernel in the same runs;
+two warpgroups and larger or smaller spans were not faster. Nsight Compute (tail scenario): tensor
+pipe 52% of cycles, 2 warps per scheduler (204 registers: two programs per SM), 0.46 instructions
+issued per cycle per scheduler, 4.35 cycles per issued instruction per warp: the overlap is there
+but each warp's epilogue stalls (the 0.8 target needs the tensor pipe at ~60%+ of cycles).
 
 This module imports Triton's Gluon at import time: import it only where Triton is present
 (cpkv.kernels.mqa_logits does, on CUDA).
@@ -226,143 +234,6 @@ def mqa_logits_gluon_kernel(
 
 
 
-@gluon.jit
-def _bank_token_head(n, BQ, H):
-    """Banked kernel: q row n -> (token, head). Bank b = n // 64 holds heads [H/2 b, H/2 b + H/2) of all
-    BQ = 128 / H tokens; within a bank a thread holds columns 2 * (lane % 4) + e + 8 * i (i in 0..7),
-    so all of its columns of one row are heads of its tokens (lane % 4 + 4 * ...)."""
-    b = n // 64
-    e = n % 2
-    c = (n // 2) % 4
-    i = (n % 64) // 8
-    tok = c + 4 * (i % (BQ // 4))
-    head = b * (H // 2) + e + 2 * (i // (BQ // 4))
-    return tok, head
-
-
-@gluon.jit
-def _bank_partial(acc, w, BQ: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr, SPLIT: gl.constexpr,
-                  res_l: gl.constexpr):
-    """[BLOCK_S, 64] bank accumulator -> [BLOCK_S, BQ] sums of relu * weight over the bank's H / 2
-    heads, as SPLIT independent in-thread chains per row and token (more ILP), then added."""
-    s = gl.maximum(acc, 0.0) * w[None, :]
-    # bank columns n = 2c + e + 8 * (t' + (BQ / 4) * g): token c + 4 t', bank head e + 2 g
-    x = gl.reshape(s, [BLOCK_S, H // 4, BQ // 4, 4, 2])
-    x = gl.permute(x, [0, 2, 3, 1, 4])
-    x = gl.reshape(x, [BLOCK_S, BQ, SPLIT, H // 2 // SPLIT])
-    x = gl.sum(gl.sum(x, axis=3), axis=2)
-    return gl.convert_layout(x, res_l)
-
-
-@gluon.jit
-def _store_tile(val, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_cols, CLEAN: gl.constexpr):
-    val = val * ksc[:, None]
-    oc = c0 + rows
-    if CLEAN:
-        j = oc + col_off
-        valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
-        val = gl.where(valid, val, float("-inf"))
-    gl.store(out_rows[None, :] + oc[:, None], val, mask=tmask[None, :] & (oc < n_cols)[:, None])
-
-
-@gluon.jit
-def mqa_logits_gluon_banked_kernel(
-    q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
-    T, S, col_off, n_cols,
-    stride_qt, stride_ksc, stride_wt, stride_out,
-    H: gl.constexpr, D: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr, STAGES: gl.constexpr,
-    CLEAN: gl.constexpr, SPLIT: gl.constexpr,
-):
-    """Banked variant (one warpgroup): the 128 query rows of a key tile are two wgmma banks of N = 64
-    (heads [0, H/2) and [H/2, H) of the same BQ tokens), 32 accumulator registers each. The dot of one
-    bank is in flight while the other bank's epilogue runs (bank B of tile i during bank A's partial
-    sums, bank A of tile i + 1 during bank B's, then bank B of tile i + 1 is issued); the two partial
-    sums are added before k_scale and the store. ~130 registers per thread: three programs share an SM (12 warps) instead of two."""
-    BQ: gl.constexpr = 128 // H
-    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-    res_l: gl.constexpr = _result_layout(BLOCK_S, BQ, 1)
-    q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, D], gl.float8e4nv)
-
-    pid_s = gl.program_id(0)
-    pid_t = gl.program_id(1)
-    t0 = pid_t * BQ
-    offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
-    tmask = offs_t < T
-    ks_v = gl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
-    ke_v = gl.load(ke_ptr + offs_t, mask=tmask, other=0)
-    out_rows = out_ptr + offs_t.to(gl.int64) * stride_out
-    lo = gl.maximum(gl.min(ks_v, axis=0) - col_off, 0)
-    hi = gl.minimum(gl.minimum(gl.max(ke_v, axis=0), S) - col_off, n_cols)
-    span_lo = pid_s * (SPAN * BLOCK_S)
-    span_hi = gl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
-    c_start = span_lo + (gl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
-    c_end = gl.minimum(span_hi, hi)
-    n_tiles = gl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
-    c_start = _uniform(c_start)
-    n_tiles = _uniform(n_tiles)
-    rows = gl.arange(0, BLOCK_S, gl.SliceLayout(1, res_l))
-    if CLEAN:
-        ninf = gl.full([BLOCK_S, BQ], float("-inf"), gl.float32, res_l)
-        for c in range(span_lo, c_start, BLOCK_S):
-            oc = c + rows
-            gl.store(out_rows[None, :] + oc[:, None], ninf, mask=tmask[None, :] & (oc < span_hi)[:, None])
-        for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
-            oc = c + rows
-            gl.store(out_rows[None, :] + oc[:, None], ninf, mask=tmask[None, :] & (oc < span_hi)[:, None])
-    if n_tiles > 0:
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_S, D], k_desc.layout)
-        q_s = gl.allocate_shared_memory(gl.float8e4nv, [128, D], q_sl)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(bars.index(s), count=1)
-        k0 = c_start + col_off
-        for s in gl.static_range(STAGES):
-            mbarrier.expect(bars.index(s), k_desc.block_type.nbytes, pred=s < n_tiles)
-            tma.async_copy_global_to_shared(k_desc, [k0 + s * BLOCK_S, 0], bars.index(s), k_bufs.index(s),
-                                            pred=s < n_tiles)
-        qn = gl.arange(0, 128, gl.SliceLayout(1, q_ld))
-        q_tok, q_head = _bank_token_head(qn, BQ, H)
-        qd = gl.arange(0, D, gl.SliceLayout(0, q_ld))
-        q_blk = gl.load(q_ptr + ((t0 + q_tok) * stride_qt + q_head * D)[:, None] + qd[None, :],
-                        mask=((t0 + q_tok) < T)[:, None], other=0.0)
-        q_s.store(q_blk)
-        wn = gl.arange(0, 64, gl.SliceLayout(0, mma_l))
-        wa_tok, wa_head = _bank_token_head(wn, BQ, H)
-        w_a = gl.load(w_ptr + (t0 + wa_tok) * stride_wt + wa_head, mask=(t0 + wa_tok) < T, other=0.0)
-        wb_tok, wb_head = _bank_token_head(wn + 64, BQ, H)
-        w_b = gl.load(w_ptr + (t0 + wb_tok) * stride_wt + wb_head, mask=(t0 + wb_tok) < T, other=0.0)
-        ksc = _scales(ksc_ptr, k0 + rows, stride_ksc, S)
-        fence_async_shared()
-        gl.thread_barrier()
-        q_a = q_s.slice(0, 64).permute((1, 0))
-        q_b = q_s.slice(64, 64).permute((1, 0))
-        zero = gl.zeros([BLOCK_S, 64], gl.float32, mma_l)
-
-        # invariant at the top of each iteration: both banks of tile i in flight, A issued first
-        mbarrier.wait(bars.index(0), 0)
-        tok_a = warpgroup_mma(k_bufs.index(0), q_a, zero, use_acc=False, is_async=True)
-        tok_b = warpgroup_mma(k_bufs.index(0), q_b, zero, use_acc=False, is_async=True)
-        for i in range(n_tiles - 1):
-            ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
-            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-            part = _bank_partial(acc_a, w_a, BQ, H, BLOCK_S, SPLIT, res_l)
-            tok_a = _issue(k_bufs, bars, q_a, zero, i + 1, STAGES)
-            acc_b = warpgroup_mma_wait(1, deps=[tok_b])
-            _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
-            val = part + _bank_partial(acc_b, w_b, BQ, H, BLOCK_S, SPLIT, res_l)
-            _store_tile(val, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows, n_cols, CLEAN)
-            tok_b = warpgroup_mma(k_bufs.index((i + 1) % STAGES), q_b, zero, use_acc=False, is_async=True)
-            ksc = ksc_n
-        last = n_tiles - 1
-        acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-        part = _bank_partial(acc_a, w_a, BQ, H, BLOCK_S, SPLIT, res_l)
-        acc_b = warpgroup_mma_wait(0, deps=[tok_b])
-        val = part + _bank_partial(acc_b, w_b, BQ, H, BLOCK_S, SPLIT, res_l)
-        _store_tile(val, ksc, rows, c_start + last * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows, n_cols, CLEAN)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(s))
-
 def key_layout(d: int):
     """Shared layout of a [BLOCK_S, d] fp8 key tile (the TMA box and the wgmma A operand)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_S, d], gl.float8e4nv)
@@ -370,12 +241,11 @@ def key_layout(d: int):
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
                      span: int = 16, stages: int = 4, maxnreg: int | None = None,
-                     warpgroups: int = 1, banked: bool = False) -> torch.Tensor:
+                     warpgroups: int = 1) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
     depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
-    2 (two warpgroups share each key tile, each with its own 128 // H tokens); banked: the banked
-    kernel (one warpgroup, two N = 64 banks, ~150 registers; warpgroups ignored)."""
+    2 (two warpgroups share each key tile, each with its own 128 // H tokens)."""
     T, H, D = q.shape
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
@@ -383,16 +253,6 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
     bq = 128 // H * warpgroups
     k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S, D], key_layout(D))
     grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
-    if banked:
-        grid = (-(-n_cols // (span * BLOCK_S)), -(-T // (128 // H)))
-        mqa_logits_gluon_banked_kernel[grid](
-            q, k_desc, k_scale, weights, ks, ke, out,
-            T, k.shape[0], col_offset, n_cols,
-            q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
-            H=H, D=D, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean, SPLIT=2,
-            num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}),
-        )
-        return out
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
