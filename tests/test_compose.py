@@ -103,3 +103,28 @@ def test_bad_input_raises_named_errors_on_every_rank():
         assert out["bad_layer"].startswith("ComposeError")
         assert out["bad_page_ids"].startswith("ComposeError") and "current_page_ids" in out["bad_page_ids"]
         assert out["pool_row_size"].startswith(ComposeError.__name__) and "row_bytes" in out["pool_row_size"]
+
+
+def test_cuda_ipc_handles_open_in_the_readers_device_context():
+    """One GPU per rank: a peer's IPC handle must be opened on the reading rank's GPU (torch's rebuild would
+    open it on the owner's, where the reader's kernels fault). Checked on the handle arguments, no GPU needed."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def rebuild_cuda_tensor(*args):  # stands in for torch's, which takes the storage device as argument 6
+        seen.append(args)
+        return "mapped"
+
+    ctx = SimpleNamespace(rank=1, world_size=2, device=torch.device("cuda", 1))
+    mem = PeerMemory(ctx, "cuda-ipc", "tok")
+    mem._own["pool.token"] = (torch.zeros(1), False)
+    args = tuple(range(15))
+    assert mem._map(0, "pool.token", ("ipc", (rebuild_cuda_tensor, args))) == "mapped"
+    assert seen[-1][6] == 1 and seen[-1][:6] == args[:6] and seen[-1][7:] == args[7:]
+
+    def other(*a):  # any other rebuild function is called as given
+        seen.append(a)
+        return "other"
+    assert mem._map(0, "pool.token", ("ipc", (other, args))) == "other"
+    assert seen[-1] == args
