@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cpkv.compose.check import CheckConfig, draw_batch, run_check
 from cpkv.compose.modes import MODES
