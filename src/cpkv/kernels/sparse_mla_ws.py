@@ -51,6 +51,17 @@ def load() -> Any:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     @gluon.jit
+    def _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE: gl.constexpr):
+        """Query token t's keys: (first key row (dense), number of keys, its index row)."""
+        if DENSE:
+            ks_t = gl.load(KS + t)
+            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
+        else:
+            ks_t = 0
+            n_keys = TOPK
+        return ks_t, n_keys, IDX + t * stride_it
+
+    @gluon.jit
     def _rows(idx_row, ks_t, k0, n_keys, S, layout: gl.constexpr, DENSE: gl.constexpr):
         """(row, valid) for keys k0 .. k0 + 63 of this query, in ``layout`` (1-D)."""
         offs = k0 + gl.arange(0, 64, layout)
@@ -86,13 +97,7 @@ def load() -> Any:
         _gather(qb, stride_qh, hq, qv, 512, q_r.index(0), lg, 64)
         async_copy.mbarrier_arrive(bar_q, increment_count=False)
 
-        if DENSE:
-            ks_t = gl.load(KS + t)
-            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
-        else:
-            ks_t = 0
-            n_keys = TOPK
-        idx_row = IDX + t * stride_it
+        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         for i in range(gl.cdiv(n_keys, 128)):
             ph = (i & 1) ^ 1  # a fresh barrier passes a wait on parity 1
             r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
@@ -136,13 +141,7 @@ def load() -> Any:
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t = gl.program_id(1).to(gl.int64)
-        if DENSE:
-            ks_t = gl.load(KS + t)
-            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
-        else:
-            ks_t = 0
-            n_keys = TOPK
-        idx_row = IDX + t * stride_it
+        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         m_run = gl.full([64], -1.0e30, gl.float32, row_l)
         l_run = gl.zeros([64], gl.float32, row_l)
         o = gl.zeros([64, 256], gl.float32, o_l)
@@ -203,13 +202,7 @@ def load() -> Any:
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t = gl.program_id(1).to(gl.int64)
-        if DENSE:
-            ks_t = gl.load(KS + t)
-            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
-        else:
-            ks_t = 0
-            n_keys = TOPK
-        idx_row = IDX + t * stride_it
+        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         m_run = gl.full([64], -1.0e30, gl.float32, row_l)
         l_run = gl.zeros([64], gl.float32, row_l)
         o = gl.zeros([64, 256], gl.float32, o_l)  # waited at the end of every pair
