@@ -178,19 +178,26 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
     st.batches += 1
     st.effective = rt.effective_mode(mode)
     for layer in range(cfg.layers):
+        per_layer = layer % 2 == 1  # odd layers: every kind at once (compose_layer), even layers: kind by kind
+        cur, dense_all = {}, {}
         for k in KINDS:
-            cur = batch_current(cfg, model, layout, b, layer, k)
+            cur[k] = batch_current(cfg, model, layout, b, layer, k)
             rows = rt.current_rows(layout, layer, k)
-            mine = cur[torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
+            mine = cur[k][torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
             rows.index_copy_(0, plan.query_rows, mine.index_select(0, plan.query_rows))
-            dense = rt.compose(layout, layer, k, mode=mode).cpu()
+            if not per_layer:
+                dense_all[k] = rt.compose(layout, layer, k, mode=mode)
+        if per_layer:
+            dense_all = rt.compose_layer(layout, layer, mode=mode)
+        for k in KINDS:
+            dense = dense_all[k].cpu()
             if cfg.corrupt_mode == mode and rt.rank == 0 and layer == 0:
                 dense = dense.clone()
                 dense.view(-1)[0] ^= 1
-            st.add(dense, reference_dense(layout, [m[layer] for m in mirror[k]], cur))
+            st.add(dense, reference_dense(layout, [m[layer] for m in mirror[k]], cur[k]))
             if own is not None:
                 got = rt.pool.buffers[k][layer][own.to(rt.device)].cpu()
-                st.mismatches += int((got != cur[torch.from_numpy(plan.own_compact)]).sum())
+                st.mismatches += int((got != cur[k][torch.from_numpy(plan.own_compact)]).sum())
 
 
 def _update_mirror(cfg: CheckConfig, model: ModelConfig, layout: BatchLayout, ids: list[int], b: int,

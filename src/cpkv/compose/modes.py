@@ -29,16 +29,20 @@ if TYPE_CHECKING:
     from cpkv.compose.runtime import ComposeRuntime
 
 RunFn = Callable[["ComposeRuntime", "ComposePlan", BatchLayout, int, str, int], torch.Tensor]
+LayerFn = Callable[["ComposeRuntime", "ComposePlan", int, dict], dict]
 
 
 @dataclass(frozen=True)
 class Mode:
-    """A compose mode: ``run(rt, plan, layout, layer, kind, half) -> dense uint8 [slots * P, row_bytes]``."""
+    """A compose mode: ``run(rt, plan, layout, layer, kind, half) -> dense uint8 [slots * P, row_bytes]``;
+    ``run_layer(rt, plan, layer, {kind: half}) -> {kind: dense}``, where set, composes every kind of a layer
+    at once (``ComposeRuntime.compose_layer``; otherwise that runs ``run`` per kind)."""
 
     name: str
     needs_peer: bool
     run: RunFn
     help: str
+    run_layer: LayerFn | None = None
 
 
 def _legacy(rt, plan, layout, layer, kind, half):
@@ -78,6 +82,16 @@ def _symm(rt, plan, layout, layer, kind, half):
     return dense
 
 
+def _symm_layer(rt, plan, layer, halves):
+    """symm for every kind of a layer: one barrier round and one gather launch for all kinds."""
+    views = {k: rt.dense(plan, k, h) for k, h in halves.items()}
+    rt.barrier_round()
+    rt.gather_kinds("global", layer, halves, {k: (v[1], plan.all) for k, v in views.items()})
+    for k, h in halves.items():
+        rt.persist(plan, layer, k, h)
+    return {k: v[0] for k, v in views.items()}
+
+
 def _prefetch(rt, plan, layout, layer, kind, half):
     if plan.num_requests != 1:
         raise ComposeError(f"compose mode 'prefetch' takes batches of one request; this batch has "
@@ -98,7 +112,7 @@ MODES: dict[str, Mode] = {
         Mode("legacy", False, _legacy, "per-span zero + own pages + sum all-reduce"),
         Mode("fused", False, _fused, "own pages + one whole-buffer sum all-reduce"),
         Mode("v2", True, _v2, "peer gather of prefix pages + all-reduce of compact current pages"),
-        Mode("symm", True, _symm, "staging + counting barrier + one gather, no collective"),
+        Mode("symm", True, _symm, "staging + counting barrier + one gather, no collective", _symm_layer),
         Mode("prefetch", True, _prefetch, "symm with the next layer's prefix pages gathered ahead (bs=1)"),
     )
 }

@@ -47,7 +47,7 @@ from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
 from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
-from cpkv.kernels.page_gather import gather_group, gather_launcher, triton_available
+from cpkv.kernels.page_gather import gather_group, gather_launcher, gather_pair_launcher, triton_available
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
 
@@ -216,6 +216,29 @@ class ComposeRuntime:
         self.uses[kind] += 1
         return dense
 
+    def compose_layer(self, layout: BatchLayout, layer: int, mode: str | None = None,
+                      plan: ComposePlan | None = None) -> dict[str, torch.Tensor]:
+        """Dense KV of every kind for ``layer``: ``{kind: compose(layout, layer, kind)}``, with the current rows
+        of every kind written first. Byte-identical to composing kind by kind; under ``symm`` it takes one
+        barrier round and one gather launch for all kinds (half the synchronisation and host work). Every
+        rank must use the same call (``compose_layer`` or per-kind ``compose``) for a layer."""
+        plan = self.plan(layout, plan)
+        for k in KINDS:
+            self._check_call(layer, k)
+        m = self.mode if mode is None else get_mode(mode)
+        if m.needs_peer and not self.mem.available:
+            m = get_mode("fused")
+        if m.run_layer is None:
+            return {k: self.compose(layout, layer, k, mode=m.name, plan=plan) for k in KINDS}
+        halves = {k: self.uses[k] & 1 for k in KINDS}
+        for k in KINDS:
+            if self._pending[k] is not None:
+                self.settle_prefetch(k)
+        dense = m.run_layer(self, plan, layer, halves)
+        for k in KINDS:
+            self.uses[k] += 1
+        return dense
+
     def effective_mode(self, mode: str | None = None) -> str:
         """The mode that really runs for ``mode`` (``fused`` replaces peer modes without peer memory)."""
         m = self.mode if mode is None else get_mode(mode)
@@ -262,6 +285,23 @@ class ComposeRuntime:
         sources = self._sources(table, layer, kind, half)
         for s, dest, page in groups:
             gather_group(out, sources[s], dest, page)
+
+    def gather_kinds(self, table: str, layer: int, halves: dict[str, int],
+                     targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
+        """``gather`` for several kinds (``targets``: kind -> (out, entries)); one kernel launch for two kinds."""
+        if self.use_triton and len(targets) == 2:
+            (k0, (out0, e0)), (k1, (out1, e1)) = targets.items()
+            key = ("pair", table, layer, k0, halves[k0], out0.data_ptr(), k1, halves[k1], out1.data_ptr(),
+                   e1.dest.data_ptr(), e1.src.data_ptr(), e1.page.data_ptr(), e1.n)  # launchers keep them alive
+            launch = e0.launchers.get(key)
+            if launch is None:
+                launch = e0.launchers[key] = gather_pair_launcher(
+                    (out0, self.bases[table][k0][layer][halves[k0]], e0.dest, e0.src, e0.page, self.aligned16[k0]),
+                    (out1, self.bases[table][k1][layer][halves[k1]], e1.dest, e1.src, e1.page, self.aligned16[k1]))
+            launch()
+            return
+        for k, (out, e) in targets.items():
+            self.gather(out, table, layer, k, halves[k], e)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         if self.cp > 1 and t.numel():

@@ -94,12 +94,11 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int)
     h = model.embed(plan.ids)
     for n, layer in enumerate(model.layers):
         p = layer.project(h, plan.rot) if plan.num_tokens else None
-        dense = {}
         for kind in KINDS:
             rows = rt.current_rows(lay, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
-            dense[kind] = rt.compose(lay, n, kind)
+        dense = rt.compose_layer(lay, n)  # both kinds: one barrier round and one gather launch under symm
         if p is not None:
             h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
     if not plan.last:

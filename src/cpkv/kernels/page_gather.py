@@ -100,6 +100,30 @@ def load() -> Any:
     return _page_gather
 
 
+@lru_cache(maxsize=1)
+def load_pair() -> Any:
+    """The two-segment kernel (both KV kinds of a layer in one launch), compiled on first use."""
+    import triton
+    import triton.language as tl
+    load()  # defines _unit
+
+    @triton.jit
+    def _page_gather_pair(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, n0, units0,
+                          OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1,
+                          PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
+                          BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
+                          VEC1: tl.constexpr, BLOCK1: tl.constexpr, HINTS: tl.constexpr):
+        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
+        u = tl.program_id(0)
+        if u < units0:
+            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0, HINTS)
+        else:
+            _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
+                  BLOCK1, HINTS)
+
+    return _page_gather_pair
+
+
 @lru_cache(maxsize=256)
 def launch_params(page_bytes: int, aligned16: bool, block: int) -> tuple[torch.dtype, int, int, int, int, int]:
     """(element dtype, element bytes, elements per 16-byte vector, page elements, block, blocks per page).
@@ -173,7 +197,48 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 
     def fast() -> None:
         run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
+    fast.tensors = launch.args[:5]  # the launch holds raw addresses: keep what they point to alive
     return fast
+
+
+def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
+    """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
+    ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
+    The same contract as :func:`gather_launcher`; ``config``'s block, warps and hints apply to both (no
+    persistent grid). Falls back to two launches where a direct launch is not possible."""
+    segs = [_Launch(*a[:5], a[5], {**(config or DEFAULT_CONFIG), "waves": 0}) for a in (first, second)]
+    if any(a[2].numel() == 0 for a in (first, second)):
+        return _chain(*(gather_launcher(*a[:5], aligned16=a[5], config=config) for a in (first, second)))
+    from triton import knobs
+    if not FAST_LAUNCH[0] or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return _chain(*(gather_launcher(*a[:5], aligned16=a[5], config=config) for a in (first, second)))
+    a, b = segs[0].args, segs[1].args
+    args = (*a[:8], *b[:7], *a[8:12], *b[8:12], a[12])
+    grid = (a[7] + b[7], 1, 1)
+    key = ("pair", segs[0].key, segs[1].key, b[7] % 16 == 0, b[7] == 1)
+    out = first[0]
+    with torch.cuda.device(out.device):
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            compiled = _COMPILED[key] = load_pair().warmup(
+                *args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8],
+                ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12], num_warps=segs[0].warps)
+        run = compiled.run
+    function, meta = compiled.function, compiled.packed_metadata
+    raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
+    current_stream, index = torch._C._cuda_getCurrentRawStream, out.device.index or 0
+
+    def fast() -> None:
+        run(grid[0], 1, 1, current_stream(index), function, meta, None, None, None, *raw)
+    fast.tensors = (*a[:5], *b[:5])  # the launch holds raw addresses: keep what they point to alive
+    return fast
+
+
+def _chain(*fns: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        for f in fns:
+            f()
+    return run
 
 
 def _noop() -> None:
