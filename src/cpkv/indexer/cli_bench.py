@@ -4,8 +4,7 @@ Per scenario: logits TFLOP/s over unmasked pairs (2*H*D FLOPs each) against torc
 measured in the same run; top-k time against torch.topk on the same rows; index_topk time at chunk
 budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 rows x 65536 keys.
 --variants also times every named kernel variant (logits_variants / topk_variants) with a check of
-its output against the reference kernel, so the default can be chosen from measurements;
---logits-variants NAMES times only the named logits variants (and no top-k variants).
+its output against the reference kernel, so the default can be chosen from measurements.
 """
 from __future__ import annotations
 
@@ -45,9 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
     p.add_argument("--variants", action="store_true",
                    help="also time every named logits / top-k kernel variant in each scenario and the headline")
-    p.add_argument("--logits-variants", default=None, metavar="NAMES",
-                   help="time only these comma-separated logits variants in each scenario (default always "
-                        "included; top-k variants only with --variants); names: see logits_variants()")
 
 
 def logits_variants() -> dict:
@@ -58,26 +54,8 @@ def logits_variants() -> dict:
              "lanes_tma_w8_s128": LANES_CONFIG,
              "gluon_span32": LogitsConfig(gluon_span=32),
              "gluon_span128": LogitsConfig(gluon_span=128),
-             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2),
-             "gluon_split2": LogitsConfig(gluon_split=2),
-             "gluon_lin2": LogitsConfig(gluon_lin=2),
-             "gluon_lin4": LogitsConfig(gluon_lin=4),
-             "gluon_lin4_split2": LogitsConfig(gluon_lin=4, gluon_split=2)}
+             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
-
-
-def selected_logits_variants(names: str | None) -> dict:
-    """logits_variants() restricted to the comma-separated names (plus "default", always first)."""
-    from cpkv.errors import IndexerError
-
-    every = logits_variants()
-    if names is None:
-        return every
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in every]
-    if unknown:
-        raise IndexerError(f"--logits-variants: unknown {', '.join(unknown)}; expected some of {', '.join(every)}")
-    return {n: c for n, c in every.items() if n == "default" or n in wanted}
 
 
 def topk_variants() -> dict:
@@ -108,14 +86,13 @@ def run(args: argparse.Namespace) -> int:
         import triton  # noqa: F401
     except ImportError:
         raise IndexerError("cpkv bench indexer needs triton, which is not installed") from None
-    lvariants = selected_logits_variants(args.logits_variants) if args.logits_variants or args.variants else None
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]
     if args.tune:
         report["tune"] = tune_logits(chosen[0])
-    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants,
-                                          lvariants) for s in chosen]
+    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants)
+                           for s in chosen]
     report["costs"] = unit_costs_indexer(report["scenarios"])  # usable as `cpkv replay --costs`
     if not args.no_headline:
         report["topk_headline"] = bench_topk_headline(variants=args.variants)
@@ -171,10 +148,7 @@ def _plan(requests, budget_bytes):
     return IndexerPlan.build(requests, "cuda", chunk_max_bytes=budget_bytes)
 
 
-def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = False,
-                   logits_configs: dict | None = None) -> dict:
-    """One scenario; variants: also the top-k variants; logits_configs: named logits configs to time
-    (None: none, unless variants, then all of logits_variants())."""
+def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = False) -> dict:
     import torch
 
     from cpkv.indexer import index_topk
@@ -200,12 +174,8 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = Fa
            "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": tflops / ceiling,
            "key_repack_ms": t_repack, "topk_ms": t_topk, "torch_topk_ms": t_torch,
            "topk_speedup": t_torch / t_topk}
-    if logits_configs is None and variants:
-        logits_configs = logits_variants()
-    if logits_configs:
-        res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling,
-                                                      logits_configs)
     if variants:
+        res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling)
         res["topk_variants"] = _topk_variant_rows(buf, full, out, t_torch)
     del buf
     if sweep:
@@ -214,7 +184,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = Fa
     return res
 
 
-def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling, configs) -> list[dict]:
+def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling) -> list[dict]:
     """Each logits variant: time, TFLOP/s, ratio to the ceiling, and whether its clean output equals
     the default kernel's on every -inf position and within 1e-5 of the row maximum elsewhere."""
     import torch
@@ -224,7 +194,7 @@ def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, cei
     run_logits(True)
     want = buf.clone()
     rows = []
-    for name, cfg in configs.items():
+    for name, cfg in logits_variants().items():
         try:
             ms = _bench(lambda: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,
                                             clean=False, config=cfg))

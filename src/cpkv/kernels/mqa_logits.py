@@ -44,9 +44,7 @@ class LogitsConfig:
     (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
     key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
     gluon_maxnreg / gluon_warpgroups: the Gluon kernel's 64-key tiles per program, TMA ring depth,
-    register cap and warpgroups sharing each key tile (1 or 2); gluon_split: independent partial sums
-    per head sum (1, 2, 4, 8); gluon_lin: 0, or 2 / 4 fp8 parts of the linear term when relu runs as
-    (x + |x|) / 2 (one instruction per head instead of two; see the mqa_logits_gluon docstring).
+    register cap and warpgroups sharing each key tile (1 or 2).
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""
@@ -63,8 +61,6 @@ class LogitsConfig:
     gluon_stages: int = 4
     gluon_maxnreg: int | None = None
     gluon_warpgroups: int = 1
-    gluon_split: int = 1
-    gluon_lin: int = 0
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -319,7 +315,7 @@ def mqa_logits_triton(
 
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
-                                warpgroups=cfg.gluon_warpgroups, split=cfg.gluon_split, lin=cfg.gluon_lin)
+                                warpgroups=cfg.gluon_warpgroups)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

@@ -27,17 +27,6 @@ pipe 52% of cycles, 2 warps per scheduler (204 registers: two programs per SM), 
 issued per cycle per scheduler, 4.35 cycles per issued instruction per warp: the overlap is there
 but each warp's epilogue stalls (the 0.8 target needs the tensor pipe at ~60%+ of cycles).
 
-Epilogue variants (LogitsConfig.gluon_split / gluon_lin; not measured on a GPU yet). SPLIT: the
-head sum as SPLIT independent FFMA chains (shorter dependency chains, same instruction count).
-LIN: relu(x) = (x + |x|) / 2, so sum_h w_h relu(x_h) = sum_h (w_h / 2) |x_h| + (k . qw) / 2 with
-qw = sum_h w_h q_h per token: the |x| folds into the FFMA (one instruction per head instead of FMNMX
-+ FFMA) and k . qw is a second, small wgmma per tile (N = 128 // H * LIN columns, qw / scale split
-into LIN fp8 parts, 4 * LIN significant bits; its error is relative to |qw| |k|, so up to ~2^-4LIN
-of sum_h |w_h x_h|, not of the result). Offline SASS (sm_90, Triton 3.6, H = 32, D = 128, unclean,
-steady-state loop): 215 instructions per 64-key tile for the default (128 FMNMX + 124 FFMA + 8
-FMUL per two tiles), 166.5 for LIN = 2, 170 for LIN = 4 (no FMNMX; +4 QGMMA 64x8/64x16 per tile),
-216.5 for SPLIT = 2; registers 204 / 199 / 207 / 202, no spills; shared +1 / +2 KiB for LIN.
-
 This module imports Triton's Gluon at import time: import it only where Triton is present
 (cpkv.kernels.mqa_logits does, on CUDA).
 """
@@ -115,43 +104,16 @@ def _uniform(x):
 
 
 @gluon.jit
-def _fabs(x):
-    """|x| as PTX abs.f32, which ptxas folds into the consuming FFMA as a source modifier (gl.abs
-    reaches LLVM as fabs and comes out as an integer AND: one extra instruction per element)."""
-    return gl.inline_asm_elementwise("abs.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _epilogue(acc, lacc, w, s_half, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_cols,
+def _epilogue(acc, w, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_cols,
               BQW: gl.constexpr, WGS: gl.constexpr, H: gl.constexpr, BLOCK_S: gl.constexpr,
-              CLEAN: gl.constexpr, SPLIT: gl.constexpr, LIN: gl.constexpr, res_l: gl.constexpr):
-    """relu, weights, head sum, k_scale, mask and store of one [BLOCK_S, BQ * H] accumulator.
-    SPLIT > 1: the head sum runs as SPLIT independent chains of H / SPLIT heads, added at the end.
-    LIN > 0: relu(x) = (x + |x|) / 2, so sum_h w_h relu(x_h) = sum_h (w_h / 2) |x_h| + lin / 2 with
-    lin = sum_h w_h x_h = k . (sum_h w_h q_h), read from lacc ([BLOCK_S, WGS * BQW * LIN], LIN fp8
-    parts per token, _token_part order) times the token's scale (s_half = scale / 2); w arrives
-    halved. |x| is an FFMA source modifier, so a head costs one instruction instead of two."""
-    if LIN > 0:
-        s = _fabs(acc) * w[None, :]
-    else:
-        s = gl.maximum(acc, 0.0) * w[None, :]
+              CLEAN: gl.constexpr, res_l: gl.constexpr):
+    """relu, weights, head sum, k_scale, mask and store of one [BLOCK_S, BQ * H] accumulator."""
+    s = gl.maximum(acc, 0.0) * w[None, :]
     # columns n = 128 wg + 2c + e + 8 * (t' + (BQW / 4) * g): token BQW wg + c + 4 t', head e + 2 g
     x = gl.reshape(s, [BLOCK_S, WGS, H // 2, BQW // 4, 4, 2])
     x = gl.permute(x, [0, 1, 3, 4, 2, 5])
-    if SPLIT > 1:
-        x = gl.sum(gl.reshape(x, [BLOCK_S, WGS * BQW, SPLIT, H // SPLIT]), axis=3)
-        x = gl.sum(x, axis=2)
-    else:
-        x = gl.sum(gl.reshape(x, [BLOCK_S, WGS * BQW, H]), axis=2)
-    if LIN > 0:
-        # lacc column 8 i + 2 c + e of warpgroup wg: token BQW wg + c + 4 ((2 i + e) // LIN)
-        lin = gl.reshape(lacc, [BLOCK_S, WGS, BQW * LIN // 8, 4, 2])
-        lin = gl.permute(lin, [0, 1, 3, 2, 4])
-        lin = gl.sum(gl.reshape(lin, [BLOCK_S, WGS, 4, BQW // 4, LIN]), axis=4)
-        lin = gl.reshape(gl.permute(lin, [0, 1, 3, 2]), [BLOCK_S, WGS * BQW])
-        val = (gl.convert_layout(lin, res_l) * s_half[None, :] + gl.convert_layout(x, res_l)) * ksc[:, None]
-    else:
-        val = gl.convert_layout(x, res_l) * ksc[:, None]
+    x = gl.sum(gl.reshape(x, [BLOCK_S, WGS * BQW, H]), axis=2)
+    val = gl.convert_layout(x, res_l) * ksc[:, None]
     oc = c0 + rows
     if CLEAN:
         j = oc + col_off
@@ -162,44 +124,16 @@ def _epilogue(acc, lacc, w, s_half, ksc, rows, c0, col_off, tmask, ks_v, ke_v, o
 
 
 @gluon.jit
-def _token_part(n, BQW: gl.constexpr, LIN: gl.constexpr):
-    """Row n of the linear-term operand [WGS * BQW * LIN, D] -> (token, fp8 part): its accumulator
-    column 8 i + 2 c + e of warpgroup n // (BQW * LIN) sits in the thread (lane % 4 = c) that holds
-    token BQW wg + c + 4 t' of the main accumulator, t' = (2 i + e) // LIN, part (2 i + e) % LIN."""
-    m = n % (BQW * LIN)
-    u = 2 * (m // 8) + m % 2
-    return (n // (BQW * LIN)) * BQW + (m // 2) % 4 + 4 * (u // LIN), u % LIN
-
-
-@gluon.jit
-def _weighted_query(q_ptr, w_ptr, t, T, stride_qt, stride_wt, ROWS: gl.constexpr, H: gl.constexpr,
-                    D: gl.constexpr, layout: gl.constexpr):
-    """([ROWS, D] float32 sum_h w[t, h] * q[t, h, :], [ROWS] scale max_d |.| / 448 or 1 where zero)
-    for row tokens t (SliceLayout(1, layout); zero past T). Heads are added in order, so a token
-    gets the same bits in every layout it is computed in."""
-    tm = t < T
-    qd = gl.arange(0, D, gl.SliceLayout(0, layout))
-    qw = gl.zeros([ROWS, D], gl.float32, layout)
-    for h in range(H):
-        qh = gl.load(q_ptr + (t * stride_qt + h * D)[:, None] + qd[None, :], mask=tm[:, None], other=0.0)
-        wh = gl.load(w_ptr + t * stride_wt + h, mask=tm, other=0.0)
-        qw += qh.to(gl.float32) * wh[:, None]
-    sc = gl.max(gl.abs(qw), axis=1) / 448.0
-    return qw, gl.where(sc > 0.0, sc, 1.0)
-
-
-@gluon.jit
 def mqa_logits_gluon_kernel(
     q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
     T, S, col_off, n_cols,
     stride_qt, stride_ksc, stride_wt, stride_out,
     H: gl.constexpr, D: gl.constexpr, WGS: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
-    STAGES: gl.constexpr, CLEAN: gl.constexpr, SPLIT: gl.constexpr = 1, LIN: gl.constexpr = 0,
+    STAGES: gl.constexpr, CLEAN: gl.constexpr,
 ):
     BQW: gl.constexpr = 128 // H  # tokens per warpgroup
     BQ: gl.constexpr = BQW * WGS
     N: gl.constexpr = 128 * WGS
-    NL: gl.constexpr = BQW * LIN * WGS  # linear-term operand rows (LIN > 0)
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WGS],
                                                     instr_shape=[16, 128, 32])
     res_l: gl.constexpr = _result_layout(BLOCK_S, BQW, WGS)
@@ -255,29 +189,6 @@ def mqa_logits_gluon_kernel(
         wn = gl.arange(0, N, gl.SliceLayout(0, mma_l))
         w_tok, w_head = _token_head(wn, BQW)
         w = gl.load(w_ptr + (t0 + w_tok) * stride_wt + w_head, mask=(t0 + w_tok) < T, other=0.0)
-        s_half = w  # the linear term's scale / 2 per token (LIN > 0); unused otherwise
-        if LIN > 0:
-            # linear term: rows (token, part) hold LIN fp8 parts of (sum_h w q_h) / scale, whose sum
-            # carries 4 * LIN significant bits; the epilogue multiplies by the token's scale / 2
-            lin_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WGS],
-                                                            instr_shape=[16, NL // WGS, 32])
-            l_s = gl.allocate_shared_memory(gl.float8e4nv, [NL, D],
-                                            gl.NVMMASharedLayout.get_default_for([NL, D], gl.float8e4nv))
-            l_tok, l_part = _token_part(gl.arange(0, NL, gl.SliceLayout(1, q_ld)), BQW, LIN)
-            qw, qsc = _weighted_query(q_ptr, w_ptr, t0 + l_tok, T, stride_qt, stride_wt, NL, H, D, q_ld)
-            rem = qw / qsc[:, None]
-            parts = gl.zeros([NL, D], gl.float32, q_ld)
-            for pi in gl.static_range(LIN):
-                part = rem.to(gl.float8e4nv).to(gl.float32)
-                parts = gl.where((l_part == pi)[:, None], part, parts)
-                rem = rem - part
-            l_s.store(parts.to(gl.float8e4nv))
-            _, tsc = _weighted_query(q_ptr, w_ptr, t0 + gl.arange(0, BQ, gl.SliceLayout(1, q_ld)), T,
-                                     stride_qt, stride_wt, BQ, H, D, q_ld)
-            s_half = gl.convert_layout(tsc * 0.5, gl.SliceLayout(0, res_l))
-            w = w * 0.5
-            l_t = l_s.permute((1, 0))
-            lzero = gl.zeros([BLOCK_S, NL], gl.float32, lin_l)
         j0 = k0 + rows
         ksc = gl.load(ksc_ptr + j0 * stride_ksc, mask=j0 < S, other=0.0)
         fence_async_shared()
@@ -287,68 +198,40 @@ def mqa_logits_gluon_kernel(
 
         # Two accumulators, A (even tiles) and B (odd tiles), each only ever written by its wgmma
         # (a loop-carried swap would copy in-flight accumulator registers and make ptxas serialize
-        # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight. With LIN
-        # each tile is two wgmma groups (scores, then the linear term), so the waits leave two.
+        # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight.
         mbarrier.wait(bars.index(0), 0)
         tok_a = warpgroup_mma(k_bufs.index(0), q_t, zero, use_acc=False, is_async=True)
-        if LIN > 0:
-            ltok_a = warpgroup_mma(k_bufs.index(0), l_t, lzero, use_acc=False, is_async=True)
         for p in range((n_tiles - 1) // 2):
             i = 2 * p
             tok_b = _issue(k_bufs, bars, q_t, zero, i + 1, STAGES)
-            if LIN > 0:
-                ltok_b = warpgroup_mma(k_bufs.index((i + 1) % STAGES), l_t, lzero, use_acc=False, is_async=True)
             ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
-            if LIN > 0:
-                acc_a, lacc_a = warpgroup_mma_wait(2, deps=[tok_a, ltok_a])
-            else:
-                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-                lacc_a = acc_a
+            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
             _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
-            _epilogue(acc_a, lacc_a, w, s_half, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, SPLIT, LIN, res_l)
+            _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
             tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
-            if LIN > 0:
-                ltok_a = warpgroup_mma(k_bufs.index((i + 2) % STAGES), l_t, lzero, use_acc=False, is_async=True)
             ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
-            if LIN > 0:
-                acc_b, lacc_b = warpgroup_mma_wait(2, deps=[tok_b, ltok_b])
-            else:
-                acc_b = warpgroup_mma_wait(1, deps=[tok_b])
-                lacc_b = acc_b
+            acc_b = warpgroup_mma_wait(1, deps=[tok_b])
             _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
-            _epilogue(acc_b, lacc_b, w, s_half, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v,
-                      ke_v, out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, SPLIT, LIN, res_l)
+            _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
         if n_tiles - m == 2:
             tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
-            if LIN > 0:
-                ltok_b = warpgroup_mma(k_bufs.index((m + 1) % STAGES), l_t, lzero, use_acc=False, is_async=True)
             ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
-            if LIN > 0:
-                acc_a, lacc_a = warpgroup_mma_wait(2, deps=[tok_a, ltok_a])
-            else:
-                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-                lacc_a = acc_a
-            _epilogue(acc_a, lacc_a, w, s_half, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, SPLIT, LIN, res_l)
-            if LIN > 0:
-                acc_b, lacc_b = warpgroup_mma_wait(0, deps=[tok_b, ltok_b])
-            else:
-                acc_b = warpgroup_mma_wait(0, deps=[tok_b])
-                lacc_b = acc_b
-            _epilogue(acc_b, lacc_b, w, s_half, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v,
-                      ke_v, out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, SPLIT, LIN, res_l)
+            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
+            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+            acc_b = warpgroup_mma_wait(0, deps=[tok_b])
+            _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         else:
-            if LIN > 0:
-                acc_a, lacc_a = warpgroup_mma_wait(0, deps=[tok_a, ltok_a])
-            else:
-                acc_a = warpgroup_mma_wait(0, deps=[tok_a])
-                lacc_a = acc_a
-            _epilogue(acc_a, lacc_a, w, s_half, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, SPLIT, LIN, res_l)
+            acc_a = warpgroup_mma_wait(0, deps=[tok_a])
+            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
+
 
 
 def key_layout(d: int):
@@ -358,18 +241,12 @@ def key_layout(d: int):
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
                      span: int = 16, stages: int = 4, maxnreg: int | None = None,
-                     warpgroups: int = 1, split: int = 1, lin: int = 0) -> torch.Tensor:
+                     warpgroups: int = 1) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
     depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
-    2 (two warpgroups share each key tile, each with its own 128 // H tokens); split: independent
-    partial sums per head sum (1, 2, 4 or 8); lin: 0 (relu as max) or 2 / 4 fp8 parts of the
-    linear term (relu as (x + |x|) / 2, see _epilogue)."""
+    2 (two warpgroups share each key tile, each with its own 128 // H tokens)."""
     T, H, D = q.shape
-    if split not in (1, 2, 4, 8) or split > H:
-        raise ValueError(f"split must be 1, 2, 4 or 8 and at most H = {H}, got {split}")
-    if lin not in (0, 2, 4):
-        raise ValueError(f"lin must be 0, 2 or 4, got {lin}")
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
         return out
@@ -381,6 +258,6 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
         H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
-        SPLIT=split, LIN=lin, num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
