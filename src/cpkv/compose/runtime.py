@@ -12,6 +12,9 @@ Per batch and per (layer, kind), every rank, in the same order::
     rows.index_copy_(0, plan.query_rows, kv_rows)      # the writer's KV rows of its query tokens
     dense = rt.compose(layout, layer, kind)            # uint8 [num_slots * P, row_bytes]
 
+or, with the rows of every kind written first, ``dense = rt.compose_layer(layout, layer)`` ({kind: dense};
+under ``symm`` one barrier round and one gather launch for all kinds).
+
 Contract:
 
 - ``current_rows`` is this rank's block of its staging half: row ``j * P + t`` holds token t of the
