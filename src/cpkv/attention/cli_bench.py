@@ -158,7 +158,7 @@ def _sweep_configs() -> list[Any]:
     """Candidate kernel configs: the Triton kernel, the one-partition Gluon kernel, the warp-specialised one."""
     from cpkv.kernels import sparse_mla as kernel
 
-    return [kernel.Config(64, 64, 8, 2), kernel.GLUON, kernel.GLUON_WS]
+    return [kernel.Config(64, 64, 8, 2), kernel.GLUON_WS]
 
 
 def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]]:

@@ -29,10 +29,11 @@ puts all 8 warps on M for the score dot, and with M = 64 heads both warpgroups c
 [64, 64] score tile with m64n32k16 wgmma (72 per tile, A = Q from shared memory each time), i.e.
 the QK half of the work is done twice and shared-memory reads per tile are ~2x FlashMLA's.
 
-The Gluon kernel (``load_gluon``) fixes the layouts by hand: S split over the two warpgroups along
-the keys (n32 each, no duplicate), O split along d_v (n256), P through 8 KB of shared memory, gathers
-issued while QK runs (230 KB shared, 243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744
-TFLOP/s in the same run:
+A first Gluon kernel (8 warps, removed 2026-12-01 once the warp-specialised one below beat it; it is in
+the history before that date) fixed the layouts by hand: S split over the two warpgroups along the keys
+(n32 each, no duplicate), O split along d_v (n256), P through 8 KB of shared memory, gathers issued
+while QK runs (230 KB shared, 243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744 TFLOP/s in
+the same run:
     gluon h64 k64 w8          T=4096 315-317 (0.42-0.43), T=16384 322 (0.43); rel err 1.9e-3
     triton h64 k64 w8 s2      T=4096 244 (0.33)
 It leaves the tensor cores idle during the softmax (both warpgroups in lockstep) and its n32 score
@@ -70,18 +71,17 @@ class Config:
     num_stages: int
     prefetch_idx: bool = False  # load the next tile's indices one iteration ahead (slower on H200)
     lazy_rescale: bool = False  # keep a stale row max unless a row's max grew by > 2^8 (slower on H200)
-    # "triton" (any sm_80+); "gluon" / "gluon_ws" (Hopper wgmma, blocks of 64 heads, 512 + 64 dims):
-    # one 8-warp partition, or warp-specialised (producer + two consumers, sparse_mla_ws.py)
+    # "triton" (any sm_80+) or "gluon_ws" (Hopper wgmma, blocks of 64 heads, 512 + 64 dims, warp-specialised:
+    # producer + two consumers, sparse_mla_ws.py)
     impl: str = "triton"
 
     def tag(self) -> str:
-        """Short name for tables: ``h64 k64 w8 s2 [pf] [lazy] [gluon|gluon_ws]``."""
+        """Short name for tables: ``h64 k64 w8 s2 [pf] [lazy] [gluon_ws]``."""
         extra = (" pf" if self.prefetch_idx else "") + (" lazy" if self.lazy_rescale else "")
         extra += f" {self.impl}" if self.impl != "triton" else ""
         return f"h{self.block_h} k{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
-GLUON = Config(64, 64, 8, 2, impl="gluon")
 GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws")  # 12 warps; 2 key buffers
 
 
@@ -227,8 +227,6 @@ def launch(
     dense = indices is None
     idx = ks if dense else indices
     topk = 0 if dense else indices.shape[1]
-    if cfg.impl == "gluon":
-        return out, lse, _launch_gluon(q, kv, indices, ks, ke, sm_scale, d_v, cfg, out, lse)
     if cfg.impl == "gluon_ws":
         from cpkv.kernels import sparse_mla_ws
 
@@ -244,162 +242,3 @@ def launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, compiled
-
-
-def _launch_gluon(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: torch.Tensor | None,
-    ke: torch.Tensor | None, sm_scale: float, d_v: int, cfg: Config, out: torch.Tensor, lse: torch.Tensor,
-) -> Any:
-    t, h, d_qk = q.shape
-    dense = indices is None
-    idx = ks if dense else indices
-    grid = (math.ceil(h / 64), t)
-    return load_gluon()[grid](
-        q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
-        kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        D_V=d_v, D_R=d_qk - d_v, BLOCK_K=cfg.block_k, DENSE=dense, num_warps=8,
-    )
-
-
-@lru_cache(maxsize=1)
-def load_gluon() -> Any:
-    """The Gluon (explicit-layout Triton) kernel for Hopper, compiled on demand (imported lazily).
-
-    One program = one query token x 64 heads, 8 warps = two warpgroups. Unlike the Triton kernel
-    (whose chained-dot heuristic puts all 8 warps on M = 64, so both warpgroups compute the same
-    score tile with n32 wgmma), the score tile [64, BLOCK_K] is split over the warpgroups along the
-    keys and the output [64, 512] along d_v; P goes through shared memory (wgmma A operand). Key
-    tiles are gathered with 16-byte cp.async one tile ahead (two buffers); the QK wgmma of tile j
-    is issued before waiting for the PV wgmma of tile j - 1, and the gather of tile j + 1 is issued
-    while QK runs.
-    """
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-    )
-
-    @gluon.jit
-    def _tile_rows(IDX, idx_row, KS_T, k0, n_keys, S, BLOCK_K: gl.constexpr, layout: gl.constexpr,
-                   DENSE: gl.constexpr):
-        offs = k0 + gl.arange(0, BLOCK_K, layout)
-        if DENSE:
-            idx = KS_T + offs
-            valid = (offs < n_keys) & (idx >= 0) & (idx < S)
-        else:
-            idx = gl.load(idx_row + offs, mask=offs < n_keys, other=-1)
-            valid = (idx >= 0) & (idx < S)
-        return gl.where(valid, idx, 0), valid
-
-    @gluon.jit
-    def _issue_tile(KV, stride_kv, rows_n, valid_n, rows_r, valid_r, kn_buf, kr_buf,
-                    D_V: gl.constexpr, D_R: gl.constexpr, ln: gl.constexpr, lr: gl.constexpr):
-        cn = gl.arange(0, D_V, gl.SliceLayout(0, ln))
-        pn = KV + (rows_n.to(gl.int64) * stride_kv)[:, None] + cn[None, :]
-        async_copy.async_copy_global_to_shared(kn_buf, pn, mask=valid_n[:, None])
-        cr = gl.arange(0, D_R, gl.SliceLayout(0, lr))
-        pr = KV + (rows_r.to(gl.int64) * stride_kv + D_V)[:, None] + cr[None, :]
-        async_copy.async_copy_global_to_shared(kr_buf, pr, mask=valid_r[:, None])
-
-    @gluon.jit
-    def _sparse_mla_gluon(
-        Q, KV, IDX, KS, KE, OUT, LSE,
-        S, H, TOPK, scale_log2,
-        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
-        D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, DENSE: gl.constexpr,
-    ):
-        BLOCK_H: gl.constexpr = 64
-        pid_h = gl.program_id(0)
-        t = gl.program_id(1).to(gl.int64)
-        # register layouts: S = Q K^T split over the two warpgroups along keys (n = BLOCK_K / 2 each),
-        # O split along d_v (n = D_V / 2 each); gathers move 16 B per thread per copy
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_K // 2, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, D_V // 2, 16])
-        ln: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        lr: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D_R // 8), D_R // 8], [8, 1], [1, 0])
-        sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_K], gl.bfloat16)
-
-        q_n = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], sh)
-        q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_R], sh)
-        k_n = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, D_V], sh)
-        k_r = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, D_R], sh)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], sh_p)
-
-        # Q (rows of heads >= H are zero-filled)
-        hn = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ln))
-        hr = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, lr))
-        qb = Q + t * stride_qt
-        _issue_tile(qb, stride_qh, hn, hn < H, hr, hr < H, q_n, q_r, D_V, D_R, ln, lr)
-
-        if DENSE:
-            ks_t = gl.load(KS + t)
-            n_keys = gl.maximum(gl.load(KE + t) - ks_t, 0)
-        else:
-            ks_t = 0
-            n_keys = TOPK
-        idx_row = IDX + t * stride_it
-        n_tiles = gl.cdiv(n_keys, BLOCK_K)
-
-        rows_n, valid_n = _tile_rows(IDX, idx_row, ks_t, 0, n_keys, S, BLOCK_K, gl.SliceLayout(1, ln), DENSE)
-        rows_r, valid_r = _tile_rows(IDX, idx_row, ks_t, 0, n_keys, S, BLOCK_K, gl.SliceLayout(1, lr), DENSE)
-        _issue_tile(KV, stride_kv, rows_n, valid_n, rows_r, valid_r, k_n.index(0), k_r.index(0), D_V, D_R, ln, lr)
-        async_copy.commit_group()
-        # rows of the next tile to gather (loaded one tile ahead of their use)
-        rows_n, valid_n = _tile_rows(IDX, idx_row, ks_t, BLOCK_K, n_keys, S, BLOCK_K, gl.SliceLayout(1, ln), DENSE)
-        rows_r, valid_r = _tile_rows(IDX, idx_row, ks_t, BLOCK_K, n_keys, S, BLOCK_K, gl.SliceLayout(1, lr), DENSE)
-        _, valid_s = _tile_rows(IDX, idx_row, ks_t, 0, n_keys, S, BLOCK_K, gl.SliceLayout(0, s_l), DENSE)
-
-        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-        acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D_V], gl.float32, o_l))
-        s0 = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_l)
-        for j in range(n_tiles):
-            b = j % 2
-            async_copy.wait_group(0)          # tile j has landed (this thread's copies)
-            fence_async_shared()
-            acc = warpgroup_mma_wait(0, deps=[acc])   # PV of tile j - 1 done
-            gl.thread_barrier()               # every thread's copies landed; buffer 1 - b and P are free
-            s = warpgroup_mma(q_n, k_n.index(b).permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_r, k_r.index(b).permute((1, 0)), s, is_async=True)
-            if j + 1 < n_tiles:               # gather tile j + 1 while QK of tile j runs
-                _issue_tile(KV, stride_kv, rows_n, valid_n, rows_r, valid_r, k_n.index(1 - b), k_r.index(1 - b),
-                            D_V, D_R, ln, lr)
-            async_copy.commit_group()
-            k_next = (j + 2) * BLOCK_K
-            rows_n, valid_n = _tile_rows(IDX, idx_row, ks_t, k_next, n_keys, S, BLOCK_K, gl.SliceLayout(1, ln), DENSE)
-            rows_r, valid_r = _tile_rows(IDX, idx_row, ks_t, k_next, n_keys, S, BLOCK_K, gl.SliceLayout(1, lr), DENSE)
-            s = warpgroup_mma_wait(0, deps=[s])
-            s = gl.where(valid_s[None, :], s * scale_log2, float("-inf"))
-            _, valid_s = _tile_rows(IDX, idx_row, ks_t, (j + 1) * BLOCK_K, n_keys, S, BLOCK_K,
-                                    gl.SliceLayout(0, s_l), DENSE)
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            p_s.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(p_s, k_n.index(b), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        async_copy.wait_group(0)
-
-        empty = l_i == 0.0
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_l))
-        out = acc / l_o[:, None]
-        lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-        ho = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_l))
-        co = gl.arange(0, D_V, gl.SliceLayout(0, o_l))
-        o_ptr = OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :]
-        gl.store(o_ptr, out.to(gl.bfloat16), mask=(ho < H)[:, None])
-        hl = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_l))
-        gl.store(LSE + t * stride_lt + hl, lse, mask=hl < H)
-
-    return _sparse_mla_gluon
