@@ -62,6 +62,17 @@ def load() -> Any:
         return ks_t, n_keys, IDX + t * stride_it
 
     @gluon.jit
+    def _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+        """A consumer's token, key range and empty softmax state (row max, row sum, O half, a zero S)."""
+        t = gl.program_id(1).to(gl.int64)
+        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
+        m_run = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
+        l_run = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
+        o = gl.zeros([64, 256], gl.float32, o_l)  # consumer 1: waited at the end of every pair
+        s0 = gl.zeros([64, 64], gl.float32, s_l)
+        return t, ks_t, n_keys, idx_row, m_run, l_run, o, s0
+
+    @gluon.jit
     def _rows(idx_row, ks_t, k0, n_keys, S, layout: gl.constexpr, DENSE: gl.constexpr):
         """(row, valid) for keys k0 .. k0 + 63 of this query, in ``layout`` (1-D)."""
         offs = k0 + gl.arange(0, 64, layout)
@@ -140,12 +151,7 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t = gl.program_id(1).to(gl.int64)
-        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
-        m_run = gl.full([64], -1.0e30, gl.float32, row_l)
-        l_run = gl.zeros([64], gl.float32, row_l)
-        o = gl.zeros([64, 256], gl.float32, o_l)
-        s0 = gl.zeros([64, 64], gl.float32, s_l)
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE, s_l, o_l)
         mbarrier.wait(bars.index(0), 0)
         for i in range(gl.cdiv(n_keys, 128)):
             ph = i & 1
@@ -201,12 +207,7 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t = gl.program_id(1).to(gl.int64)
-        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
-        m_run = gl.full([64], -1.0e30, gl.float32, row_l)
-        l_run = gl.zeros([64], gl.float32, row_l)
-        o = gl.zeros([64, 256], gl.float32, o_l)  # waited at the end of every pair
-        s0 = gl.zeros([64, 64], gl.float32, s_l)
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE, s_l, o_l)
         mbarrier.wait(bars.index(0), 0)
         for i in range(gl.cdiv(n_keys, 128)):
             ph = i & 1
