@@ -199,34 +199,37 @@ def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: 
 
 
 def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 200) -> float:
-    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait, no sync)."""
-    if not rt.mem.available:
-        return float("nan")
-    _sync(rt.device)
-    t0 = time.perf_counter()
-    for i in range(n):
-        kind = KINDS[i & 1]
-        p = rt.plan(layout)
-        _, pages = rt.dense(p, kind, 0)
-        rt.gather(pages, "global", 0, kind, 0, p.all)
-    t = time.perf_counter() - t0
-    _sync(rt.device)
-    return t / n * 1e6
+    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait)."""
+    def call(i: int) -> None:
+        p, kind = rt.plan(layout), KINDS[i & 1]
+        rt.gather(rt.dense(p, kind, 0)[1], "global", 0, kind, 0, p.all)
+    return _host_call_us(rt, n, call)
 
 
 def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 200) -> float:
     """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan cached."""
-    if not rt.mem.available:
-        return float("nan")
-    _sync(rt.device)
     halves = {k: 0 for k in KINDS}
-    t0 = time.perf_counter()
-    for _ in range(n):
+
+    def call(_: int) -> None:
         p = rt.plan(layout)
         rt.gather_kinds("global", 0, halves, {k: (rt.dense(p, k, 0)[1], p.all) for k in KINDS})
-    t = time.perf_counter() - t0
+    return _host_call_us(rt, n, call)
+
+
+def _host_call_us(rt: ComposeRuntime, n: int, call) -> float:
+    """Median host µs of ``call(i)``, each timed alone on an idle device (synchronised before, not timed),
+    so that a full launch queue never holds the host back: the host work itself."""
+    if not rt.mem.available:
+        return float("nan")
+    call(0)  # prepares the launches
+    times = []
+    for i in range(n):
+        _sync(rt.device)
+        t0 = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - t0)
     _sync(rt.device)
-    return t / n * 1e6
+    return statistics.median(times) * 1e6
 
 
 # the gather kernel against a device copy ------------------------------------------------------------
