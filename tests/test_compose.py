@@ -75,6 +75,9 @@ def _misuse(ctx):
         "overflow": lambda: rt.prepare(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
         "prefetch_bs2": lambda: rt.compose(layout, 0, "token", mode="prefetch"),
         "bad_layer": lambda: rt.compose(layout, 5, "token"),
+        "bad_layer_all_kinds": lambda: rt.compose_layer(layout, -1),
+        "layer_plan_of_another_batch": lambda: rt.compose_layer(other, 0, plan=plan),
+        "layer_unknown_mode": lambda: rt.compose_layer(layout, 0, mode="nope"),
         "bad_page_ids": lambda: rt.prepare(layout, [1] * 3),
     }
     for name, fn in cases.items():
@@ -102,6 +105,9 @@ def test_bad_input_raises_named_errors_on_every_rank():
         assert out["overflow"].startswith(StagingOverflow.__name__) and "staging holds 10" in out["overflow"]
         assert out["prefetch_bs2"].startswith("ComposeError") and "one request" in out["prefetch_bs2"]
         assert out["bad_layer"].startswith("ComposeError")
+        assert out["bad_layer_all_kinds"].startswith("ComposeError") and "layer must be in [0," in out["bad_layer_all_kinds"]
+        assert out["layer_plan_of_another_batch"].startswith("ComposeError: compose plan was built for another batch")
+        assert out["layer_unknown_mode"].startswith("ComposeError") and "supported" in out["layer_unknown_mode"]
         assert out["bad_page_ids"].startswith("ComposeError") and "current_page_ids" in out["bad_page_ids"]
         assert out["pool_row_size"].startswith(ComposeError.__name__) and "row_bytes" in out["pool_row_size"]
 
