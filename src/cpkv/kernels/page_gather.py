@@ -175,30 +175,14 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 
     Everything but the stream is resolved here, once: the compiled kernel (compiled now, without a
     launch, if needed), the grid, and the arguments as raw addresses, so a call is one C-level launch.
-    The tensors must outlive the launcher (the caller keeps them: they belong to the plan/runtime).
-    Falls back to ``page_gather_triton`` per call where a direct launch is not possible (launch hooks
-    installed, or direct launches disabled after a failure)."""
+    The launcher keeps its tensors alive. Falls back to ``page_gather_triton`` per call where a direct
+    launch is not possible (launch hooks installed, or direct launches disabled after a failure)."""
     if dest.numel() == 0:
         return _noop
+    if not _direct_launch_ok():
+        return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    slow = functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
-    from triton import knobs
-    if not FAST_LAUNCH[0] or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        return slow
-    with torch.cuda.device(out.device):  # the module is loaded into the current device's context
-        compiled = _COMPILED.get(launch.key)
-        if compiled is None:
-            compiled = _COMPILED[launch.key] = launch.jit(warmup=True)
-        run = compiled.run  # loads the binary on first use
-    function, meta = compiled.function, compiled.packed_metadata
-    g0, g1, g2 = launch.grid
-    raw = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in launch.args)
-    current_stream, index = torch._C._cuda_getCurrentRawStream, out.device.index or 0
-
-    def fast() -> None:
-        run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
-    fast.tensors = launch.args[:5]  # the launch holds raw addresses: keep what they point to alive
-    return fast
+    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
 
 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
@@ -206,31 +190,49 @@ def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = N
     ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
     The same contract as :func:`gather_launcher`; ``config``'s block, warps and hints apply to both (no
     persistent grid). Falls back to two launches where a direct launch is not possible."""
-    segs = [_Launch(*a[:5], a[5], {**(config or DEFAULT_CONFIG), "waves": 0}) for a in (first, second)]
-    if any(a[2].numel() == 0 for a in (first, second)):
-        return _chain(*(gather_launcher(*a[:5], aligned16=a[5], config=config) for a in (first, second)))
-    from triton import knobs
-    if not FAST_LAUNCH[0] or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        return _chain(*(gather_launcher(*a[:5], aligned16=a[5], config=config) for a in (first, second)))
+    if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
+        return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
+    segs = [_Launch(*x[:5], x[5], {**(config or DEFAULT_CONFIG), "waves": 0}) for x in (first, second)]
     a, b = segs[0].args, segs[1].args
-    args = (*a[:8], *b[:7], *a[8:12], *b[8:12], a[12])
+    args = (*a[:8], *b[:7], *a[8:12], *b[8:12], a[12])  # the pair kernel's signature order
     grid = (a[7] + b[7], 1, 1)
-    key = ("pair", segs[0].key, segs[1].key, b[7] % 16 == 0, b[7] == 1)
-    out = first[0]
-    with torch.cuda.device(out.device):
+
+    def compile_pair() -> Any:
+        return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
+                                  PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12],
+                                  num_warps=segs[0].warps)
+    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
+
+
+def _direct_launch_ok() -> bool:
+    """Whether launches may bypass Triton's JIT launcher (no launch hooks installed, no earlier failure)."""
+    from triton import knobs
+    return FAST_LAUNCH[0] and all(_no_hook(h) for h in (knobs.runtime.launch_enter_hook,
+                                                          knobs.runtime.launch_exit_hook))
+
+
+def _no_hook(hook: Any) -> bool:
+    """None (Triton < 3.5), or an empty hook chain (Triton >= 3.5 always installs a ``HookChain``)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int], args: tuple, keep: tuple,
+            device: torch.device) -> Callable[[], None]:
+    """A zero-argument launch of the kernel compiled under ``key`` (``compile_fn`` compiles it if needed)
+    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into."""
+    with torch.cuda.device(device):  # the module is loaded into the current device's context
         compiled = _COMPILED.get(key)
         if compiled is None:
-            compiled = _COMPILED[key] = load_pair().warmup(
-                *args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8],
-                ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12], num_warps=segs[0].warps)
-        run = compiled.run
+            compiled = _COMPILED[key] = compile_fn()
+        run = compiled.run  # loads the binary on first use
     function, meta = compiled.function, compiled.packed_metadata
+    g0, g1, g2 = grid
     raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
-    current_stream, index = torch._C._cuda_getCurrentRawStream, out.device.index or 0
+    current_stream, index = torch._C._cuda_getCurrentRawStream, device.index or 0
 
     def fast() -> None:
-        run(grid[0], 1, 1, current_stream(index), function, meta, None, None, None, *raw)
-    fast.tensors = (*a[:5], *b[:5])  # the launch holds raw addresses: keep what they point to alive
+        run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
+    fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
     return fast
 
 
