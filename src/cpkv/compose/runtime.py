@@ -74,6 +74,8 @@ class ComposeRuntime:
         self.page_bytes = {k: pool.page_size * pool.row_bytes(k) for k in KINDS}
         self._check_pool()
         self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
+        # what a plan must have been built for (checked on every compose call)
+        self.signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
         self.barrier = CountingBarrier(mem) if mem.available else None
         mem.exchange()
         self._check_group()
@@ -98,13 +100,6 @@ class ComposeRuntime:
     @property
     def peer_available(self) -> bool:
         return self.mem.available
-
-    @property
-    def signature(self) -> tuple:
-        sig = self.__dict__.get("_signature")
-        if sig is None:  # fixed once the staging exists; built once (checked on every compose call)
-            sig = self._signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
-        return sig
 
     # registration checks --------------------------------------------------------------------------
 
@@ -209,9 +204,7 @@ class ComposeRuntime:
         """Dense KV of the batch for (layer, kind): uint8 [num_slots * P, row_bytes], slot-major."""
         plan = self.plan(layout, plan)
         self._check_call(layer, kind)
-        m = self.mode if mode is None else get_mode(mode)
-        if m.needs_peer and not self.mem.available:
-            m = get_mode("fused")
+        m = self._effective(mode)
         half = self.uses[kind] & 1
         if m.name != "prefetch" and self._pending[kind] is not None:
             self.settle_prefetch(kind)
@@ -228,9 +221,7 @@ class ComposeRuntime:
         plan = self.plan(layout, plan)
         for k in KINDS:
             self._check_call(layer, k)
-        m = self.mode if mode is None else get_mode(mode)
-        if m.needs_peer and not self.mem.available:
-            m = get_mode("fused")
+        m = self._effective(mode)
         if m.run_layer is None:
             return {k: self.compose(layout, layer, k, mode=m.name, plan=plan) for k in KINDS}
         halves = {k: self.uses[k] & 1 for k in KINDS}
@@ -244,8 +235,11 @@ class ComposeRuntime:
 
     def effective_mode(self, mode: str | None = None) -> str:
         """The mode that really runs for ``mode`` (``fused`` replaces peer modes without peer memory)."""
+        return self._effective(mode).name
+
+    def _effective(self, mode: str | None) -> Mode:
         m = self.mode if mode is None else get_mode(mode)
-        return "fused" if m.needs_peer and not self.mem.available else m.name
+        return get_mode("fused") if m.needs_peer and not self.mem.available else m
 
     def _check_call(self, layer: int, kind: str) -> None:
         if kind not in self.page_bytes:
