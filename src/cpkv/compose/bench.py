@@ -149,9 +149,11 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
             rt.prepare(lay)
         out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg)
         out["modes"][mode]["requests"] = len(lay.requests)
-    out["host_us"] = _host_us(rt, layout, plan)
-    out["host_us_layer"] = _host_us_layer(rt, layout, plan)
-    ctx.barrier()
+    for r in range(ctx.world_size):  # one rank at a time, so that no other rank's work shares the device
+        if r == ctx.rank:
+            out["host_us"] = _host_us(rt, layout, plan)
+            out["host_us_layer"], out["host_us_layer_idle"] = _host_us_layer(rt, layout, plan)
+        ctx.barrier()
     rt.close()
     return out
 
@@ -198,16 +200,17 @@ def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: 
     return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / cfg.layers, "effective": rt.effective_mode(mode)}
 
 
-def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 200) -> float:
-    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait)."""
+def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 100) -> float:
+    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait), back to back."""
     def call(i: int) -> None:
         p, kind = rt.plan(layout), KINDS[i & 1]
         rt.gather(rt.dense(p, kind, 0)[1], "global", 0, kind, 0, p.all)
-    return _host_call_us(rt, n, call)
+    return _host_call_us(rt, n, call)[0]
 
 
-def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 200) -> float:
-    """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan cached."""
+def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 100) -> tuple[float, float]:
+    """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan cached:
+    (back to back, each call alone on an idle device)."""
     halves = {k: 0 for k in KINDS}
 
     def call(_: int) -> None:
@@ -216,12 +219,20 @@ def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n
     return _host_call_us(rt, n, call)
 
 
-def _host_call_us(rt: ComposeRuntime, n: int, call) -> float:
-    """Median host µs of ``call(i)``, each timed alone on an idle device (synchronised before, not timed),
-    so that a full launch queue never holds the host back: the host work itself."""
+def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
+    """Host µs of ``call(i)``, two ways: the mean over ``n`` calls issued back to back, as the layers of a
+    forward pass issue them (``n`` stays far below the launch queue's depth, so the host never waits for the
+    device), and the median of ``n`` calls each timed alone after a synchronisation (this adds the cost of
+    waking an idle device's queue)."""
     if not rt.mem.available:
-        return float("nan")
+        return float("nan"), float("nan")
     call(0)  # prepares the launches
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        call(i)
+    steady = (time.perf_counter() - t0) / n
+    _sync(rt.device)
     times = []
     for i in range(n):
         _sync(rt.device)
@@ -229,7 +240,7 @@ def _host_call_us(rt: ComposeRuntime, n: int, call) -> float:
         call(i)
         times.append(time.perf_counter() - t0)
     _sync(rt.device)
-    return statistics.median(times) * 1e6
+    return steady * 1e6, statistics.median(times) * 1e6
 
 
 # the gather kernel against a device copy ------------------------------------------------------------
@@ -332,6 +343,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results),
             "layout_ms": max(r["layout_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "host_us_per_layer": max(r["host_us_layer"] for r in results),
+            "host_us_per_layer_idle": max(r["host_us_layer_idle"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
             "batch": batch}
