@@ -24,8 +24,12 @@ from cpkv.indexer import (
 
 # every logits / top-k kernel variant the bench can select (None = the default config)
 LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
-                   "gluon_span3_st2": dict(gluon_span=3, gluon_stages=2),
-                   "gluon_wg2_span5": dict(gluon_span=5, gluon_warpgroups=2),
+                   "gluon_span3_st2": dict(gluon_span=3, gluon_stages=2, gluon_pipe=2, gluon_box=1),
+                   "gluon_wg2_span5": dict(gluon_span=5, gluon_warpgroups=2, gluon_pipe=2, gluon_box=1),
+                   "gluon_pipe1_span3_st2": dict(gluon_span=3, gluon_stages=2, gluon_pipe=1, gluon_box=1),
+                   "gluon_pipe1_wg2_span4": dict(gluon_span=4, gluon_warpgroups=2, gluon_pipe=1, gluon_box=1),
+                   "gluon_pipe1_box2_span5_st2": dict(gluon_span=5, gluon_pipe=1, gluon_box=2, gluon_stages=2),
+                   "gluon_pipe1_wg2_box2_span3": dict(gluon_span=3, gluon_warpgroups=2, gluon_pipe=1, gluon_box=2),
                    "lanes_w4_s64": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
                    "lanes_w4_s64_r128": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=128),
                    "lanes_w8_s128": dict(variant="lanes", tma=False),
@@ -82,7 +86,9 @@ def _assert_logits_close(out, ref):
     assert float(err.max()) < 2e-3, f"max error {float(err.max()):.3g} at {divmod(int(err.argmax()), err.shape[1])}"
 
 
-@pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "gluon_wg2_span5", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
+@pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "gluon_wg2_span5", "gluon_pipe1_span3_st2",
+                                     "gluon_pipe1_wg2_span4", "gluon_pipe1_box2_span5_st2",
+                                     "gluon_pipe1_wg2_box2_span3", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
                                      "tma_w4_s64"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
@@ -210,3 +216,18 @@ def test_logits_default_takes_gluon_kernel_on_hopper():
     q, k, _, _, _, _ = _inputs(8, 32, 128, 100)
     assert _gluon_applies(q, aligned_keys(k))
     assert not _gluon_applies(q.to(torch.bfloat16), aligned_keys(k))
+
+
+def test_gluon_box_needs_one_accumulator():
+    from cpkv.indexer.logits import aligned_keys
+    from cpkv.kernels.mqa_logits import _gluon_applies
+
+    q, k, k_scale, w, ks, ke = _inputs(8, 32, 128, 256, seed=5)
+    k = aligned_keys(k)
+    if not _gluon_applies(q, k):
+        pytest.skip("the Gluon kernel needs sm_90")
+    from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+
+    out = torch.empty(8, 256, device="cuda")
+    with pytest.raises(ValueError, match="box"):
+        mqa_logits_gluon(q, k, k_scale, w, ks, ke, out, box=2, pipe=2)

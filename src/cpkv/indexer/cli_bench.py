@@ -52,9 +52,13 @@ def logits_variants() -> dict:
 
     named = {"base": BASE_CONFIG,
              "lanes_tma_w8_s128": LANES_CONFIG,
-             "gluon_span32": LogitsConfig(gluon_span=32),
-             "gluon_span128": LogitsConfig(gluon_span=128),
-             "gluon_wg2_span128": LogitsConfig(gluon_span=128, gluon_warpgroups=2)}
+             "gluon_pipe2": LogitsConfig(gluon_pipe=2, gluon_box=1, gluon_stages=4),
+             "gluon_pipe2_span128": LogitsConfig(gluon_pipe=2, gluon_box=1, gluon_stages=4, gluon_span=128),
+             "gluon_pipe1_box1_st4": LogitsConfig(gluon_box=1, gluon_stages=4),
+             "gluon_box2_st3": LogitsConfig(gluon_stages=3),
+             "gluon_box2_span32": LogitsConfig(gluon_span=32),
+             "gluon_box2_span128": LogitsConfig(gluon_span=128),
+             "gluon_wg2_box2": LogitsConfig(gluon_warpgroups=2)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 

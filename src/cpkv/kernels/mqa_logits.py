@@ -20,9 +20,11 @@ chain (SASS per warp and 128x128x128 tile: ~250 instructions vs ~340), k_scale o
 unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past S); its dot is waited
 on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
 and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits_gluon, a Gluon
-kernel for Hopper that keeps the next tile's wgmma in flight during each epilogue (fp8 q and k,
-H <= 32, TMA-ready keys; 0.57-0.65 of the fp8 GEMM rate on an H200 vs 0.51-0.63 for "lanes" in the
-same runs, 2026-12-01); other inputs and GPUs run "lanes" with the same config.
+kernel for Hopper (fp8 q and k, H <= 32, TMA-ready keys): by default one accumulator per program, so
+~120 registers and four programs per SM overlap each other's dots and epilogues, with keys in 128-key
+TMA boxes (0.63-0.76 of the fp8 GEMM rate on an H200 vs 0.57-0.69 for its two-accumulator form and
+0.52-0.58 for "lanes" in the same run, 2026-12-01); other inputs and GPUs run "lanes" with the same
+config.
 """
 from __future__ import annotations
 
@@ -43,8 +45,10 @@ class LogitsConfig:
     variant: "gluon" (mqa_logits_gluon where it applies, else "lanes" with these fields), "lanes"
     (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
     key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
-    gluon_maxnreg / gluon_warpgroups: the Gluon kernel's 64-key tiles per program, TMA ring depth,
-    register cap and warpgroups sharing each key tile (1 or 2).
+    gluon_maxnreg / gluon_warpgroups / gluon_pipe: the Gluon kernel's 64-key tiles per program, TMA ring
+    depth, register cap, warpgroups sharing each key tile (1 or 2) and accumulators per program (2: the
+    next tile's dot overlaps this tile's epilogue; 1: no overlap in a program, ~117 registers so four
+    programs per SM overlap each other); gluon_box: 64-key tiles per TMA box (2 needs pipe 1).
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""
@@ -58,9 +62,11 @@ class LogitsConfig:
     variant: str = "gluon"
     tma: bool = True
     gluon_span: int = 64
-    gluon_stages: int = 4
+    gluon_stages: int = 2
     gluon_maxnreg: int | None = None
     gluon_warpgroups: int = 1
+    gluon_pipe: int = 1
+    gluon_box: int = 2
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -315,7 +321,7 @@ def mqa_logits_triton(
 
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
-                                warpgroups=cfg.gluon_warpgroups)
+                                warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

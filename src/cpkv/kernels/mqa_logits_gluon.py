@@ -83,11 +83,17 @@ def _issue(k_bufs, bars, q_t, zero, i, STAGES: gl.constexpr):
 def _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
     """Tile i's dot is done in this warp: once every warp is, load tile i + STAGES into its buffer."""
     gl.thread_barrier()
+    _load_box(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
+
+
+@gluon.jit
+def _load_box(k_desc, k_bufs, bars, k0, i, n_boxes, BOX_S: gl.constexpr, STAGES: gl.constexpr):
+    """Load box i + STAGES (BOX_S keys) into box i's buffer (every warp must be done with box i)."""
     nxt = i + STAGES
     st = i % STAGES
-    mbarrier.expect(bars.index(st), k_desc.block_type.nbytes, pred=nxt < n_tiles)
-    tma.async_copy_global_to_shared(k_desc, [k0 + nxt * BLOCK_S, 0], bars.index(st), k_bufs.index(st),
-                                    pred=nxt < n_tiles)
+    mbarrier.expect(bars.index(st), k_desc.block_type.nbytes, pred=nxt < n_boxes)
+    tma.async_copy_global_to_shared(k_desc, [k0 + nxt * BOX_S, 0], bars.index(st), k_bufs.index(st),
+                                    pred=nxt < n_boxes)
 
 
 @gluon.jit
@@ -129,7 +135,7 @@ def mqa_logits_gluon_kernel(
     T, S, col_off, n_cols,
     stride_qt, stride_ksc, stride_wt, stride_out,
     H: gl.constexpr, D: gl.constexpr, WGS: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
-    STAGES: gl.constexpr, CLEAN: gl.constexpr,
+    STAGES: gl.constexpr, CLEAN: gl.constexpr, PIPE: gl.constexpr, BOX: gl.constexpr,
 ):
     BQW: gl.constexpr = 128 // H  # tokens per warpgroup
     BQ: gl.constexpr = BQW * WGS
@@ -169,16 +175,17 @@ def mqa_logits_gluon_kernel(
             gl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
     if n_tiles > 0:
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_S, D], k_desc.layout)
+        n_boxes = (n_tiles + BOX - 1) // BOX  # TMA boxes of BOX tiles (BOX > 1 only with PIPE == 1)
+        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BOX * BLOCK_S, D], k_desc.layout)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [N, D], q_sl)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         k0 = c_start + col_off
         for s in gl.static_range(STAGES):
-            mbarrier.expect(bars.index(s), k_desc.block_type.nbytes, pred=s < n_tiles)
-            tma.async_copy_global_to_shared(k_desc, [k0 + s * BLOCK_S, 0], bars.index(s), k_bufs.index(s),
-                                            pred=s < n_tiles)
+            mbarrier.expect(bars.index(s), k_desc.block_type.nbytes, pred=s < n_boxes)
+            tma.async_copy_global_to_shared(k_desc, [k0 + s * (BOX * BLOCK_S), 0], bars.index(s), k_bufs.index(s),
+                                            pred=s < n_boxes)
         # q rows in accumulator-column order, weights per column, k_scale of tile 0
         qn = gl.arange(0, N, gl.SliceLayout(1, q_ld))
         q_tok, q_head = _token_head(qn, BQW)
@@ -196,68 +203,97 @@ def mqa_logits_gluon_kernel(
         q_t = q_s.permute((1, 0))
         zero = gl.zeros([BLOCK_S, N], gl.float32, mma_l)
 
-        # Two accumulators, A (even tiles) and B (odd tiles), each only ever written by its wgmma
-        # (a loop-carried swap would copy in-flight accumulator registers and make ptxas serialize
-        # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight.
-        mbarrier.wait(bars.index(0), 0)
-        tok_a = warpgroup_mma(k_bufs.index(0), q_t, zero, use_acc=False, is_async=True)
-        for p in range((n_tiles - 1) // 2):
-            i = 2 * p
-            tok_b = _issue(k_bufs, bars, q_t, zero, i + 1, STAGES)
-            ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
-            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-            _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
-            _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-            tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
-            ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
-            acc_b = warpgroup_mma_wait(1, deps=[tok_b])
-            _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
-            _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-        m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
-        if n_tiles - m == 2:
-            tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
-            ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
-            acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-            acc_b = warpgroup_mma_wait(0, deps=[tok_b])
-            _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                      out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+        if PIPE == 1:
+            # One accumulator: each tile's dot is waited on before its epilogue; the overlap of tensor
+            # cores and ALUs comes from the other programs on the SM (fewer registers, more programs).
+            # Keys arrive in boxes of BOX tiles (one TMA, one barrier wait per box). Box b - 1's buffer is
+            # refilled once box b's first dot is done, with no thread barrier of our own (one warpgroup):
+            # every warp issues that (warpgroup-wide) wgmma only after its own wait on box b - 1's last
+            # dot, so its completion proves that no warp of the warpgroup still reads box b - 1's buffer.
+            for b in range(n_boxes):
+                st = b % STAGES
+                mbarrier.wait(bars.index(st), (b // STAGES) & 1)
+                for h in gl.static_range(BOX):
+                    i = b * BOX + h
+                    if i < n_tiles:
+                        tok = warpgroup_mma(k_bufs.index(st).slice(h * BLOCK_S, BLOCK_S), q_t, zero,
+                                            use_acc=False, is_async=True)
+                        ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
+                        acc = warpgroup_mma_wait(0, deps=[tok])
+                        if h == 0 and b > 0:
+                            if WGS > 1:  # the argument above holds per warpgroup, not across them
+                                gl.thread_barrier()
+                            _load_box(k_desc, k_bufs, bars, k0, b - 1, n_boxes, BOX * BLOCK_S, STAGES)
+                        _epilogue(acc, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                                  out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+                        ksc = ksc_n
         else:
-            acc_a = warpgroup_mma_wait(0, deps=[tok_a])
-            _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                      n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+            # Two accumulators, A (even tiles) and B (odd tiles), each only ever written by its wgmma
+            # (a loop-carried swap would copy in-flight accumulator registers and make ptxas serialize
+            # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight.
+            mbarrier.wait(bars.index(0), 0)
+            tok_a = warpgroup_mma(k_bufs.index(0), q_t, zero, use_acc=False, is_async=True)
+            for p in range((n_tiles - 1) // 2):
+                i = 2 * p
+                tok_b = _issue(k_bufs, bars, q_t, zero, i + 1, STAGES)
+                ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
+                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
+                _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
+                _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+                tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
+                ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
+                acc_b = warpgroup_mma_wait(1, deps=[tok_b])
+                _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
+                _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                          out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+            m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
+            if n_tiles - m == 2:
+                tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
+                ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
+                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
+                _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+                acc_b = warpgroup_mma_wait(0, deps=[tok_b])
+                _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                          out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+            else:
+                acc_a = warpgroup_mma_wait(0, deps=[tok_a])
+                _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
+                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
 
 
 
-def key_layout(d: int):
-    """Shared layout of a [BLOCK_S, d] fp8 key tile (the TMA box and the wgmma A operand)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_S, d], gl.float8e4nv)
+def key_layout(d: int, rows: int = BLOCK_S):
+    """Shared layout of a [rows, d] fp8 key box (the TMA box; its 64-row slices are wgmma A operands)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float8e4nv)
 
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
                      span: int = 16, stages: int = 4, maxnreg: int | None = None,
-                     warpgroups: int = 1) -> torch.Tensor:
+                     warpgroups: int = 1, pipe: int = 2, box: int = 1) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
     depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
-    2 (two warpgroups share each key tile, each with its own 128 // H tokens)."""
+    2 (two warpgroups share each key tile, each with its own 128 // H tokens); pipe: accumulators per
+    program, 2 (tile i + 1's dot runs during tile i's epilogue) or 1 (no overlap inside a program, fewer
+    registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1)."""
     T, H, D = q.shape
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
         return out
     bq = 128 // H * warpgroups
-    k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S, D], key_layout(D))
+    if box not in (1, 2) or (box == 2 and pipe != 1):
+        raise ValueError(f"box: expected 1, or 2 with pipe 1; got box={box}, pipe={pipe}")
+    k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S * box, D], key_layout(D, BLOCK_S * box))
     grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
+        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean, PIPE=pipe, BOX=box,
         num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
