@@ -7,25 +7,28 @@ query rows = 128 // H tokens x H heads per program), D in {64, 128}, keys TMA-re
 other inputs take the Triton kernels.
 
 Why a separate kernel: in the Triton kernels the wgmma of a key tile is waited on before that tile's
-epilogue (relu, weights, head sum, k_scale, store: ~130 ALU instructions per thread and tile), so the
-tensor cores idle while it runs, and programs sharing an SM fall into step (both issue their dots at
-once, then both run their epilogues). Here one warpgroup (4 warps) owns a program and keeps one dot in
-flight across every epilogue: the dot of key tile i + 1 is issued (async wgmma into a second
-accumulator) before the epilogue of tile i, so tensor cores and ALUs overlap inside each program.
+epilogue (relu, weights, head sum, k_scale, store: ~130 ALU instructions per thread and tile) and programs
+sharing an SM fall into step. Here the overlap of tensor cores and ALUs is explicit, in one of two forms:
+
+- PIPE = 1 (default): one accumulator per program, each tile's dot waited on before its epilogue. That
+  needs ~120 registers, so four single-warpgroup programs share each SM and overlap one another's dots
+  and epilogues (16 warps per SM). Keys come in TMA boxes of BOX = 2 tiles (one expect, one copy and one
+  wait per box), STAGES = 2 box buffers; a buffer is refilled once the next tile's dot has completed,
+  which proves every warp of the warpgroup has finished reading it (so no thread barrier of our own).
+- PIPE = 2: two accumulators, A (even tiles) and B (odd tiles); the dot of tile i + 1 is issued before
+  the epilogue of tile i, so one program overlaps itself. 204 registers: two programs per SM.
 
 Per program: BQ = 128 // H tokens per warpgroup (N = 128 query rows per warpgroup, the wgmma N side, q
 in shared memory once, rows permuted as in mqa_logits._column_token_head so a thread's accumulator
 columns are whole heads of one token and the head sum is an in-thread FMNMX + FFMA chain), SPAN key
-tiles of BLOCK_S = 64 keys (the M side, K = D), key tiles by TMA into a STAGES-deep ring of shared
-buffers (mbarrier per stage, refilled as soon as the dot reading it has completed), k_scale loaded
-one tile ahead. WGS = 2 puts two warpgroups (each its own tokens) on every key tile.
+tiles of BLOCK_S = 64 keys (the M side, K = D), k_scale loaded one tile ahead. WGS = 2 puts two
+warpgroups (each its own tokens) on every key tile.
 
-Measured (H200, `cpkv bench indexer --variants`, 2026-12-01): 0.57-0.65 of the fp8 GEMM rate with
-one warpgroup and 64 tiles per program, vs 0.51-0.63 for the "lanes" Triton kernel in the same runs;
-two warpgroups and larger or smaller spans were not faster. Nsight Compute (tail scenario): tensor
-pipe 52% of cycles, 2 warps per scheduler (204 registers: two programs per SM), 0.46 instructions
-issued per cycle per scheduler, 4.35 cycles per issued instruction per warp: the overlap is there
-but each warp's epilogue stalls (the 0.8 target needs the tensor pipe at ~60%+ of cycles).
+Measured (H200, `cpkv bench indexer`, 2026-12-01, BENCHMARKS.md): PIPE = 1 with 128-key boxes 0.71-0.85
+of the fp8 GEMM rate across runs and scenarios, PIPE = 2 0.57-0.74, the "lanes" Triton kernel 0.52-0.66.
+Nsight Compute (cold): ~204 issued instructions per warp and tile, 128 of them the FMNMX + FFMA per
+accumulator element; about 2 stall cycles per instruction on the barriers Gluon places around each TMA
+issue.
 
 This module imports Triton's Gluon at import time: import it only where Triton is present
 (cpkv.kernels.mqa_logits does, on CUDA).
@@ -272,8 +275,8 @@ def key_layout(d: int, rows: int = BLOCK_S):
 
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
-                     span: int = 16, stages: int = 4, maxnreg: int | None = None,
-                     warpgroups: int = 1, pipe: int = 2, box: int = 1) -> torch.Tensor:
+                     span: int = 64, stages: int = 2, maxnreg: int | None = None,
+                     warpgroups: int = 1, pipe: int = 1, box: int = 2) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
     depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
