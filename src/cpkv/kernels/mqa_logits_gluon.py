@@ -13,8 +13,7 @@ sharing an SM fall into step. Here the overlap of tensor cores and ALUs is expli
 - PIPE = 1 (default): one accumulator per program, each tile's dot waited on before its epilogue. That
   needs ~120 registers, so four single-warpgroup programs share each SM and overlap one another's dots
   and epilogues (16 warps per SM). Keys come in TMA boxes of BOX = 2 tiles (one expect, one copy and one
-  wait per box), STAGES = 2 box buffers; a buffer is refilled once the next tile's dot has completed,
-  which proves every warp of the warpgroup has finished reading it (so no thread barrier of our own).
+  wait per box), STAGES = 2 box buffers, each refilled at the top of the next box after a thread barrier.
 - PIPE = 2: two accumulators, A (even tiles) and B (odd tiles); the dot of tile i + 1 is issued before
   the epilogue of tile i, so one program overlaps itself. 204 registers: two programs per SM.
 
@@ -210,11 +209,15 @@ def mqa_logits_gluon_kernel(
             # One accumulator: each tile's dot is waited on before its epilogue; the overlap of tensor
             # cores and ALUs comes from the other programs on the SM (fewer registers, more programs).
             # Keys arrive in boxes of BOX tiles (one TMA, one barrier wait per box). Box b - 1's buffer is
-            # refilled once box b's first dot is done, with no thread barrier of our own (one warpgroup):
-            # every warp issues that (warpgroup-wide) wgmma only after its own wait on box b - 1's last
-            # dot, so its completion proves that no warp of the warpgroup still reads box b - 1's buffer.
+            # refilled at the top of box b, after a thread barrier (every warp has waited on box b - 1's
+            # last dot). Placed there, it is also the barrier Gluon would put before the next wgmma reads
+            # the ring, so a box costs three barriers (this one and two around the TMA issue) where a
+            # refill between the box's dots cost four.
             for b in range(n_boxes):
                 st = b % STAGES
+                if b > 0:  # every warp is done with box b - 1: refill its buffer with box b - 1 + STAGES
+                    gl.thread_barrier()
+                    _load_box(k_desc, k_bufs, bars, k0, b - 1, n_boxes, BOX * BLOCK_S, STAGES)
                 mbarrier.wait(bars.index(st), (b // STAGES) & 1)
                 for h in gl.static_range(BOX):
                     i = b * BOX + h
@@ -223,10 +226,6 @@ def mqa_logits_gluon_kernel(
                                             use_acc=False, is_async=True)
                         ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
                         acc = warpgroup_mma_wait(0, deps=[tok])
-                        if h == 0 and b > 0:
-                            if WGS > 1:  # the argument above holds per warpgroup, not across them
-                                gl.thread_barrier()
-                            _load_box(k_desc, k_bufs, bars, k0, b - 1, n_boxes, BOX * BLOCK_S, STAGES)
                         _epilogue(acc, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v,
                                   out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
                         ksc = ksc_n
