@@ -246,12 +246,20 @@ def _topk_variant_rows(buf, full, out, t_torch) -> list[dict]:
     return rows
 
 
-def _sweep(q, k, k_scale, w, requests, index_topk) -> list[dict]:
-    rows = []
-    for gib in BUDGETS_GIB:
-        plan = _plan(requests, int(gib * (1 << 30)))
-        ms = _bench(lambda: index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=TOPK, plan=plan))
-        rows.append({"budget_gib": gib, "chunks": len(plan.chunks), "ms": ms})
+def _sweep(q, k, k_scale, w, requests, index_topk, rounds: int = 3) -> list[dict]:
+    """index_topk time per chunk budget: the median of ``rounds`` rounds over every budget, in alternating
+    order (the clock drifts under sustained load; a single pass in one order showed a one-chunk budget
+    1.2x slower than the identical one-chunk 8 GiB run measured just before it)."""
+    import statistics
+
+    plans = {gib: _plan(requests, int(gib * (1 << 30))) for gib in BUDGETS_GIB}
+    times: dict[float, list[float]] = {gib: [] for gib in BUDGETS_GIB}
+    for r in range(rounds):
+        for gib in (BUDGETS_GIB if r % 2 == 0 else BUDGETS_GIB[::-1]):
+            plan = plans[gib]
+            times[gib].append(_bench(lambda plan=plan: index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=TOPK, plan=plan)))
+    rows = [{"budget_gib": gib, "chunks": len(plans[gib].chunks), "ms": statistics.median(times[gib])}
+            for gib in BUDGETS_GIB]
     for r in rows:
         r["relative_to_8gib"] = r["ms"] / rows[0]["ms"]
     return rows
