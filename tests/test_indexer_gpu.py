@@ -218,16 +218,21 @@ def test_logits_default_takes_gluon_kernel_on_hopper():
     assert not _gluon_applies(q.to(torch.bfloat16), aligned_keys(k))
 
 
-def test_gluon_box_needs_one_accumulator():
+def test_gluon_shape_choices_that_do_not_exist_are_refused():
     from cpkv.indexer.logits import aligned_keys
-    from cpkv.kernels.mqa_logits import _gluon_applies
+    from cpkv.kernels.mqa_logits import LogitsConfig, _gluon_applies
 
+    for bad in (dict(gluon_box=2, gluon_pipe=2), dict(gluon_box=3, gluon_pipe=1), dict(gluon_pipe=3),
+                dict(gluon_warpgroups=4)):
+        with pytest.raises(ValueError, match="gluon"):
+            LogitsConfig(**bad)
     q, k, k_scale, w, ks, ke = _inputs(8, 32, 128, 256, seed=5)
     k = aligned_keys(k)
     if not _gluon_applies(q, k):
         pytest.skip("the Gluon kernel needs sm_90")
     from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
 
-    out = torch.empty(8, 256, device="cuda")
+    out = torch.full((8, 256), 7.0, device="cuda")
     with pytest.raises(ValueError, match="box"):
         mqa_logits_gluon(q, k, k_scale, w, ks, ke, out, box=2, pipe=2)
+    assert bool((out == 7.0).all())  # refused before anything was written

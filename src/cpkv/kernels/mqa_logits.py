@@ -68,8 +68,22 @@ class LogitsConfig:
     gluon_pipe: int = 1
     gluon_box: int = 2
 
+    def __post_init__(self) -> None:
+        check_gluon_shape(self.gluon_warpgroups, self.gluon_pipe, self.gluon_box)
+
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
+
+
+def check_gluon_shape(warpgroups: int, pipe: int, box: int) -> None:
+    """The Gluon kernel's structural choices that exist: 1 or 2 warpgroups, 1 or 2 accumulators, boxes of
+    1 or 2 tiles (2 only with one accumulator); ValueError naming the field otherwise."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"gluon warpgroups: expected 1 or 2, got {warpgroups}")
+    if pipe not in (1, 2):
+        raise ValueError(f"gluon pipe (accumulators per program): expected 1 or 2, got {pipe}")
+    if box not in (1, 2) or (box == 2 and pipe != 1):
+        raise ValueError(f"gluon box: expected 1, or 2 with pipe 1; got box={box}, pipe={pipe}")
 
 
 DEFAULT_CONFIG = LogitsConfig()

@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cpkv.kernels.mqa_logits import check_gluon_shape
+
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
 
@@ -287,15 +289,15 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
     if T == 0 or n_cols == 0:
         return out
     bq = 128 // H * warpgroups
-    if box not in (1, 2) or (box == 2 and pipe != 1):
-        raise ValueError(f"box: expected 1, or 2 with pipe 1; got box={box}, pipe={pipe}")
+    check_gluon_shape(warpgroups, pipe, box)
     k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S * box, D], key_layout(D, BLOCK_S * box))
     grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean, PIPE=pipe, BOX=box,
+        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
+        PIPE=pipe, BOX=box,
         num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
