@@ -256,8 +256,8 @@ def _sweep(q, k, k_scale, w, requests, index_topk, rounds: int = 3) -> list[dict
     times: dict[float, list[float]] = {gib: [] for gib in BUDGETS_GIB}
     for r in range(rounds):
         for gib in (BUDGETS_GIB if r % 2 == 0 else BUDGETS_GIB[::-1]):
-            plan = plans[gib]
-            times[gib].append(_bench(lambda plan=plan: index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=TOPK, plan=plan)))
+            p = plans[gib]
+            times[gib].append(_bench(lambda p=p: index_topk(q, k, k_scale, w, p.ks, p.ke, topk=TOPK, plan=p)))
     rows = [{"budget_gib": gib, "chunks": len(plans[gib].chunks), "ms": statistics.median(times[gib])}
             for gib in BUDGETS_GIB]
     for r in rows:
