@@ -236,6 +236,74 @@ def test_plan_default_budget_from_env(monkeypatch):
     assert IndexerPlan.from_bounds([0], [4], "cpu").chunk_max_bytes == 1 << 29
 
 
+# ----------------------------------------------------------------------------- logits work items
+
+def _check_items(ks, ke, key_start, n_cols, shape, items):
+    """Exact coverage: every row's visible columns lie in its group's items; no tile of a group twice;
+    items non-empty, inside one span of the column grid, no longer than a span; span-major order
+    outside the split tail; the tiles listed are exactly each group's [min lo, max hi) rounded to tiles."""
+    from cpkv.indexer.work import WorkShape  # noqa: F401
+
+    r, tile, span = shape.rows, shape.tile, shape.span
+    rows = items.tolist()
+    assert items.dtype == torch.int32 and items.shape[1] == 4
+    covered: dict[int, set] = {}
+    for t0, c0, n, zero in rows:
+        assert zero == 0 and n >= 1 and t0 % r == 0 and c0 % tile == 0
+        assert c0 // tile // span == (c0 // tile + n - 1) // span, "an item crosses a span boundary"
+        tiles = set(range(c0 // tile, c0 // tile + n))
+        assert not covered.setdefault(t0 // r, set()) & tiles, "a tile listed twice"
+        covered[t0 // r] |= tiles
+    for g in range(-(-len(ks) // r)):
+        spans = [(max(a - key_start, 0), min(b - key_start, n_cols)) for a, b in zip(ks[g * r:(g + 1) * r], ke[g * r:(g + 1) * r])]
+        spans = [(a, b) for a, b in spans if b > a]
+        want = set(range(min(a for a, _ in spans) // tile, -(-max(b for _, b in spans) // tile))) if spans else set()
+        assert covered.get(g, set()) == want, f"group {g}"
+    piece = max(span // shape.split, 1)
+    full = [x for x in rows if x[2] > piece]
+    assert [c0 // tile // span for _, c0, _, _ in full] == sorted(c0 // tile // span for _, c0, _, _ in full)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_rows=st.integers(1, 90), seed=st.integers(0, 10**6), rows=st.sampled_from([1, 2, 4, 8]),
+       span=st.integers(1, 9), slots=st.integers(1, 40), split=st.integers(1, 5), tile=st.sampled_from([4, 16]))
+def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split, tile):
+    from cpkv.indexer.work import WorkShape, logits_work_items
+
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.randint(0, 300, (n_rows,), generator=g)
+    ke = ks + torch.randint(-20, 400, (n_rows,), generator=g).clamp(min=0)
+    ks, ke = ks.tolist(), ke.tolist()
+    key_start, n_cols = 50, 500
+    shape = WorkShape(rows=rows, tile=tile, span=span, slots=slots, split=split)
+    _check_items(ks, ke, key_start, n_cols, shape, logits_work_items(ks, ke, key_start, n_cols, shape))
+
+
+def test_logits_work_items_skip_empty_programs_and_cut_the_last_wave():
+    from cpkv.indexer.work import WorkShape, logits_work_items
+
+    # four requests of a warm batch: each token group sees only its own request's keys
+    plan = IndexerPlan.build([(0, list(range(1000, 1016))), (1016, list(range(3000, 3016))),
+                              (4016, list(range(500, 516)))], "cpu")
+    c = plan.chunks[0]
+    shape = WorkShape(rows=4, tile=16, span=8, slots=3, split=4)
+    items = plan.work_items(c, shape)
+    assert plan.work_items(c, shape) is items  # built once, reused by every layer
+    _check_items(plan.host_ks, plan.host_ke, c.key_start, c.width, shape, items)
+    whole = WorkShape(rows=4, tile=16, span=8, slots=3, split=1)
+    unsplit = logits_work_items(plan.host_ks, plan.host_ke, c.key_start, c.width, whole)
+    _check_items(plan.host_ks, plan.host_ke, c.key_start, c.width, whole, unsplit)
+    grid = -(-c.width // (16 * 8)) * (48 // 4)
+    assert unsplit.shape[0] < grid / 2  # most grid programs would have been empty
+    # the same items up to the last slots x span = 24 tiles, which are cut into pieces of 8 // 4 = 2 tiles
+    same = next(i for i in range(unsplit.shape[0]) if not torch.equal(items[i], unsplit[i]))
+    assert torch.equal(items[:same], unsplit[:same])
+    assert 0 < int(unsplit[same:, 2].sum()) <= 24 and int(items[same:, 2].max()) <= 2
+    assert int(items[same:, 2].sum()) == int(unsplit[same:, 2].sum())
+    with pytest.raises(ValueError, match="span"):
+        WorkShape(rows=4, tile=16, span=0, slots=3)
+
+
 # ----------------------------------------------------------------------------- index_topk
 
 @pytest.mark.parametrize("budget", [None, 20_000, 2_000, 500])

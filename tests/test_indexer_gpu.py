@@ -30,6 +30,7 @@ LOGITS_VARIANTS = {"default": None, "base": dict(variant="base"),
                    "gluon_pipe1_wg2_span4": dict(gluon_span=4, gluon_warpgroups=2, gluon_pipe=1, gluon_box=1),
                    "gluon_pipe1_box2_span5_st2": dict(gluon_span=5, gluon_pipe=1, gluon_box=2, gluon_stages=2),
                    "gluon_pipe1_wg2_box2_span3": dict(gluon_span=3, gluon_warpgroups=2, gluon_pipe=1, gluon_box=2),
+                   "gluon_t_major_span3": dict(gluon_span=3, gluon_items=False, gluon_t_major=True),
                    "lanes_w4_s64": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=None),
                    "lanes_w4_s64_r128": dict(variant="lanes", tma=False, block_s=64, num_warps=4, maxnreg=128),
                    "lanes_w8_s128": dict(variant="lanes", tma=False),
@@ -88,7 +89,7 @@ def _assert_logits_close(out, ref):
 
 @pytest.mark.parametrize("variant", ["default", "gluon_span3_st2", "gluon_wg2_span5", "gluon_pipe1_span3_st2",
                                      "gluon_pipe1_wg2_span4", "gluon_pipe1_box2_span5_st2",
-                                     "gluon_pipe1_wg2_box2_span3", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
+                                     "gluon_pipe1_wg2_box2_span3", "gluon_t_major_span3", "lanes_w4_s64", "lanes_w4_s64_r128", "tma_w8_s128",
                                      "tma_w4_s64"])
 @pytest.mark.parametrize("H", [8, 16, 32, 64])
 @pytest.mark.parametrize("D", [64, 128])
@@ -236,3 +237,43 @@ def test_gluon_shape_choices_that_do_not_exist_are_refused():
     with pytest.raises(ValueError, match="box"):
         mqa_logits_gluon(q, k, k_scale, w, ks, ke, out, box=2, pipe=2)
     assert bool((out == 7.0).all())  # refused before anything was written
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(gluon_span=3, gluon_split=1), dict(gluon_span=5, gluon_split=2),
+                                 dict(gluon_span=3, gluon_warpgroups=2), dict(gluon_span=4, gluon_pipe=2, gluon_box=1)])
+def test_logits_work_items_equal_the_grid(cfg):
+    # a ragged warm batch: the plan's work items launch only non-empty programs, span by span, the last
+    # wave cut short; every visible logit must equal the clean grid run's bit for bit (same tiles)
+    from cpkv.indexer.logits import aligned_keys, logits_into
+    from cpkv.kernels.mqa_logits import LogitsConfig, work_shape
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    config = LogitsConfig(**cfg)
+    g = torch.Generator(device="cuda").manual_seed(21)
+    requests = [(0, list(range(1500, 1530))), (1530, list(range(4000, 4077))), (5607, list(range(0, 9))),
+                (5616, list(range(700, 701)) + list(range(2000, 2040)))]
+    plan = IndexerPlan.build(requests, "cuda")
+    T, S = plan.num_tokens, 5616 + 2040
+    q, w = quantize_queries(torch.randn(T, 32, 128, device="cuda", generator=g),
+                            torch.randn(T, 32, device="cuda", generator=g))
+    k, k_scale = dequantize_index_rows(quantize_index_keys(torch.randn(S, 128, device="cuda", generator=g)))
+    k = aligned_keys(k)
+    c = plan.chunks[0]
+    want = mqa_logits(q, k, k_scale, w, plan.ks, plan.ke, config=config)[:, c.key_start:c.key_end]
+    _assert_logits_close(want, mqa_logits_ref(q, k, k_scale, w, plan.ks, plan.ke, dtype=torch.float64)[:, c.key_start:c.key_end])
+    shape = work_shape(q, k, config)
+    assert shape is not None and shape.rows == 4 * config.gluon_warpgroups
+    items = plan.work_items(c, shape)
+    assert items.is_cuda and items.shape[0] > 0
+    got = torch.full((T, c.width), 12345.0, device="cuda")
+    logits_into(q, k, k_scale, w, plan.ks, plan.ke, got, col_offset=c.key_start, clean=False, config=config,
+                work=lambda s: plan.work_items(c, s))
+    fin = torch.isfinite(want)
+    assert torch.equal(got[fin], want[fin])
+    got_idx = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=64, plan=plan, logits_config=config)
+    assert torch.equal(got_idx, topk(want, plan.ks - c.key_start, plan.ke - c.key_start, 64))
+    from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+
+    with pytest.raises(ValueError, match="clean=False"):
+        mqa_logits_gluon(q, k, k_scale, w, plan.ks, plan.ke, got, col_offset=c.key_start, clean=True, items=items)

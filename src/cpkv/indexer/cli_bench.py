@@ -1,8 +1,10 @@
 """``cpkv bench indexer``: the indexer at GLM-5 shapes (H = 32, D = 128, k = 2048) on CUDA.
 
 Per scenario: logits TFLOP/s over unmasked pairs (2*H*D FLOPs each) against torch._scaled_mm fp8
-measured in the same run (the mean of a GEMM timed just before and just after the logits, since the
-clock drifts down under sustained tensor work; the ratio to the run's first GEMM is reported too); top-k time against torch.topk on the same rows; index_topk time at chunk
+measured in the same run, the two timed alternately (paired_rate: the clock drifts under sustained tensor
+work, so each round compares the kernel with the GEMMs just before and after it; the ratio to the run's
+first GEMM is reported too), launched as index_topk launches it (unclean, the plan's work items); top-k
+time against torch.topk on the same rows; index_topk time at chunk
 budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 rows x 65536 keys.
 --variants also times every named kernel variant (logits_variants / topk_variants) with a check of
 its output against the reference kernel, so the default can be chosen from measurements.
@@ -43,8 +45,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", action="store_true", help="also time logits tile configs on the first scenario")
     p.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
-    p.add_argument("--variants", action="store_true",
-                   help="also time every named logits / top-k kernel variant in each scenario and the headline")
+    p.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="also time the named logits / top-k kernel variants (comma-separated; alone: all of them) "
+                        "in each scenario and the headline")
+
+
+def _picked(named: dict, names: str | None) -> dict:
+    """The default plus the variants named in ``names`` ("all": every one)."""
+    if names in (None, "all"):
+        return named
+    wanted = {n.strip() for n in names.split(",")}
+    return {k: v for i, (k, v) in enumerate(named.items()) if i == 0 or k in wanted}
+
+
+def _check_variant_names(names: str | None) -> None:
+    from cpkv.errors import IndexerError
+
+    if names in (None, "all"):
+        return
+    known = set(logits_variants()) | set(topk_variants())
+    unknown = sorted({n.strip() for n in names.split(",")} - known)
+    if unknown:
+        raise IndexerError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
 def logits_variants() -> dict:
@@ -57,9 +79,12 @@ def logits_variants() -> dict:
              "gluon_pipe2_span128": LogitsConfig(gluon_pipe=2, gluon_box=1, gluon_stages=4, gluon_span=128),
              "gluon_pipe1_box1_st4": LogitsConfig(gluon_box=1, gluon_stages=4),
              "gluon_box2_st3": LogitsConfig(gluon_stages=3),
-             "gluon_box2_span32": LogitsConfig(gluon_span=32),
-             "gluon_box2_span128": LogitsConfig(gluon_span=128),
-             "gluon_wg2_box2": LogitsConfig(gluon_warpgroups=2)}
+             "gluon_wg2_box2": LogitsConfig(gluon_warpgroups=2),
+             "gluon_grid": LogitsConfig(gluon_items=False),
+             "gluon_grid_t_major": LogitsConfig(gluon_items=False, gluon_t_major=True),
+             "gluon_items_unsplit": LogitsConfig(gluon_split=1),
+             "gluon_items_span32": LogitsConfig(gluon_span=32),
+             "gluon_items_span128": LogitsConfig(gluon_span=128, gluon_split=8)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
 
 
@@ -91,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         import triton  # noqa: F401
     except ImportError:
         raise IndexerError("cpkv bench indexer needs triton, which is not installed") from None
+    _check_variant_names(args.variants)
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]
@@ -108,22 +134,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(fn) -> float:
-    """Median milliseconds of fn() (CUDA events, warm-up first)."""
+def _bench(fn, rep: int = 60) -> float:
+    """Median milliseconds of fn() over about ``rep`` ms (CUDA events, warm-up first)."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
-def fp8_gemm_tflops(n: int = 8192) -> float:
+def fp8_gemm_tflops(n: int = 8192, rep: int = 60) -> float:
     """torch._scaled_mm rate on random fp8 e4m3 [n, n] x [n, n] -> bf16: the ceiling."""
     import torch
 
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
-    ms = _bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    ms = _bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep=rep)
     return 2 * n ** 3 / ms / 1e9
+
+
+def paired_rate(fn, flops: float, rounds: int = 7, rep: int = 25) -> dict:
+    """fn's TFLOP/s against the fp8 GEMM ceiling, the two timed alternately: GEMM, fn, GEMM, fn, ..., GEMM
+    (``rounds`` times fn, ~``rep`` ms each). The H200's clock moves with sustained tensor work by up to
+    15 % within a run (seen: 1,447 then 1,230 TFLOP/s), so each round's fn is compared with the mean of
+    the GEMMs timed just before and just after it; ratio is the median of the rounds' ratios."""
+    import statistics
+
+    gemm = [fp8_gemm_tflops(rep=rep)]
+    ms, ratios = [], []
+    for _ in range(rounds):
+        ms.append(_bench(fn, rep=rep))
+        gemm.append(fp8_gemm_tflops(rep=rep))
+        ratios.append(flops / ms[-1] / 1e9 / ((gemm[-2] + gemm[-1]) / 2))
+    t = statistics.median(ms)
+    return {"ms": t, "tflops": flops / t / 1e9, "ratio": statistics.median(ratios), "ratios": ratios,
+            "gemm_tflops": gemm}
 
 
 def make_inputs(s: Scenario):
@@ -153,7 +197,7 @@ def _plan(requests, budget_bytes):
     return IndexerPlan.build(requests, "cuda", chunk_max_bytes=budget_bytes)
 
 
-def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = False) -> dict:
+def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | None = None) -> dict:
     import torch
 
     from cpkv.indexer import index_topk
@@ -167,27 +211,30 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = Fa
     pairs = int((full.ke - full.ks).sum())
     ka = aligned_keys(k)
     buf = torch.empty(c.rows, padded(c.width), device="cuda")[:, : c.width]
-    run_logits = lambda clean: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start, clean=clean)  # noqa: E731
-    # the GEMM ceiling again just before and after: sustained tensor work lowers the clock within a run
-    # (seen: 1,447 then 1,230 TFLOP/s), so the ratio compares the kernel with the GEMM in the same state
-    g_before = fp8_gemm_tflops()
-    t_logits = _bench(lambda: run_logits(False))
-    g_after = fp8_gemm_tflops()
-    local = (g_before + g_after) / 2
+    work = lambda shape: full.work_items(c, shape)  # noqa: E731
+    run_logits = lambda clean: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,  # noqa: E731
+                                           clean=clean, work=work)
+    flops = pairs * 2 * HEADS * DIM
+    # timed alternately with the GEMM ceiling: the ratio compares the two in the same clock state
+    paired = paired_rate(lambda: run_logits(False), flops)
+    t_logits = paired["ms"]
     t_repack = _bench(lambda: aligned_keys(k))
     run_logits(True)
     out = torch.empty(q.shape[0], TOPK, dtype=torch.int32, device="cuda")
     t_topk = _bench(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out))
     t_torch = _bench(lambda: torch.topk(buf, TOPK, dim=1))
-    tflops = pairs * 2 * HEADS * DIM / t_logits / 1e9
+    tflops = paired["tflops"]
     res = {"name": s.name, "tokens": q.shape[0], "keys": k.shape[0], "pairs": pairs,
-           "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": tflops / local,
-           "fp8_gemm_tflops_around": [g_before, g_after], "ratio_to_first_fp8_gemm": tflops / ceiling,
+           "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": paired["ratio"],
+           "ratio_rounds": paired["ratios"], "fp8_gemm_tflops_interleaved": paired["gemm_tflops"],
+           "ratio_to_first_fp8_gemm": tflops / ceiling,
+           "work_items": int(full.work_items(c, shape).shape[0]) if (shape := _work_shape(q, ka)) else None,
            "key_repack_ms": t_repack, "topk_ms": t_topk, "torch_topk_ms": t_torch,
            "topk_speedup": t_torch / t_topk}
     if variants:
-        res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, local)
-        res["topk_variants"] = _topk_variant_rows(buf, full, out, t_torch)
+        res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work,
+                                                      variants)
+        res["topk_variants"] = _topk_variant_rows(buf, full, out, t_torch, variants)
     del buf
     if sweep:
         res["sweep"] = _sweep(q, k, k_scale, w, requests, index_topk)
@@ -195,9 +242,16 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: bool = Fa
     return res
 
 
-def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, ceiling) -> list[dict]:
-    """Each logits variant: time, TFLOP/s, ratio to the ceiling, and whether its clean output equals
-    the default kernel's on every -inf position and within 1e-5 of the row maximum elsewhere."""
+def _work_shape(q, k):
+    from cpkv.kernels.mqa_logits import work_shape
+
+    return work_shape(q, k)
+
+
+def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work, names) -> list[dict]:
+    """Each logits variant, timed unclean with the plan's work items (as index_topk runs it) alternately
+    with the GEMM ceiling (paired_rate, 3 rounds): time, TFLOP/s, ratio, and whether its clean output
+    equals the default kernel's on every -inf position and within 1e-5 of the row maximum elsewhere."""
     import torch
 
     from cpkv.indexer.logits import logits_into
@@ -205,25 +259,24 @@ def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, pairs, cei
     run_logits(True)
     want = buf.clone()
     rows = []
-    for name, cfg in logits_variants().items():
+    for name, cfg in _picked(logits_variants(), names).items():
         try:
-            ms = _bench(lambda: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,
-                                            clean=False, config=cfg))
+            paired = paired_rate(lambda: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,
+                                                     clean=False, config=cfg, work=work), flops, rounds=3)
             logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start, clean=True, config=cfg)
             same_inf = bool(torch.equal(torch.isinf(buf), torch.isinf(want)))
             fin = torch.isfinite(want)
             scale = want.masked_fill(~fin, 0).abs().amax().clamp(min=1e-30)
             err = float(((buf - want).abs().masked_fill(~fin, 0).amax() / scale))
-            tflops = pairs * 2 * HEADS * DIM / ms / 1e9
-            rows.append({"variant": name, "config": repr(cfg), "ms": ms, "tflops": tflops,
-                         "ratio_to_fp8_gemm": tflops / ceiling, "same_inf": same_inf, "max_rel_diff": err})
+            rows.append({"variant": name, "config": repr(cfg), "ms": paired["ms"], "tflops": paired["tflops"],
+                         "ratio_to_fp8_gemm": paired["ratio"], "same_inf": same_inf, "max_rel_diff": err})
         except Exception as exc:  # a variant that does not compile is reported, not fatal
             rows.append({"variant": name, "config": repr(cfg), "error": str(exc)[:300]})
     buf.copy_(want)
     return rows
 
 
-def _topk_variant_rows(buf, full, out, t_torch) -> list[dict]:
+def _topk_variant_rows(buf, full, out, t_torch, names) -> list[dict]:
     """Each top-k variant on the scenario's logits: time, speed-up over torch.topk, exact equality
     with the first ("sample") kernel's result."""
     import torch
@@ -234,7 +287,7 @@ def _topk_variant_rows(buf, full, out, t_torch) -> list[dict]:
     want = torch.empty_like(out)
     topk_into(buf, full.rel_ks, full.rel_ke, TOPK, want, config=SAMPLE_CONFIG)
     rows = []
-    for name, cfg in topk_variants().items():
+    for name, cfg in _picked(topk_variants(), names).items():
         try:
             ms = _bench(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg))
             out.fill_(-2)
@@ -294,7 +347,7 @@ def tune_logits(s: Scenario) -> list[dict]:
     return rows
 
 
-def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: bool = False) -> dict:
+def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: str | None = None) -> dict:
     """Top-k of 4096 x 65536 random logits, k = 2048: Triton kernel vs torch.topk."""
     import torch
 
@@ -311,7 +364,7 @@ def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: bool = Fa
            "speedup": t_torch / t_ours, "matches_torch_set": bool(torch.equal(out, ref))}
     if variants:
         res["variants"] = []
-        for name, cfg in topk_variants().items():
+        for name, cfg in _picked(topk_variants(), variants).items():
             try:
                 ms = _bench(lambda: topk_into(x, lo, hi, TOPK, out, config=cfg))
                 out.fill_(-2)

@@ -60,15 +60,16 @@ def aligned_keys(k: torch.Tensor) -> torch.Tensor:
 
 
 def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool,
-                config=None) -> torch.Tensor:
+                config=None, work=None) -> torch.Tensor:
     """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked).
-    config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default)."""
+    config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default); work: a
+    function of a cpkv.indexer.work.WorkShape giving these rows' work items (IndexerPlan.work_items)."""
     if use_triton(q):
         from cpkv.kernels import mqa_logits as kern
 
         if kern.supported(q, k):
             return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
-                                          config=config)
+                                          config=config, work=work)
     out.copy_(mqa_logits_ref(q, k, k_scale, weights, ks, ke, clean=clean, col_offset=col_offset,
                              num_cols=out.shape[1]))
     return out

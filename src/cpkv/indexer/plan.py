@@ -17,13 +17,14 @@ budget; a single row that cannot fit raises IndexerError.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from cpkv import envs
 from cpkv.errors import IndexerError
+from cpkv.indexer.work import WorkShape, logits_work_items
 
 GIB = 1 << 30
 COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
@@ -65,7 +66,8 @@ class IndexerChunk:
 @dataclass(frozen=True, eq=False)
 class IndexerPlan:
     """ks/ke: int32 [T] on the device (absolute dense rows); rel_ks/rel_ke: int32 [T], the same bounds
-    as columns of each row's chunk; chunks: host-side; max_len: longest row (host int)."""
+    as columns of each row's chunk; chunks: host-side; max_len: longest row (host int); host_ks / host_ke:
+    the bounds as host tuples, from which the logits kernel's work items are built (work_items)."""
 
     ks: torch.Tensor
     ke: torch.Tensor
@@ -74,6 +76,9 @@ class IndexerPlan:
     chunks: tuple[IndexerChunk, ...]
     chunk_max_bytes: int
     max_len: int
+    host_ks: tuple[int, ...] = ()
+    host_ke: tuple[int, ...] = ()
+    _items: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +126,18 @@ class IndexerPlan:
                 rel_ke[i] -= c.key_start
         as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device)  # noqa: E731
         max_len = max((max(b - a, 0) for a, b in zip(ks, ke)), default=0)
-        return cls(as_t(ks), as_t(ke), as_t(rel_ks), as_t(rel_ke), tuple(chunks), budget, max_len)
+        return cls(as_t(ks), as_t(ke), as_t(rel_ks), as_t(rel_ke), tuple(chunks), budget, max_len,
+                   tuple(ks), tuple(ke))
+
+    def work_items(self, chunk: IndexerChunk, shape: WorkShape) -> torch.Tensor:
+        """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.indexer.work), on the plan's
+        device: built on the first call for that chunk and shape, then reused (every layer of the batch)."""
+        key = (chunk, shape)
+        if key not in self._items:
+            r = slice(chunk.row_start, chunk.row_end)
+            items = logits_work_items(self.host_ks[r], self.host_ke[r], chunk.key_start, chunk.width, shape)
+            self._items[key] = items.to(self.ks.device)
+        return self._items[key]
 
     @classmethod
     def from_tensors(cls, ks: torch.Tensor, ke: torch.Tensor, chunk_max_bytes: int | None = None) -> "IndexerPlan":

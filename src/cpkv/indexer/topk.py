@@ -114,5 +114,5 @@ def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, 
         return
     logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
     logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False,
-                config=logits_config)
+                config=logits_config, work=lambda shape: plan.work_items(c, shape))
     topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config)

@@ -49,6 +49,9 @@ class LogitsConfig:
     depth, register cap, warpgroups sharing each key tile (1 or 2) and accumulators per program (2: the
     next tile's dot overlaps this tile's epilogue; 1: no overlap in a program, ~117 registers so four
     programs per SM overlap each other); gluon_box: 64-key tiles per TMA box (2 needs pipe 1).
+    gluon_items: an unclean call given a plan's work items (cpkv.indexer.work) launches one program per
+    non-empty item, span by span, the last wave cut into span // gluon_split tiles; otherwise the grid
+    (spans, token groups), or (token groups, spans) with gluon_t_major.
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""
@@ -67,9 +70,14 @@ class LogitsConfig:
     gluon_warpgroups: int = 1
     gluon_pipe: int = 1
     gluon_box: int = 2
+    gluon_items: bool = True
+    gluon_t_major: bool = False
+    gluon_split: int = 4
 
     def __post_init__(self) -> None:
         check_gluon_shape(self.gluon_warpgroups, self.gluon_pipe, self.gluon_box)
+        if self.gluon_split < 1:
+            raise ValueError(f"gluon split: expected >= 1, got {self.gluon_split}")
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
@@ -304,6 +312,20 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
             and k.dtype in ok_dtypes and q.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == 1)
 
 
+def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = None):
+    """The WorkShape (cpkv.indexer.work) of the kernel that mqa_logits_triton runs for these inputs, or
+    None when that kernel takes no work items (not the Gluon kernel, or gluon_items off)."""
+    cfg = config or DEFAULT_CONFIG
+    if cfg.variant != "gluon" or not cfg.gluon_items or not _gluon_applies(q, k):
+        return None
+    from cpkv.indexer.work import WorkShape
+    from cpkv.kernels.mqa_logits_gluon import BLOCK_S, programs_per_sm
+
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return WorkShape(rows=128 // q.shape[1] * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
+                     slots=sms * programs_per_sm(cfg.gluon_warpgroups, cfg.gluon_pipe), split=cfg.gluon_split)
+
+
 def mqa_logits_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -316,9 +338,12 @@ def mqa_logits_triton(
     col_offset: int = 0,
     clean: bool = True,
     config: LogitsConfig | None = None,
+    work=None,
 ) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c); see the module docstring.
-    Inputs must already be validated (cpkv.indexer.logits does it)."""
+    Inputs must already be validated (cpkv.indexer.logits does it). work: None, or a function of a
+    WorkShape giving the work items of these rows and columns (IndexerPlan.work_items), used by an
+    unclean call of the Gluon kernel (config.gluon_items)."""
     cfg = config or DEFAULT_CONFIG
     T, H, D = q.shape
     n_cols = out.shape[1]
@@ -333,9 +358,11 @@ def mqa_logits_triton(
     if cfg.variant == "gluon" and _gluon_applies(q, k):
         from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
 
+        shape = work_shape(q, k, cfg) if work is not None and not clean else None
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
-                                warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box)
+                                warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box,
+                                t_major=cfg.gluon_t_major, items=work(shape) if shape else None)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

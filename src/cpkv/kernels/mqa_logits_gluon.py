@@ -135,11 +135,12 @@ def _epilogue(acc, w, ksc, rows, c0, col_off, tmask, ks_v, ke_v, out_rows, n_col
 
 @gluon.jit
 def mqa_logits_gluon_kernel(
-    q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    q_ptr, k_desc, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, items_ptr,
     T, S, col_off, n_cols,
     stride_qt, stride_ksc, stride_wt, stride_out,
     H: gl.constexpr, D: gl.constexpr, WGS: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
     STAGES: gl.constexpr, CLEAN: gl.constexpr, PIPE: gl.constexpr, BOX: gl.constexpr,
+    ITEMS: gl.constexpr, T_MAJOR: gl.constexpr,
 ):
     BQW: gl.constexpr = 128 // H  # tokens per warpgroup
     BQ: gl.constexpr = BQW * WGS
@@ -150,25 +151,36 @@ def mqa_logits_gluon_kernel(
     q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4 * WGS, 1], [1, 0])
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float8e4nv)
 
-    pid_s = gl.program_id(0)
-    pid_t = gl.program_id(1)
-    t0 = pid_t * BQ
+    if ITEMS:  # one work item of the host-built list (cpkv.indexer.work): first token, first column, tiles
+        item = items_ptr + gl.program_id(0) * 4
+        t0 = _uniform(gl.load(item))
+        c_start = _uniform(gl.load(item + 1))
+        n_tiles = _uniform(gl.load(item + 2))
+    else:  # grid (spans, token groups), the span index fastest; or (token groups, spans) with T_MAJOR
+        if T_MAJOR:
+            pid_t = gl.program_id(0)
+            pid_s = gl.program_id(1)
+        else:
+            pid_s = gl.program_id(0)
+            pid_t = gl.program_id(1)
+        t0 = pid_t * BQ
     offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
     tmask = offs_t < T
     ks_v = gl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
     ke_v = gl.load(ke_ptr + offs_t, mask=tmask, other=0)
     out_rows = out_ptr + offs_t.to(gl.int64) * stride_out
-    lo = gl.maximum(gl.min(ks_v, axis=0) - col_off, 0)
-    hi = gl.minimum(gl.minimum(gl.max(ke_v, axis=0), S) - col_off, n_cols)
-    span_lo = pid_s * (SPAN * BLOCK_S)
-    span_hi = gl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
-    c_start = span_lo + (gl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
-    c_end = gl.minimum(span_hi, hi)
-    n_tiles = gl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
-    c_start = _uniform(c_start)
-    n_tiles = _uniform(n_tiles)
+    if not ITEMS:
+        lo = gl.maximum(gl.min(ks_v, axis=0) - col_off, 0)
+        hi = gl.minimum(gl.minimum(gl.max(ke_v, axis=0), S) - col_off, n_cols)
+        span_lo = pid_s * (SPAN * BLOCK_S)
+        span_hi = gl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
+        c_start = span_lo + (gl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
+        c_end = gl.minimum(span_hi, hi)
+        n_tiles = gl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
+        c_start = _uniform(c_start)
+        n_tiles = _uniform(n_tiles)
     rows = gl.arange(0, BLOCK_S, gl.SliceLayout(1, res_l))
-    if CLEAN:
+    if CLEAN and not ITEMS:
         ninf = gl.full([BLOCK_S, BQ], float("-inf"), gl.float32, res_l)
         for c in range(span_lo, c_start, BLOCK_S):
             oc = c + rows
@@ -270,6 +282,12 @@ def mqa_logits_gluon_kernel(
 
 
 
+def programs_per_sm(warpgroups: int, pipe: int) -> int:
+    """Programs one SM runs at once: four with one accumulator (~120 registers, 48 KB of shared memory
+    each), two with two; halved with two warpgroups."""
+    return max((4 if pipe == 1 else 2) // warpgroups, 1)
+
+
 def key_layout(d: int, rows: int = BLOCK_S):
     """Shared layout of a [rows, d] fp8 key box (the TMA box; its 64-row slices are wgmma A operands)."""
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float8e4nv)
@@ -277,13 +295,18 @@ def key_layout(d: int, rows: int = BLOCK_S):
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
                      span: int = 64, stages: int = 2, maxnreg: int | None = None,
-                     warpgroups: int = 1, pipe: int = 1, box: int = 2) -> torch.Tensor:
+                     warpgroups: int = 1, pipe: int = 1, box: int = 2, t_major: bool = False,
+                     items: torch.Tensor | None = None) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
     domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
     depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
     2 (two warpgroups share each key tile, each with its own 128 // H tokens); pipe: accumulators per
     program, 2 (tile i + 1's dot runs during tile i's epilogue) or 1 (no overlap inside a program, fewer
-    registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1)."""
+    registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1).
+    t_major: grid (token groups, spans) instead of (spans, token groups), so the programs in flight
+    together share key spans. items: int32 [n, 4] work items (cpkv.indexer.work.logits_work_items: first
+    token, first column, tiles, 0) in their launch order, one program each, instead of the grid; the
+    columns outside every item are left unwritten, so it needs ``clean=False``."""
     T, H, D = q.shape
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
@@ -291,13 +314,24 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
     bq = 128 // H * warpgroups
     check_gluon_shape(warpgroups, pipe, box)
     k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S * box, D], key_layout(D, BLOCK_S * box))
-    grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
+    if items is not None:
+        if clean:
+            raise ValueError("a work-item list leaves columns outside its items unwritten: it needs clean=False")
+        if items.dtype != torch.int32 or items.dim() != 2 or items.shape[1] != 4 or not items.is_contiguous():
+            raise ValueError(f"items must be contiguous int32 [n, 4], got {items.dtype} {tuple(items.shape)}")
+        if items.shape[0] == 0:
+            return out
+        grid = (items.shape[0],)
+    else:
+        grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
+        if t_major:
+            grid = grid[::-1]
     mqa_logits_gluon_kernel[grid](
-        q, k_desc, k_scale, weights, ks, ke, out,
+        q, k_desc, k_scale, weights, ks, ke, out, items if items is not None else ks,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
         H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
-        PIPE=pipe, BOX=box,
+        PIPE=pipe, BOX=box, ITEMS=items is not None, T_MAJOR=t_major,
         num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

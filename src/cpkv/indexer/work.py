@@ -1,0 +1,90 @@
+"""Work items of the logits kernel for one chunk (DESIGN.md §5): which programs to launch and in which order.
+Built on the host from the plan's host bounds, once per batch and kernel shape, and reused by every layer.
+
+A program computes the logits of one token group (``rows`` consecutive query rows of the chunk) against up
+to ``span`` key tiles of ``tile`` columns. The plain grid launches every (span, token group) pair of the
+chunk's logits block, empty or not; in a ragged batch most pairs are empty (four requests of a warm batch:
+three quarters of the grid). The item list holds only the non-empty ones:
+
+    item = (first row, first column, tiles, 0)      rows [first row, + rows), columns [first column, + tiles x tile)
+
+- Spans sit on one grid of ``span`` tiles from column 0, as in the plain grid, so token groups that see the
+  same keys get items over the same columns.
+- Items run span by span (all groups of span 0, then span 1, ...): the programs in flight together read a
+  few key spans, which stay in L2, instead of every span of a few groups (the keys of a long row do not fit
+  in L2 beside the logits being written). A program's own query block is the small re-read.
+- The last ``slots x span`` tiles, about the last wave of programs, are cut into items of ``span // split``
+  tiles, so the device drains on short programs instead of waiting on a few long ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class WorkShape:
+    """rows: query rows per program; tile: key columns per tile; span: tiles per full item; slots:
+    programs the device runs at once; split: the last wave's items are cut into span // split tiles."""
+
+    rows: int
+    tile: int
+    span: int
+    slots: int
+    split: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tile", "span", "slots", "split"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WorkShape.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_cols: int,
+                      shape: WorkShape) -> torch.Tensor:
+    """ks, ke: absolute key bounds of the chunk's rows (host); columns are keys key_start ... key_start +
+    n_cols - 1. -> int32 [n, 4] items on the CPU in launch order (module docstring). Row i's columns
+    [ks - key_start, ke - key_start) clipped to the block are covered by the items of its group."""
+    if len(ks) != len(ke):
+        raise ValueError(f"ks and ke must have the same length, got {len(ks)} and {len(ke)}")
+    if not len(ks) or n_cols <= 0:
+        return torch.zeros(0, 4, dtype=torch.int32)
+    r, tile, span = shape.rows, shape.tile, shape.span
+    lo = (torch.tensor(ks, dtype=torch.int64) - key_start).clamp(min=0)
+    hi = (torch.tensor(ke, dtype=torch.int64) - key_start).clamp(max=n_cols)
+    empty = hi <= lo
+    big = n_cols + tile * span
+    lo, hi = lo.masked_fill(empty, big), hi.masked_fill(empty, -1)
+    groups = -(-len(ks) // r)
+    pad = groups * r - len(ks)
+    glo = torch.cat([lo, lo.new_full((pad,), big)]).view(groups, r).amin(1)
+    ghi = torch.cat([hi, hi.new_full((pad,), -1)]).view(groups, r).amax(1)
+    t_lo, t_hi = glo // tile, (ghi + tile - 1) // tile
+    s_lo = t_lo // span
+    count = torch.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
+    g = torch.repeat_interleave(torch.arange(groups), count)
+    first = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    s = s_lo[g] + torch.arange(g.numel()) - first
+    a = torch.maximum(s * span, t_lo[g])
+    b = torch.minimum((s + 1) * span, t_hi[g])
+    order = torch.argsort(s * groups + g, stable=True)
+    g, a, n = g[order], a[order], (b - a)[order]
+    g, a, n = _split_tail(g, a, n, shape)
+    return torch.stack([g * r, a * tile, n, torch.zeros_like(n)], 1).to(torch.int32)
+
+
+def _split_tail(g: torch.Tensor, a: torch.Tensor, n: torch.Tensor, shape: WorkShape):
+    """Cut the items that lie entirely within the last slots x span tiles into pieces of span // split."""
+    piece = max(shape.span // shape.split, 1)
+    if piece >= shape.span or not n.numel():
+        return g, a, n
+    suffix = torch.flip(torch.cumsum(torch.flip(n, [0]), 0), [0])
+    cut = suffix <= shape.slots * shape.span
+    parts = torch.where(cut, (n + piece - 1) // piece, 1)
+    idx = torch.repeat_interleave(torch.arange(n.numel()), parts)
+    k = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(parts, 0) - parts, parts)
+    step = torch.where(cut, piece, n)[idx]
+    a2 = a[idx] + k * step
+    n2 = torch.minimum(step, a[idx] + n[idx] - a2)
+    return g[idx], a2, n2
