@@ -203,7 +203,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     import torch
 
     from cpkv.indexer import index_topk
-    from cpkv.indexer.logits import aligned_keys, logits_into
+    from cpkv.indexer.logits import aligned_keys, aligned_scales, logits_into
     from cpkv.indexer.plan import padded
     from cpkv.indexer.topk import topk_into
 
@@ -211,7 +211,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     full = _plan(requests, 1 << 62)
     c = full.chunks[0]
     pairs = int((full.ke - full.ks).sum())
-    ka = aligned_keys(k)
+    ka, k_scale = aligned_keys(k), aligned_scales(k_scale)
     buf = torch.empty(c.rows, padded(c.width), device="cuda")[:, : c.width]
     work = lambda shape: full.work_items(c, shape)  # noqa: E731
     run_logits = lambda clean: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,  # noqa: E731

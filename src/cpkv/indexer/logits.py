@@ -59,6 +59,12 @@ def aligned_keys(k: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def aligned_scales(k_scale: torch.Tensor) -> torch.Tensor:
+    """k_scale [S] with unit stride: itself, or a contiguous copy (the scales of the 132-byte index rows
+    are a strided view; at unit stride the kernels' scale addresses need no multiply)."""
+    return k_scale if k_scale.stride(0) == 1 else k_scale.contiguous()
+
+
 def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool,
                 config=None, work=None) -> torch.Tensor:
     """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked).
@@ -93,5 +99,5 @@ def mqa_logits(
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
     out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
     if use_triton(q):
-        k = aligned_keys(k)
+        k, k_scale = aligned_keys(k), aligned_scales(k_scale)
     return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean, config=config)

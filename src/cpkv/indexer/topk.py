@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from cpkv.errors import IndexerError
-from cpkv.indexer.logits import aligned_keys, check_logits_inputs, logits_into, use_triton
+from cpkv.indexer.logits import aligned_keys, aligned_scales, check_logits_inputs, logits_into, use_triton
 from cpkv.indexer.plan import IndexerPlan, padded
 from cpkv.indexer.ref import short_rows_topk, topk_ref
 
@@ -98,7 +98,7 @@ def index_topk(
     if plan.max_len <= topk:
         return short_rows_topk(plan.ke - plan.ks, topk)
     if use_triton(q):
-        k = aligned_keys(k)
+        k, k_scale = aligned_keys(k), aligned_scales(k_scale)
     buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
     for c in plan.chunks:
         _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config)
