@@ -24,7 +24,10 @@ kernel for Hopper (fp8 q and k, H <= 32, TMA-ready keys): by default one accumul
 ~120 registers and four programs per SM overlap each other's dots and epilogues, with keys in 128-key
 TMA boxes (0.63-0.76 of the fp8 GEMM rate on an H200 vs 0.57-0.69 for its two-accumulator form and
 0.52-0.58 for "lanes" in the same run, 2026-12-01); other inputs and GPUs run "lanes" with the same
-config.
+config. An unclean call that is given a plan's work items (``work``, cpkv.indexer.work; index_topk
+does) launches the Gluon kernel once per non-empty (token group, key span) item, span by span, instead
+of the full grid (ragged warm batch: 5,123 programs instead of 13,568; warm long: L2 hit rate 80 % ->
+96 %, DRAM reads 11.9 -> 2.1 GB; BENCHMARKS.md, indexer fifth pass).
 """
 from __future__ import annotations
 

@@ -17,6 +17,10 @@ sharing an SM fall into step. Here the overlap of tensor cores and ALUs is expli
 - PIPE = 2: two accumulators, A (even tiles) and B (odd tiles); the dot of tile i + 1 is issued before
   the epilogue of tile i, so one program overlaps itself. 204 registers: two programs per SM.
 
+Programs: the grid (spans of SPAN tiles, token groups), every pair launched, empty ones returning at once;
+or (ITEMS) one program per row of a host-built item list (first token, first column, tiles), only the
+non-empty pairs, in the order the list gives (cpkv.indexer.work: span by span, last wave cut short).
+
 Per program: BQ = 128 // H tokens per warpgroup (N = 128 query rows per warpgroup, the wgmma N side, q
 in shared memory once, rows permuted as in mqa_logits._column_token_head so a thread's accumulator
 columns are whole heads of one token and the head sum is an in-thread FMNMX + FFMA chain), SPAN key
