@@ -1,9 +1,9 @@
 """``cpkv bench indexer``: the indexer at GLM-5 shapes (H = 32, D = 128, k = 2048) on CUDA.
 
 Per scenario: logits TFLOP/s over unmasked pairs (2*H*D FLOPs each) against torch._scaled_mm fp8
-measured in the same run, the two timed alternately (paired_rate: the clock drifts under sustained tensor
-work, so each round compares the kernel with the GEMMs just before and after it; the ratio to the run's
-first GEMM is reported too), launched as index_topk launches it (unclean, the plan's work items); top-k
+measured in the same run, the two timed alternately (paired_rate: the clock follows the power of the
+last tens of milliseconds, so each timing window follows 100 ms of the same work and each round compares
+the kernel with the GEMMs just before and after it; the ratio to the run's first GEMM is reported too), launched as index_topk launches it (unclean, the plan's work items); top-k
 time against torch.topk on the same rows; index_topk time at chunk
 budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 rows x 65536 keys.
 --variants also times every named kernel variant (logits_variants / topk_variants) with a check of
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated subset of " + ", ".join(s.name for s in SCENARIOS))
     p.add_argument("--tune", action="store_true", help="also time logits tile configs on the first scenario")
     p.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
+    p.add_argument("--settle-ms", type=float, default=100.0,
+                   help="untimed run of the same work before each logits / GEMM timing window (0: none), "
+                        "so each is timed at its own steady clock")
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
     p.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
                    help="also time the named logits / top-k kernel variants (comma-separated; alone: all of them) "
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         raise IndexerError(f"--scenarios: expected some of {', '.join(s.name for s in SCENARIOS)}, "
                            f"got {args.scenarios!r}")
+    if args.settle_ms < 0:
+        raise IndexerError(f"--settle-ms must be >= 0, got {args.settle_ms}")
     if not torch.cuda.is_available():
         raise IndexerError("cpkv bench indexer needs a CUDA device (none is visible)")
     try:
@@ -124,8 +129,9 @@ def run(args: argparse.Namespace) -> int:
     chosen = [s for s in SCENARIOS if s.name in names]
     if args.tune:
         report["tune"] = tune_logits(chosen[0])
-    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants)
-                           for s in chosen]
+    report["settle_ms"] = args.settle_ms
+    report["scenarios"] = [bench_scenario(s, report["fp8_gemm_tflops"], not args.no_sweep, args.variants,
+                                          args.settle_ms) for s in chosen]
     report["costs"] = unit_costs_indexer(report["scenarios"])  # usable as `cpkv replay --costs`
     if not args.no_headline:
         report["topk_headline"] = bench_topk_headline(variants=args.variants)
@@ -154,22 +160,52 @@ def fp8_gemm_tflops(n: int = 8192, rep: int = 60) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def paired_rate(fn, flops: float, rounds: int = 7, rep: int = 25) -> dict:
+def _settle(fn, ms: float) -> None:
+    """Run fn back to back for about ``ms`` milliseconds (untimed), then wait for it."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+
+
+def paired_rate(fn, flops: float, rounds: int = 7, rep: int = 25, settle: float = 100.0) -> dict:
     """fn's TFLOP/s against the fp8 GEMM ceiling, the two timed alternately: GEMM, fn, GEMM, fn, ..., GEMM
-    (``rounds`` times fn, ~``rep`` ms each). The H200's clock moves with sustained tensor work by up to
-    15 % within a run (seen: 1,447 then 1,230 TFLOP/s), so each round's fn is compared with the mean of
-    the GEMMs timed just before and just after it; ratio is the median of the rounds' ratios."""
+    (``rounds`` times fn, ~``rep`` ms each). The H200's clock follows the power drawn by the work of the
+    last tens of milliseconds (seen: the GEMM at 1,447 then 1,230 TFLOP/s in one run; the tail-scenario
+    logits at 1,154 TFLOP/s timed alone and 1,014 when each timing window followed a GEMM window), so
+    each window is preceded by ``settle`` ms of the same work, untimed: each side is timed at its own
+    steady clock, not at the clock the other left behind. Each round's fn is compared with the mean of
+    the GEMMs just before and just after it; ratio is the median of the rounds' ratios."""
     import statistics
 
-    gemm = [fp8_gemm_tflops(rep=rep)]
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    gemm_fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+
+    def gemm_tflops() -> float:
+        _settle(gemm_fn, settle)
+        return 2 * n ** 3 / _bench(gemm_fn, rep=rep) / 1e9
+
+    gemm = [gemm_tflops()]
     ms, ratios = [], []
     for _ in range(rounds):
+        _settle(fn, settle)
         ms.append(_bench(fn, rep=rep))
-        gemm.append(fp8_gemm_tflops(rep=rep))
+        gemm.append(gemm_tflops())
         ratios.append(flops / ms[-1] / 1e9 / ((gemm[-2] + gemm[-1]) / 2))
     t = statistics.median(ms)
     return {"ms": t, "tflops": flops / t / 1e9, "ratio": statistics.median(ratios), "ratios": ratios,
-            "gemm_tflops": gemm}
+            "gemm_tflops": gemm, "settle_ms": settle}
 
 
 def make_inputs(s: Scenario):
@@ -199,7 +235,8 @@ def _plan(requests, budget_bytes):
     return IndexerPlan.build(requests, "cuda", chunk_max_bytes=budget_bytes)
 
 
-def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | None = None) -> dict:
+def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | None = None,
+                   settle_ms: float = 100.0) -> dict:
     import torch
 
     from cpkv.indexer import index_topk
@@ -218,7 +255,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
                                            clean=clean, work=work)
     flops = pairs * 2 * HEADS * DIM
     # timed alternately with the GEMM ceiling: the ratio compares the two in the same clock state
-    paired = paired_rate(lambda: run_logits(False), flops)
+    paired = paired_rate(lambda: run_logits(False), flops, settle=settle_ms)
     t_logits = paired["ms"]
     t_repack = _bench(lambda: aligned_keys(k))
     run_logits(True)
@@ -235,7 +272,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
            "topk_speedup": t_torch / t_topk}
     if variants:
         res["logits_variants"] = _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work,
-                                                      variants)
+                                                      variants, settle_ms)
         res["topk_variants"] = _topk_variant_rows(buf, full, out, t_torch, variants)
     del buf
     if sweep:
@@ -250,7 +287,8 @@ def _work_shape(q, k):
     return work_shape(q, k)
 
 
-def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work, names) -> list[dict]:
+def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work, names,
+                         settle_ms: float) -> list[dict]:
     """Each logits variant, timed unclean with the plan's work items (as index_topk runs it) alternately
     with the GEMM ceiling (paired_rate, 3 rounds): time, TFLOP/s, ratio, and whether its clean output
     equals the default kernel's on every -inf position and within 1e-5 of the row maximum elsewhere."""
@@ -264,7 +302,8 @@ def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, wor
     for name, cfg in _picked(logits_variants(), names).items():
         try:
             paired = paired_rate(lambda: logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start,
-                                                     clean=False, config=cfg, work=work), flops, rounds=3)
+                                                     clean=False, config=cfg, work=work), flops, rounds=3,
+                                 settle=settle_ms)
             logits_into(q, ka, k_scale, w, full.ks, full.ke, buf, col_offset=c.key_start, clean=True, config=cfg)
             same_inf = bool(torch.equal(torch.isinf(buf), torch.isinf(want)))
             fin = torch.isfinite(want)
