@@ -418,8 +418,9 @@ def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: str | Non
 
 
 def _print_tables(r: dict, table) -> None:
-    print(f"{r['device']}: H={r['heads']} D={r['dim']} k={r['topk']}; fp8 _scaled_mm ceiling "
-          f"{r['fp8_gemm_tflops']:.1f} TFLOP/s")
+    print(f"{r['device']}: H={r['heads']} D={r['dim']} k={r['topk']}; first fp8 _scaled_mm of the run "
+          f"{r['fp8_gemm_tflops']:.1f} TFLOP/s; '/fp8 GEMM': against GEMMs timed alternately with the logits, "
+          f"each window after {r.get('settle_ms', 0):g} ms of the same work")
     if "tune" in r:
         table(["config", "ms", "TFLOP/s"], [(t["config"], t.get("ms", "-"), t.get("tflops", t.get("error")))
                                             for t in r["tune"]])
