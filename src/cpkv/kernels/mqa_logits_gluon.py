@@ -27,11 +27,12 @@ columns are whole heads of one token and the head sum is an in-thread FMNMX + FF
 tiles of BLOCK_S = 64 keys (the M side, K = D), k_scale loaded one tile ahead. WGS = 2 puts two
 warpgroups (each its own tokens) on every key tile.
 
-Measured (H200, `cpkv bench indexer`, 2026-12-01, BENCHMARKS.md): PIPE = 1 with 128-key boxes 0.71-0.85
-of the fp8 GEMM rate across runs and scenarios, PIPE = 2 0.57-0.74, the "lanes" Triton kernel 0.52-0.66.
-Nsight Compute (cold): ~204 issued instructions per warp and tile, 128 of them the FMNMX + FFMA per
-accumulator element; about 2 stall cycles per instruction on the barriers Gluon places around each TMA
-issue.
+Measured (H200, `cpkv bench indexer`, 2026-12-01, BENCHMARKS.md): PIPE = 1 with 128-key boxes and work
+items 0.85-0.88 of the fp8 GEMM rate in every scenario with each timed at its own steady clock (0.71-0.85
+in earlier runs without settling; PIPE = 2 0.57-0.74, the "lanes" Triton kernel 0.52-0.66). At clocks
+locked by Nsight Compute it reaches 71 % of the tensor peak per cycle (the GEMM 92 %): ~204 issued
+instructions per warp and tile, 130 of them the FMNMX + FFMA + FMUL of the epilogue; about 2 stall cycles
+per instruction on the barriers Gluon places around each TMA issue.
 
 This module imports Triton's Gluon at import time: import it only where Triton is present
 (cpkv.kernels.mqa_logits does, on CUDA).
