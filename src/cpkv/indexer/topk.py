@@ -87,9 +87,11 @@ def index_topk(
     Query rows run in the plan's chunks: one logits block rows x (max ke - min ks) x 4 B at a time,
     within ``chunk_max_bytes`` (default CPKV_MQA_LOGITS_CHUNK_MAX_GB GiB). A chunk whose rows all see
     <= topk keys computes no logits. Pass ``plan`` (IndexerPlan.build, once per batch; its ks/ke and
-    budget are used) to avoid reading ks/ke back from the device on every call. logits_config /
+    budget are used) to avoid reading ks/ke back from the device on every call; its logits work items
+    (cpkv.indexer.work: only the non-empty programs) are built on first use and reused. logits_config /
     topk_config pick the Triton kernels' variants (None: the defaults)."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
+    reused = plan is not None  # a caller's plan, reused across layers, is worth its logits work items
     if plan is None:
         plan = IndexerPlan.from_tensors(ks, ke, chunk_max_bytes)
     elif plan.num_tokens != q.shape[0]:
@@ -101,18 +103,19 @@ def index_topk(
         k, k_scale = aligned_keys(k), aligned_scales(k_scale)
     buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
     for c in plan.chunks:
-        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config)
+        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config, reused)
     return out
 
 
 def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int,
-               logits_config=None, topk_config=None) -> None:
-    """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out."""
+               logits_config=None, topk_config=None, items: bool = True) -> None:
+    """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out. items: launch
+    the logits kernel over the plan's work items (built on the host on first use, then cached in the plan)."""
     r = slice(c.row_start, c.row_end)
     if c.max_len <= topk:
         out[r] = short_rows_topk(plan.ke[r] - plan.ks[r], topk)
         return
     logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
     logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False,
-                config=logits_config, work=lambda shape: plan.work_items(c, shape))
+                config=logits_config, work=(lambda shape: plan.work_items(c, shape)) if items else None)
     topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config)
