@@ -260,16 +260,14 @@ def _check_items(ks, ke, key_start, n_cols, shape, items):
         want = set(range(min(a for a, _ in spans) // tile, -(-max(b for _, b in spans) // tile))) if spans else set()
         assert covered.get(g, set()) == want, f"group {g}"
     piece = max(span // shape.split, 1)
-    # span-major order, except the staggered first wave and its remainders (at most 2 x slots items)
-    full = [x for x in rows[2 * shape.slots if shape.stagger > 1 else 0:] if x[2] > piece]
+    full = [x for x in rows if x[2] > piece]
     assert [c0 // tile // span for _, c0, _, _ in full] == sorted(c0 // tile // span for _, c0, _, _ in full)
 
 
 @settings(max_examples=60, deadline=None)
 @given(n_rows=st.integers(1, 90), seed=st.integers(0, 10**6), rows=st.sampled_from([1, 2, 4, 8]),
-       span=st.integers(1, 9), slots=st.integers(1, 40), split=st.integers(1, 5), tile=st.sampled_from([4, 16]),
-       stagger=st.integers(0, 4))
-def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split, tile, stagger):
+       span=st.integers(1, 9), slots=st.integers(1, 40), split=st.integers(1, 5), tile=st.sampled_from([4, 16]))
+def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split, tile):
     from cpkv.indexer.work import WorkShape, logits_work_items
 
     g = torch.Generator().manual_seed(seed)
@@ -277,7 +275,7 @@ def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split,
     ke = ks + torch.randint(-20, 400, (n_rows,), generator=g).clamp(min=0)
     ks, ke = ks.tolist(), ke.tolist()
     key_start, n_cols = 50, 500
-    shape = WorkShape(rows=rows, tile=tile, span=span, slots=slots, split=split, stagger=stagger)
+    shape = WorkShape(rows=rows, tile=tile, span=span, slots=slots, split=split)
     _check_items(ks, ke, key_start, n_cols, shape, logits_work_items(ks, ke, key_start, n_cols, shape))
 
 
@@ -304,14 +302,8 @@ def test_logits_work_items_skip_empty_programs_and_cut_the_last_wave():
     assert int(items[same:, 2].sum()) == int(unsplit[same:, 2].sum())
     with pytest.raises(ValueError, match="span"):
         WorkShape(rows=4, tile=16, span=0, slots=3)
-    # stagger: the first wave (slots = 8 items, 2 per "SM") cut to 1/2 and 2/2, the remainders right after
-    st_shape = WorkShape(rows=4, tile=16, span=8, slots=8, split=1, stagger=2)
-    st_items = logits_work_items(plan.host_ks, plan.host_ke, c.key_start, c.width, st_shape)
-    _check_items(plan.host_ks, plan.host_ke, c.key_start, c.width, st_shape, st_items)
-    assert unsplit[:8, 2].tolist() == [8] * 8
-    assert st_items[:8, 2].tolist() == [4, 4, 4, 4, 8, 8, 8, 8] and st_items[8:12, 2].tolist() == [4] * 4
-    assert torch.equal(st_items[12:], unsplit[8:])
-
+    with pytest.raises(ValueError, match="same length"):
+        logits_work_items([0, 1], [5], 0, 10, shape)
 
 # ----------------------------------------------------------------------------- index_topk
 

@@ -86,8 +86,6 @@ def logits_variants() -> dict:
              "gluon_grid": LogitsConfig(gluon_items=False),
              "gluon_grid_t_major": LogitsConfig(gluon_items=False, gluon_t_major=True),
              "gluon_items_unsplit": LogitsConfig(gluon_split=1),
-             "gluon_items_stagger": LogitsConfig(gluon_stagger=True),
-             "gluon_items_stagger_unsplit": LogitsConfig(gluon_stagger=True, gluon_split=1),
              "gluon_items_span32": LogitsConfig(gluon_span=32),
              "gluon_items_span128": LogitsConfig(gluon_span=128, gluon_split=8)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}

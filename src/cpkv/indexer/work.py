@@ -15,10 +15,6 @@ three quarters of the grid). The item list holds only the non-empty ones:
   in L2 beside the logits being written). A program's own query block is the small re-read.
 - The last ``slots x span`` tiles, about the last wave of programs, are cut into items of ``span // split``
   tiles, so the device drains on short programs instead of waiting on a few long ones.
-- With ``stagger`` = P programs per SM, the first wave's items (the first ``slots``; the block scheduler hands
-  out program ids in order, about one per SM in turn) are cut to 1/P, 2/P, ... P/P of their tiles, the cut
-  remainders queued right after them: the P programs of an SM then start their key tiles out of step
-  instead of all waiting on the tensor cores at once and then all running their epilogues at once.
 """
 from __future__ import annotations
 
@@ -38,11 +34,8 @@ class WorkShape:
     span: int
     slots: int
     split: int = 4
-    stagger: int = 0
 
     def __post_init__(self) -> None:
-        if self.stagger < 0:
-            raise ValueError(f"WorkShape.stagger must be >= 0, got {self.stagger}")
         for name in ("rows", "tile", "span", "slots", "split"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WorkShape.{name} must be >= 1, got {getattr(self, name)}")
@@ -78,7 +71,6 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     order = torch.argsort(s * groups + g, stable=True)
     g, a, n = g[order], a[order], (b - a)[order]
     g, a, n = _split_tail(g, a, n, shape)
-    g, a, n = _stagger_head(g, a, n, shape)
     return torch.stack([g * r, a * tile, n, torch.zeros_like(n)], 1).to(torch.int32)
 
 
@@ -97,19 +89,3 @@ def _split_tail(g: torch.Tensor, a: torch.Tensor, n: torch.Tensor, shape: WorkSh
     n2 = torch.minimum(step, a[idx] + n[idx] - a2)
     return g[idx], a2, n2
 
-
-def _stagger_head(g: torch.Tensor, a: torch.Tensor, n: torch.Tensor, shape: WorkShape):
-    """Cut item i of the first wave (i < slots) to ceil(n * (k + 1) / P) tiles, k = (i // (slots / P)) % P,
-    P = stagger; the remainders go right after the first wave, in order."""
-    p = shape.stagger
-    w = min(shape.slots, n.numel())
-    if p <= 1 or w == 0:
-        return g, a, n
-    k = (torch.arange(w) // max(shape.slots // p, 1)) % p
-    head = torch.clamp((n[:w] * (k + 1) + p - 1) // p, min=1)
-    rest = n[:w] - head
-    cut = rest > 0
-    g2 = torch.cat([g[:w], g[:w][cut], g[w:]])
-    a2 = torch.cat([a[:w], (a[:w] + head)[cut], a[w:]])
-    n2 = torch.cat([head, rest[cut], n[w:]])
-    return g2, a2, n2

@@ -53,8 +53,7 @@ class LogitsConfig:
     next tile's dot overlaps this tile's epilogue; 1: no overlap in a program, ~117 registers so four
     programs per SM overlap each other); gluon_box: 64-key tiles per TMA box (2 needs pipe 1).
     gluon_items: an unclean call given a plan's work items (cpkv.indexer.work) launches one program per
-    non-empty item, span by span, the last wave cut into span // gluon_split tiles (gluon_stagger: the
-    first wave cut to 1/4 ... 4/4 so an SM's programs start out of step); otherwise the grid
+    non-empty item, span by span, the last wave cut into span // gluon_split tiles; otherwise the grid
     (spans, token groups), or (token groups, spans) with gluon_t_major.
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
@@ -77,7 +76,6 @@ class LogitsConfig:
     gluon_items: bool = True
     gluon_t_major: bool = False
     gluon_split: int = 4
-    gluon_stagger: bool = False
 
     def __post_init__(self) -> None:
         check_gluon_shape(self.gluon_warpgroups, self.gluon_pipe, self.gluon_box)
@@ -329,7 +327,7 @@ def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = N
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     per_sm = programs_per_sm(cfg.gluon_warpgroups, cfg.gluon_pipe)
     return WorkShape(rows=128 // q.shape[1] * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
-                     slots=sms * per_sm, split=cfg.gluon_split, stagger=per_sm if cfg.gluon_stagger else 0)
+                     slots=sms * per_sm, split=cfg.gluon_split)
 
 
 def mqa_logits_triton(
