@@ -296,7 +296,14 @@ def _gluon_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     if not (q.is_cuda and q.dtype == torch.float8_e4m3fn and k.dtype == torch.float8_e4m3fn
             and q.shape[1] in (8, 16, 32) and q.shape[2] in (64, 128) and _tma_ready(k)):
         return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and _gluon_importable()
+    return _device(q.device.index)[0] == (9, 0) and _gluon_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def _device(index: int | None) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of a CUDA device, looked up once (the logits call is per layer)."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 @functools.lru_cache(maxsize=1)
@@ -321,13 +328,18 @@ def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = N
     cfg = config or DEFAULT_CONFIG
     if cfg.variant != "gluon" or not cfg.gluon_items or not _gluon_applies(q, k):
         return None
+    return _gluon_work_shape(q.shape[1], cfg, q.device.index)
+
+
+@functools.lru_cache(maxsize=64)
+def _gluon_work_shape(heads: int, cfg: LogitsConfig, device: int | None):
+    """work_shape of the Gluon kernel (its domain already checked)."""
     from cpkv.indexer.work import WorkShape
     from cpkv.kernels.mqa_logits_gluon import BLOCK_S, programs_per_sm
 
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     per_sm = programs_per_sm(cfg.gluon_warpgroups, cfg.gluon_pipe)
-    return WorkShape(rows=128 // q.shape[1] * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
-                     slots=sms * per_sm, split=cfg.gluon_split)
+    return WorkShape(rows=128 // heads * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
+                     slots=_device(device)[1] * per_sm, split=cfg.gluon_split)
 
 
 def mqa_logits_triton(
@@ -362,7 +374,8 @@ def mqa_logits_triton(
     if cfg.variant == "gluon" and _gluon_applies(q, k):
         from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
 
-        shape = work_shape(q, k, cfg) if work is not None and not clean else None
+        use_items = work is not None and not clean and cfg.gluon_items
+        shape = _gluon_work_shape(H, cfg, q.device.index) if use_items else None
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
                                 warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box,
