@@ -97,6 +97,7 @@ CASES = [
     (["bench", "attention", "--tokens", "a,b"], "--tokens: expected comma-separated integers >= 1"),
     (["bench", "attention", "--topk", "10", "--kv-rows", "5"], "expected at most --kv-rows (5)"),
     (["bench", "indexer", "--scenarios", "nope"], "--scenarios: expected some of cold, tail, warm, warm_long"),
+    (["bench", "indexer", "--settle-ms", "-1"], "--settle-ms must be >= 0, got -1.0"),
 ]
 
 

@@ -224,7 +224,7 @@ def test_gluon_shape_choices_that_do_not_exist_are_refused():
     from cpkv.kernels.mqa_logits import LogitsConfig, _gluon_applies
 
     for bad in (dict(gluon_box=2, gluon_pipe=2), dict(gluon_box=3, gluon_pipe=1), dict(gluon_pipe=3),
-                dict(gluon_warpgroups=4)):
+                dict(gluon_warpgroups=4), dict(gluon_split=0)):
         with pytest.raises(ValueError, match="gluon"):
             LogitsConfig(**bad)
     q, k, k_scale, w, ks, ke = _inputs(8, 32, 128, 256, seed=5)

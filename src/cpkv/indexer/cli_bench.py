@@ -66,7 +66,10 @@ def _check_variant_names(names: str | None) -> None:
 
     if names in (None, "all"):
         return
-    known = set(logits_variants()) | set(topk_variants())
+    try:
+        known = set(logits_variants()) | set(topk_variants())
+    except ImportError:  # no Triton: the kernels' variants cannot be listed; the run stops on that next
+        return
     unknown = sorted({n.strip() for n in names.split(",")} - known)
     if unknown:
         raise IndexerError(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -115,13 +118,13 @@ def run(args: argparse.Namespace) -> int:
                            f"got {args.scenarios!r}")
     if args.settle_ms < 0:
         raise IndexerError(f"--settle-ms must be >= 0, got {args.settle_ms}")
+    _check_variant_names(args.variants)
     if not torch.cuda.is_available():
         raise IndexerError("cpkv bench indexer needs a CUDA device (none is visible)")
     try:
         import triton  # noqa: F401
     except ImportError:
         raise IndexerError("cpkv bench indexer needs triton, which is not installed") from None
-    _check_variant_names(args.variants)
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]
@@ -147,15 +150,20 @@ def _bench(fn, rep: int = 60) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
-def fp8_gemm_tflops(n: int = 8192, rep: int = 60) -> float:
-    """torch._scaled_mm rate on random fp8 e4m3 [n, n] x [n, n] -> bf16: the ceiling."""
+def _fp8_gemm(n: int = 8192):
+    """torch._scaled_mm on random fp8 e4m3 [n, n] x [n, n] -> bf16, as a call, and its FLOPs."""
     import torch
 
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
-    ms = _bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep=rep)
-    return 2 * n ** 3 / ms / 1e9
+    return (lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), 2 * n ** 3
+
+
+def fp8_gemm_tflops(n: int = 8192, rep: int = 60) -> float:
+    """The ceiling: the _fp8_gemm rate in TFLOP/s."""
+    fn, flops = _fp8_gemm(n)
+    return flops / _bench(fn, rep=rep) / 1e9
 
 
 def _settle(fn, ms: float) -> None:
@@ -182,17 +190,11 @@ def paired_rate(fn, flops: float, rounds: int = 7, rep: int = 25, settle: float 
     the GEMMs just before and just after it; ratio is the median of the rounds' ratios."""
     import statistics
 
-    import torch
-
-    n = 8192
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    gemm_fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    gemm_fn, gemm_flops = _fp8_gemm()
 
     def gemm_tflops() -> float:
         _settle(gemm_fn, settle)
-        return 2 * n ** 3 / _bench(gemm_fn, rep=rep) / 1e9
+        return gemm_flops / _bench(gemm_fn, rep=rep) / 1e9
 
     gemm = [gemm_tflops()]
     ms, ratios = [], []
@@ -241,6 +243,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     from cpkv.indexer.logits import aligned_keys, aligned_scales, logits_into
     from cpkv.indexer.plan import padded
     from cpkv.indexer.topk import topk_into
+    from cpkv.kernels.mqa_logits import work_shape
 
     q, k, k_scale, w, requests = make_inputs(s)
     full = _plan(requests, 1 << 62)
@@ -265,7 +268,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
            "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": paired["ratio"],
            "ratio_rounds": paired["ratios"], "fp8_gemm_tflops_interleaved": paired["gemm_tflops"],
            "ratio_to_first_fp8_gemm": tflops / ceiling,
-           "work_items": int(full.work_items(c, shape).shape[0]) if (shape := _work_shape(q, ka)) else None,
+           "work_items": int(full.work_items(c, shape).shape[0]) if (shape := work_shape(q, ka)) else None,
            "key_repack_ms": t_repack, "topk_ms": t_topk, "torch_topk_ms": t_torch,
            "topk_speedup": t_torch / t_topk}
     if variants:
@@ -277,12 +280,6 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
         res["sweep"] = _sweep(q, k, k_scale, w, requests, index_topk)
     torch.cuda.empty_cache()
     return res
-
-
-def _work_shape(q, k):
-    from cpkv.kernels.mqa_logits import work_shape
-
-    return work_shape(q, k)
 
 
 def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, work, names,
