@@ -3,7 +3,7 @@ prefetch qualifiers Triton does not emit. Run from the repository root:
 ``PYTHONPATH=src python3 benchmarks/asm_gather.py``; results in BENCHMARKS.md (compose, 2026-12-01)."""
 import json
 import torch, triton, triton.language as tl
-from cpkv.compose.bench import _bench  # median seconds over CUDA-event-timed runs
+from cpkv.bench.timing import event_median_s as _bench  # median seconds over CUDA-event-timed runs
 
 LOADS = {
     "nc": "ld.global.nc.v4.b32 {$0,$1,$2,$3}, [$4];",

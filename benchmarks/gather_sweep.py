@@ -5,7 +5,7 @@ Run from the repository root: ``PYTHONPATH=src python3 benchmarks/gather_sweep.p
 import json, os
 import torch, triton, triton.language as tl
 from cpkv.kernels.page_gather import page_gather_triton, launch_params
-from cpkv.compose.bench import _bench  # median seconds over CUDA-event-timed runs
+from cpkv.bench.timing import event_median_s as _bench  # median seconds over CUDA-event-timed runs
 
 
 @triton.jit

@@ -5,7 +5,8 @@ Interleaving spreads the clock's drift under sustained tensor work over every co
 Run from the repository root: ``PYTHONPATH=src python3 benchmarks/logits_ab.py``; results in BENCHMARKS.md
 (indexer, fourth pass). Not part of the package."""
 import json, os, sys, torch
-from cpkv.indexer.cli_bench import SCENARIOS, make_inputs, _plan, _bench, fp8_gemm_tflops, HEADS, DIM
+from cpkv.bench.timing import do_bench_ms as _bench
+from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, logits_into
 from cpkv.indexer.plan import padded
 from cpkv.kernels.mqa_logits import LogitsConfig

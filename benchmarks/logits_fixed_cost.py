@@ -4,7 +4,8 @@ per-launch cost from the per-pair rate. Results in BENCHMARKS.md (indexer, fifth
 
 Run from the repository root: ``PYTHONPATH=src python3 benchmarks/logits_fixed_cost.py``. Not part of the package."""
 import torch, statistics
-from cpkv.indexer.cli_bench import Scenario, make_inputs, _plan, _bench, HEADS, DIM
+from cpkv.bench.timing import do_bench_ms as _bench
+from cpkv.bench.indexer import Scenario, make_inputs, indexer_plan as _plan, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, aligned_scales, logits_into
 from cpkv.indexer.plan import padded
 res = {}
@@ -16,13 +17,13 @@ for T in (512, 1024, 2048, 4096, 8192):
     buf = torch.empty(c.rows, padded(c.width), device="cuda")[:, : c.width]
     f = lambda: logits_into(q, ka, ksc, w, full.ks, full.ke, buf, col_offset=c.key_start, clean=False, work=lambda sh: full.work_items(c, sh))
     pairs = int((full.ke - full.ks).sum())
-    ms = [_bench(f, rep=25) for _ in range(3)]
+    ms = [_bench(f, rep_ms=25) for _ in range(3)]
     # a CUDA graph of 10 back-to-back launches (no L2 flush between them)
     g = torch.cuda.CUDAGraph()
     f(); torch.cuda.synchronize()
     with torch.cuda.graph(g):
         for _ in range(10): f()
-    gms = [_bench(lambda: g.replay(), rep=50) / 10 for _ in range(3)]
+    gms = [_bench(lambda: g.replay(), rep_ms=50) / 10 for _ in range(3)]
     res[T] = (statistics.median(ms), statistics.median(gms), pairs)
     print(T, "ms", round(statistics.median(ms), 4), "graph ms/launch", round(statistics.median(gms), 4), "TFLOP/s", round(pairs * 2 * HEADS * DIM / statistics.median(ms) / 1e9), round(pairs * 2 * HEADS * DIM / statistics.median(gms) / 1e9), flush=True)
     del buf; torch.cuda.empty_cache()

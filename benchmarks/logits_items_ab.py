@@ -5,7 +5,8 @@ output checked equal to the clean grid run on every visible entry. Results in BE
 Run from the repository root: ``PYTHONPATH=src python3 benchmarks/logits_items_ab.py [names]``. Not part of the
 package."""
 import json, os, sys, statistics, torch
-from cpkv.indexer.cli_bench import SCENARIOS, make_inputs, _plan, _bench, fp8_gemm_tflops, HEADS, DIM
+from cpkv.bench.timing import do_bench_ms as _bench
+from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, logits_into
 from cpkv.indexer.plan import padded
 from cpkv.kernels.mqa_logits import LogitsConfig

@@ -5,7 +5,8 @@ Results in BENCHMARKS.md (indexer, fifth pass).
 
 Run from the repository root: ``PYTHONPATH=src python3 benchmarks/logits_scale_ab.py``. Not part of the package."""
 import statistics, torch
-from cpkv.indexer.cli_bench import SCENARIOS, make_inputs, _plan, _bench, fp8_gemm_tflops, HEADS, DIM
+from cpkv.bench.timing import do_bench_ms as _bench
+from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, aligned_scales
 from cpkv.indexer.plan import padded
 from cpkv.kernels.mqa_logits import work_shape

@@ -8,7 +8,8 @@ pass) compared against commit 714eb4c:
 
 Not part of the package."""
 import importlib.util, sys, torch
-from cpkv.indexer.cli_bench import SCENARIOS, make_inputs, _plan, _bench, fp8_gemm_tflops, HEADS, DIM
+from cpkv.bench.timing import do_bench_ms as _bench
+from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys
 from cpkv.indexer.plan import padded
 from cpkv.kernels import mqa_logits_gluon as new

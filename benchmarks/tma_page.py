@@ -11,7 +11,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from cpkv.compose.bench import _bench  # median seconds over CUDA-event-timed runs
+from cpkv.bench.timing import event_median_s as _bench  # median seconds over CUDA-event-timed runs
 
 
 @gluon.jit

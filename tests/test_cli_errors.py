@@ -125,7 +125,7 @@ def test_cuda_on_a_cpu_machine_says_so(argv, capsys):
 
 def test_failed_replay_leaves_no_partial_output(tmp_path, capsys, monkeypatch):
     """An error mid-run keeps an existing --log-batches file intact and leaves no temporary file."""
-    import cpkv.scheduler.cli as replay_cli
+    import cpkv.cli.replay_cmd as replay_cli
 
     log = tmp_path / "batches.jsonl"
     log.write_text("old\n")

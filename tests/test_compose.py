@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpkv.compose.check import CheckConfig, draw_batch, run_check
+from cpkv.bench.check import CheckConfig, draw_batch, run_check
 from cpkv.compose.modes import MODES
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.runtime import ComposeRuntime

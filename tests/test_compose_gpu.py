@@ -106,6 +106,6 @@ def test_triton_gather_unaligned_sources(page_bytes):
 
 
 def test_compose_check_on_cuda_ranks():
-    from cpkv.compose.check import CheckConfig, run_check
+    from cpkv.bench.check import CheckConfig, run_check
     out = run_check(CheckConfig(cp=2, device="cuda", batches=3, page_size=16, layers=2))
     assert out["ok"], out["modes"]

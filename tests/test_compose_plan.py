@@ -213,7 +213,7 @@ def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
     import argparse
     import json
 
-    from cpkv.compose import check, cli_check
+    from cpkv.bench import check, check_cmd as cli_check
     fake = {"ok": False, "cp": 2, "device": "cpu", "batches": 1, "page_size": 16, "layers": 1, "peer_memory": "shm",
             "backend": "gloo", "shared_device": False, "solo_batches": 1, "prefetch_hits": [0, 0],
             "modes": {"fused": {"digest": "ab" * 32, "mismatches": 3, "bytes": 10, "batches": 1, "effective": "fused"}}}

@@ -11,7 +11,7 @@ import torch
 
 from cpkv.engine.config import MODES, EngineConfig
 from cpkv.engine.engine import RunResult, run_jobs, verify_run
-from cpkv.engine.traces import default_trace
+from cpkv.cli.traces import default_trace
 from cpkv.errors import ConfigError, RankFailure
 from cpkv.model import load_model
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens

@@ -353,7 +353,7 @@ def test_index_topk_plan_mismatch():
 # ----------------------------------------------------------------------------- CLI
 
 def test_bench_command_module_shape():
-    from cpkv.indexer import cli_bench
+    from cpkv.bench import indexer as cli_bench
 
     p = argparse.ArgumentParser()
     cli_bench.add_arguments(p)

@@ -309,7 +309,7 @@ def test_next_batch_requires_finish():
 def test_scheduler_package_imports_no_torch():
     import subprocess
     import sys
-    code = ("import sys, cpkv.scheduler, cpkv.scheduler.cli, cpkv.scheduler.replay; "
+    code = ("import sys, cpkv.scheduler, cpkv.cli.replay_cmd, cpkv.scheduler.replay; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     env = {"PYTHONPATH": __file__.rsplit("/tests/", 1)[0] + "/src"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

@@ -14,6 +14,7 @@ import argparse
 import math
 from typing import Any
 
+from cpkv.bench.timing import do_bench_ms
 from cpkv.scheduler.costs import unit_costs_attention
 
 PATTERNS = ("random", "window", "hot")
@@ -74,18 +75,12 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def _do_bench(fn, rep_ms: int) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
-
-
 def _gemm_tflops() -> float:
     import torch
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = _do_bench(lambda: torch.matmul(a, b), 300)
+    ms = do_bench_ms(lambda: torch.matmul(a, b), 300, warmup_ms=25)
     return 2 * 8192**3 / ms / 1e9
 
 
@@ -94,7 +89,7 @@ def _copy_gbs() -> float:
 
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
-    ms = _do_bench(lambda: dst.copy_(src), 200)
+    ms = do_bench_ms(lambda: dst.copy_(src), 200, warmup_ms=25)
     return 2 * src.numel() * 2 / ms / 1e6
 
 
@@ -126,7 +121,7 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     from cpkv.attention import sparse_mla
     from cpkv.kernels import sparse_mla as kernel
 
-    ms = _do_bench(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms)
+    ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms, warmup_ms=25)
     tflops = _flops(inp) / ms / 1e9
     cfg = kernel.default_config(inp["q"].shape[1], 512, 64, kernel.device_capability(inp["q"]))
     case = {
@@ -136,7 +131,7 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     if inp["pattern"] == "window":
         from cpkv.attention import dense_causal_mla
 
-        dms = _do_bench(lambda: dense_causal_mla(inp["q"], inp["kv"], inp["ks"], inp["ke"], inp["scale"]), rep_ms)
+        dms = do_bench_ms(lambda: dense_causal_mla(inp["q"], inp["kv"], inp["ks"], inp["ke"], inp["scale"]), rep_ms, warmup_ms=25)
         case.update(dense_ms=dms, dense_tflops=_flops(inp) / dms / 1e9)
     return case
 
@@ -170,7 +165,7 @@ def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]
         try:
             call = lambda: kernel.launch(inp["q"], inp["kv"], inp["idx"], None, None, inp["scale"], 512, cfg)  # noqa: E731
             compiled = call()[2]
-            ms = _do_bench(call, rep_ms)
+            ms = do_bench_ms(call, rep_ms, warmup_ms=25)
             tflops = _flops(inp) / ms / 1e9
             row.update(ms=ms, tflops=tflops, ratio=tflops / gemm, rel_err=_rel_err(inp, config=cfg),
                        regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
@@ -187,7 +182,7 @@ def _dequant_case(s: int, copy_gbs: float, rep_ms: int) -> dict[str, Any]:
     from cpkv.attention import dequant_token_kv, quant_token_kv
 
     rows = quant_token_kv(torch.randn(s, 576, device="cuda"))
-    ms = _do_bench(lambda: dequant_token_kv(rows), rep_ms)
+    ms = do_bench_ms(lambda: dequant_token_kv(rows), rep_ms, warmup_ms=25)
     gbs = s * (656 + 576 * 2) / ms / 1e6
     return {"rows": s, "ms": ms, "gbs": gbs, "ratio_to_copy": gbs / copy_gbs}
 

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.fmt import emit_json, table
-    from cpkv.compose.check import CheckConfig, run_check
+    from cpkv.bench.check import CheckConfig, run_check
     from cpkv.compose.modes import parse_modes
 
     cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,

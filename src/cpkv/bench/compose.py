@@ -25,6 +25,7 @@ from cpkv.compose.modes import MODES, get_mode
 from cpkv.compose.plan import ComposePlan
 from cpkv.compose.runtime import ComposeRuntime
 from cpkv.config import KINDS, AdmissionCaps, CPConfig, preset
+from cpkv.bench.timing import event_median_s
 from cpkv.dist import RankContext, launch
 from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
@@ -258,11 +259,11 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     bases = torch.tensor([pool.data_ptr()], dtype=torch.int64, device=device)
     nbytes = 2 * gather_pages * page_bytes
     res: dict[str, Any] = {"page_bytes": page_bytes, "pages": gather_pages, "bytes_moved": nbytes}
-    res["copy_GBps"] = nbytes / _bench(lambda: flat.copy_(pool[:gather_pages])) / 1e9
-    res["index_select_GBps"] = nbytes / _bench(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e9
+    res["copy_GBps"] = nbytes / event_median_s(lambda: flat.copy_(pool[:gather_pages])) / 1e9
+    res["index_select_GBps"] = nbytes / event_median_s(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e9
     variants = []
     for cfg in GATHER_CONFIGS:
-        t = _bench(lambda: page_gather_triton(out, bases, dest, src, idx, config=cfg))
+        t = event_median_s(lambda: page_gather_triton(out, bases, dest, src, idx, config=cfg))
         ok = bool(torch.equal(out, pool.index_select(0, idx)))
         variants.append({**cfg, "GBps": nbytes / t / 1e9, "ratio_to_copy": nbytes / t / 1e9 / res["copy_GBps"],
                          "correct": ok})
@@ -276,7 +277,7 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     best = max(variants, key=lambda v: v["GBps"])
     cfg = {k: best[k] for k in ("block", "num_warps", "hints", "waves")}
     ordered = idx.sort().values  # same pages in address order: separates access pattern from kernel cost
-    res["sorted_GBps"] = nbytes / _bench(lambda: page_gather_triton(out, bases, dest, src, ordered, config=cfg)) / 1e9
+    res["sorted_GBps"] = nbytes / event_median_s(lambda: page_gather_triton(out, bases, dest, src, ordered, config=cfg)) / 1e9
     res["best"] = max(variants, key=lambda v: v["GBps"])
     res["ptx_v4_loads"] = _count_v4(load())
     return res
@@ -307,22 +308,6 @@ def _launch_us(fn, n: int = 300) -> float:
     t = time.perf_counter() - t0
     torch.cuda.synchronize()
     return t / n * 1e6
-
-
-def _bench(fn, reps: int = 30) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs timed with CUDA events (after a warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.fmt import emit_json, table
-    from cpkv.compose.bench import BenchConfig, run_bench
+    from cpkv.bench.compose import BenchConfig, run_bench
     from cpkv.compose.modes import parse_modes
 
     cfg = BenchConfig(cp=args.cp, device=args.device, model=args.model, page_size=args.page_size,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from cpkv.bench.timing import do_bench_ms
 from cpkv.scheduler.costs import unit_costs_indexer
 
 HELP = "Indexer: fp8 logits vs the fp8 GEMM ceiling, top-k vs torch.topk, chunk-size sweep (CUDA)."
@@ -143,13 +144,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(fn, rep: int = 60) -> float:
-    """Median milliseconds of fn() over about ``rep`` ms (CUDA events, warm-up first)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-
-
 def _fp8_gemm(n: int = 8192):
     """torch._scaled_mm on random fp8 e4m3 [n, n] x [n, n] -> bf16, as a call, and its FLOPs."""
     import torch
@@ -163,7 +157,7 @@ def _fp8_gemm(n: int = 8192):
 def fp8_gemm_tflops(n: int = 8192, rep: int = 60) -> float:
     """The ceiling: the _fp8_gemm rate in TFLOP/s."""
     fn, flops = _fp8_gemm(n)
-    return flops / _bench(fn, rep=rep) / 1e9
+    return flops / do_bench_ms(fn, rep_ms=rep) / 1e9
 
 
 def _settle(fn, ms: float) -> None:
@@ -194,13 +188,13 @@ def paired_rate(fn, flops: float, rounds: int = 7, rep: int = 25, settle: float 
 
     def gemm_tflops() -> float:
         _settle(gemm_fn, settle)
-        return gemm_flops / _bench(gemm_fn, rep=rep) / 1e9
+        return gemm_flops / do_bench_ms(gemm_fn, rep_ms=rep) / 1e9
 
     gemm = [gemm_tflops()]
     ms, ratios = [], []
     for _ in range(rounds):
         _settle(fn, settle)
-        ms.append(_bench(fn, rep=rep))
+        ms.append(do_bench_ms(fn, rep_ms=rep))
         gemm.append(gemm_tflops())
         ratios.append(flops / ms[-1] / 1e9 / ((gemm[-2] + gemm[-1]) / 2))
     t = statistics.median(ms)
@@ -229,7 +223,7 @@ def make_inputs(s: Scenario):
     return q, k, k_scale, w, requests
 
 
-def _plan(requests, budget_bytes):
+def indexer_plan(requests, budget_bytes):
     from cpkv.indexer import IndexerPlan
 
     return IndexerPlan.build(requests, "cuda", chunk_max_bytes=budget_bytes)
@@ -246,7 +240,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     from cpkv.kernels.mqa_logits import work_shape
 
     q, k, k_scale, w, requests = make_inputs(s)
-    full = _plan(requests, 1 << 62)
+    full = indexer_plan(requests, 1 << 62)
     c = full.chunks[0]
     pairs = int((full.ke - full.ks).sum())
     ka, k_scale = aligned_keys(k), aligned_scales(k_scale)
@@ -258,11 +252,11 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     # timed alternately with the GEMM ceiling: the ratio compares the two in the same clock state
     paired = paired_rate(lambda: run_logits(False), flops, settle=settle_ms)
     t_logits = paired["ms"]
-    t_repack = _bench(lambda: aligned_keys(k))
+    t_repack = do_bench_ms(lambda: aligned_keys(k))
     run_logits(True)
     out = torch.empty(q.shape[0], TOPK, dtype=torch.int32, device="cuda")
-    t_topk = _bench(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out))
-    t_torch = _bench(lambda: torch.topk(buf, TOPK, dim=1))
+    t_topk = do_bench_ms(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out))
+    t_torch = do_bench_ms(lambda: torch.topk(buf, TOPK, dim=1))
     tflops = paired["tflops"]
     res = {"name": s.name, "tokens": q.shape[0], "keys": k.shape[0], "pairs": pairs,
            "logits_ms": t_logits, "logits_tflops": tflops, "ratio_to_fp8_gemm": paired["ratio"],
@@ -325,7 +319,7 @@ def _topk_variant_rows(buf, full, out, t_torch, names) -> list[dict]:
     rows = []
     for name, cfg in _picked(topk_variants(), names).items():
         try:
-            ms = _bench(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg))
+            ms = do_bench_ms(lambda: topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg))
             out.fill_(-2)
             topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg)
             rows.append({"variant": name, "config": repr(cfg), "ms": ms, "speedup": t_torch / ms,
@@ -341,12 +335,12 @@ def _sweep(q, k, k_scale, w, requests, index_topk, rounds: int = 3) -> list[dict
     1.2x slower than the identical one-chunk 8 GiB run measured just before it)."""
     import statistics
 
-    plans = {gib: _plan(requests, int(gib * (1 << 30))) for gib in BUDGETS_GIB}
+    plans = {gib: indexer_plan(requests, int(gib * (1 << 30))) for gib in BUDGETS_GIB}
     times: dict[float, list[float]] = {gib: [] for gib in BUDGETS_GIB}
     for r in range(rounds):
         for gib in (BUDGETS_GIB if r % 2 == 0 else BUDGETS_GIB[::-1]):
             p = plans[gib]
-            times[gib].append(_bench(lambda p=p: index_topk(q, k, k_scale, w, p.ks, p.ke, topk=TOPK, plan=p)))
+            times[gib].append(do_bench_ms(lambda p=p: index_topk(q, k, k_scale, w, p.ks, p.ke, topk=TOPK, plan=p)))
     rows = [{"budget_gib": gib, "chunks": len(plans[gib].chunks), "ms": statistics.median(times[gib])}
             for gib in BUDGETS_GIB]
     for r in rows:
@@ -363,7 +357,7 @@ def tune_logits(s: Scenario) -> list[dict]:
     from cpkv.kernels.mqa_logits import LogitsConfig, mqa_logits_triton
 
     q, k, k_scale, w, requests = make_inputs(s)
-    plan = _plan(requests, 1 << 62)
+    plan = indexer_plan(requests, 1 << 62)
     c = plan.chunks[0]
     ka = aligned_keys(k)
     pairs = int((plan.ke - plan.ks).sum())
@@ -375,7 +369,7 @@ def tune_logits(s: Scenario) -> list[dict]:
     rows = []
     for cfg in configs:
         try:
-            ms = _bench(lambda: mqa_logits_triton(q, ka, k_scale, w, plan.ks, plan.ke, buf,
+            ms = do_bench_ms(lambda: mqa_logits_triton(q, ka, k_scale, w, plan.ks, plan.ke, buf,
                                                   col_offset=c.key_start, clean=False, config=cfg))
             rows.append({"config": repr(cfg), "ms": ms, "tflops": pairs * 2 * HEADS * DIM / ms / 1e9})
         except Exception as exc:  # a config that does not compile is reported, not fatal
@@ -393,8 +387,8 @@ def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: str | Non
     lo = torch.zeros(rows, dtype=torch.int32, device="cuda")
     hi = torch.full((rows,), cols, dtype=torch.int32, device="cuda")
     out = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
-    t_ours = _bench(lambda: topk_into(x, lo, hi, TOPK, out))
-    t_torch = _bench(lambda: torch.topk(x, TOPK, dim=1))
+    t_ours = do_bench_ms(lambda: topk_into(x, lo, hi, TOPK, out))
+    t_torch = do_bench_ms(lambda: torch.topk(x, TOPK, dim=1))
     ref = torch.topk(x, TOPK, dim=1).indices.sort(dim=1).values.int()
     res = {"rows": rows, "cols": cols, "k": TOPK, "topk_ms": t_ours, "torch_topk_ms": t_torch,
            "speedup": t_torch / t_ours, "matches_torch_set": bool(torch.equal(out, ref))}
@@ -402,7 +396,7 @@ def bench_topk_headline(rows: int = 4096, cols: int = 65536, variants: str | Non
         res["variants"] = []
         for name, cfg in _picked(topk_variants(), variants).items():
             try:
-                ms = _bench(lambda: topk_into(x, lo, hi, TOPK, out, config=cfg))
+                ms = do_bench_ms(lambda: topk_into(x, lo, hi, TOPK, out, config=cfg))
                 out.fill_(-2)
                 topk_into(x, lo, hi, TOPK, out, config=cfg)
                 res["variants"].append({"variant": name, "config": repr(cfg), "ms": ms, "speedup": t_torch / ms,

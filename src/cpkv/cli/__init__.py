@@ -15,17 +15,17 @@ from cpkv import __version__, envs
 from cpkv.errors import CpkvError
 
 COMMANDS: dict[str, str] = {
-    "run": "cpkv.engine.cli",
-    "replay": "cpkv.scheduler.cli",
+    "run": "cpkv.cli.run_cmd",
+    "replay": "cpkv.cli.replay_cmd",
     "layout": "cpkv.cli.layout_cmd",
     "env": "cpkv.cli.env_cmd",
 }
-CHECKS: dict[str, str] = {"compose": "cpkv.compose.cli_check"}
+CHECKS: dict[str, str] = {"compose": "cpkv.bench.check_cmd"}
 BENCHES: dict[str, str] = {
-    "compose": "cpkv.compose.cli_bench",
-    "indexer": "cpkv.indexer.cli_bench",
-    "attention": "cpkv.attention.cli_bench",
-    "engine": "cpkv.engine.cli_bench",
+    "compose": "cpkv.bench.compose_cmd",
+    "indexer": "cpkv.bench.indexer",
+    "attention": "cpkv.bench.attention",
+    "engine": "cpkv.bench.engine",
 }
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import Callable
 
 from cpkv.errors import ConfigError
+from cpkv.files import atomic_output, atomic_path
+
+__all__ = ["atomic_output", "atomic_path", "check_output", "int_list", "nonneg_int", "positive_float", "positive_int",
+           "require_cuda"]
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
@@ -69,31 +71,6 @@ def check_output(path: str | None, option: str) -> None:
         raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} is not writable")
-
-
-@contextmanager
-def atomic_path(path: str | Path) -> Iterator[str]:
-    """A temporary path beside ``path`` (same suffix); renamed onto ``path`` only if the block succeeds."""
-    p = Path(path)
-    # not created here: the block creates it, so the file gets the usual umask permissions
-    tmp = str(p.parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp{p.suffix}")
-    try:
-        yield tmp
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-@contextmanager
-def atomic_output(path: str | Path) -> Iterator[TextIO]:
-    """Open a text file for writing that appears at ``path`` only when the block succeeds."""
-    with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
-            yield f
 
 
 def require_cuda(device: str, command: str) -> None:

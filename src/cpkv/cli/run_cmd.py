@@ -53,7 +53,7 @@ def engine_config(args: argparse.Namespace, cp: int):
 
 
 def load_requests(args: argparse.Namespace):
-    from cpkv.engine.traces import default_trace
+    from cpkv.cli.traces import default_trace
     from cpkv.scheduler.trace import load_trace
 
     return load_trace(args.trace) if args.trace else default_trace(args.requests)

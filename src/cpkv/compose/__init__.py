@@ -7,7 +7,6 @@
     modes.py      legacy / fused / v2 / symm / prefetch, chosen by name
     runtime.py    ComposeRuntime: the per-rank object the engine holds
     reference.py  single-process reference dense buffer
-    check.py      ``cpkv check compose``;  bench.py: ``cpkv bench compose``
 """
 from __future__ import annotations
 

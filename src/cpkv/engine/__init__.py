@@ -4,6 +4,4 @@
     rank.py     one rank's loop: scheduler -> layout -> compose plan -> forward -> prefix cache
     forward.py  one rank's forward over a batch (RankPlan built once per batch, cached on the layout)
     engine.py   launching the ranks, merging their results, single-rank verification
-    traces.py   the built-in multi-turn trace of ``cpkv run``
-    cli.py / cli_bench.py   ``cpkv run`` and ``cpkv bench engine``
 """

@@ -2,8 +2,8 @@
 
 Modules: ``request`` (a prompt and its progress), ``admission`` (caps, policies, ``PrefillAdder.try_add``),
 ``batch`` (what the engine runs), ``scheduler`` (queue + batch loop), ``trace`` (trace files, the
-built-in trace, token synthesis), ``costs`` (batch cost model), ``replay`` (event-driven simulation),
-``cli`` (``cpkv replay``).
+built-in trace, token synthesis), ``costs`` (batch cost model), ``replay`` (event-driven simulation;
+its command is ``cpkv.cli.replay_cmd``).
 
 One request's token ranges while it runs (P = page size; every boundary but ``prompt_len`` is a
 multiple of P, except an unaligned prefix, which always runs alone)::

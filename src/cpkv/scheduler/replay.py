@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig, preset
 from cpkv.errors import ConfigError
-from cpkv.kvcache import PageAllocator, PrefixCache
+from cpkv.kvcache.allocator import PageAllocator
+from cpkv.kvcache.prefix_cache import PrefixCache
 from cpkv.scheduler.batch import Batch
 from cpkv.scheduler.costs import CostModel
 from cpkv.scheduler.request import Request

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Sequence
 
 from cpkv.errors import TraceError
+from cpkv.files import atomic_output
 
 FIELDS = ("id", "arrival", "tokens", "prompt_len", "parent")
 DEFAULT_VOCAB = 512  # the smallest preset vocabulary: synthetic tokens are valid for every preset
@@ -185,8 +186,6 @@ def _explain(exc: _LineError, lines: Sequence[str], n: int) -> str:
 
 def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
     """Write the JSONL trace; the file appears at ``path`` only once it is complete."""
-    from cpkv.cli.args import atomic_output
-
     with atomic_output(path) as f:
         for r in requests:
             f.write(json.dumps(r.to_json()) + "\n")

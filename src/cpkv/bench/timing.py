@@ -1,0 +1,34 @@
+"""Timing helpers shared by the benchmarks (and the one-off experiments in ``benchmarks/``). CUDA only.
+
+``event_median_s`` times single calls with CUDA events (for calls short enough that a launch matters);
+``do_bench_ms`` is Triton's ``do_bench`` median (warm-up and repetitions by time budget).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+
+def event_median_s(fn: Callable[[], object], reps: int = 30) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs timed with CUDA events (after a warm-up)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def do_bench_ms(fn: Callable[[], object], rep_ms: int = 60, warmup_ms: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over about ``rep_ms`` ms (``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
