@@ -4,7 +4,7 @@ Run from the repository root: ``PYTHONPATH=src python3 benchmarks/gather_sweep.p
 (compose, 2026-12-01). Not part of the package."""
 import json, os
 import torch, triton, triton.language as tl
-from cpkv.kernels.page_gather import page_gather_triton, launch_params
+from cpkv.kernels.page_gather.triton import page_gather_triton, launch_params
 from cpkv.bench.timing import event_median_s as _bench  # median seconds over CUDA-event-timed runs
 
 

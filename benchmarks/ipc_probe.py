@@ -16,7 +16,7 @@ def owner(q, done):
 
 def reader(q, done, variant, res):
     torch.cuda.set_device(1)
-    from cpkv.kernels.page_gather import page_gather_triton
+    from cpkv.kernels.page_gather.triton import page_gather_triton
     func, args = q.get()
     try:
         if variant == "override":

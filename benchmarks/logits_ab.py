@@ -9,7 +9,7 @@ from cpkv.bench.timing import do_bench_ms as _bench
 from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, logits_into
 from cpkv.indexer.plan import padded
-from cpkv.kernels.mqa_logits import LogitsConfig
+from cpkv.kernels.mqa_logits.triton import LogitsConfig
 V = {"default": LogitsConfig(), "span128": LogitsConfig(gluon_span=128), "span32": LogitsConfig(gluon_span=32),
      "span256": LogitsConfig(gluon_span=256), "wg2": LogitsConfig(gluon_warpgroups=2),
      "wg2_span32": LogitsConfig(gluon_warpgroups=2, gluon_span=32),

@@ -9,7 +9,7 @@ from cpkv.bench.timing import do_bench_ms as _bench
 from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, logits_into
 from cpkv.indexer.plan import padded
-from cpkv.kernels.mqa_logits import LogitsConfig
+from cpkv.kernels.mqa_logits.triton import LogitsConfig
 V = {"grid_s": LogitsConfig(gluon_items=False), "grid_t": LogitsConfig(gluon_items=False, gluon_t_major=True),
      "items": LogitsConfig(), "items_nosplit": LogitsConfig(gluon_split=1),
      "items_sp32": LogitsConfig(gluon_span=32), "items_sp128": LogitsConfig(gluon_span=128, gluon_split=8)}

@@ -9,8 +9,8 @@ from cpkv.bench.timing import do_bench_ms as _bench
 from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys, aligned_scales
 from cpkv.indexer.plan import padded
-from cpkv.kernels.mqa_logits import work_shape
-from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+from cpkv.kernels.mqa_logits.triton import work_shape
+from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 for s in SCENARIOS:
     q, k, k_scale, w, requests = make_inputs(s)
     full = _plan(requests, 1 << 62); c = full.chunks[0]

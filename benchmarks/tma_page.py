@@ -68,7 +68,7 @@ def main():
         idx = torch.randperm(pool_pages, device=dev)[:gather_pages].to(torch.int32)
         want = pool8.index_select(0, idx.long())
         copy = nbytes / _bench(lambda: flat.copy_(pool8[:gather_pages])) / 1e9
-        from cpkv.kernels.page_gather import page_gather_triton
+        from cpkv.kernels.page_gather.triton import page_gather_triton
         dest = torch.arange(gather_pages, dtype=torch.int32, device=dev)
         src = torch.zeros(gather_pages, dtype=torch.int32, device=dev)
         bases = torch.tensor([pool8.data_ptr()], dtype=torch.int64, device=dev)

@@ -69,23 +69,24 @@ def test_sparse_odd_topk_glm5() -> None:
 
 
 def _configs() -> list:
-    from cpkv.kernels.sparse_mla import GLUON_WS, Config
+    from cpkv.kernels.sparse_mla.triton import GLUON_WS, Config
 
     return [Config(64, 64, 8, 2), Config(64, 64, 8, 2, False, True), Config(64, 32, 8, 3, True, True),
             Config(16, 64, 4, 2, True, True), GLUON_WS]
 
 
 def _skip_unless_gluon(cfg) -> None:
-    from cpkv.kernels.sparse_mla import gluon_supported
+    from cpkv.kernels.platform import capability
+    from cpkv.kernels.sparse_mla.triton import gluon_supported
 
-    if cfg.impl.startswith("gluon") and not gluon_supported(512, 64, torch.cuda.get_device_capability()):
+    if cfg.impl.startswith("gluon") and not gluon_supported(512, 64, capability(torch.device("cuda"))):
         pytest.skip("the Gluon kernel needs sm_90 and triton.experimental.gluon")
 
 
 @pytest.mark.parametrize("i", range(5), ids=["default-triton", "lazy", "k32-pf-lazy", "h16", "gluon-ws"])
 def test_sparse_kernel_configs(i: int) -> None:
     """Every kernel variant against float64: large-magnitude scores, leading invalid tiles, odd topk."""
-    from cpkv.kernels import sparse_mla as kernel
+    from cpkv.kernels.sparse_mla.triton import triton as kernel
 
     cfg = _configs()[i]
     _skip_unless_gluon(cfg)
@@ -103,7 +104,7 @@ def test_sparse_kernel_configs(i: int) -> None:
 @pytest.mark.parametrize("h,topk,t", [(16, 64, 3), (32, 333, 4), (64, 2048, 3), (128, 100, 2), (64, 0, 2)])
 def test_gluon_kernel_heads_and_lengths(h: int, topk: int, t: int) -> None:
     """Gluon kernel: heads padded to 64 (16, 32) or split in blocks of 64 (128), partial / single / no tiles."""
-    from cpkv.kernels import sparse_mla as kernel
+    from cpkv.kernels.sparse_mla.triton import triton as kernel
 
     cfg = kernel.GLUON_WS
     _skip_unless_gluon(cfg)

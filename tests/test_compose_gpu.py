@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from cpkv.kernels.page_gather import page_gather_ref
+from cpkv.kernels.page_gather.ref import page_gather_ref
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,7 +34,7 @@ def _case(page_bytes, n, seed, offset=0):
 @pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4, "hints": True},
                                     {"block": 2048, "num_warps": 8, "waves": 2}])
 def test_triton_gather_matches_reference(page_bytes, config):
-    from cpkv.kernels.page_gather import page_gather_triton
+    from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 300, seed=page_bytes)
     want = torch.full((300, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
     got = want.clone()
@@ -53,7 +53,7 @@ def test_triton_gather_matches_reference(page_bytes, config):
 @pytest.mark.parametrize("page_bytes", [64 * 656, 16 * 196, 132])
 def test_prepared_launcher_matches_reference(page_bytes):
     """gather_launcher: resolved once, then each call gathers the sources' current bytes, on the current stream."""
-    from cpkv.kernels.page_gather import gather_launcher
+    from cpkv.kernels.page_gather.triton import gather_launcher
     sources, bases, dest, src, page = _case(page_bytes, 200, seed=page_bytes + 1)
     want = torch.full((200, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
     got = want.clone()
@@ -77,7 +77,7 @@ def test_prepared_launcher_matches_reference(page_bytes):
 @pytest.mark.parametrize("sizes", [(64 * 656, 64 * 132), (16 * 196, 132), (132, 3)])
 def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes):
     """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one launch."""
-    from cpkv.kernels.page_gather import gather_pair_launcher
+    from cpkv.kernels.page_gather.triton import gather_pair_launcher
     cases = [_case(pb, 150 + 20 * i, seed=pb + 5) for i, pb in enumerate(sizes)]
     wants = [torch.full((150 + 20 * i, pb), 0xEE, dtype=torch.uint8, device="cuda") for i, pb in enumerate(sizes)]
     gots = [w.clone() for w in wants]
@@ -96,7 +96,7 @@ def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes):
 
 @pytest.mark.parametrize("page_bytes", [64 * 132, 16 * 196])
 def test_triton_gather_unaligned_sources(page_bytes):
-    from cpkv.kernels.page_gather import page_gather_triton
+    from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 100, seed=7, offset=4)
     want = torch.full((100, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
     got = want.clone()

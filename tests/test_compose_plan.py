@@ -11,7 +11,7 @@ from cpkv.compose.reference import current_pages, reference_dense
 from cpkv.compose.staging import DenseArena, Staging
 from cpkv.config import KINDS, AdmissionCaps, preset
 from cpkv.errors import ComposeError, StagingOverflow
-from cpkv.kernels.page_gather import page_gather_ref
+from cpkv.kernels.page_gather.ref import page_gather_ref
 from cpkv.layout import build_layout
 
 TINY = preset("tiny")

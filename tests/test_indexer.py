@@ -242,7 +242,7 @@ def _check_items(ks, ke, key_start, n_cols, shape, items):
     """Exact coverage: every row's visible columns lie in its group's items; no tile of a group twice;
     items non-empty, inside one span of the column grid, no longer than a span; span-major order
     outside the split tail; the tiles listed are exactly each group's [min lo, max hi) rounded to tiles."""
-    from cpkv.indexer.work import WorkShape  # noqa: F401
+    from cpkv.kernels.mqa_logits.work import WorkShape  # noqa: F401
 
     r, tile, span = shape.rows, shape.tile, shape.span
     rows = items.tolist()
@@ -268,7 +268,7 @@ def _check_items(ks, ke, key_start, n_cols, shape, items):
 @given(n_rows=st.integers(1, 90), seed=st.integers(0, 10**6), rows=st.sampled_from([1, 2, 4, 8]),
        span=st.integers(1, 9), slots=st.integers(1, 40), split=st.integers(1, 5), tile=st.sampled_from([4, 16]))
 def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split, tile):
-    from cpkv.indexer.work import WorkShape, logits_work_items
+    from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
 
     g = torch.Generator().manual_seed(seed)
     ks = torch.randint(0, 300, (n_rows,), generator=g)
@@ -280,7 +280,7 @@ def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split,
 
 
 def test_logits_work_items_skip_empty_programs_and_cut_the_last_wave():
-    from cpkv.indexer.work import WorkShape, logits_work_items
+    from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
 
     # four requests of a warm batch: each token group sees only its own request's keys
     plan = IndexerPlan.build([(0, list(range(1000, 1016))), (1016, list(range(3000, 3016))),

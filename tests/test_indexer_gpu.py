@@ -41,14 +41,14 @@ TOPK_VARIANTS = {"default": None, "sample": dict(variant="sample", num_warps=8, 
 
 
 def _logits_cfg(name):
-    from cpkv.kernels.mqa_logits import LogitsConfig
+    from cpkv.kernels.mqa_logits.triton import LogitsConfig
 
     kw = LOGITS_VARIANTS[name]
     return None if kw is None else LogitsConfig(**kw)
 
 
 def _topk_cfg(name):
-    from cpkv.kernels.topk import TopkConfig
+    from cpkv.kernels.topk.triton import TopkConfig
 
     kw = TOPK_VARIANTS[name]
     return None if kw is None else TopkConfig(**kw)
@@ -212,7 +212,7 @@ def test_logits_default_takes_gluon_kernel_on_hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
     from cpkv.indexer.logits import aligned_keys
-    from cpkv.kernels.mqa_logits import _gluon_applies
+    from cpkv.kernels.mqa_logits.triton import _gluon_applies
 
     q, k, _, _, _, _ = _inputs(8, 32, 128, 100)
     assert _gluon_applies(q, aligned_keys(k))
@@ -221,7 +221,7 @@ def test_logits_default_takes_gluon_kernel_on_hopper():
 
 def test_gluon_shape_choices_that_do_not_exist_are_refused():
     from cpkv.indexer.logits import aligned_keys
-    from cpkv.kernels.mqa_logits import LogitsConfig, _gluon_applies
+    from cpkv.kernels.mqa_logits.triton import LogitsConfig, _gluon_applies
 
     for bad in (dict(gluon_box=2, gluon_pipe=2), dict(gluon_box=3, gluon_pipe=1), dict(gluon_pipe=3),
                 dict(gluon_warpgroups=4), dict(gluon_split=0)):
@@ -231,7 +231,7 @@ def test_gluon_shape_choices_that_do_not_exist_are_refused():
     k = aligned_keys(k)
     if not _gluon_applies(q, k):
         pytest.skip("the Gluon kernel needs sm_90")
-    from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+    from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 
     out = torch.full((8, 256), 7.0, device="cuda")
     with pytest.raises(ValueError, match="box"):
@@ -245,7 +245,7 @@ def test_logits_work_items_equal_the_grid(cfg):
     # a ragged warm batch: the plan's work items launch only non-empty programs, span by span, the last
     # wave cut short; every visible logit must equal the clean grid run's bit for bit (same tiles)
     from cpkv.indexer.logits import aligned_keys, logits_into
-    from cpkv.kernels.mqa_logits import LogitsConfig, work_shape
+    from cpkv.kernels.mqa_logits.triton import LogitsConfig, work_shape
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
@@ -273,7 +273,7 @@ def test_logits_work_items_equal_the_grid(cfg):
     assert torch.equal(got[fin], want[fin])
     got_idx = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=64, plan=plan, logits_config=config)
     assert torch.equal(got_idx, topk(want, plan.ks - c.key_start, plan.ke - c.key_start, 64))
-    from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+    from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 
     with pytest.raises(ValueError, match="clean=False"):
         mqa_logits_gluon(q, k, k_scale, w, plan.ks, plan.ke, got, col_offset=c.key_start, clean=True, items=items)

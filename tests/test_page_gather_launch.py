@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cpkv.kernels import page_gather as pg  # noqa: E402
+from cpkv.kernels.page_gather import triton as pg  # noqa: E402
 
 REAL_LOAD_PAIR = pg.load_pair  # the fixture replaces it
 

@@ -1,25 +1,14 @@
 """Backend choice (Triton on CUDA, pure torch elsewhere) and input checks shared by the entry points."""
 from __future__ import annotations
 
-import importlib.util
-from functools import lru_cache
-
 import torch
 
-from cpkv import envs
 from cpkv.errors import AttentionError
+from cpkv.kernels.platform import use_triton
+
+__all__ = ["INDEX_DTYPES", "check_same_device", "check_tensor", "expect", "last_dim_contiguous", "use_triton"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on CUDA, Triton is importable and CPKV_DISABLE_TRITON is off."""
-    return t.is_cuda and triton_available() and not envs.get("CPKV_DISABLE_TRITON")
 
 
 def expect(cond: bool, what: str, got: object) -> None:

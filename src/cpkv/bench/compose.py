@@ -136,7 +136,7 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
     out["plan_ms"], out["layout_ms"] = _time_plan(rt, reqs, pages, ids, cfg)
     out["plan_ms_host_only"], _ = _time_plan(rt, reqs, pages, ids, cfg, torch.device("cpu"))
     if cfg.kernel and rt.use_triton:  # rank 0 sweeps the gather configs; every rank then uses the best
-        from cpkv.kernels import page_gather
+        from cpkv.kernels.page_gather import triton as page_gather
         kern = kernel_bench(rt.device) if ctx.rank == 0 else None
         kern = ctx.all_gather_object(kern)[0]
         best = {k: v for k, v in kern["best"].items() if k in page_gather.DEFAULT_CONFIG}
@@ -249,7 +249,7 @@ def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
 def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: int = 16384,
                  gather_pages: int = 8192) -> dict[str, Any]:
     """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy."""
-    from cpkv.kernels.page_gather import gather_launcher, load, page_gather_triton
+    from cpkv.kernels.page_gather.triton import gather_launcher, load, page_gather_triton
     pool = torch.randint(0, 256, (pool_pages, page_bytes), dtype=torch.uint8, device=device)
     out = torch.empty((gather_pages, page_bytes), dtype=torch.uint8, device=device)
     flat = torch.empty_like(out)

@@ -78,7 +78,7 @@ def _check_variant_names(names: str | None) -> None:
 
 def logits_variants() -> dict:
     """Named LogitsConfig variants timed by --variants (the first is the default)."""
-    from cpkv.kernels.mqa_logits import BASE_CONFIG, DEFAULT_CONFIG, LANES_CONFIG, LogitsConfig
+    from cpkv.kernels.mqa_logits.triton import BASE_CONFIG, DEFAULT_CONFIG, LANES_CONFIG, LogitsConfig
 
     named = {"base": BASE_CONFIG,
              "lanes_tma_w8_s128": LANES_CONFIG,
@@ -97,7 +97,7 @@ def logits_variants() -> dict:
 
 def topk_variants() -> dict:
     """Named TopkConfig variants timed by --variants (the first is the default)."""
-    from cpkv.kernels.topk import DEFAULT_CONFIG, SAMPLE_CONFIG, TopkConfig
+    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, SAMPLE_CONFIG, TopkConfig
 
     named = {"sample": SAMPLE_CONFIG,
              "stream_w4_p4_d2": TopkConfig(depth=2),
@@ -237,7 +237,7 @@ def bench_scenario(s: Scenario, ceiling: float, sweep: bool, variants: str | Non
     from cpkv.indexer.logits import aligned_keys, aligned_scales, logits_into
     from cpkv.indexer.plan import padded
     from cpkv.indexer.topk import topk_into
-    from cpkv.kernels.mqa_logits import work_shape
+    from cpkv.kernels.mqa_logits.triton import work_shape
 
     q, k, k_scale, w, requests = make_inputs(s)
     full = indexer_plan(requests, 1 << 62)
@@ -311,7 +311,7 @@ def _topk_variant_rows(buf, full, out, t_torch, names) -> list[dict]:
     with the first ("sample") kernel's result."""
     import torch
 
-    from cpkv.kernels.topk import SAMPLE_CONFIG
+    from cpkv.kernels.topk.triton import SAMPLE_CONFIG
     from cpkv.indexer.topk import topk_into
 
     want = torch.empty_like(out)
@@ -354,7 +354,7 @@ def tune_logits(s: Scenario) -> list[dict]:
 
     from cpkv.indexer.logits import aligned_keys
     from cpkv.indexer.plan import padded
-    from cpkv.kernels.mqa_logits import LogitsConfig, mqa_logits_triton
+    from cpkv.kernels.mqa_logits.triton import LogitsConfig, mqa_logits_triton
 
     q, k, k_scale, w, requests = make_inputs(s)
     plan = indexer_plan(requests, 1 << 62)

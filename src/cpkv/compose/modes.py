@@ -17,19 +17,17 @@ Every mode stores the rank's current pages into its pool pages when the plan has
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from cpkv.errors import ComposeError
 from cpkv.layout import BatchLayout
 
-if TYPE_CHECKING:
-    from cpkv.compose.plan import ComposePlan
-    from cpkv.compose.runtime import ComposeRuntime
-
-RunFn = Callable[["ComposeRuntime", "ComposePlan", BatchLayout, int, str, int], torch.Tensor]
-LayerFn = Callable[["ComposeRuntime", "ComposePlan", int, dict], dict]
+# A mode is written against the runtime's primitives (dense, gather, all_reduce, barrier_round, persist, ...);
+# the runtime imports this table, so the mode functions take it untyped (no import back: no cycle).
+RunFn = Callable[[Any, Any, BatchLayout, int, str, int], torch.Tensor]   # (runtime, plan, layout, layer, kind, half)
+LayerFn = Callable[[Any, Any, int, dict], dict]                          # (runtime, plan, layer, {kind: half})
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
 from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
-from cpkv.kernels.page_gather import gather_group, gather_launcher, gather_pair_launcher, triton_available
+from cpkv.kernels.page_gather.ref import gather_group
+from cpkv.kernels.page_gather.triton import gather_launcher, gather_pair_launcher
+from cpkv.kernels.platform import use_triton
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
 
@@ -81,7 +83,7 @@ class ComposeRuntime:
         self._check_group()
         self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
         self.arena.register()
-        self.use_triton = triton_available(self.device)
+        self.use_triton = use_triton(self.device)
         self._tables()
         self.mode: Mode = get_mode(mode or envs.get("CPKV_COMPOSE_MODE"))
         self.uses = {k: 0 for k in KINDS}

@@ -5,7 +5,7 @@
     topk_to_slots(idx, ks)                                    -> int32 [T, k] dense-buffer rows
     index_topk(q, k, k_scale, weights, ks, ke, *, topk=2048, chunk_max_bytes=None, plan=None)
     IndexerPlan.build(requests, device, chunk_max_bytes=None) -- once per batch, reused by every layer
-    IndexerPlan.work_items(chunk, shape) -- the logits kernel's non-empty programs (cpkv.indexer.work)
+    IndexerPlan.work_items(chunk, shape) -- the logits kernel's non-empty programs (cpkv.kernels.mqa_logits.work)
     quantize_index_keys / dequantize_index_rows / quantize_queries -- the 132-byte index rows
 
 Triton kernels (cpkv.kernels.mqa_logits, cpkv.kernels.topk) run on CUDA; the references in

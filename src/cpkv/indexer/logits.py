@@ -5,29 +5,13 @@
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from cpkv import envs
 from cpkv.errors import IndexerError
 from cpkv.indexer.ref import mqa_logits_ref
+from cpkv.kernels.platform import use_triton
 
 INPUT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on CUDA, Triton imports and CPKV_DISABLE_TRITON is off."""
-    return t.is_cuda and triton_available() and not envs.get("CPKV_DISABLE_TRITON")
 
 
 def check_logits_inputs(q, k, k_scale, weights, ks, ke) -> None:
@@ -69,9 +53,9 @@ def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset
                 config=None, work=None) -> torch.Tensor:
     """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked).
     config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default); work: a
-    function of a cpkv.indexer.work.WorkShape giving these rows' work items (IndexerPlan.work_items)."""
+    function of a cpkv.kernels.mqa_logits.work.WorkShape giving these rows' work items (IndexerPlan.work_items)."""
     if use_triton(q):
-        from cpkv.kernels import mqa_logits as kern
+        from cpkv.kernels.mqa_logits.triton import triton as kern
 
         if kern.supported(q, k):
             return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,

@@ -24,7 +24,7 @@ import torch
 
 from cpkv import envs
 from cpkv.errors import IndexerError
-from cpkv.indexer.work import WorkShape, logits_work_items
+from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
 
 GIB = 1 << 30
 COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
@@ -130,7 +130,7 @@ class IndexerPlan:
                    tuple(ks), tuple(ke))
 
     def work_items(self, chunk: IndexerChunk, shape: WorkShape) -> torch.Tensor:
-        """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.indexer.work), on the plan's
+        """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.kernels.mqa_logits.work), on the plan's
         device: built on the first call for that chunk and shape, then reused (every layer of the batch)."""
         key = (chunk, shape)
         if key not in self._items:

@@ -43,7 +43,7 @@ def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: 
     """out [T, k] int32 <- top-k of x[i, lo[i]:hi[i]] relative to lo[i] (inputs already checked;
     0 <= lo, hi <= N required where hi > lo + k). config: a cpkv.kernels.topk.TopkConfig (None: default)."""
     if use_triton(x):
-        from cpkv.kernels.topk import topk_triton
+        from cpkv.kernels.topk.triton import topk_triton
 
         return topk_triton(_kernel_ready(x), lo, hi, k, out, config=config)
     out.copy_(topk_ref(x, lo, hi, k))
@@ -88,7 +88,7 @@ def index_topk(
     within ``chunk_max_bytes`` (default CPKV_MQA_LOGITS_CHUNK_MAX_GB GiB). A chunk whose rows all see
     <= topk keys computes no logits. Pass ``plan`` (IndexerPlan.build, once per batch; its ks/ke and
     budget are used) to avoid reading ks/ke back from the device on every call; its logits work items
-    (cpkv.indexer.work: only the non-empty programs) are built on first use and reused. logits_config /
+    (cpkv.kernels.mqa_logits.work: only the non-empty programs) are built on first use and reused. logits_config /
     topk_config pick the Triton kernels' variants (None: the defaults)."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
     reused = plan is not None  # a caller's plan, reused across layers, is worth its logits work items

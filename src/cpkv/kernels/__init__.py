@@ -1,1 +1,13 @@
-"""Triton kernels, each beside the pure-torch reference that its tests compare against (triton imported lazily)."""
+"""GPU kernels, grouped by the op they serve; each op has one dispatch point and a pure-torch reference.
+
+    op            dispatch point                         reference                          kernels
+    page_gather   compose.runtime.ComposeRuntime.gather  kernels.page_gather.ref            page_gather/triton.py
+    mqa_logits    indexer.logits.logits_into             indexer.ref.mqa_logits_ref         mqa_logits/{triton,gluon}.py
+    topk          indexer.topk.topk_into                 indexer.ref.topk_ref               topk/triton.py
+    sparse_mla    attention.sparse / attention.dense     attention.ref.sparse_mla_ref       sparse_mla/{triton,gluon_ws}.py
+    token_kv      attention.quant                        attention.ref.*_token_kv_ref       token_kv/triton.py
+
+``platform`` answers every platform question (Triton / Gluon importable, CUDA and ``CPKV_DISABLE_TRITON``,
+capability, SM count). Kernel modules import Triton; nothing imports them before the dispatch point has asked
+``platform.use_triton``, so the package imports on machines without Triton.
+"""

@@ -19,7 +19,7 @@ sharing an SM fall into step. Here the overlap of tensor cores and ALUs is expli
 
 Programs: the grid (spans of SPAN tiles, token groups), every pair launched, empty ones returning at once;
 or (ITEMS) one program per row of a host-built item list (first token, first column, tiles), only the
-non-empty pairs, in the order the list gives (cpkv.indexer.work: span by span, last wave cut short).
+non-empty pairs, in the order the list gives (cpkv.kernels.mqa_logits.work: span by span, last wave cut short).
 
 Per program: BQ = 128 // H tokens per warpgroup (N = 128 query rows per warpgroup, the wgmma N side, q
 in shared memory once, rows permuted as in mqa_logits._column_token_head so a thread's accumulator
@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cpkv.kernels.mqa_logits import check_gluon_shape
+from cpkv.kernels.mqa_logits.config import check_gluon_shape
 
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
@@ -156,7 +156,7 @@ def mqa_logits_gluon_kernel(
     q_ld: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4 * WGS, 1], [1, 0])
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, D], gl.float8e4nv)
 
-    if ITEMS:  # one work item of the host-built list (cpkv.indexer.work): first token, first column, tiles
+    if ITEMS:  # one work item of the host-built list (cpkv.kernels.mqa_logits.work): first token, first column, tiles
         item = items_ptr + gl.program_id(0) * 4
         t0 = _uniform(gl.load(item))
         c_start = _uniform(gl.load(item + 1))
@@ -309,7 +309,7 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
     program, 2 (tile i + 1's dot runs during tile i's epilogue) or 1 (no overlap inside a program, fewer
     registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1).
     t_major: grid (token groups, spans) instead of (spans, token groups), so the programs in flight
-    together share key spans. items: int32 [n, 4] work items (cpkv.indexer.work.logits_work_items: first
+    together share key spans. items: int32 [n, 4] work items (cpkv.kernels.mqa_logits.work.logits_work_items: first
     token, first column, tiles, 0) in their launch order, one program each, instead of the grid; the
     columns outside every item are left unwritten, so it needs ``clean=False``."""
     T, H, D = q.shape

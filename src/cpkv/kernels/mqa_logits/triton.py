@@ -19,12 +19,12 @@ query rows permuted to the accumulator's lane layout so the head sum is an in-th
 chain (SASS per warp and 128x128x128 tile: ~250 instructions vs ~340), k_scale one tile ahead,
 unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past S); its dot is waited
 on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
-and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits_gluon, a Gluon
+and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits.gluon, a Gluon
 kernel for Hopper (fp8 q and k, H <= 32, TMA-ready keys): by default one accumulator per program, so
 ~120 registers and four programs per SM overlap each other's dots and epilogues, with keys in 128-key
 TMA boxes (0.63-0.76 of the fp8 GEMM rate on an H200 vs 0.57-0.69 for its two-accumulator form and
 0.52-0.58 for "lanes" in the same run, 2026-12-01); other inputs and GPUs run "lanes" with the same
-config. An unclean call that is given a plan's work items (``work``, cpkv.indexer.work; index_topk
+config. An unclean call that is given a plan's work items (``work``, cpkv.kernels.mqa_logits.work; index_topk
 does) launches the Gluon kernel once per non-empty (token group, key span) item, span by span, instead
 of the full grid (ragged warm batch: 5,123 programs instead of 13,568; warm long: L2 hit rate 80 % ->
 96 %, DRAM reads 11.9 -> 2.1 GB; BENCHMARKS.md, indexer fifth pass).
@@ -32,69 +32,16 @@ of the full grid (ragged warm batch: 5,123 programs instead of 13,568; warm long
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from cpkv.kernels.mqa_logits.config import LogitsConfig
+from cpkv.kernels.platform import capability, gluon_importable, sm_count
+
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
-
-
-@dataclass(frozen=True)
-class LogitsConfig:
-    """Tile shape: N = BQ * H query rows per program (tokens x heads), BLOCK_S keys per tile, SPAN tiles.
-    variant: "gluon" (mqa_logits_gluon where it applies, else "lanes" with these fields), "lanes"
-    (mqa_logits_kernel_lanes, shuffle-free head sum) or "base" (mqa_logits_kernel); tma: lanes only,
-    key tiles by TMA when k allows it (_tma_ready), else pointer loads. gluon_span / gluon_stages /
-    gluon_maxnreg / gluon_warpgroups / gluon_pipe: the Gluon kernel's 64-key tiles per program, TMA ring
-    depth, register cap, warpgroups sharing each key tile (1 or 2) and accumulators per program (2: the
-    next tile's dot overlaps this tile's epilogue; 1: no overlap in a program, ~117 registers so four
-    programs per SM overlap each other); gluon_box: 64-key tiles per TMA box (2 needs pipe 1).
-    gluon_items: an unclean call given a plan's work items (cpkv.indexer.work) launches one program per
-    non-empty item, span by span, the last wave cut into span // gluon_split tiles; otherwise the grid
-    (spans, token groups), or (token groups, spans) with gluon_t_major.
-    Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
-    (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
-    "base"."""
-
-    n_rows: int = 128
-    block_s: int = 128
-    span: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    maxnreg: int | None = 128
-    variant: str = "gluon"
-    tma: bool = True
-    gluon_span: int = 64
-    gluon_stages: int = 2
-    gluon_maxnreg: int | None = None
-    gluon_warpgroups: int = 1
-    gluon_pipe: int = 1
-    gluon_box: int = 2
-    gluon_items: bool = True
-    gluon_t_major: bool = False
-    gluon_split: int = 4
-
-    def __post_init__(self) -> None:
-        check_gluon_shape(self.gluon_warpgroups, self.gluon_pipe, self.gluon_box)
-        if self.gluon_split < 1:
-            raise ValueError(f"gluon split: expected >= 1, got {self.gluon_split}")
-
-    def bq(self, heads: int) -> int:
-        return max(self.n_rows // heads, 1)
-
-
-def check_gluon_shape(warpgroups: int, pipe: int, box: int) -> None:
-    """The Gluon kernel's structural choices that exist: 1 or 2 warpgroups, 1 or 2 accumulators, boxes of
-    1 or 2 tiles (2 only with one accumulator); ValueError naming the field otherwise."""
-    if warpgroups not in (1, 2):
-        raise ValueError(f"gluon warpgroups: expected 1 or 2, got {warpgroups}")
-    if pipe not in (1, 2):
-        raise ValueError(f"gluon pipe (accumulators per program): expected 1 or 2, got {pipe}")
-    if box not in (1, 2) or (box == 2 and pipe != 1):
-        raise ValueError(f"gluon box: expected 1, or 2 with pipe 1; got box={box}, pipe={pipe}")
 
 
 DEFAULT_CONFIG = LogitsConfig()
@@ -296,23 +243,7 @@ def _gluon_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     if not (q.is_cuda and q.dtype == torch.float8_e4m3fn and k.dtype == torch.float8_e4m3fn
             and q.shape[1] in (8, 16, 32) and q.shape[2] in (64, 128) and _tma_ready(k)):
         return False
-    return _device(q.device.index)[0] == (9, 0) and _gluon_importable()
-
-
-@functools.lru_cache(maxsize=None)
-def _device(index: int | None) -> tuple[tuple[int, int], int]:
-    """(compute capability, SM count) of a CUDA device, looked up once (the logits call is per layer)."""
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
-
-
-@functools.lru_cache(maxsize=1)
-def _gluon_importable() -> bool:
-    try:
-        import cpkv.kernels.mqa_logits_gluon  # noqa: F401
-    except ImportError:  # a Triton without Gluon's Hopper API
-        return False
-    return True
+    return capability(q) == (9, 0) and gluon_importable()
 
 
 def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -323,7 +254,7 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = None):
-    """The WorkShape (cpkv.indexer.work) of the kernel that mqa_logits_triton runs for these inputs, or
+    """The WorkShape (cpkv.kernels.mqa_logits.work) of the kernel that mqa_logits_triton runs for these inputs, or
     None when that kernel takes no work items (not the Gluon kernel, or gluon_items off)."""
     cfg = config or DEFAULT_CONFIG
     if cfg.variant != "gluon" or not cfg.gluon_items or not _gluon_applies(q, k):
@@ -334,12 +265,12 @@ def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = N
 @functools.lru_cache(maxsize=64)
 def _gluon_work_shape(heads: int, cfg: LogitsConfig, device: int | None):
     """work_shape of the Gluon kernel (its domain already checked)."""
-    from cpkv.indexer.work import WorkShape
-    from cpkv.kernels.mqa_logits_gluon import BLOCK_S, programs_per_sm
+    from cpkv.kernels.mqa_logits.work import WorkShape
+    from cpkv.kernels.mqa_logits.gluon import BLOCK_S, programs_per_sm
 
     per_sm = programs_per_sm(cfg.gluon_warpgroups, cfg.gluon_pipe)
     return WorkShape(rows=128 // heads * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
-                     slots=_device(device)[1] * per_sm, split=cfg.gluon_split)
+                     slots=sm_count(device) * per_sm, split=cfg.gluon_split)
 
 
 def mqa_logits_triton(
@@ -372,7 +303,7 @@ def mqa_logits_triton(
     if cfg.variant not in kernels:
         raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
     if cfg.variant == "gluon" and _gluon_applies(q, k):
-        from cpkv.kernels.mqa_logits_gluon import mqa_logits_gluon
+        from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 
         use_items = work is not None and not clean and cfg.gluon_items
         shape = _gluon_work_shape(H, cfg, q.device.index) if use_items else None

@@ -17,39 +17,22 @@ are in flight before its stores (a variant looping over a page, storing between 
 of a device copy on H200; loop-free 2048-element blocks 0.89; whole pages per program with streaming
 hints 0.915). A plain Triton contiguous copy reached 0.93-0.95 of ``copy_`` in the same runs: that, not
 the gather's indexing, bounds this kernel (cudaMemcpy's copy path is out of reach of ld/st.global).
-Triton is imported lazily; :func:`page_gather_ref` is the reference and the CPU path.
+Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
 
 import functools
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
+
+from cpkv.kernels.platform import sm_count
 
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each
 # fit one 16,384-element block), 8 warps, streaming cache hints: best measured on H200 (2026-12-01 sweep:
 # 0.915 of a device copy for token pages, 0.923 for index pages, vs 0.888 for 2,048-element blocks)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "hints": True, "waves": 0}
-
-
-def page_gather_ref(out: torch.Tensor, sources: Sequence[torch.Tensor], dest: torch.Tensor, src: torch.Tensor,
-                    page: torch.Tensor) -> None:
-    """Reference: ``out[dest[i]] = sources[src[i]][page[i]]``, zeros where ``src[i] == -1``."""
-    dest, src, page = dest.long(), src.long(), page.long()
-    none = src < 0
-    if bool(none.any()):
-        out.index_fill_(0, dest[none], 0)
-    for s, source in enumerate(sources):
-        sel = src == s
-        if bool(sel.any()):
-            gather_group(out, source, dest[sel], page[sel])
-
-
-def gather_group(out: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, page: torch.Tensor) -> None:
-    """``out[dest] = source[page]`` for one source (uint8 pages; index tensors int64 on ``out``'s device)."""
-    rows = source.index_select(0, page.to(source.device))
-    out.index_copy_(0, dest, rows.to(out.device, non_blocking=True))
 
 
 @lru_cache(maxsize=1)
@@ -139,11 +122,6 @@ def launch_params(page_bytes: int, aligned16: bool, block: int) -> tuple[torch.d
     elems = page_bytes // ebytes
     block = min(block, _pow2_at_least(elems))
     return dtype, ebytes, vec, elems, block, -(-elems // block)
-
-
-@lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _COMPILED: dict[tuple, Any] = {}
@@ -261,7 +239,7 @@ class _Launch:
                                                                   cfg.get("block", DEFAULT_CONFIG["block"]))
         units = n * nblocks
         waves = cfg.get("waves", 0)
-        self.grid = (min(units, waves * _sm_count(out.device.index or 0)) if waves else units, 1, 1)
+        self.grid = (min(units, waves * sm_count(out.device)) if waves else units, 1, 1)
         self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
                      bool(cfg.get("hints", False)), bool(waves))
         self.warps = cfg.get("num_warps", DEFAULT_CONFIG["num_warps"])
@@ -296,15 +274,3 @@ def _pow2_at_least(n: int) -> int:
     while p < n:
         p *= 2
     return p
-
-
-def triton_available(device: torch.device) -> bool:
-    """True when the Triton path may run on ``device`` (CUDA, triton importable, not disabled)."""
-    from cpkv import envs
-    if device.type != "cuda" or envs.get("CPKV_DISABLE_TRITON"):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

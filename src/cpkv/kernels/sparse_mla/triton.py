@@ -49,13 +49,14 @@ the same run:
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+from cpkv.kernels.platform import capability, gluon_importable
 
 LOG2E = 1.4426950408889634
 USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
@@ -91,12 +92,7 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 def gluon_supported(d_v: int, d_rope: int, capability: tuple[int, int] | None) -> bool:
     """Whether the Gluon kernels apply: Hopper (sm_90), d_v = 512, d_rope = 64, Gluon importable."""
-    if capability != (9, 0) or (d_v, d_rope) != (512, 64):
-        return False
-    try:
-        return importlib.util.find_spec("triton.experimental.gluon") is not None
-    except ModuleNotFoundError:
-        return False
+    return capability == (9, 0) and (d_v, d_rope) == (512, 64) and gluon_importable()
 
 
 def default_config(h: int, d_v: int, d_rope: int, capability: tuple[int, int] | None = None) -> Config:
@@ -207,11 +203,6 @@ def load() -> Any:
     return _sparse_mla_fwd
 
 
-def device_capability(x: torch.Tensor) -> tuple[int, int] | None:
-    """(major, minor) of ``x``'s CUDA device, None on the CPU."""
-    return tuple(torch.cuda.get_device_capability(x.device)) if x.is_cuda else None
-
-
 def launch(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: torch.Tensor | None,
     ke: torch.Tensor | None, sm_scale: float, d_v: int, config: Config | None = None,
@@ -219,7 +210,7 @@ def launch(
     """Run the kernel (inputs already validated, last dims contiguous). Returns (out, lse, compiled)."""
     t, h, d_qk = q.shape
     d_r = d_qk - d_v
-    cfg = config or default_config(h, d_v, d_r, device_capability(q))
+    cfg = config or default_config(h, d_v, d_r, capability(q))
     out = torch.empty((t, h, d_v), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
     if t == 0:
@@ -228,7 +219,7 @@ def launch(
     idx = ks if dense else indices
     topk = 0 if dense else indices.shape[1]
     if cfg.impl == "gluon_ws":
-        from cpkv.kernels import sparse_mla_ws
+        from cpkv.kernels.sparse_mla.triton import gluon_ws as sparse_mla_ws
 
         return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
     grid = (math.ceil(h / cfg.block_h), t)

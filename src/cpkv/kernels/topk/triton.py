@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.kernels.platform import sm_count
+
 BLOCK = 2048
 SAMPLE = 4096
 NUM_WARPS = 8
@@ -342,10 +344,6 @@ SAMPLE_CONFIG = TopkConfig(variant="sample", num_warps=NUM_WARPS, programs_per_s
 RETRIES = 2
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
                 config: TopkConfig | None = None) -> torch.Tensor:
     """Fill out [T, k] int32 with the top-k relative indices of each row's x[i, lo[i]:hi[i]]
@@ -355,7 +353,7 @@ def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     if T == 0:
         return out
     c = candidate_slots(k)
-    programs = min(T, cfg.programs_per_sm * _num_sms(x.device))
+    programs = min(T, cfg.programs_per_sm * sm_count(x.device))
     kblock = min(4096, 1 << max(k - 1, 1).bit_length())
     target = int((k * c) ** 0.5)
     if cfg.variant == "sample":
