@@ -4,7 +4,7 @@ import pytest
 
 from cpkv.config import AdmissionCaps, CPConfig, PRESETS
 from cpkv.errors import AdmissionError
-from cpkv.kvcache import PageAllocator, PrefixCache
+from cpkv.kvcache import KVCacheManager, PageAllocator
 from cpkv.layout import cdiv, check_invariants
 from cpkv.scheduler import Admitted, PrefillAdder, Rejected, Request, Scheduler, Status
 
@@ -16,10 +16,10 @@ def make(cp=2, pages=64, policy="solo", full_hit="page", replicated=False, **cap
     kw = dict(extend_tokens=16, chunk_size=16, max_requests=4)
     kw.update(caps)
     allocs = [PageAllocator(pages, f"rank{r}") for r in range(1 if replicated else cp)]
-    cache = PrefixCache(P, allocs)
-    sched = Scheduler(cache, AdmissionCaps(**kw), model=TINY, cp=CPConfig(cp, P), policy=policy,
+    kv = KVCacheManager(P, allocs)
+    sched = Scheduler(kv, AdmissionCaps(**kw), model=TINY, cp=CPConfig(cp, P), policy=policy,
                       full_hit=full_hit, replicated=replicated)
-    return sched, cache, allocs
+    return sched, kv.tree, allocs
 
 
 def req(rid, tokens):
@@ -123,7 +123,7 @@ def test_full_chunk_stays_alone_under_mix():
     sched.add(req("C", toks(400, 3)))
     assert run_all(sched) == [[("B", 0, 5, False, True)], [("A", 0, 16, True, False)],
                               [("A", 16, 16, True, True)], [("C", 0, 3, False, True)]]
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(req("D", toks(600, 3))), Admitted)
     res = adder.try_add(req("E", toks(700, 40)))
     assert isinstance(res, Rejected) and res.reason == "solo" and not res.permanent
@@ -139,7 +139,7 @@ def test_unaligned_prefix_runs_alone(policy):
     sched.add(req("c", toks(400, 3)))
     assert run_all(sched) == [[("a-again", 7, 1, False, True)], [("c", 0, 3, False, True)]]
     assert_clean(cache, allocs)
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(req("d", toks(600, 3))), Admitted)
     res = adder.try_add(req("a-third", a))
     assert isinstance(res, Rejected) and res.reason == "solo"
@@ -160,12 +160,12 @@ def test_caps_name_the_reason():
     sched, cache, allocs = make(max_requests=2, cached_tokens=10)
     sched.add(req("h", toks(100, 8)))
     run_all(sched)
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(req("x", toks(200, 10))), Admitted)
     assert adder.try_add(req("y", toks(300, 7))).reason == "extend_tokens"
     assert isinstance(adder.try_add(req("z", toks(100, 8) + [1])), Admitted)   # 8 cached tokens
     assert adder.try_add(req("w", toks(400, 1))).reason == "max_requests"
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(req("z2", toks(100, 8) + [2])), Admitted)
     assert adder.try_add(req("z3", toks(100, 8) + [3])).reason == "cached_tokens"
 
@@ -185,7 +185,7 @@ def test_buffer_cap_admits_followers_within_bytes():
         return sched, cache
 
     sched, cache = setup()
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(sched._resume), Admitted)
     assert isinstance(adder.try_add(sched.waiting[0]), Admitted)
     res = adder.try_add(sched.waiting[1])
@@ -225,23 +225,23 @@ def test_page_tail_split_of_the_tail_chunk_under_mix():
 
 def test_staging_identity_checked():
     allocs = [PageAllocator(16) for _ in range(2)]
-    cache = PrefixCache(P, allocs)
+    kv = KVCacheManager(P, allocs)
     caps = AdmissionCaps(extend_tokens=16, chunk_size=16, max_requests=4)
-    Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P + 4)
+    Scheduler(kv, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P + 4)
     with pytest.raises(AdmissionError, match="staging identity"):
-        Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P)
+        Scheduler(kv, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P)
 
 
 def test_configuration_errors():
     allocs = [PageAllocator(16) for _ in range(2)]
     caps = AdmissionCaps(extend_tokens=16, chunk_size=16)
     with pytest.raises(AdmissionError, match="policy"):
-        Scheduler(PrefixCache(P, allocs), caps, model=TINY, cp=CPConfig(2, P), policy="greedy")
+        Scheduler(KVCacheManager(P, allocs), caps, model=TINY, cp=CPConfig(2, P), policy="greedy")
     with pytest.raises(AdmissionError, match="allocators"):
-        Scheduler(PrefixCache(P, allocs), caps, model=TINY, cp=CPConfig(4, P))
+        Scheduler(KVCacheManager(P, allocs), caps, model=TINY, cp=CPConfig(4, P))
     with pytest.raises(AdmissionError, match="page size"):
-        Scheduler(PrefixCache(2, allocs), caps, model=TINY, cp=CPConfig(2, P))
-    sched = Scheduler(PrefixCache(P, allocs), caps, model=TINY, cp=CPConfig(2, P))
+        Scheduler(KVCacheManager(2, allocs), caps, model=TINY, cp=CPConfig(2, P))
+    sched = Scheduler(KVCacheManager(P, allocs), caps, model=TINY, cp=CPConfig(2, P))
     with pytest.raises(AdmissionError, match="keys"):
         sched.add(Request("x", [1, 2], 3))
 
@@ -318,12 +318,13 @@ def test_scheduler_package_imports_no_torch():
 
 def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
     allocs = [PageAllocator(5, f"rank{r}") for r in range(2)]     # 4 pages per rank
-    cache = PrefixCache(P, allocs, host_pages=8)
     caps = AdmissionCaps(extend_tokens=16, chunk_size=16, max_requests=4)
     with pytest.raises(AdmissionError, match="on_spill"):
-        Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P))
+        KVCacheManager(P, allocs, host_pages=8)
     spilled = []
-    sched = Scheduler(cache, caps, model=TINY, cp=CPConfig(2, P), on_spill=lambda o, p, s: spilled.append((o, p, s)))
+    kv = KVCacheManager(P, allocs, host_pages=8, on_spill=lambda o, p, s: spilled.append((o, p, s)))
+    cache = kv.tree
+    sched = Scheduler(kv, caps, model=TINY, cp=CPConfig(2, P))
     sched.add(req("old", toks(100, 16)))
     run_all(sched)
     sched.add(req("new", toks(200, 16)))
@@ -342,7 +343,7 @@ def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
 
 def test_try_add_refuses_misuse():
     sched, cache, _ = make()
-    adder = PrefillAdder(sched.adm, cache)
+    adder = PrefillAdder(sched.adm, sched.kv)
     r = req("a", toks(100, 5))
     assert isinstance(adder.try_add(r), Admitted)
     with pytest.raises(AdmissionError, match="already in this batch"):

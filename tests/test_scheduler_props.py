@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpkv.config import AdmissionCaps, CPConfig, PRESETS
-from cpkv.kvcache import PageAllocator, PrefixCache
+from cpkv.kvcache import KVCacheManager, PageAllocator
 from cpkv.layout import check_invariants
 from cpkv.scheduler import Request, Scheduler, Status
 
@@ -33,12 +33,12 @@ queue = st.tuples(
 
 def build(cfg):
     allocs = [PageAllocator(cfg["pages"], f"rank{r}") for r in range(cfg["cp"])]
-    cache = PrefixCache(P, allocs)
+    kv = KVCacheManager(P, allocs)
     caps = AdmissionCaps(cfg["extend_tokens"], cfg["cached_tokens"], cfg["buffer_bytes"], cfg["max_requests"],
                          cfg["chunk_size"])
-    sched = Scheduler(cache, caps, model=TINY, cp=CPConfig(cfg["cp"], P), policy=cfg["policy"],
+    sched = Scheduler(kv, caps, model=TINY, cp=CPConfig(cfg["cp"], P), policy=cfg["policy"],
                       full_hit=cfg["full_hit"], staging_pages=caps.staging_pages(P))
-    return sched, cache, allocs
+    return sched, kv.tree, allocs
 
 
 def prompts(items):

@@ -1,7 +1,7 @@
 """The per-rank engine loop. Every rank runs it on the same inputs and takes the same decisions.
 
-    setup      model, ComposeRuntime (pool + staging in peer memory), host tier, one PageAllocator
-               mirror per rank, the CP-wide prefix cache, the scheduler
+    setup      model, ComposeRuntime (pool + staging in peer memory), host tier, the KV-cache manager
+               (one PageAllocator mirror per rank, the CP-wide prefix cache), the scheduler
     release    a request enters the queue once its parent finished (so the next turn of a conversation
                can hit it); requests without a parent are queued at the start
     reload     before admission, host-tier pages on a waiting request's cached chain come back into
@@ -24,7 +24,7 @@ from cpkv.dist import RankContext
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.forward import BatchSpec, run_batch
 from cpkv.kvcache.allocator import PageAllocator
-from cpkv.kvcache.prefix_cache import Node, PrefixCache
+from cpkv.kvcache.manager import KVCacheManager
 from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
@@ -59,10 +59,10 @@ class RankEngine:
                                         caps=caps, mode=cfg.mode)
         self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
-        self.cache = PrefixCache(cfg.page_size, allocators, cfg.host_pages)
-        self.spill = self._spill if self.host is not None else None
-        self.sched = Scheduler(self.cache, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
-                               staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit, on_spill=self.spill)
+        self.kv = KVCacheManager(cfg.page_size, allocators, cfg.host_pages,
+                                 on_spill=self._spill if self.host is not None else None)
+        self.sched = Scheduler(self.kv, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
+                               staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
         self.out = RankOutput(self.rank)
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
@@ -82,34 +82,17 @@ class RankEngine:
         """
         if self.host is None:
             return
-        before = self.cache.stats["reloaded"]
+        reloaded = 0
         for i, req in enumerate(list(self.sched.waiting)[: self.cfg.caps().max_requests]):
             if not req.started:
-                self._reload_chain(self.cache.match(req.keys).nodes, may_evict=i == 0)
-        if self.cache.stats["reloaded"] != before:  # same count on every rank
+                reloaded += self.kv.reload(req.keys, self._load, may_evict=i == 0)
+        if reloaded:  # same count on every rank
             self._sync_time()
             self.ctx.barrier()
 
-    def _reload_chain(self, nodes: tuple[Node, ...], may_evict: bool) -> None:
-        first = next((i for i, n in enumerate(nodes) if not n.on_device), len(nodes))
-        if first == len(nodes):
-            return
-        self.cache.lock(nodes)  # neither the chain's device part nor its host part may go meanwhile
-        try:
-            for node in nodes[first:]:
-                if node.on_device:  # a page inserted later under a spilled parent
-                    continue
-                alloc = self.cache.allocators[node.owner]
-                if alloc.num_free == 0 and may_evict:
-                    self.cache.evict(1, owner=node.owner, on_spill=self.spill)
-                if alloc.num_free == 0:
-                    break
-                page = alloc.allocate(1)[0]
-                if node.owner == self.rank:
-                    self.host.load([node.host_slot], [page])
-                self.cache.reload(node, page)
-        finally:
-            self.cache.unlock(nodes)
+    def _load(self, owner: int, slot: int, page_id: int) -> None:
+        if owner == self.rank and self.host is not None:
+            self.host.load([slot], [page_id])
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RankOutput:
@@ -184,10 +167,10 @@ class RankEngine:
         return time.perf_counter()
 
     def _finish_stats(self) -> None:
-        self.out.pages_used = [a.num_used for a in self.cache.allocators]
+        self.out.pages_used = self.kv.pages_used()
         self.out.stats = {
-            "batches": self.batches, "spilled": self.cache.stats["spilled"],
-            "reloaded": self.cache.stats["reloaded"], "evicted": self.cache.stats["evicted"],
+            "batches": self.batches, "spilled": self.kv.stats["spilled"],
+            "reloaded": self.kv.stats["reloaded"], "evicted": self.kv.stats["evicted"],
             "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
             "batch_log": self.batch_log, "batch_s": self.batch_s,

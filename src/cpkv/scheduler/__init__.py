@@ -15,14 +15,16 @@ multiple of P, except an unaligned prefix, which always runs alone)::
 
 The engine's loop::
 
-    sched = Scheduler(cache, caps, model=model, cp=cp_config, staging_pages=runtime_staging_pages)
+    sched = Scheduler(kv, caps, model=model, cp=cp_config, staging_pages=runtime_staging_pages)
     sched.add(Request(rid, tokens, len(tokens)))        # tokens: materialize_tokens(trace)[rid]
     batch = sched.next_batch()   # Batch.entries[i]: request, prefix_len, extend_len, chunked, last_chunk,
-                                 #   nodes (locked), prefix_pages / pages (owner, page id), writers
+                                 #   prefix (held), prefix_pages / pages (owner, page id), writers
     layout = batch.layout()      # build_layout(...) with the entries' prefix pages: same writers
     ...                          # forward: write each entry's new KV into entry.pages
-    finished = sched.finish(batch)   # full pages into the prefix cache (writers own them), partial
-                                     # pages freed, prefix unlocked, next chunk requeued first
+    finished = sched.finish(batch)   # full pages committed to the KV cache (writers own them), partial
+                                     # pages released, prefix dropped, next chunk requeued first
+
+``kv`` is the ``cpkv.kvcache.KVCacheManager``: the scheduler reaches the cache through its verbs only.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from functools import lru_cache
 from cpkv import envs
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import AdmissionError
-from cpkv.kvcache.prefix_cache import Node, PrefixCache, SpillHook
+from cpkv.kvcache.manager import KVCacheManager, Prefix
 from cpkv.layout import cdiv, split_writers
 from cpkv.scheduler.batch import Entry
 from cpkv.scheduler.request import Request, Status
@@ -183,8 +183,8 @@ class _Plan:
     extend: int
     chunked: bool
     last: bool
-    nodes: tuple[Node, ...]
-    fresh: bool  # first chunk: the nodes still need locking
+    cached: Prefix
+    fresh: bool  # first chunk: the cached prefix still needs holding
 
 
 @dataclass
@@ -192,8 +192,7 @@ class PrefillAdder:
     """One batch under construction. Budgets start at zero and grow with each admitted entry."""
 
     adm: Admission
-    cache: PrefixCache
-    on_spill: SpillHook | None = None   # with a host tier: copies an evicted page to the host first
+    kv: KVCacheManager
     entries: list[Entry] = field(default_factory=list)
     extend: int = 0
     cached: int = 0
@@ -206,7 +205,7 @@ class PrefillAdder:
 
     @property
     def pool_pages(self) -> int:
-        return sum(a.num_pages - 1 for a in self.cache.allocators)
+        return self.kv.pool_pages
 
     def try_add(self, req: Request) -> Admitted | Rejected:
         """Admit one chunk of ``req`` (locking its prefix, allocating its pages) or say which cap stops it."""
@@ -230,31 +229,22 @@ class PrefillAdder:
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self, req: Request) -> _Plan:
         if req.started:
-            return self._chunk_plan(req.prompt_len, req.done, req.nodes, True, fresh=False)
-        nodes = self._match(req)
-        return self._chunk_plan(req.prompt_len, len(nodes) * self.adm.page_size, nodes, False, fresh=True)
+            return self._chunk_plan(req.prompt_len, req.done, req.prefix, True, fresh=False)
+        hit = self.kv.match(req.keys)  # its device part: the engine reloads host-tier pages before admission
+        return self._chunk_plan(req.prompt_len, len(hit) * self.adm.page_size, hit, False, fresh=True)
 
-    def _match(self, req: Request) -> tuple[Node, ...]:
-        nodes = self.cache.match(req.keys).nodes
-        if self.cache.host is None:
-            return nodes
-        for i, n in enumerate(nodes):
-            if not n.on_device:
-                return nodes[:i]  # host-tier pages: the engine reloads them; admission uses the device run
-        return nodes
-
-    def _chunk_plan(self, prompt: int, prefix: int, nodes: tuple[Node, ...], resumed: bool, fresh: bool) -> _Plan:
+    def _chunk_plan(self, prompt: int, prefix: int, hit: Prefix, resumed: bool, fresh: bool) -> _Plan:
         adm, P = self.adm, self.adm.page_size
         if not resumed:
             if prefix >= prompt and adm.full_hit == "token" and prompt - 1 <= adm.caps.cached_tokens:
-                return _Plan(prompt - 1, 1, False, True, nodes, fresh)
+                return _Plan(prompt - 1, 1, False, True, hit, fresh)
             if prefix >= prompt:
-                nodes, prefix = nodes[:-1], prefix - P
-            while nodes and adm.last_prefix(prompt, prefix) > adm.caps.cached_tokens:
-                nodes, prefix = nodes[:-1], prefix - P
+                hit, prefix = hit.head(len(hit) - 1), prefix - P
+            while len(hit) and adm.last_prefix(prompt, prefix) > adm.caps.cached_tokens:
+                hit, prefix = hit.head(len(hit) - 1), prefix - P
         extend = min(prompt - prefix, adm.extend_cap)
         chunked = resumed or prompt - prefix > adm.extend_cap
-        return _Plan(prefix, extend, chunked, extend == prompt - prefix, nodes, fresh)
+        return _Plan(prefix, extend, chunked, extend == prompt - prefix, hit, fresh)
 
     def _alone(self, plan: _Plan) -> bool:
         if plan.prefix % self.adm.page_size:
@@ -284,33 +274,18 @@ class PrefillAdder:
     def _admit(self, req: Request, plan: _Plan, writers: tuple[int, ...], rows: tuple[int, ...]) -> Admitted | Rejected:
         owners = [0 if self.adm.replicated else w for w in writers]
         if plan.fresh:
-            self.cache.lock(plan.nodes)
-        pages = self._allocate(owners)
+            self.kv.hold(plan.cached)
+        pages = self.kv.allocate(owners)
         if pages is None:
             if plan.fresh:
-                self.cache.unlock(plan.nodes)
+                self.kv.drop(plan.cached)
             return Rejected("pages", "a writer rank has too few free pages after eviction")
-        entry = Entry(req, plan.prefix, plan.extend, plan.chunked, plan.last, plan.nodes, tuple(pages), writers)
+        entry = Entry(req, plan.prefix, plan.extend, plan.chunked, plan.last, plan.cached, pages, writers)
         self._account(entry, rows)
         if plan.fresh:
-            req.cached, req.done, req.nodes = plan.prefix, plan.prefix, plan.nodes
+            req.cached, req.done, req.prefix = plan.prefix, plan.prefix, plan.cached
         req.status = Status.RUNNING
         return Admitted(entry)
-
-    def _allocate(self, owners: list[int]) -> list[tuple[int, int]] | None:
-        """Free pages per owner rank (evicting LRU leaves as needed), then allocate; None if short."""
-        need: dict[int, int] = {}
-        for o in owners:
-            need[o] = need.get(o, 0) + 1
-        allocs = self.cache.allocators
-        for o in sorted(need):
-            short = need[o] - allocs[o].num_free
-            if short > 0:
-                self.cache.evict(short, owner=o, on_spill=self.on_spill)
-        if any(allocs[o].num_free < n for o, n in need.items()):
-            return None
-        got = {o: iter(allocs[o].allocate(n)) for o, n in sorted(need.items())}
-        return [(o, next(got[o])) for o in owners]
 
     def _account(self, entry: Entry, rows: tuple[int, ...]) -> None:
         P = self.adm.page_size
@@ -320,5 +295,5 @@ class PrefillAdder:
         self.slots += cdiv(entry.prefix_len, P) + len(entry.pages)
         self.rot += len(entry.pages)
         self.rows = [a + b for a, b in zip(self.rows, rows)]
-        self.closed = self._alone(_Plan(entry.prefix_len, entry.extend_len, entry.chunked, entry.last_chunk, (),
+        self.closed = self._alone(_Plan(entry.prefix_len, entry.extend_len, entry.chunked, entry.last_chunk, entry.prefix,
                                         False))

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
-from cpkv.kvcache.prefix_cache import Node
+from cpkv.kvcache.manager import Prefix
 from cpkv.layout import BatchLayout, build_layout, cdiv
 from cpkv.scheduler.request import Request
 
@@ -19,7 +18,7 @@ class Entry:
     prefix pages (the last one partial only for an unaligned prefix, which runs alone). ``pages``:
     (owner, page id) of the cdiv(extend_len, P) new pages the scheduler allocated; ``writers``: the
     rank that computes each of them (the layout split; owner == writer unless the KV is replicated).
-    ``nodes``: the locked prefix-cache nodes of the carried prefix.
+    ``prefix``: the carried prefix's cached pages (an opaque handle the KV-cache manager holds).
     """
 
     request: Request
@@ -27,13 +26,13 @@ class Entry:
     extend_len: int
     chunked: bool
     last_chunk: bool
-    nodes: tuple[Node, ...]
+    prefix: Prefix
     pages: tuple[tuple[int, int], ...]
     writers: tuple[int, ...]
 
-    @cached_property
+    @property
     def prefix_pages(self) -> tuple[tuple[int, int], ...]:
-        return tuple((n.owner, n.page_id) for n in self.nodes)
+        return self.prefix.pages
 
     @property
     def rid(self) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig, preset
 from cpkv.errors import ConfigError
 from cpkv.kvcache.allocator import PageAllocator
-from cpkv.kvcache.prefix_cache import PrefixCache
+from cpkv.kvcache.manager import KVCacheManager
 from cpkv.scheduler.batch import Batch
 from cpkv.scheduler.costs import CostModel
 from cpkv.scheduler.request import Request
@@ -110,8 +110,8 @@ def build_scheduler(cfg: ReplayConfig, model: ModelConfig, costs: CostModel) -> 
     tokens = cfg.kv_tokens_per_rank if cfg.kv_tokens_per_rank is not None else costs.kv_tokens_per_rank(cfg.cp)
     pages = max(2, tokens // cfg.page_size + 1)  # + the reserved page 0
     ranks = 1 if cfg.kv == "replicated" else cfg.cp
-    cache = PrefixCache(1, [PageAllocator(pages, f"rank{r}") for r in range(ranks)])
-    sched = Scheduler(cache, cfg.caps(), model=model, cp=CPConfig(cfg.cp, cfg.page_size), policy=cfg.policy,
+    kv = KVCacheManager(1, [PageAllocator(pages, f"rank{r}") for r in range(ranks)])
+    sched = Scheduler(kv, cfg.caps(), model=model, cp=CPConfig(cfg.cp, cfg.page_size), policy=cfg.policy,
                       key_unit=cfg.page_size, replicated=cfg.kv == "replicated")
     return sched, (pages - 1) * cfg.page_size
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Hashable, Sequence
 
-from cpkv.kvcache.prefix_cache import Node
+from cpkv.kvcache.manager import EMPTY, Prefix
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class Request:
     cached: int = -1               # tokens taken from the prefix cache at the first chunk (-1: not yet)
     done: int = 0                  # tokens in KV: cached + earlier chunks
     chunks: int = 0                # chunks finished
-    nodes: tuple[Node, ...] = ()   # locked prefix-cache nodes holding the carried prefix
+    prefix: Prefix = EMPTY         # the carried prefix's cached pages, held in the KV-cache manager
     reason: str = ""               # why it was rejected
     meta: dict = field(default_factory=dict)
 

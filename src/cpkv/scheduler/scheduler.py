@@ -1,11 +1,11 @@
 """The waiting queue and the batch loop the engine (and the replay) drive. No torch import.
 
-    sched = Scheduler(cache, caps, model=model, cp=cp_config, staging_pages=staging.pages)
+    sched = Scheduler(kv, caps, model=model, cp=cp_config, staging_pages=staging.pages)   # kv: KVCacheManager
     sched.add(Request(rid, tokens, len(tokens)))
     while sched.has_work:
         batch = sched.next_batch()          # entries: (request, prefix_len, extend_len, pages, ...)
         ...run the forward, writing each entry's KV into entry.pages...
-        done = sched.finish(batch)          # inserts full pages into the prefix cache, unlocks, requeues
+        done = sched.finish(batch)          # commits full pages to the KV cache, releases the rest, requeues
 
 One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the
 waiting queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the
@@ -15,40 +15,30 @@ blocks the queue. Every decision depends only on the calls made, so every rank t
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
-
 from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import AdmissionError
-from cpkv.kvcache.prefix_cache import PrefixCache, SpillHook
+from cpkv.kvcache.manager import EMPTY, KVCacheManager
 from cpkv.scheduler.admission import Admission, Admitted, PrefillAdder, Rejected
 from cpkv.scheduler.batch import Batch, Entry
 from cpkv.scheduler.request import Request, Status
 
 
-_HELD = (-1, -1)  # stands for a page the tree already holds (never adopted: its node exists and is locked)
-
-
 class Scheduler:
-    """Admission over a CP-wide prefix cache.
+    """Admission over the CP-wide KV cache, reached only through the KVCacheManager's verbs.
 
-    ``cache.allocators``: one per rank (shared KV) or a single one (``replicated``: every page on every
-    rank). ``key_unit``: tokens per element of ``Request.keys`` (1: token ids; the page size: page ids,
-    with ``cache.page_size == 1``). ``staging_pages``: the compose runtime's, checked against the caps.
-    ``on_spill``: passed to ``cache.evict`` (a cache with a host tier needs it to copy evicted pages).
+    ``kv``: one pool per rank (shared KV) or a single one (``replicated``: every page on every rank).
+    ``key_unit``: tokens per element of ``Request.keys`` (1: token ids; the page size: page ids, with
+    ``kv.page_size == 1``). ``staging_pages``: the compose runtime's, checked against the caps.
     """
 
-    def __init__(self, cache: PrefixCache, caps: AdmissionCaps, *, model: ModelConfig, cp: CPConfig,
+    def __init__(self, kv: KVCacheManager, caps: AdmissionCaps, *, model: ModelConfig, cp: CPConfig,
                  policy: str = "solo", staging_pages: int | None = None, key_unit: int = 1,
-                 replicated: bool = False, full_hit: str = "page", logits_budget: int | None = None,
-                 on_spill: SpillHook | None = None) -> None:
+                 replicated: bool = False, full_hit: str = "page", logits_budget: int | None = None) -> None:
         self.adm = Admission.build(caps, model, cp, policy=policy, staging_pages=staging_pages,
                                    logits_budget=logits_budget, replicated=replicated, full_hit=full_hit)
-        _check_cache(cache, cp, key_unit, replicated)
-        if cache.host is not None and on_spill is None:
-            raise AdmissionError("the prefix cache has a host tier: pass on_spill so that evicted pages are copied")
-        self.cache = cache
+        _check_cache(kv, cp, key_unit, replicated)
+        self.kv = kv
         self.key_unit = key_unit
-        self.on_spill = on_spill
         self.waiting: deque[Request] = deque()
         self.rejected: list[Request] = []
         self.in_flight: Batch | None = None
@@ -77,12 +67,11 @@ class Scheduler:
 
     @property
     def pool_pages(self) -> int:
-        return sum(a.num_pages - 1 for a in self.cache.allocators)
+        return self.kv.pool_pages
 
     def _reject(self, req: Request, why: Rejected) -> None:
-        if req.nodes:
-            self.cache.unlock(req.nodes)
-        req.nodes = ()
+        self.kv.drop(req.prefix)
+        req.prefix = EMPTY
         req.status, req.reason = Status.REJECTED, f"{why.reason}: {why.detail}"
         self.rejected.append(req)
 
@@ -91,7 +80,7 @@ class Scheduler:
         """The next batch (its pages allocated, its prefix locked), or None when nothing can run."""
         if self.in_flight is not None:
             raise AdmissionError(f"batch {self.in_flight.index} is still in flight: finish() it first")
-        adder = PrefillAdder(self.adm, self.cache, self.on_spill)
+        adder = PrefillAdder(self.adm, self.kv)
         if self._resume is not None:
             req, self._resume = self._resume, None
             res = adder.try_add(req)
@@ -130,53 +119,29 @@ class Scheduler:
         req, P = e.request, self.adm.page_size
         end = e.seq_len
         keep = (end // P - e.prefix_len // P) if e.prefix_len % P == 0 else 0
-        self._insert(req, end // P * P, len(e.nodes), list(e.pages[:keep]))
-        self._release(e.pages[keep:])
+        held = self.kv.commit(self._keys(req, end // P * P), req.prefix, e.pages[:keep], hold=not e.last_chunk)
+        self.kv.release(e.pages[keep:])
         req.chunks += 1
+        req.prefix = held
         if e.last_chunk:
-            self.cache.unlock(req.nodes)
-            req.nodes, req.done, req.status = (), req.prompt_len, Status.FINISHED
+            req.done, req.status = req.prompt_len, Status.FINISHED
             return True
-        nodes = self.cache.match(self._keys(req, end)).nodes
-        assert len(nodes) * P == end, f"chunk boundary {end} not cached ({len(nodes)} pages)"
-        self.cache.lock(nodes)
-        self.cache.unlock(req.nodes)
-        req.nodes, req.done = nodes, end
+        req.done = end
         self._resume = req
         return False
-
-    def _insert(self, req: Request, tokens: int, num_prefix: int, new: list[tuple[int, int]]) -> None:
-        """Insert the full pages of ``tokens``: the tree holds the first ``num_prefix`` (locked), ``new`` follow.
-
-        The locked prefix pages are already cached, so the placeholders standing for them come back
-        rejected (the first ``num_prefix`` entries); duplicates of ``new`` come back after them.
-        """
-        if not new:
-            return  # no full page written: the tree already holds the whole carried prefix
-        dup = self.cache.insert(self._keys(req, tokens), [_HELD] * num_prefix + new)
-        if dup.count(_HELD) != num_prefix:
-            raise AdmissionError(f"request {req.rid!r}: its locked prefix is no longer in the prefix cache")
-        self._release(dup[num_prefix:])
 
     def _keys(self, req: Request, tokens: int):
         return req.keys[: tokens // self.key_unit]
 
-    def _release(self, pages: Iterable[tuple[int, int]]) -> None:
-        by_owner: dict[int, list[int]] = {}
-        for owner, pid in pages:
-            by_owner.setdefault(owner, []).append(pid)
-        for owner, pids in sorted(by_owner.items()):
-            self.cache.allocators[owner].release(pids)
 
-
-def _check_cache(cache: PrefixCache, cp: CPConfig, key_unit: int, replicated: bool) -> None:
-    if key_unit < 1 or cp.page_size % key_unit or cache.page_size * key_unit != cp.page_size:
-        raise AdmissionError(f"prefix cache page size {cache.page_size} x key unit {key_unit} must equal the "
+def _check_cache(kv: KVCacheManager, cp: CPConfig, key_unit: int, replicated: bool) -> None:
+    if key_unit < 1 or cp.page_size % key_unit or kv.page_size * key_unit != cp.page_size:
+        raise AdmissionError(f"prefix cache page size {kv.page_size} x key unit {key_unit} must equal the "
                              f"page size {cp.page_size}")
     want = 1 if replicated else cp.cp
-    if len(cache.allocators) != want:
+    if kv.num_pools != want:
         kind = "replicated KV: one pool standing for every rank's copy" if replicated else f"one per rank of cp={cp.cp}"
-        raise AdmissionError(f"expected {want} allocators ({kind}), got {len(cache.allocators)}")
+        raise AdmissionError(f"expected {want} allocators ({kind}), got {kv.num_pools}")
 
 
 def _check_request(req: Request, key_unit: int) -> None:
