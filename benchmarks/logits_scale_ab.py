@@ -23,7 +23,7 @@ for s in SCENARIOS:
     for rep in range(6):
         for n, sc in (arms.items() if rep % 2 == 0 else list(arms.items())[::-1]):
             ms = _bench(lambda: mqa_logits_gluon(q, ka, sc, w, full.ks, full.ke, buf, col_offset=c.key_start,
-                                                 clean=False, items=items), rep=25)
+                                                 clean=False, items=items), rep_ms=25)
             r[n].append(pairs * 2 * HEADS * DIM / ms / 1e9)
         g.append(fp8_gemm_tflops(rep=25))
     gm = statistics.mean(g)

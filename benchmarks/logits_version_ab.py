@@ -12,7 +12,7 @@ from cpkv.bench.timing import do_bench_ms as _bench
 from cpkv.bench.indexer import SCENARIOS, make_inputs, indexer_plan as _plan, fp8_gemm_tflops, HEADS, DIM
 from cpkv.indexer.logits import aligned_keys
 from cpkv.indexer.plan import padded
-from cpkv.kernels.mqa_logits.triton import gluon as new
+from cpkv.kernels.mqa_logits import gluon as new
 old_path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/mlg_old.py"
 spec = importlib.util.spec_from_file_location("mlg_old", old_path); old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 c0 = fp8_gemm_tflops()

@@ -245,7 +245,7 @@ def test_attention_bad_input() -> None:
 
 def test_kernel_config_choice_without_hopper() -> None:
     """The Gluon kernel is chosen only on sm_90 with 512 + 64 dims and > 32 heads; tags name configs."""
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     for cap in (None, (8, 0), (10, 0)):
         assert kernel.default_config(64, 512, 64, cap).impl == "triton"

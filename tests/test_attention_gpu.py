@@ -86,7 +86,7 @@ def _skip_unless_gluon(cfg) -> None:
 @pytest.mark.parametrize("i", range(5), ids=["default-triton", "lazy", "k32-pf-lazy", "h16", "gluon-ws"])
 def test_sparse_kernel_configs(i: int) -> None:
     """Every kernel variant against float64: large-magnitude scores, leading invalid tiles, odd topk."""
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     cfg = _configs()[i]
     _skip_unless_gluon(cfg)
@@ -104,7 +104,7 @@ def test_sparse_kernel_configs(i: int) -> None:
 @pytest.mark.parametrize("h,topk,t", [(16, 64, 3), (32, 333, 4), (64, 2048, 3), (128, 100, 2), (64, 0, 2)])
 def test_gluon_kernel_heads_and_lengths(h: int, topk: int, t: int) -> None:
     """Gluon kernel: heads padded to 64 (16, 32) or split in blocks of 64 (128), partial / single / no tiles."""
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     cfg = kernel.GLUON_WS
     _skip_unless_gluon(cfg)

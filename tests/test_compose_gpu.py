@@ -31,8 +31,7 @@ def _case(page_bytes, n, seed, offset=0):
 
 
 @pytest.mark.parametrize("page_bytes", PAGE_BYTES)
-@pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4, "hints": True},
-                                    {"block": 2048, "num_warps": 8, "waves": 2}])
+@pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4}, {"block": 2048, "num_warps": 8}])
 def test_triton_gather_matches_reference(page_bytes, config):
     from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 300, seed=page_bytes)

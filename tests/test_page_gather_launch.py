@@ -64,12 +64,12 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
                                           compiled.calls[0][5], compiled.calls[0][6:9], compiled.calls[0][9:])
     assert grid == (5, 1, 1) and stream == 1000 and (fn, meta) == ("fn", "meta") and hooks == (None,) * 3
     named = dict(zip(pg.load().arg_names, raw))  # the real kernel's parameter names
-    assert len(named) == len(raw) == 14
+    assert len(named) == len(raw) == 12
     assert [named[x] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
         t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n"], named["n_units"]) == (5, 5)  # one unit per page
-    assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK", "HINTS", "PERSISTENT")] == [
-        64 * 656 // 4, 4, 4, 16384, True, False]  # int32 elements, 16-byte vectors, streaming hints
+    assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [
+        64 * 656 // 4, 4, 4, 16384]  # int32 elements, 16-byte vectors, one program per page
     assert len(compiled.calls) == 3 and all(c == compiled.calls[0] for c in compiled.calls)
     assert launch.tensors[2] is dest
 
@@ -85,14 +85,14 @@ def test_pair_launcher_orders_both_segments_for_one_launch(fake):
     assert call[:3] == (11, 1, 1)
     # every raw value lands on the parameter of that name in the real kernel's signature
     named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
-    assert len(named) == len(call[9:]) == 24
+    assert len(named) == len(call[9:]) == 23
     for j, (out, bases, dest, src, page) in enumerate((a, b)):
         assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n0"], named["units0"], named["n1"]) == (4, 4, 7)
     assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 16384]
     assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
-    assert named["HINTS"] is True and kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
+    assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
 
 
 def test_triton_s_empty_hook_chain_allows_direct_launches(fake, monkeypatch):

@@ -26,7 +26,7 @@ def dense_causal_mla(
     if not kernel_applies(q, d_v):
         out, lse = ref.dense_causal_mla_ref(q, kv, ks, ke, sm_scale, d_v)
         return out.to(torch.bfloat16), lse
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     ks32, ke32 = ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous()
     out, lse, _ = kernel.launch(last_dim_contiguous(q), last_dim_contiguous(kv), None, ks32, ke32,

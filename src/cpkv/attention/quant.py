@@ -26,7 +26,7 @@ def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None) -> torch.
         rows = rows.contiguous()
     if not (use_triton(rows) and _kernel_fits(fmt)):
         return ref.dequant_token_kv_ref(rows, fmt)
-    from cpkv.kernels.token_kv.triton import triton as token_kv
+    from cpkv.kernels.token_kv import triton as token_kv
 
     return token_kv.dequant(*ref.row_views(rows, fmt))
 
@@ -43,7 +43,7 @@ def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tens
     expect(kv.shape[1] == width, f"kv of {width} dims for {fmt}", f"shape {tuple(kv.shape)}")
     if not (use_triton(kv) and _kernel_fits(fmt)):
         return ref.quant_token_kv_ref(kv, fmt)
-    from cpkv.kernels.token_kv.triton import triton as token_kv
+    from cpkv.kernels.token_kv import triton as token_kv
 
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     rows = torch.empty((kv.shape[0], fmt.row_bytes), dtype=torch.uint8, device=kv.device)
@@ -61,6 +61,6 @@ def _check_format(fmt: RowFormat | None) -> RowFormat:
 
 
 def _kernel_fits(fmt: RowFormat) -> bool:
-    from cpkv.kernels.token_kv.triton import triton as token_kv
+    from cpkv.kernels.token_kv import triton as token_kv
 
     return token_kv.supported(fmt.fp8_bytes, fmt.rope_dims)

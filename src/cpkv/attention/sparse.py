@@ -26,7 +26,7 @@ def sparse_mla(
     if not kernel_applies(q, d_v):
         out, lse = ref.sparse_mla_ref(q, kv, indices, sm_scale, d_v)
         return out.to(torch.bfloat16), lse
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     idx = last_dim_contiguous(indices.to(torch.int32))
     out, lse, _ = kernel.launch(last_dim_contiguous(q), last_dim_contiguous(kv), idx, None, None,
@@ -48,6 +48,6 @@ def kernel_applies(q: torch.Tensor, d_v: int) -> bool:
     """Whether the Triton kernel runs for this input (CUDA, Triton present, supported dims)."""
     if not use_triton(q):
         return False
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     return kernel.supported(d_v, q.shape[2] - d_v)

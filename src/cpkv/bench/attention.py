@@ -119,7 +119,7 @@ def _flops(inp: dict[str, Any]) -> float:
 
 def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     from cpkv.attention import sparse_mla
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms, warmup_ms=25)
     tflops = _flops(inp) / ms / 1e9
@@ -143,7 +143,7 @@ def _rel_err(inp: dict[str, Any], rows: int = 8, config: Any = None) -> float:
     import torch
 
     from cpkv.attention import sparse_mla_ref
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     q, idx = inp["q"][:rows], inp["idx"][:rows]
     out, _, _ = kernel.launch(q, inp["kv"], idx, None, None, inp["scale"], 512, config)
@@ -153,13 +153,13 @@ def _rel_err(inp: dict[str, Any], rows: int = 8, config: Any = None) -> float:
 
 def _sweep_configs() -> list[Any]:
     """Candidate kernel configs: the Triton kernel, the one-partition Gluon kernel, the warp-specialised one."""
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     return [kernel.Config(64, 64, 8, 2), kernel.GLUON_WS]
 
 
 def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]]:
-    from cpkv.kernels.sparse_mla.triton import triton as kernel
+    from cpkv.kernels.sparse_mla import triton as kernel
 
     rows = []
     for cfg in _sweep_configs():

@@ -78,17 +78,10 @@ def _check_variant_names(names: str | None) -> None:
 
 def logits_variants() -> dict:
     """Named LogitsConfig variants timed by --variants (the first is the default)."""
-    from cpkv.kernels.mqa_logits.triton import BASE_CONFIG, DEFAULT_CONFIG, LANES_CONFIG, LogitsConfig
+    from cpkv.kernels.mqa_logits.triton import DEFAULT_CONFIG, LANES_CONFIG, LogitsConfig
 
-    named = {"base": BASE_CONFIG,
-             "lanes_tma_w8_s128": LANES_CONFIG,
-             "gluon_pipe2": LogitsConfig(gluon_pipe=2, gluon_box=1, gluon_stages=4),
-             "gluon_pipe2_span128": LogitsConfig(gluon_pipe=2, gluon_box=1, gluon_stages=4, gluon_span=128),
-             "gluon_pipe1_box1_st4": LogitsConfig(gluon_box=1, gluon_stages=4),
-             "gluon_box2_st3": LogitsConfig(gluon_stages=3),
-             "gluon_wg2_box2": LogitsConfig(gluon_warpgroups=2),
-             "gluon_grid": LogitsConfig(gluon_items=False),
-             "gluon_grid_t_major": LogitsConfig(gluon_items=False, gluon_t_major=True),
+    named = {"lanes_tma_w8_s128": LANES_CONFIG,
+             "gluon_st3": LogitsConfig(gluon_stages=3),
              "gluon_items_unsplit": LogitsConfig(gluon_split=1),
              "gluon_items_span32": LogitsConfig(gluon_span=32),
              "gluon_items_span128": LogitsConfig(gluon_span=128, gluon_split=8)}
@@ -97,10 +90,9 @@ def logits_variants() -> dict:
 
 def topk_variants() -> dict:
     """Named TopkConfig variants timed by --variants (the first is the default)."""
-    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, SAMPLE_CONFIG, TopkConfig
+    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, TopkConfig
 
-    named = {"sample": SAMPLE_CONFIG,
-             "stream_w4_p4_d2": TopkConfig(depth=2),
+    named = {"stream_w4_p4_d2": TopkConfig(depth=2),
              "stream_w4_p4_d1": TopkConfig(depth=1),
              "stream_w8_p2_b2048": TopkConfig(num_warps=8, programs_per_sm=2, block=2048)}
     return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
@@ -308,14 +300,13 @@ def _logits_variant_rows(q, ka, k_scale, w, full, c, buf, run_logits, flops, wor
 
 def _topk_variant_rows(buf, full, out, t_torch, names) -> list[dict]:
     """Each top-k variant on the scenario's logits: time, speed-up over torch.topk, exact equality
-    with the first ("sample") kernel's result."""
+    with the pure-torch reference's result."""
     import torch
 
-    from cpkv.kernels.topk.triton import SAMPLE_CONFIG
+    from cpkv.indexer.ref import topk_ref
     from cpkv.indexer.topk import topk_into
 
-    want = torch.empty_like(out)
-    topk_into(buf, full.rel_ks, full.rel_ke, TOPK, want, config=SAMPLE_CONFIG)
+    want = topk_ref(buf, full.rel_ks, full.rel_ke, TOPK)
     rows = []
     for name, cfg in _picked(topk_variants(), names).items():
         try:
@@ -323,7 +314,7 @@ def _topk_variant_rows(buf, full, out, t_torch, names) -> list[dict]:
             out.fill_(-2)
             topk_into(buf, full.rel_ks, full.rel_ke, TOPK, out, config=cfg)
             rows.append({"variant": name, "config": repr(cfg), "ms": ms, "speedup": t_torch / ms,
-                         "equal_to_sample_kernel": bool(torch.equal(out, want))})
+                         "equal_to_reference": bool(torch.equal(out, want))})
         except Exception as exc:
             rows.append({"variant": name, "config": repr(cfg), "error": str(exc)[:300]})
     return rows

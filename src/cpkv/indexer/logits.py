@@ -55,7 +55,7 @@ def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset
     config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default); work: a
     function of a cpkv.kernels.mqa_logits.work.WorkShape giving these rows' work items (IndexerPlan.work_items)."""
     if use_triton(q):
-        from cpkv.kernels.mqa_logits.triton import triton as kern
+        from cpkv.kernels.mqa_logits import triton as kern
 
         if kern.supported(q, k):
             return kern.mqa_logits_triton(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,

@@ -1,41 +1,30 @@
 """Gluon (explicit-layout Triton) kernel for the indexer's MQA logits on Hopper; reference: cpkv.indexer.ref.
 
-Same contract as cpkv.kernels.mqa_logits (its module docstring): out[i, c] = k_scale[j] * sum_h w[i, h] *
+Same contract as cpkv.kernels.mqa_logits.triton (its module docstring): out[i, c] = k_scale[j] * sum_h w[i, h] *
 relu(q[i, h] . k[j]), j = col_offset + c, -inf outside [ks[i], ke[i]) with ``clean``, key tiles outside
 the union of a program's token ranges never computed. Covers fp8 q and k, H in {8, 16, 32} (N = 128
 query rows = 128 // H tokens x H heads per program), D in {64, 128}, keys TMA-ready (16-byte rows);
 other inputs take the Triton kernels.
 
 Why a separate kernel: in the Triton kernels the wgmma of a key tile is waited on before that tile's
-epilogue (relu, weights, head sum, k_scale, store: ~130 ALU instructions per thread and tile) and programs
-sharing an SM fall into step. Here the overlap of tensor cores and ALUs is explicit, in one of two forms:
-
-- PIPE = 1 (default): one accumulator per program, each tile's dot waited on before its epilogue. That
-  needs ~120 registers, so four single-warpgroup programs share each SM and overlap one another's dots
-  and epilogues (16 warps per SM). Keys come in TMA boxes of BOX = 2 tiles (one expect, one copy and one
-  wait per box), STAGES = 2 box buffers, each refilled at the top of the next box after a thread barrier.
-- PIPE = 2: two accumulators, A (even tiles) and B (odd tiles); the dot of tile i + 1 is issued before
-  the epilogue of tile i, so one program overlaps itself. 204 registers: two programs per SM.
+epilogue (relu, weights, head sum, k_scale, store) and programs sharing an SM fall into step. Here each
+program has one accumulator, each tile's dot waited on before its epilogue; that needs few enough registers
+that four single-warpgroup programs share each SM and overlap one another's dots and epilogues. Keys come in
+TMA boxes of BOX = 2 tiles (one expect, one copy and one wait per box), STAGES box buffers, each refilled at
+the top of the next box after a thread barrier.
 
 Programs: the grid (spans of SPAN tiles, token groups), every pair launched, empty ones returning at once;
 or (ITEMS) one program per row of a host-built item list (first token, first column, tiles), only the
 non-empty pairs, in the order the list gives (cpkv.kernels.mqa_logits.work: span by span, last wave cut short).
 
-Per program: BQ = 128 // H tokens per warpgroup (N = 128 query rows per warpgroup, the wgmma N side, q
-in shared memory once, rows permuted as in mqa_logits._column_token_head so a thread's accumulator
-columns are whole heads of one token and the head sum is an in-thread FMNMX + FFMA chain), SPAN key
-tiles of BLOCK_S = 64 keys (the M side, K = D), k_scale loaded one tile ahead. WGS = 2 puts two
-warpgroups (each its own tokens) on every key tile.
-
-Measured (H200, `cpkv bench indexer`, 2026-12-01, BENCHMARKS.md): PIPE = 1 with 128-key boxes and work
-items 0.85-0.88 of the fp8 GEMM rate in every scenario with each timed at its own steady clock (0.71-0.85
-in earlier runs without settling; PIPE = 2 0.57-0.74, the "lanes" Triton kernel 0.52-0.66). At clocks
-locked by Nsight Compute it reaches 71 % of the tensor peak per cycle (the GEMM 92 %): ~204 issued
-instructions per warp and tile, 130 of them the FMNMX + FFMA + FMUL of the epilogue; about 2 stall cycles
-per instruction on the barriers Gluon places around each TMA issue.
+Per program: BQ = 128 // H tokens (N = 128 query rows, the wgmma N side, q in shared memory once, rows
+permuted as in triton._column_token_head so a thread's accumulator columns are whole heads of one token and
+the head sum is an in-thread FMNMX + FFMA chain), SPAN key tiles of BLOCK_S = 64 keys (the M side, K = D),
+k_scale loaded one tile ahead. The layouts are written for WGS warpgroups per program; the launch uses one.
+Speed against the fp8 GEMM: BENCHMARKS.md (``cpkv bench indexer``).
 
 This module imports Triton's Gluon at import time: import it only where Triton is present
-(cpkv.kernels.mqa_logits does, on CUDA).
+(cpkv.kernels.mqa_logits.triton does, on CUDA).
 """
 from __future__ import annotations
 
@@ -50,8 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-from cpkv.kernels.mqa_logits.config import check_gluon_shape
 
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
@@ -79,20 +66,6 @@ def _token_head(n, BQW):
     tok = (n // 128) * BQW + c + 4 * (i % (BQW // 4))
     head = e + 2 * (i // (BQW // 4))
     return tok, head
-
-
-@gluon.jit
-def _issue(k_bufs, bars, q_t, zero, i, STAGES: gl.constexpr):
-    """Wait for key tile i's TMA and start its dot (async) into a fresh accumulator."""
-    mbarrier.wait(bars.index(i % STAGES), (i // STAGES) & 1)
-    return warpgroup_mma(k_bufs.index(i % STAGES), q_t, zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S: gl.constexpr, STAGES: gl.constexpr):
-    """Tile i's dot is done in this warp: once every warp is, load tile i + STAGES into its buffer."""
-    gl.thread_barrier()
-    _load_box(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
 
 
 @gluon.jit
@@ -144,8 +117,7 @@ def mqa_logits_gluon_kernel(
     T, S, col_off, n_cols,
     stride_qt, stride_ksc, stride_wt, stride_out,
     H: gl.constexpr, D: gl.constexpr, WGS: gl.constexpr, BLOCK_S: gl.constexpr, SPAN: gl.constexpr,
-    STAGES: gl.constexpr, CLEAN: gl.constexpr, PIPE: gl.constexpr, BOX: gl.constexpr,
-    ITEMS: gl.constexpr, T_MAJOR: gl.constexpr,
+    STAGES: gl.constexpr, CLEAN: gl.constexpr, BOX: gl.constexpr, ITEMS: gl.constexpr,
 ):
     BQW: gl.constexpr = 128 // H  # tokens per warpgroup
     BQ: gl.constexpr = BQW * WGS
@@ -161,13 +133,9 @@ def mqa_logits_gluon_kernel(
         t0 = _uniform(gl.load(item))
         c_start = _uniform(gl.load(item + 1))
         n_tiles = _uniform(gl.load(item + 2))
-    else:  # grid (spans, token groups), the span index fastest; or (token groups, spans) with T_MAJOR
-        if T_MAJOR:
-            pid_t = gl.program_id(0)
-            pid_s = gl.program_id(1)
-        else:
-            pid_s = gl.program_id(0)
-            pid_t = gl.program_id(1)
+    else:  # grid (spans, token groups), the span index fastest
+        pid_s = gl.program_id(0)
+        pid_t = gl.program_id(1)
         t0 = pid_t * BQ
     offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
     tmask = offs_t < T
@@ -196,7 +164,7 @@ def mqa_logits_gluon_kernel(
             gl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
     if n_tiles > 0:
-        n_boxes = (n_tiles + BOX - 1) // BOX  # TMA boxes of BOX tiles (BOX > 1 only with PIPE == 1)
+        n_boxes = (n_tiles + BOX - 1) // BOX  # TMA boxes of BOX tiles
         k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BOX * BLOCK_S, D], k_desc.layout)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [N, D], q_sl)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -224,73 +192,34 @@ def mqa_logits_gluon_kernel(
         q_t = q_s.permute((1, 0))
         zero = gl.zeros([BLOCK_S, N], gl.float32, mma_l)
 
-        if PIPE == 1:
-            # One accumulator: each tile's dot is waited on before its epilogue; the overlap of tensor
-            # cores and ALUs comes from the other programs on the SM (fewer registers, more programs).
-            # Keys arrive in boxes of BOX tiles (one TMA, one barrier wait per box). Box b - 1's buffer is
-            # refilled at the top of box b, after a thread barrier (every warp has waited on box b - 1's
-            # last dot). Placed there, it is also the barrier Gluon would put before the next wgmma reads
-            # the ring, so a box costs three barriers (this one and two around the TMA issue) where a
-            # refill between the box's dots cost four.
-            for b in range(n_boxes):
-                st = b % STAGES
-                if b > 0:  # every warp is done with box b - 1: refill its buffer with box b - 1 + STAGES
-                    gl.thread_barrier()
-                    _load_box(k_desc, k_bufs, bars, k0, b - 1, n_boxes, BOX * BLOCK_S, STAGES)
-                mbarrier.wait(bars.index(st), (b // STAGES) & 1)
-                for h in gl.static_range(BOX):
-                    i = b * BOX + h
-                    if i < n_tiles:
-                        tok = warpgroup_mma(k_bufs.index(st).slice(h * BLOCK_S, BLOCK_S), q_t, zero,
-                                            use_acc=False, is_async=True)
-                        ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
-                        acc = warpgroup_mma_wait(0, deps=[tok])
-                        _epilogue(acc, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                                  out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-                        ksc = ksc_n
-        else:
-            # Two accumulators, A (even tiles) and B (odd tiles), each only ever written by its wgmma
-            # (a loop-carried swap would copy in-flight accumulator registers and make ptxas serialize
-            # every wgmma): while tile i's epilogue runs, the dot of tile i + 1 is in flight.
-            mbarrier.wait(bars.index(0), 0)
-            tok_a = warpgroup_mma(k_bufs.index(0), q_t, zero, use_acc=False, is_async=True)
-            for p in range((n_tiles - 1) // 2):
-                i = 2 * p
-                tok_b = _issue(k_bufs, bars, q_t, zero, i + 1, STAGES)
-                ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
-                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-                _refill(k_desc, k_bufs, bars, k0, i, n_tiles, BLOCK_S, STAGES)
-                _epilogue(acc_a, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-                tok_a = _issue(k_bufs, bars, q_t, zero, i + 2, STAGES)
-                ksc = _scales(ksc_ptr, k0 + (i + 2) * BLOCK_S + rows, stride_ksc, S)
-                acc_b = warpgroup_mma_wait(1, deps=[tok_b])
-                _refill(k_desc, k_bufs, bars, k0, i + 1, n_tiles, BLOCK_S, STAGES)
-                _epilogue(acc_b, w, ksc_n, rows, c_start + (i + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                          out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-            m = ((n_tiles - 1) // 2) * 2  # tile m is in flight in A; one or two tiles are left
-            if n_tiles - m == 2:
-                tok_b = _issue(k_bufs, bars, q_t, zero, m + 1, STAGES)
-                ksc_n = _scales(ksc_ptr, k0 + (m + 1) * BLOCK_S + rows, stride_ksc, S)
-                acc_a = warpgroup_mma_wait(1, deps=[tok_a])
-                _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-                acc_b = warpgroup_mma_wait(0, deps=[tok_b])
-                _epilogue(acc_b, w, ksc_n, rows, c_start + (m + 1) * BLOCK_S, col_off, tmask, ks_v, ke_v,
-                          out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-            else:
-                acc_a = warpgroup_mma_wait(0, deps=[tok_a])
-                _epilogue(acc_a, w, ksc, rows, c_start + m * BLOCK_S, col_off, tmask, ks_v, ke_v, out_rows,
-                          n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(s))
+        # One accumulator: each tile's dot is waited on before its epilogue; the overlap of tensor
+        # cores and ALUs comes from the other programs on the SM (fewer registers, more programs).
+        # Keys arrive in boxes of BOX tiles (one TMA, one barrier wait per box). Box b - 1's buffer is
+        # refilled at the top of box b, after a thread barrier (every warp has waited on box b - 1's
+        # last dot). Placed there, it is also the barrier Gluon would put before the next wgmma reads
+        # the ring, so a box costs three barriers (this one and two around the TMA issue) where a
+        # refill between the box's dots cost four.
+        for b in range(n_boxes):
+            st = b % STAGES
+            if b > 0:  # every warp is done with box b - 1: refill its buffer with box b - 1 + STAGES
+                gl.thread_barrier()
+                _load_box(k_desc, k_bufs, bars, k0, b - 1, n_boxes, BOX * BLOCK_S, STAGES)
+            mbarrier.wait(bars.index(st), (b // STAGES) & 1)
+            for h in gl.static_range(BOX):
+                i = b * BOX + h
+                if i < n_tiles:
+                    tok = warpgroup_mma(k_bufs.index(st).slice(h * BLOCK_S, BLOCK_S), q_t, zero,
+                                        use_acc=False, is_async=True)
+                    ksc_n = _scales(ksc_ptr, k0 + (i + 1) * BLOCK_S + rows, stride_ksc, S)
+                    acc = warpgroup_mma_wait(0, deps=[tok])
+                    _epilogue(acc, w, ksc, rows, c_start + i * BLOCK_S, col_off, tmask, ks_v, ke_v,
+                              out_rows, n_cols, BQW, WGS, H, BLOCK_S, CLEAN, res_l)
+                    ksc = ksc_n
 
 
-
-def programs_per_sm(warpgroups: int, pipe: int) -> int:
-    """Programs one SM runs at once: four with one accumulator (~120 registers, 48 KB of shared memory
-    each), two with two; halved with two warpgroups."""
-    return max((4 if pipe == 1 else 2) // warpgroups, 1)
+WARPGROUPS = 1       # warpgroups per program (each its own 128 // H tokens on every key tile)
+BOX = 2              # 64-key tiles per TMA box
+PROGRAMS_PER_SM = 4  # one accumulator, ~120 registers and 48 KB of shared memory per program
 
 
 def key_layout(d: int, rows: int = BLOCK_S):
@@ -299,26 +228,18 @@ def key_layout(d: int, rows: int = BLOCK_S):
 
 
 def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0, clean: bool = True,
-                     span: int = 64, stages: int = 2, maxnreg: int | None = None,
-                     warpgroups: int = 1, pipe: int = 1, box: int = 2, t_major: bool = False,
-                     items: torch.Tensor | None = None) -> torch.Tensor:
+                     span: int = 64, stages: int = 2, items: torch.Tensor | None = None) -> torch.Tensor:
     """Fill out [T, n_cols] float32 (column c = key col_offset + c). Inputs validated, in this kernel's
-    domain (cpkv.kernels.mqa_logits._gluon_applies). span: 64-key tiles per program; stages: TMA ring
-    depth (>= 2); maxnreg: register cap per thread (None: the compiler's choice, ~200); warpgroups: 1 or
-    2 (two warpgroups share each key tile, each with its own 128 // H tokens); pipe: accumulators per
-    program, 2 (tile i + 1's dot runs during tile i's epilogue) or 1 (no overlap inside a program, fewer
-    registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1).
-    t_major: grid (token groups, spans) instead of (spans, token groups), so the programs in flight
-    together share key spans. items: int32 [n, 4] work items (cpkv.kernels.mqa_logits.work.logits_work_items: first
-    token, first column, tiles, 0) in their launch order, one program each, instead of the grid; the
+    domain (cpkv.kernels.mqa_logits.triton._gluon_applies). span: 64-key tiles per program; stages: TMA
+    ring depth (>= 2). items: int32 [n, 4] work items (cpkv.kernels.mqa_logits.work.logits_work_items:
+    first token, first column, tiles, 0) in their launch order, one program each, instead of the grid; the
     columns outside every item are left unwritten, so it needs ``clean=False``."""
     T, H, D = q.shape
     n_cols = out.shape[1]
     if T == 0 or n_cols == 0:
         return out
-    bq = 128 // H * warpgroups
-    check_gluon_shape(warpgroups, pipe, box)
-    k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S * box, D], key_layout(D, BLOCK_S * box))
+    bq = 128 // H * WARPGROUPS
+    k_desc = TensorDescriptor.from_tensor(k, [BLOCK_S * BOX, D], key_layout(D, BLOCK_S * BOX))
     if items is not None:
         if clean:
             raise ValueError("a work-item list leaves columns outside its items unwritten: it needs clean=False")
@@ -329,14 +250,11 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
         grid = (items.shape[0],)
     else:
         grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
-        if t_major:
-            grid = grid[::-1]
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out, items if items is not None else ks,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),
-        H=H, D=D, WGS=warpgroups, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
-        PIPE=pipe, BOX=box, ITEMS=items is not None, T_MAJOR=t_major,
-        num_warps=4 * warpgroups, **({"maxnreg": maxnreg} if maxnreg else {}),
+        H=H, D=D, WGS=WARPGROUPS, BLOCK_S=BLOCK_S, SPAN=span, STAGES=max(stages, 2), CLEAN=clean,
+        BOX=BOX, ITEMS=items is not None, num_warps=4 * WARPGROUPS,
     )
     return out

@@ -1,4 +1,4 @@
-"""Triton kernel for the lightning indexer's MQA logits (DESIGN.md §5); reference: cpkv.indexer.ref.
+"""Triton kernel for the lightning indexer's MQA logits (docs/design.md, indexer); reference: cpkv.indexer.ref.
 
     out[i, c] = k_scale[j] * sum_h w[i, h] * relu(q[i, h, :] . k[j, :]),  j = col_offset + c,
                 -inf where j is outside [ks[i], ke[i])
@@ -13,21 +13,16 @@ dot) and a span of SPAN key tiles of BLOCK_S keys (the M side). Per key tile one
 the accumulator in registers. Key tiles outside the union [min ks, max ke) of the program's tokens are
 never computed: with ``clean`` they are filled with -inf, otherwise left unwritten.
 
-Kernels (LogitsConfig.variant): mqa_logits_kernel ("base", the first one: heads in natural order, a
-two-step shuffle per head sum, k_scale loaded after each dot), mqa_logits_kernel_lanes ("lanes"):
-query rows permuted to the accumulator's lane layout so the head sum is an in-thread FMNMX + FFMA
-chain (SASS per warp and 128x128x128 tile: ~250 instructions vs ~340), k_scale one tile ahead,
-unclean calls skip the mask, key tiles by TMA (sm_90 descriptor, zero rows past S); its dot is waited
-on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
-and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits.gluon, a Gluon
-kernel for Hopper (fp8 q and k, H <= 32, TMA-ready keys): by default one accumulator per program, so
-~120 registers and four programs per SM overlap each other's dots and epilogues, with keys in 128-key
-TMA boxes (0.63-0.76 of the fp8 GEMM rate on an H200 vs 0.57-0.69 for its two-accumulator form and
-0.52-0.58 for "lanes" in the same run, 2026-12-01); other inputs and GPUs run "lanes" with the same
-config. An unclean call that is given a plan's work items (``work``, cpkv.kernels.mqa_logits.work; index_topk
-does) launches the Gluon kernel once per non-empty (token group, key span) item, span by span, instead
-of the full grid (ragged warm batch: 5,123 programs instead of 13,568; warm long: L2 hit rate 80 % ->
-96 %, DRAM reads 11.9 -> 2.1 GB; BENCHMARKS.md, indexer fifth pass).
+Kernels (LogitsConfig.variant). mqa_logits_kernel_lanes ("lanes", any sm_80+ GPU): query rows permuted to
+the accumulator's lane layout so the head sum is an in-thread FMNMX + FFMA chain, k_scale one tile ahead,
+unclean calls skip the mask, key tiles by TMA where the GPU and k allow it (zero rows past S); its dot is
+waited on before the epilogue of the same tile (Triton keeps no wgmma in flight across it), so tensor cores
+and ALUs overlap only across programs. "gluon" (default): cpkv.kernels.mqa_logits.gluon on Hopper (fp8 q and
+k, H <= 32, TMA-ready keys), which overlaps them explicitly; other inputs and GPUs run "lanes" with the same
+config. An unclean call that is given a plan's work items (``work``, cpkv.kernels.mqa_logits.work;
+index_topk does) launches the Gluon kernel once per non-empty (token group, key span) item, span by span,
+instead of the full grid: a ragged batch then launches only the programs that have keys to compute. Speed
+against the fp8 GEMM: BENCHMARKS.md (``cpkv bench indexer``).
 """
 from __future__ import annotations
 
@@ -46,71 +41,6 @@ SUPPORTED_DIMS = (64, 128)
 
 DEFAULT_CONFIG = LogitsConfig()
 LANES_CONFIG = LogitsConfig(variant="lanes")
-BASE_CONFIG = LogitsConfig(variant="base", tma=False)
-
-
-@triton.jit
-def mqa_logits_kernel(
-    q_ptr, k_ptr, ksc_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
-    T, S, col_off, n_cols,
-    stride_qt, stride_k, stride_ksc, stride_wt, stride_out,
-    H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPAN: tl.constexpr, CLEAN: tl.constexpr, CAST_BF16: tl.constexpr, K_ALIGN: tl.constexpr,
-):
-    N: tl.constexpr = BQ * H
-    pid_s = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    t0 = pid_t * BQ
-    offs_t = t0 + tl.arange(0, BQ)
-    tmask = offs_t < T
-    ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
-    ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
-    lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
-    hi = tl.minimum(tl.minimum(tl.max(ke_v, axis=0), S) - col_off, n_cols)
-    span_lo = pid_s * (SPAN * BLOCK_S)
-    span_hi = tl.minimum(span_lo + SPAN * BLOCK_S, n_cols)
-    c_start = span_lo + (tl.maximum(lo - span_lo, 0) // BLOCK_S) * BLOCK_S
-    c_end = tl.minimum(span_hi, hi)
-    n_tiles = tl.maximum(c_end - c_start + BLOCK_S - 1, 0) // BLOCK_S
-    offs_bs = tl.arange(0, BLOCK_S)
-    if CLEAN:
-        ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
-        for c in range(span_lo, c_start, BLOCK_S):
-            oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
-                     mask=tmask[None, :] & (oc < span_hi)[:, None])
-        for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
-            oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
-                     mask=tmask[None, :] & (oc < span_hi)[:, None])
-    if n_tiles > 0:
-        offs_n = tl.arange(0, N)
-        offs_d = tl.arange(0, D)
-        n_tok = t0 + offs_n // H
-        nmask = n_tok < T
-        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + (offs_n % H)[:, None] * D + offs_d[None, :],
-                        mask=nmask[:, None], other=0.0)
-        if CAST_BF16:
-            q_blk = q_blk.to(tl.bfloat16)
-        q_t = tl.trans(q_blk)
-        w = tl.load(w_ptr + n_tok * stride_wt + offs_n % H, mask=nmask, other=0.0)
-        for tile in range(0, n_tiles):
-            oc = c_start + tile * BLOCK_S + offs_bs
-            j = oc + col_off
-            kmask = j < S
-            k_blk = tl.load(k_ptr + (j * stride_k)[:, None] * K_ALIGN + offs_d[None, :], mask=kmask[:, None], other=0.0)
-            if CAST_BF16:
-                k_blk = k_blk.to(tl.bfloat16)
-            s = tl.dot(k_blk, q_t)
-            s = tl.maximum(s, 0.0) * w[None, :]
-            acc = tl.sum(tl.reshape(s, [BLOCK_S, BQ, H]), axis=2)
-            ksc = tl.load(ksc_ptr + j * stride_ksc, mask=kmask, other=0.0)
-            val = acc * ksc[:, None]
-            valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
-            val = tl.where(valid, val, float("-inf"))
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
-                     mask=tmask[None, :] & (oc < n_cols)[:, None])
-
 
 
 @triton.jit
@@ -255,9 +185,9 @@ def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = None):
     """The WorkShape (cpkv.kernels.mqa_logits.work) of the kernel that mqa_logits_triton runs for these inputs, or
-    None when that kernel takes no work items (not the Gluon kernel, or gluon_items off)."""
+    None when that kernel takes no work items (not the Gluon kernel)."""
     cfg = config or DEFAULT_CONFIG
-    if cfg.variant != "gluon" or not cfg.gluon_items or not _gluon_applies(q, k):
+    if cfg.variant != "gluon" or not _gluon_applies(q, k):
         return None
     return _gluon_work_shape(q.shape[1], cfg, q.device.index)
 
@@ -266,11 +196,10 @@ def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = N
 def _gluon_work_shape(heads: int, cfg: LogitsConfig, device: int | None):
     """work_shape of the Gluon kernel (its domain already checked)."""
     from cpkv.kernels.mqa_logits.work import WorkShape
-    from cpkv.kernels.mqa_logits.gluon import BLOCK_S, programs_per_sm
+    from cpkv.kernels.mqa_logits.gluon import BLOCK_S, PROGRAMS_PER_SM, WARPGROUPS
 
-    per_sm = programs_per_sm(cfg.gluon_warpgroups, cfg.gluon_pipe)
-    return WorkShape(rows=128 // heads * cfg.gluon_warpgroups, tile=BLOCK_S, span=cfg.gluon_span,
-                     slots=sm_count(device) * per_sm, split=cfg.gluon_split)
+    return WorkShape(rows=128 // heads * WARPGROUPS, tile=BLOCK_S, span=cfg.gluon_span,
+                     slots=sm_count(device) * PROGRAMS_PER_SM, split=cfg.gluon_split)
 
 
 def mqa_logits_triton(
@@ -290,7 +219,7 @@ def mqa_logits_triton(
     """Fill out [T, n_cols] float32 (column c = key col_offset + c); see the module docstring.
     Inputs must already be validated (cpkv.indexer.logits does it). work: None, or a function of a
     WorkShape giving the work items of these rows and columns (IndexerPlan.work_items), used by an
-    unclean call of the Gluon kernel (config.gluon_items)."""
+    unclean call of the Gluon kernel."""
     cfg = config or DEFAULT_CONFIG
     T, H, D = q.shape
     n_cols = out.shape[1]
@@ -299,23 +228,16 @@ def mqa_logits_triton(
     bq = cfg.bq(H)
     k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
     grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
-    kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes, "gluon": mqa_logits_kernel_lanes}
-    if cfg.variant not in kernels:
-        raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
     if cfg.variant == "gluon" and _gluon_applies(q, k):
         from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 
-        use_items = work is not None and not clean and cfg.gluon_items
+        use_items = work is not None and not clean
         shape = _gluon_work_shape(H, cfg, q.device.index) if use_items else None
         return mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, col_offset=col_offset, clean=clean,
-                                span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
-                                warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box,
-                                t_major=cfg.gluon_t_major, items=work(shape) if shape else None)
-    extra = {}
-    if cfg.variant in ("lanes", "gluon"):
-        use_tma = cfg.tma and _tma_ready(k)
-        extra = {"k_desc": _key_descriptor(k, cfg.block_s) if use_tma else k, "USE_TMA": use_tma}
-    kernels[cfg.variant][grid](
+                                span=cfg.gluon_span, stages=cfg.gluon_stages, items=work(shape) if shape else None)
+    use_tma = cfg.tma and _tma_ready(k)
+    extra = {"k_desc": _key_descriptor(k, cfg.block_s) if use_tma else k, "USE_TMA": use_tma}
+    mqa_logits_kernel_lanes[grid](
         q, k, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k.stride(0) // k_align, k_scale.stride(0), weights.stride(0), out.stride(0),

@@ -12,11 +12,9 @@
 
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
-copies one unit (or, with ``waves``, strides over units) with no inner loop, so all of a thread's loads
-are in flight before its stores (a variant looping over a page, storing between loads, reached 0.83
-of a device copy on H200; loop-free 2048-element blocks 0.89; whole pages per program with streaming
-hints 0.915). A plain Triton contiguous copy reached 0.93-0.95 of ``copy_`` in the same runs: that, not
-the gather's indexing, bounds this kernel (cudaMemcpy's copy path is out of reach of ld/st.global).
+copies one unit with no inner loop, so all of a thread's loads are in flight before its stores, with
+streaming cache hints. A plain contiguous Triton copy, not the gather's indexing, bounds this kernel
+(cudaMemcpy's copy path is out of reach of ld/st.global); ``cpkv bench compose`` measures both.
 Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -27,12 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from cpkv.kernels.platform import sm_count
-
-# one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each
-# fit one 16,384-element block), 8 warps, streaming cache hints: best measured on H200 (2026-12-01 sweep:
-# 0.915 of a device copy for token pages, 0.923 for index pages, vs 0.888 for 2,048-element blocks)
-DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "hints": True, "waves": 0}
+# one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
+# one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``)
+DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
 
 
 @lru_cache(maxsize=1)
@@ -43,9 +38,10 @@ def load() -> Any:
 
     @triton.jit
     def _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-              VEC: tl.constexpr, BLOCK: tl.constexpr, HINTS: tl.constexpr):
+              VEC: tl.constexpr, BLOCK: tl.constexpr):
         # unit u = (entry i = u % n, block c = u // n): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's
-        # page; every load of a thread is issued before its stores (no inner loop)
+        # page; every load of a thread is issued before its stores (no inner loop); streaming cache hints
+        # (each byte is read once and written once)
         i = u % n
         offs = (u // n) * BLOCK + tl.arange(0, BLOCK)
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
@@ -56,12 +52,8 @@ def load() -> Any:
             addr = tl.load(BASES + s) + tl.load(PAGE + i).to(tl.int64) * (PAGE_ELEMS * ELEM_BYTES)
             # element offset from OUT, written as q * VEC so the compiler knows its 16-byte alignment
             delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
-            if HINTS:
-                x = tl.load(OUT + delta + offs, mask=mask, eviction_policy="evict_first")
-                tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
-            else:
-                x = tl.load(OUT + delta + offs, mask=mask)
-                tl.store(out_page + offs, x, mask=mask)
+            x = tl.load(OUT + delta + offs, mask=mask, eviction_policy="evict_first")
+            tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
         else:
             tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
@@ -69,16 +61,10 @@ def load() -> Any:
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, n, n_units, PAGE_ELEMS: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, HINTS: tl.constexpr,
-                     PERSISTENT: tl.constexpr):
+                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
         # 1-D grid, entry-fastest: consecutive programs copy the same block of different entries' pages
-        # (on H200 this order beat page-major order, 3.37 vs 3.10 TB/s at 2048-element blocks)
-        if PERSISTENT:
-            for u in range(tl.program_id(0), n_units, tl.num_programs(0)):
-                _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, HINTS)
-        else:
-            _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
-                  HINTS)
+        # (faster than page-major order on H200)
+        _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK)
 
     return _page_gather
 
@@ -95,14 +81,14 @@ def load_pair() -> Any:
                           OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1,
                           PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
                           BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
-                          VEC1: tl.constexpr, BLOCK1: tl.constexpr, HINTS: tl.constexpr):
+                          VEC1: tl.constexpr, BLOCK1: tl.constexpr):
         # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
         u = tl.program_id(0)
         if u < units0:
-            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0, HINTS)
+            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0)
         else:
             _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
-                  BLOCK1, HINTS)
+                  BLOCK1)
 
     return _page_gather_pair
 
@@ -132,8 +118,7 @@ def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tenso
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
     """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
     address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``:
-    block (elements per program), num_warps, hints (cache hints), waves (0: one program per block of a
-    page; k: a persistent grid of k programs per SM). See the module docstring for the semantics."""
+    block (elements per program) and num_warps. See the module docstring for the semantics."""
     if dest.numel() == 0:
         return
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
@@ -166,18 +151,18 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
     """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
     ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
-    The same contract as :func:`gather_launcher`; ``config``'s block, warps and hints apply to both (no
-    persistent grid). Falls back to two launches where a direct launch is not possible."""
+    The same contract as :func:`gather_launcher`; ``config``'s block and warps apply to both. Falls back to
+    two launches where a direct launch is not possible."""
     if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
         return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
-    segs = [_Launch(*x[:5], x[5], {**(config or DEFAULT_CONFIG), "waves": 0}) for x in (first, second)]
+    segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
     a, b = segs[0].args, segs[1].args
-    args = (*a[:8], *b[:7], *a[8:12], *b[8:12], a[12])  # the pair kernel's signature order
+    args = (*a[:8], *b[:7], *a[8:12], *b[8:12])  # the pair kernel's signature order
     grid = (a[7] + b[7], 1, 1)
 
     def compile_pair() -> Any:
         return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
-                                  PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12],
+                                  PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11],
                                   num_warps=segs[0].warps)
     return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
 
@@ -238,10 +223,8 @@ class _Launch:
         dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
                                                                   cfg.get("block", DEFAULT_CONFIG["block"]))
         units = n * nblocks
-        waves = cfg.get("waves", 0)
-        self.grid = (min(units, waves * sm_count(out.device)) if waves else units, 1, 1)
-        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
-                     bool(cfg.get("hints", False)), bool(waves))
+        self.grid = (units, 1, 1)
+        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block)
         self.warps = cfg.get("num_warps", DEFAULT_CONFIG["num_warps"])
         # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
         self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
@@ -252,8 +235,7 @@ class _Launch:
         """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
         a = self.args
         kernel = load()
-        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], HINTS=a[12], PERSISTENT=a[13],
-                  num_warps=self.warps)
+        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], num_warps=self.warps)
         if warmup:
             return kernel.warmup(*a[:8], grid=self.grid, **kw)
         return kernel[self.grid](*a[:8], **kw)

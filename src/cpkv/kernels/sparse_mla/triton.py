@@ -16,36 +16,13 @@ rows ``ks[t] .. ke[t]-1`` (the loop bound is read on the device, so no host sync
 
 Triton is imported lazily by :func:`load`; this module imports on machines without it.
 
-Tuning notes (H200, Triton 3.6, H=64, topk=2048, S=65536, T=4096, uniform random indices; GEMM
-8192^3 bf16 700-767 TFLOP/s in the same runs), TFLOP/s = 2 T topk H (576 + 512) / time:
-    h64 k64 w8 s2             244-246   (Triton default; 221 KB shared: Q + two K tiles, 255 regs, no spills)
-    h64 k32 w8 s3 / s2        168 / 153
-    h64 k64 w8 s2, idx prefetch 205; lazy rescale 198 (both spill)
-    h32 k32 w4 s2 (2 CTAs/SM) 165;  h64 k32 w16 s2: 76
-    L2-resident indices: 274; contiguous windows: 256 (dense path 252)
-The gap to the GEMM is on the compute side (L2-resident keys gain only 12%). Reading the compiled
-TTGIR explains most of it: Triton's chained-dot heuristic (AccelerateMatmul ``warpsPerTileV3``)
-puts all 8 warps on M for the score dot, and with M = 64 heads both warpgroups compute the SAME
-[64, 64] score tile with m64n32k16 wgmma (72 per tile, A = Q from shared memory each time), i.e.
-the QK half of the work is done twice and shared-memory reads per tile are ~2x FlashMLA's.
-
-A first Gluon kernel (8 warps, removed 2026-12-01 once the warp-specialised one below beat it; it is in
-the history before that date) fixed the layouts by hand: S split over the two warpgroups along the keys
-(n32 each, no duplicate), O split along d_v (n256), P through 8 KB of shared memory, gathers issued
-while QK runs (230 KB shared, 243 regs, no spills). 2026-11-29, H200, same bench, GEMM 744 TFLOP/s in
-the same run:
-    gluon h64 k64 w8          T=4096 315-317 (0.42-0.43), T=16384 322 (0.43); rel err 1.9e-3
-    triton h64 k64 w8 s2      T=4096 244 (0.33)
-It leaves the tensor cores idle during the softmax (both warpgroups in lockstep) and its n32 score
-wgmma reads Q from shared memory twice per tile.
-
-The warp-specialised Gluon kernel (``sparse_mla_ws``, default on sm_90 for 512 + 64 dims and > 32
-heads) adds a producer warpgroup for the gathers (cp.async completing on mbarriers) and gives each
-consumer warpgroup whole 64-key blocks (n64 score wgmma), so one consumer's softmax overlaps the
-other's wgmma. 2026-12-01, H200, `cpkv bench attention --sweep --rep-ms 60`, GEMM 695 TFLOP/s in
-the same run:
-    gluon_ws (12 warps)       T=4096 468 (0.67), T=16384 474 (0.68); sweep at T=4096 463 (0.67)
-    gluon (8 warps)           T=4096 315 (0.45);  triton h64 k64 w8 s2: 244 (0.35)
+Why the Triton kernel stays below the GEMM rate: Triton's chained-dot heuristic puts all 8 warps on M for
+the score dot, and with M = 64 heads both warpgroups compute the same [64, 64] score tile, so the QK half of
+the work is done twice and shared-memory reads per tile double. The warp-specialised Gluon kernel
+(``gluon_ws.py``, the default on sm_90 for 512 + 64 dims and > 32 heads) splits the work by key block
+instead: a producer warpgroup issues the gathers (cp.async completing on mbarriers) and each consumer
+warpgroup takes whole 64-key blocks, so one consumer's softmax overlaps the other's wgmma. Speed against
+the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention``).
 """
 from __future__ import annotations
 
@@ -70,16 +47,13 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int
-    prefetch_idx: bool = False  # load the next tile's indices one iteration ahead (slower on H200)
-    lazy_rescale: bool = False  # keep a stale row max unless a row's max grew by > 2^8 (slower on H200)
     # "triton" (any sm_80+) or "gluon_ws" (Hopper wgmma, blocks of 64 heads, 512 + 64 dims, warp-specialised:
     # producer + two consumers, sparse_mla_ws.py)
     impl: str = "triton"
 
     def tag(self) -> str:
-        """Short name for tables: ``h64 k64 w8 s2 [pf] [lazy] [gluon_ws]``."""
-        extra = (" pf" if self.prefetch_idx else "") + (" lazy" if self.lazy_rescale else "")
-        extra += f" {self.impl}" if self.impl != "triton" else ""
+        """Short name for tables: ``h64 k64 w8 s2 [gluon_ws]``."""
+        extra = f" {self.impl}" if self.impl != "triton" else ""
         return f"h{self.block_h} k{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
@@ -128,7 +102,7 @@ def load() -> Any:
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-        DENSE: tl.constexpr, PREFETCH_IDX: tl.constexpr, LAZY: tl.constexpr,
+        DENSE: tl.constexpr,
     ):
         pid_h = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)
@@ -150,21 +124,13 @@ def load() -> Any:
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_V], tl.float32)
         idx_row = IDX + t * stride_it
-        if PREFETCH_IDX:
-            offs0 = tl.arange(0, BLOCK_K)
-            idx_next = tl.load(idx_row + offs0, mask=offs0 < n_keys, other=-1)
         for k0 in range(0, n_keys, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if DENSE:
                 idx = start + offs_k
                 valid = (offs_k < n_keys) & (idx >= 0) & (idx < S)
             else:
-                if PREFETCH_IDX:
-                    idx = idx_next
-                    offs_n = offs_k + BLOCK_K
-                    idx_next = tl.load(idx_row + offs_n, mask=offs_n < n_keys, other=-1)
-                else:
-                    idx = tl.load(idx_row + offs_k, mask=offs_k < n_keys, other=-1)
+                idx = tl.load(idx_row + offs_k, mask=offs_k < n_keys, other=-1)
                 valid = (idx >= 0) & (idx < S)
             rows = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
             k_n = tl.load(rows + offs_v[None, :], mask=valid[:, None], other=0.0)
@@ -174,25 +140,12 @@ def load() -> Any:
                 s = tl.dot(q_r, tl.trans(k_r), s)
             s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if LAZY:
-                # rescale only when a row's max grew by more than 8 (log2): p stays <= 2^8
-                if tl.max(m_new - m_i, 0) > 8.0:
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_i - m_safe)
-                    l_i = l_i * alpha
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i + tl.sum(p, 1)
-                acc = tl.dot(p.to(tl.bfloat16), k_n, acc)
-            else:
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = tl.dot(p.to(tl.bfloat16), k_n, acc * alpha[:, None])
-                m_i = m_new
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(tl.bfloat16), k_n, acc * alpha[:, None])
+            m_i = m_new
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
@@ -219,7 +172,7 @@ def launch(
     idx = ks if dense else indices
     topk = 0 if dense else indices.shape[1]
     if cfg.impl == "gluon_ws":
-        from cpkv.kernels.sparse_mla.triton import gluon_ws as sparse_mla_ws
+        from cpkv.kernels.sparse_mla import gluon_ws as sparse_mla_ws
 
         return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
     grid = (math.ceil(h / cfg.block_h), t)
@@ -229,7 +182,6 @@ def launch(
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
         D_V=d_v, D_R=d_r, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, DENSE=dense,
-        PREFETCH_IDX=cfg.prefetch_idx and not dense, LAZY=cfg.lazy_rescale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse, compiled

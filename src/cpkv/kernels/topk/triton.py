@@ -19,17 +19,12 @@ into +0.0). A persistent program takes rows in turn:
     otherwise   : (ties or a skewed sample; rare) the same bisection and write over the whole row,
                   32 counting passes: exact, only slower.
 
-Every step is exact; the sample only decides how much work the exact steps do.
-
-Variant "stream" (topk_stream_kernel, the default): the same sample + compaction + exact select, with
-  - 4 warps and <= 128 registers so 4 programs share an SM (the first kernel: 1 program of 8 warps);
-  - the compaction pass streaming [BLOCK/4, 4] tiles of aligned 16-byte loads, the next tile's loads
-    in flight while the current one is scanned; candidates' keys stored beside their columns, so
-    the exact select reads only the scratch;
-  - a sample miss (m < k or m > C) retried up to RETRIES times with the sample rank rescaled by
-    TARGET / m (one more pass each) before the 32-pass fallback: no slow row per launch, which is
-    what made small chunk budgets cost ~20% (a launch waits for its slowest program);
-  - rolled bisection loops (short compile, low register pressure).
+Every step is exact; the sample only decides how much work the exact steps do. The compaction pass
+streams [BLOCK/4, 4] tiles of aligned 16-byte loads (the next tile's loads in flight while the current one
+is scanned) and stores each candidate's key beside its column, so the exact select reads only the scratch.
+A sample miss (m < k or m > C) is retried up to RETRIES times with the sample rank rescaled by TARGET / m
+(one more pass each) before the 32-pass fallback, so no launch waits on one slow row. 4 warps and <= 128
+registers let 4 programs share an SM; bisection loops are rolled (short compile, low register pressure).
 """
 from __future__ import annotations
 
@@ -41,10 +36,7 @@ import triton.language as tl
 
 from cpkv.kernels.platform import sm_count
 
-BLOCK = 2048
 SAMPLE = 4096
-NUM_WARPS = 8
-PROGRAMS_PER_SM = 2
 
 
 def candidate_slots(k: int) -> int:
@@ -61,19 +53,6 @@ def _skey(x):
 
 
 @triton.jit
-def _kth_largest(skey, valid, r):
-    """Largest t with count(valid & skey >= t) >= r (r >= 1 and <= count(valid))."""
-    t_u = tl.full([], -2147483648, tl.int32)  # unsigned bits, MSB first
-    cnt = tl.sum((valid & (skey >= 0)).to(tl.int32), axis=0)
-    t_u = tl.where(cnt >= r, t_u, 0)
-    for b in tl.static_range(1, 32):
-        trial = t_u | (1 << (31 - b))
-        cnt = tl.sum((valid & (skey >= (trial ^ -2147483648))).to(tl.int32), axis=0)
-        t_u = tl.where(cnt >= r, trial, t_u)
-    return t_u ^ -2147483648
-
-
-@triton.jit
 def _count_ge_row(base, n, t, BLOCK: tl.constexpr):
     cnt = tl.zeros([], tl.int32)
     for c in range(0, n, BLOCK):
@@ -81,17 +60,6 @@ def _count_ge_row(base, n, t, BLOCK: tl.constexpr):
         m = offs < n
         cnt += tl.sum((m & (_skey(tl.load(base + offs, mask=m, other=0.0)) >= t)).to(tl.int32), axis=0)
     return cnt
-
-
-@triton.jit
-def _kth_largest_row(base, n, r, BLOCK: tl.constexpr):
-    """_kth_largest over the whole row (32 counting passes): the slow exact path."""
-    t_u = tl.full([], -2147483648, tl.int32)
-    t_u = tl.where(_count_ge_row(base, n, 0, BLOCK) >= r, t_u, 0)
-    for b in tl.static_range(1, 32):
-        trial = t_u | (1 << (31 - b))
-        t_u = tl.where(_count_ge_row(base, n, trial ^ -2147483648, BLOCK) >= r, trial, t_u)
-    return t_u ^ -2147483648
 
 
 @triton.jit
@@ -112,16 +80,6 @@ def _write_row(base, n, thr, remaining, out, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_threshold(base, n, target, SAMPLE: tl.constexpr):
-    """Key t_low with about `target` of the row's n keys above it, from SAMPLE sampled keys."""
-    s = tl.arange(0, SAMPLE)
-    offs = ((s // 64).to(tl.int64) * n // (SAMPLE // 64)).to(tl.int32) + s % 64
-    sk = _skey(tl.load(base + offs))
-    r = tl.minimum(tl.maximum((target * SAMPLE + n - 1) // n, 1), SAMPLE)
-    return _kth_largest(sk, s < SAMPLE, r)
-
-
-@triton.jit
 def _count_eq_row(base, n, t, BLOCK: tl.constexpr):
     cnt = tl.zeros([], tl.int32)
     for c in range(0, n, BLOCK):
@@ -132,63 +90,8 @@ def _count_eq_row(base, n, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def topk_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x, stride_out,
-                K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
-                SAMPLE: tl.constexpr, KBLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    scols = scratch_ptr + pid.to(tl.int64) * C
-    for it in range(0, (T - pid + nprog - 1) // nprog):
-        row = pid + it * nprog
-        lo = tl.load(lo_ptr + row)
-        n = tl.maximum(tl.load(hi_ptr + row) - lo, 0)
-        base = x_ptr + row.to(tl.int64) * stride_x + lo
-        out = out_ptr + row.to(tl.int64) * stride_out
-        if n <= K:
-            for c in range(0, K, KBLOCK):
-                offs = c + tl.arange(0, KBLOCK)
-                tl.store(out + offs, tl.where(offs < n, offs, -1), mask=offs < K)
-        else:
-            t_low = tl.full([], -2147483648, tl.int32)
-            if n > C:
-                t_low = _sample_threshold(base, n, TARGET, SAMPLE)
-            m_cnt = tl.zeros([], tl.int32)
-            rowp = x_ptr + row.to(tl.int64) * stride_x
-            hi = lo + n
-            hi_up = tl.multiple_of(((hi + 3) // 4) * 4, 4)
-            quad = tl.arange(0, BLOCK // 4)[:, None] * 4
-            lane = tl.arange(0, 4)[None, :]
-            c0 = (lo // 4) * 4
-            for i in range(0, tl.cdiv(hi - c0, BLOCK)):
-                cols = tl.multiple_of(c0 + i * BLOCK, 4) + quad + lane
-                sk = _skey(tl.load(rowp + cols, mask=cols < hi_up, other=0.0))
-                cand = ((cols >= lo) & (cols < hi) & (sk >= t_low)).to(tl.int32)
-                per_quad = tl.sum(cand, axis=1)
-                pos = (tl.cumsum(per_quad, axis=0) - per_quad + m_cnt)[:, None] + tl.cumsum(cand, axis=1) - cand
-                tl.store(scols + pos, cols - lo, mask=(cand != 0) & (pos < C))
-                m_cnt += tl.sum(per_quad, axis=0)
-            tl.debug_barrier()
-            if (m_cnt >= K) & (m_cnt <= C):
-                slot = tl.arange(0, C)
-                valid = slot < m_cnt
-                cols = tl.load(scols + slot, mask=valid, other=0)
-                sk = tl.where(valid, _skey(tl.load(base + cols, mask=valid, other=0.0)), -2147483648)
-                thr = _kth_largest(sk, valid, K)
-                gt = valid & (sk > thr)
-                eq = (valid & (sk == thr)).to(tl.int32)
-                remaining = K - tl.sum(gt.to(tl.int32), axis=0)
-                sel = gt | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq) < remaining))
-                seli = sel.to(tl.int32)
-                tl.store(out + tl.cumsum(seli, axis=0) - seli, cols, mask=sel)
-            else:
-                thr = _kth_largest_row(base, n, K, BLOCK)
-                remaining = K - _count_ge_row(base, n, thr, BLOCK) + _count_eq_row(base, n, thr, BLOCK)
-                _write_row(base, n, thr, remaining, out, BLOCK)
-            tl.debug_barrier()
-
-
-@triton.jit
 def _kth_largest_loop(skey, valid, r):
-    """_kth_largest with a rolled bit loop (smaller code, fewer live registers)."""
+    """Largest t with count(valid & skey >= t) >= r (r >= 1 and <= count(valid)); a rolled bit loop."""
     t_u = tl.full([], -2147483648, tl.int32)
     cnt = tl.sum((valid & (skey >= 0)).to(tl.int32), axis=0)
     t_u = tl.where(cnt >= r, t_u, 0)
@@ -324,14 +227,9 @@ def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, st
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """variant "stream": topk_stream_kernel (sample threshold + one streaming compaction pass, a
-    rescaled retry instead of the 32-pass path when the sample misses, 4 warps, several programs per
-    SM); "sample": the first kernel (topk_kernel). block: keys per streaming step; depth: blocks
-    whose loads are in flight while one is scanned. The default (stream, 4 warps, 4 programs per SM,
-    depth 1) was the fastest measured on an H200 (2026-11-29): 0.88 ms at 4096 x 65536, k = 2048,
-    3.8x torch.topk (the "sample" kernel: 1.84 ms)."""
+    """Launch shape of topk_stream_kernel: warps per program, programs per SM, keys per streaming step
+    (block), blocks whose loads are in flight while one is scanned (depth), register cap."""
 
-    variant: str = "stream"
     num_warps: int = 4
     programs_per_sm: int = 4
     block: int = 1024
@@ -340,7 +238,6 @@ class TopkConfig:
 
 
 DEFAULT_CONFIG = TopkConfig()
-SAMPLE_CONFIG = TopkConfig(variant="sample", num_warps=NUM_WARPS, programs_per_sm=PROGRAMS_PER_SM, block=BLOCK)
 RETRIES = 2
 
 
@@ -356,15 +253,6 @@ def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     programs = min(T, cfg.programs_per_sm * sm_count(x.device))
     kblock = min(4096, 1 << max(k - 1, 1).bit_length())
     target = int((k * c) ** 0.5)
-    if cfg.variant == "sample":
-        scratch = torch.empty(programs, c, dtype=torch.int32, device=x.device)
-        topk_kernel[(programs,)](
-            x, lo, hi, out, scratch, T, programs, x.stride(0), out.stride(0),
-            K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, num_warps=cfg.num_warps,
-        )
-        return out
-    if cfg.variant != "stream":
-        raise ValueError(f"unknown top-k variant {cfg.variant!r}; expected 'stream' or 'sample'")
     scratch = torch.empty(programs, 2 * c, dtype=torch.int32, device=x.device)
     topk_stream_kernel[(programs,)](
         x, lo, hi, out, scratch, T, programs, x.stride(0) // 4, out.stride(0),
