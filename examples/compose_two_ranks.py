@@ -12,7 +12,7 @@ from cpkv.dist import launch
 from cpkv.layout import build_layout
 
 MODEL, P = preset("tiny"), 16
-CAPS = AdmissionCaps(extend_tokens=256, max_requests=4, chunk_size=256)
+CAPS = AdmissionCaps(chunk_size=256, max_requests=4)
 
 
 def rank_main(ctx) -> str:
@@ -23,10 +23,10 @@ def rank_main(ctx) -> str:
     writers = [c.writer for c in layout.current_pages]
     page_ids = [10 + i for i in range(len(writers))]  # writer-side pool pages (normally from the allocator)
     plan = rt.prepare(layout, page_ids)
-    rows = rt.current_rows(layout, 0, "token")
+    rows = rt.current_rows(plan, 0, "token")
     kv = torch.full((plan.query_rows.numel(), MODEL.row_bytes("token")), 100 + ctx.rank, dtype=torch.uint8)
     rows.index_copy_(0, plan.query_rows, kv)          # this rank's KV rows of its query tokens
-    dense = rt.compose(layout, 0, "token")             # uint8 [num_slots * P, 196], same bytes on every rank
+    dense = rt.compose(plan, 0, "token")               # uint8 [num_slots * P, 196], same bytes on every rank
     return f"rank {ctx.rank}: dense {list(dense.shape)}, writers {writers}, sum {int(dense.sum())}"
 
 

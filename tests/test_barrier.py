@@ -66,16 +66,17 @@ def test_counting_barrier_storm_with_rotating_late_rank():
 
 
 def _compose_then_die(ctx):
-    caps = AdmissionCaps(extend_tokens=64, cached_tokens=64, max_requests=2, chunk_size=64)
+    caps = AdmissionCaps(chunk_size=64, cached_tokens=64, max_requests=2)
     rt = ComposeRuntime.create(ctx, preset("tiny"), num_pages=16, page_size=4, caps=caps, num_layers=2)
     layout = build_layout([(8, 10)], page_size=4, cp=ctx.world_size)
-    rt.current_rows(layout, 0, "token")
-    rt.compose(layout, 0, "token", mode="symm")  # one full round works
+    plan = rt.prepare(layout)
+    rt.current_rows(plan, 0, "token")
+    rt.compose(plan, 0, "token", mode="symm")  # one full round works
     if ctx.rank == 2:
         os._exit(3)
-    rt.current_rows(layout, 0, "index")
+    rt.current_rows(plan, 0, "index")
     try:
-        rt.compose(layout, 0, "index", mode="symm")
+        rt.compose(plan, 0, "index", mode="symm")
     except ComposeTimeout as exc:
         return str(exc)
     return None

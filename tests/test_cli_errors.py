@@ -44,7 +44,7 @@ CASES = [
     (["run", "--cp", "-1"], "cp must be an integer >= 1, got -1"),
     (["run", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
     (["run", "--chunk-size", "0"], "chunk_size must be an integer >= 1, got 0"),
-    (["run", "--chunk-size", "24"], "chunk_size 24 must be a multiple of page_size 16"),
+    (["run", "--chunk-size", "24"], "chunk_size 24 must be a multiple of page_size 64"),
     (["run", "--pages-per-rank", "0"], "pages_per_rank must be >= 2"),
     (["run", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),
     (["run", "--host-pages", "-1"], "--host-pages: expected an integer >= 0, got -1"),
@@ -63,7 +63,7 @@ CASES = [
     (["run", "--trace", "{bad}"], "bad.jsonl:1: bad JSON"),
     # cpkv replay: validated by ReplayConfig / the parser; output paths checked before the run
     (["replay", "--cp", "0"], "cp must be an integer >= 1, got 0"),
-    (["replay", "--chunk", "0"], "chunk must be an integer >= 1, got 0"),
+    (["replay", "--chunk-size", "0"], "chunk_size must be an integer >= 1, got 0"),
     (["replay", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
     (["replay", "--kv-tokens-per-rank", "0"], "kv_tokens_per_rank must hold at least one page (64 tokens), got 0"),
     (["replay", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),

@@ -62,22 +62,21 @@ def _misuse(ctx):
     """Bad input on every rank; returns {case: exception class name + message}."""
     out = {}
     model = preset("tiny")
-    caps = AdmissionCaps(extend_tokens=32, cached_tokens=64, max_requests=2, chunk_size=32)
+    caps = AdmissionCaps(chunk_size=32, cached_tokens=64, max_requests=2)
     rt = ComposeRuntime.create(ctx, model, num_pages=32, page_size=4, caps=caps, num_layers=2)
     assert rt.staging.capacity == 32 // 4 + 2
     layout = build_layout([(8, 12), (4, 5)], page_size=4, cp=2)
-    other = build_layout([(8, 12), (4, 5)], page_size=4, cp=2)
     plan = rt.prepare(layout)
     cases = {
-        "unknown_mode": lambda: rt.compose(layout, 0, "token", mode="ring"),
-        "plan_of_another_batch": lambda: rt.compose(other, 0, "token", plan=plan),
+        "unknown_mode": lambda: rt.compose(plan, 0, "token", mode="ring"),
+        "not_a_plan": lambda: rt.compose(layout, 0, "token"),
         "cp_mismatch": lambda: rt.prepare(build_layout([(0, 9)], page_size=4, cp=3)),
         "overflow": lambda: rt.prepare(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
-        "prefetch_bs2": lambda: rt.compose(layout, 0, "token", mode="prefetch"),
-        "bad_layer": lambda: rt.compose(layout, 5, "token"),
-        "bad_layer_all_kinds": lambda: rt.compose_layer(layout, -1),
-        "layer_plan_of_another_batch": lambda: rt.compose_layer(other, 0, plan=plan),
-        "layer_unknown_mode": lambda: rt.compose_layer(layout, 0, mode="nope"),
+        "prefetch_bs2": lambda: rt.compose(plan, 0, "token", mode="prefetch"),
+        "bad_layer": lambda: rt.compose(plan, 5, "token"),
+        "bad_layer_all_kinds": lambda: rt.compose_layer(plan, -1),
+        "layer_not_a_plan": lambda: rt.compose_layer(layout, 0),
+        "layer_unknown_mode": lambda: rt.compose_layer(plan, 0, mode="nope"),
         "bad_page_ids": lambda: rt.prepare(layout, [1] * 3),
     }
     for name, fn in cases.items():
@@ -100,13 +99,13 @@ def _misuse(ctx):
 def test_bad_input_raises_named_errors_on_every_rank():
     for out in launch(_misuse, 2, timeout_s=120):
         assert out["unknown_mode"].startswith("ComposeError") and "legacy, fused, v2, symm, prefetch" in out["unknown_mode"]
-        assert out["plan_of_another_batch"].startswith("ComposeError: compose plan was built for another batch")
+        assert out["not_a_plan"].startswith("ComposeError: expected the batch's ComposePlan")
         assert out["cp_mismatch"].startswith("ComposeError") and "cp=3" in out["cp_mismatch"]
         assert out["overflow"].startswith(StagingOverflow.__name__) and "staging holds 10" in out["overflow"]
         assert out["prefetch_bs2"].startswith("ComposeError") and "one request" in out["prefetch_bs2"]
         assert out["bad_layer"].startswith("ComposeError")
         assert out["bad_layer_all_kinds"].startswith("ComposeError") and "layer must be in [0," in out["bad_layer_all_kinds"]
-        assert out["layer_plan_of_another_batch"].startswith("ComposeError: compose plan was built for another batch")
+        assert out["layer_not_a_plan"].startswith("ComposeError: expected the batch's ComposePlan")
         assert out["layer_unknown_mode"].startswith("ComposeError") and "supported" in out["layer_unknown_mode"]
         assert out["bad_page_ids"].startswith("ComposeError") and "current_page_ids" in out["bad_page_ids"]
         assert out["pool_row_size"].startswith(ComposeError.__name__) and "row_bytes" in out["pool_row_size"]

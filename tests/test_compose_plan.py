@@ -160,15 +160,14 @@ def test_current_page_ids_are_validated():
     assert arr.current_page_ids.tolist() == list(range(1, n + 1)) and arr.max_own_pool_page == plan.max_own_pool_page
 
 
-def test_plan_refuses_another_batch():
+def test_plan_refuses_another_rank_or_setup():
     a = _layout([(8, 13)], 4, 2, "zigzag")
-    b = _layout([(8, 13)], 4, 2, "zigzag")
     plan = _plans(a)[0]
-    plan.check(a, 0, plan.signature)
-    with pytest.raises(ComposeError, match="another batch"):
-        plan.check(b, 0, plan.signature)
+    plan.check(0, plan.signature)
     with pytest.raises(ComposeError, match="rank 0"):
-        plan.check(a, 1, plan.signature)
+        plan.check(1, plan.signature)
+    with pytest.raises(ComposeError, match="rank 0"):
+        plan.check(0, (2, 8) + plan.signature[2:])
 
 
 def test_gather_ref_zero_fills_and_repeats_pages():
@@ -179,7 +178,7 @@ def test_gather_ref_zero_fills_and_repeats_pages():
 
 
 def test_staging_identity_and_overflow():
-    caps = AdmissionCaps(extend_tokens=100, cached_tokens=64, max_requests=3, chunk_size=64)
+    caps = AdmissionCaps(chunk_size=64, cached_tokens=64, max_requests=3)
     st = Staging(TINY, 16, caps, lambda shape, name: torch.zeros(shape, dtype=torch.uint8))
     assert st.capacity == 64 // 16 + 3 == caps.staging_pages(16)
     assert tuple(st.buffers["token"].shape) == (2, 1 + st.capacity, 16 * TINY.row_bytes("token"))

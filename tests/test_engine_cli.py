@@ -22,7 +22,7 @@ def test_cpkv_run_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert [r["id"] for r in out["requests"]] == ["a", "b", "c"]
     assert set(out["requests"][0]) == {"id", "prompt_len", "cached_len", "ttft_s", "first_token"}
-    assert out["requests"][1]["cached_len"] == 112
+    assert out["requests"][1]["cached_len"] == 64  # a's one full page (default page size 64)
     assert out["rejected"][0]["id"] == "z" and "max_context" in out["rejected"][0]["reason"]
     for key in ("wall_s", "tokens_per_s", "cache_hit_ratio", "kv_pages_per_rank", "kv_pages_replicated"):
         assert key in out["summary"]

@@ -11,7 +11,7 @@ from cpkv.scheduler.costs import CostModel
 from cpkv.scheduler.replay import ReplayConfig, percentile, replay
 from cpkv.scheduler.trace import BuiltinShape, TraceRequest, builtin_trace, write_trace
 
-SMALL = dict(cp=2, page_size=16, chunk=256, kv_tokens_per_rank=8192)
+SMALL = dict(cp=2, page_size=16, chunk_size=256, kv_tokens_per_rank=8192)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_cli_json_schema_and_batch_log(tmp_path, capsys, trace):
     path, log = tmp_path / "t.jsonl", tmp_path / "b.jsonl"
     write_trace(trace[:120], path)
     argv = ["replay", str(path), "--policy", "both", "--kv", "both", "--cp", "2", "--page-size", "16",
-            "--chunk", "256", "--kv-tokens-per-rank", "8192", "--json", "--log-batches", str(log)]
+            "--chunk-size", "256", "--kv-tokens-per-rank", "8192", "--json", "--log-batches", str(log)]
     assert main(argv) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [(r["policy"], r["kv"]) for r in runs] == [("solo", "shared"), ("solo", "replicated"),

@@ -13,7 +13,7 @@ TINY = PRESETS["tiny"]
 
 
 def make(cp=2, pages=64, policy="solo", full_hit="page", replicated=False, **caps):
-    kw = dict(extend_tokens=16, chunk_size=16, max_requests=4)
+    kw = dict(chunk_size=16, max_requests=4)
     kw.update(caps)
     allocs = [PageAllocator(pages, f"rank{r}") for r in range(1 if replicated else cp)]
     kv = KVCacheManager(P, allocs)
@@ -162,7 +162,7 @@ def test_caps_name_the_reason():
     run_all(sched)
     adder = PrefillAdder(sched.adm, sched.kv)
     assert isinstance(adder.try_add(req("x", toks(200, 10))), Admitted)
-    assert adder.try_add(req("y", toks(300, 7))).reason == "extend_tokens"
+    assert adder.try_add(req("y", toks(300, 7))).reason == "chunk_size"
     assert isinstance(adder.try_add(req("z", toks(100, 8) + [1])), Admitted)   # 8 cached tokens
     assert adder.try_add(req("w", toks(400, 1))).reason == "max_requests"
     adder = PrefillAdder(sched.adm, sched.kv)
@@ -226,7 +226,7 @@ def test_page_tail_split_of_the_tail_chunk_under_mix():
 def test_staging_identity_checked():
     allocs = [PageAllocator(16) for _ in range(2)]
     kv = KVCacheManager(P, allocs)
-    caps = AdmissionCaps(extend_tokens=16, chunk_size=16, max_requests=4)
+    caps = AdmissionCaps(chunk_size=16, max_requests=4)
     Scheduler(kv, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P + 4)
     with pytest.raises(AdmissionError, match="staging identity"):
         Scheduler(kv, caps, model=TINY, cp=CPConfig(2, P), staging_pages=16 // P)
@@ -234,7 +234,7 @@ def test_staging_identity_checked():
 
 def test_configuration_errors():
     allocs = [PageAllocator(16) for _ in range(2)]
-    caps = AdmissionCaps(extend_tokens=16, chunk_size=16)
+    caps = AdmissionCaps(chunk_size=16)
     with pytest.raises(AdmissionError, match="policy"):
         Scheduler(KVCacheManager(P, allocs), caps, model=TINY, cp=CPConfig(2, P), policy="greedy")
     with pytest.raises(AdmissionError, match="allocators"):
@@ -259,7 +259,7 @@ def test_impossible_requests_are_rejected_not_blocking():
 
 def test_writer_rank_short_of_pages_is_rejected_when_alone():
     # 3 pages per rank, 6 in all; 2 chunks of 3 pages split [0, 1, 1] each: rank 1 would need 4
-    sched, cache, allocs = make(pages=4, extend_tokens=12, chunk_size=12)
+    sched, cache, allocs = make(pages=4, chunk_size=12)
     sched.add(req("big", toks(100, 24)))
     sched.add(req("small", toks(300, 3)))
     out = run_all(sched)
@@ -318,7 +318,7 @@ def test_scheduler_package_imports_no_torch():
 
 def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
     allocs = [PageAllocator(5, f"rank{r}") for r in range(2)]     # 4 pages per rank
-    caps = AdmissionCaps(extend_tokens=16, chunk_size=16, max_requests=4)
+    caps = AdmissionCaps(chunk_size=16, max_requests=4)
     with pytest.raises(AdmissionError, match="on_spill"):
         KVCacheManager(P, allocs, host_pages=8)
     spilled = []

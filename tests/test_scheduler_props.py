@@ -34,8 +34,8 @@ queue = st.tuples(
 def build(cfg):
     allocs = [PageAllocator(cfg["pages"], f"rank{r}") for r in range(cfg["cp"])]
     kv = KVCacheManager(P, allocs)
-    caps = AdmissionCaps(cfg["extend_tokens"], cfg["cached_tokens"], cfg["buffer_bytes"], cfg["max_requests"],
-                         cfg["chunk_size"])
+    caps = AdmissionCaps(min(cfg["extend_tokens"], cfg["chunk_size"]), cfg["cached_tokens"], cfg["buffer_bytes"],
+                         cfg["max_requests"])
     sched = Scheduler(kv, caps, model=TINY, cp=CPConfig(cfg["cp"], P), policy=cfg["policy"],
                       full_hit=cfg["full_hit"], staging_pages=caps.staging_pages(P))
     return sched, kv.tree, allocs

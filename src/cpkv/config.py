@@ -1,6 +1,6 @@
-"""Frozen configuration: model shapes (presets), the CP setup, the cache. No torch import.
+"""Frozen configuration: model shapes (presets), the CP setup, the cache, the compose modes. No torch import.
 
-Byte layouts derive from the model shape (DESIGN.md §1):
+Byte layouts derive from the model shape (docs/design.md, byte formats):
 
     token row  = kv_lora_rank fp8 | kv_lora_rank/128 float32 scales | qk_rope_head_dim bfloat16
                  (GLM-5 / DeepSeek-V3.2: 512 + 16 + 128 = 656 B)
@@ -8,13 +8,24 @@ Byte layouts derive from the model shape (DESIGN.md §1):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cpkv.errors import ConfigError
 
 QUANT_GROUP = 128
 KINDS = ("token", "index")
 STRATEGIES = ("zigzag", "contiguous", "round-robin")
+DEFAULT_PAGE_SIZE = 64
+
+# The compose modes (cpkv.compose.modes runs them): name -> what it does, in one line. All give byte-identical
+# dense buffers; the peer modes fall back to ``fused`` where peer memory is unavailable.
+COMPOSE_MODES: dict[str, str] = {
+    "legacy": "per request span: own pages (others zero), then a sum all-reduce of the span",
+    "fused": "own pages (others zero), then one sum all-reduce of the whole buffer",
+    "v2": "peer gather of the prefix pages, then a small all-reduce of the new pages",
+    "symm": "writers write into peer-visible staging, a counting barrier, then one gather (no collective)",
+    "prefetch": "symm, with the next layer's prefix pages gathered ahead (batches of one request)",
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,7 @@ class CPConfig:
     """The context-parallel setup: group size, page size, how current pages are split."""
 
     cp: int = 2
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     strategy: str = "zigzag"
 
     def __post_init__(self) -> None:
@@ -153,35 +164,29 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=lambda: PRESETS["tiny"])
-    cp: CPConfig = field(default_factory=CPConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-
-@dataclass(frozen=True)
 class AdmissionCaps:
-    """Caps every rank applies identically when forming a CP batch (DESIGN.md §7).
+    """Caps every rank applies identically when forming a CP batch (docs/design.md, admission).
 
-    ``extend_tokens`` (a multiple of the page size) also bounds one round of current pages, so the compose
-    staging capacity is ``staging_pages(page_size)`` = extend_tokens / page_size + one slack page per request
-    (a request's last page may be partial).
+    ``chunk_size``: the new tokens one batch may compute, which is also the chunk a long prompt is cut into
+    (rounded down to whole pages). It bounds one round of current pages, so the compose staging capacity is
+    ``staging_pages(page_size)`` = chunk pages + one slack page per request (a request's last page may be
+    partial). ``cached_tokens``: carried prefix tokens of a batch; ``buffer_bytes``: its dense buffers,
+    staging and indexer logits per rank; ``max_requests``: entries per batch.
     """
 
-    extend_tokens: int = 16384
+    chunk_size: int = 16384
     cached_tokens: int = 1 << 20
     buffer_bytes: int = 64 << 30
     max_requests: int = 16
-    chunk_size: int = 16384
 
     def __post_init__(self) -> None:
-        for key in ("extend_tokens", "cached_tokens", "buffer_bytes", "max_requests", "chunk_size"):
+        for key in ("chunk_size", "cached_tokens", "buffer_bytes", "max_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
 
     def effective_extend(self, page_size: int) -> int:
-        """Extend cap clamped by the chunk size, rounded down to whole pages (at least one page)."""
-        cap = min(self.extend_tokens, self.chunk_size)
+        """The chunk size rounded down to whole pages (at least one page): the extend cap of a batch."""
+        cap = self.chunk_size
         return max(page_size, cap - cap % page_size)
 
     def staging_pages(self, page_size: int) -> int:

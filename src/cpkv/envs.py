@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
+from cpkv.config import COMPOSE_MODES
 from cpkv.errors import ConfigError
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ _bool.__name__ = "bool"
 _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_BARRIER_TIMEOUT_S", 60.0, float, "Seconds a counting barrier waits before raising ComposeTimeout."),
     EnvVar("CPKV_MQA_LOGITS_CHUNK_MAX_GB", 2.0, float, "Budget in GiB for one chunk of indexer logits (rows x visible keys x 4 B)."),
-    EnvVar("CPKV_COMPOSE_MODE", "symm", str, "Default compose mode (legacy, fused, v2, symm, prefetch)."),
+    EnvVar("CPKV_COMPOSE_MODE", "symm", str, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
     EnvVar("CPKV_DISABLE_TRITON", False, _bool, "Use the pure-torch references even on CUDA."),
     EnvVar("CPKV_MASTER_PORT", 0, int, "TCP port for the rank processes' rendezvous (0: pick a free one)."),

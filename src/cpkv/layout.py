@@ -20,7 +20,7 @@ Remainders rotate across the requests of a batch so that short requests do not a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 from cpkv.config import STRATEGIES, is_power_of_two
@@ -100,10 +100,9 @@ class RequestLayout:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Everything layer-invariant about where a batch's pages live and who computes what.
-
-    ``memo`` holds per-batch plans built from this layout (compose, indexer, ...): plans are cached on
-    the batch object, never keyed by tensor address.
+    """Everything layer-invariant about where a batch's pages live and who computes what. Plain data: the
+    per-batch plans built from it (compose, rank, indexer) are returned to their callers and passed on
+    explicitly, never stored here.
     """
 
     page_size: int
@@ -115,7 +114,6 @@ class BatchLayout:
     rank_current: tuple[tuple[int, ...], ...]
     rank_query_ranges: tuple[tuple[tuple[int, int, int], ...], ...]
     rank_work: tuple[int, ...]
-    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
     def num_slots(self) -> int:

@@ -21,7 +21,7 @@ import torch
 from cpkv.compose.modes import get_mode, parse_modes
 from cpkv.compose.reference import current_pages, reference_dense
 from cpkv.compose.runtime import ComposeRuntime
-from cpkv.config import KINDS, AdmissionCaps, CPConfig, ModelConfig, preset
+from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, KINDS, AdmissionCaps, CPConfig, ModelConfig, preset
 from cpkv.dist import RankContext, launch
 from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
@@ -32,11 +32,11 @@ SCRIBBLE = 0xA5
 @dataclass(frozen=True)
 class CheckConfig:
     cp: int = 2
-    modes: tuple[str, ...] = ("legacy", "fused", "v2", "symm", "prefetch")
+    modes: tuple[str, ...] = tuple(COMPOSE_MODES)
     batches: int = 6
     seed: int = 0
     device: str = "cpu"
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     layers: int = 3
     model: str = "tiny"
     pages_per_rank: int = 160
@@ -65,8 +65,8 @@ class CheckConfig:
 
     def caps(self) -> AdmissionCaps:
         ext = self.max_bs * self.max_extend_pages * self.page_size
-        return AdmissionCaps(extend_tokens=ext, cached_tokens=self.max_bs * self.max_prefix_pages * self.page_size,
-                             buffer_bytes=1 << 30, max_requests=self.max_bs, chunk_size=ext)
+        return AdmissionCaps(chunk_size=ext, cached_tokens=self.max_bs * self.max_prefix_pages * self.page_size,
+                             buffer_bytes=1 << 30, max_requests=self.max_bs)
 
 
 # batches ------------------------------------------------------------------------------------------
@@ -182,13 +182,13 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
         cur, dense_all = {}, {}
         for k in KINDS:
             cur[k] = batch_current(cfg, model, layout, b, layer, k)
-            rows = rt.current_rows(layout, layer, k)
+            rows = rt.current_rows(plan, layer, k)
             mine = cur[k][torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
             rows.index_copy_(0, plan.query_rows, mine.index_select(0, plan.query_rows))
             if not per_layer:
-                dense_all[k] = rt.compose(layout, layer, k, mode=mode)
+                dense_all[k] = rt.compose(plan, layer, k, mode=mode)
         if per_layer:
-            dense_all = rt.compose_layer(layout, layer, mode=mode)
+            dense_all = rt.compose_layer(plan, layer, mode=mode)
         for k in KINDS:
             dense = dense_all[k].cpu()
             if cfg.corrupt_mode == mode and rt.rank == 0 and layer == 0:

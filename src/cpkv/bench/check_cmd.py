@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import argparse
 
+from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
+from cpkv.config import DEFAULT_PAGE_SIZE
+
 HELP = "Compose dense KV in N real rank processes with every mode; compare byte for byte with a reference."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
-    p.add_argument("--modes", default="all", help="comma-separated modes (legacy,fused,v2,symm,prefetch) or all")
+    p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--batches", type=int, default=6, help="random batches (default 6)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (power of two, default 16)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per page (power of two, default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -109,8 +109,8 @@ def _split(rng: np.random.Generator, total: int, n: int, minimum: int) -> list[i
 def _caps(cfg: BenchConfig) -> AdmissionCaps:
     P = cfg.page_size
     ext = -(-cfg.extend_tokens // P) * P
-    return AdmissionCaps(extend_tokens=ext, cached_tokens=cfg.prefix_tokens + P * cfg.requests,
-                         max_requests=cfg.requests, chunk_size=ext)
+    return AdmissionCaps(chunk_size=ext, cached_tokens=cfg.prefix_tokens + P * cfg.requests,
+                         max_requests=cfg.requests)
 
 
 def _sync(device: torch.device) -> None:
@@ -140,16 +140,16 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         out["kernel"] = kern if ctx.rank == 0 else None
     plan = rt.prepare(layout, ids)
     for mode in cfg.modes:
-        lay = layout
+        lay, p = layout, plan
         if mode == "prefetch" and len(layout.requests) != 1:
             lay = _solo_layout(cfg)
-            rt.prepare(lay)
-        out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg)
+            p = rt.prepare(lay)
+        out["modes"][mode] = _time_mode(ctx, rt, p, mode, cfg)
         out["modes"][mode]["requests"] = len(lay.requests)
     for r in range(ctx.world_size):  # one rank at a time, so that no other rank's work shares the device
         if r == ctx.rank:
-            out["host_us"] = _host_us(rt, layout, plan)
-            out["host_us_layer"], out["host_us_layer_idle"] = _host_us_layer(rt, layout, plan)
+            out["host_us"] = _host_us(rt, plan)
+            out["host_us_layer"], out["host_us_layer_idle"] = _host_us_layer(rt, plan)
         ctx.barrier()
     rt.close()
     return out
@@ -180,7 +180,7 @@ def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig,
     return statistics.median(plan_s) * 1e3, statistics.median(layout_s) * 1e3
 
 
-def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: str, cfg: BenchConfig) -> dict:
+def _time_mode(ctx: RankContext, rt: ComposeRuntime, plan: ComposePlan, mode: str, cfg: BenchConfig) -> dict:
     times = []
     for it in range(cfg.iters + 1):  # first iteration warms up (compilation, gloo buffers)
         ctx.barrier()
@@ -188,8 +188,8 @@ def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: 
         t0 = time.perf_counter()
         for layer in range(cfg.layers):  # as the engine runs it: rows of both kinds, then compose_layer
             for k in KINDS:
-                rt.current_rows(layout, layer, k)
-            rt.compose_layer(layout, layer, mode=mode)
+                rt.current_rows(plan, layer, k)
+            rt.compose_layer(plan, layer, mode=mode)
         _sync(rt.device)
         if it:
             times.append(time.perf_counter() - t0)
@@ -197,22 +197,22 @@ def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: 
     return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / cfg.layers, "effective": rt.effective_mode(mode)}
 
 
-def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 100) -> float:
-    """Host µs per (layer, kind) of the gather path with the plan cached (no barrier wait), back to back."""
+def _host_us(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> float:
+    """Host µs per (layer, kind) of the gather path with the plan built (no barrier wait), back to back."""
     def call(i: int) -> None:
-        p, kind = rt.plan(layout), KINDS[i & 1]
-        rt.gather(rt.dense(p, kind, 0)[1], "global", 0, kind, 0, p.all)
+        kind = KINDS[i & 1]
+        rt.gather(rt.dense(plan, kind, 0)[1], "global", 0, kind, 0, plan.all)
     return _host_call_us(rt, n, call)[0]
 
 
-def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 100) -> tuple[float, float]:
-    """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan cached:
+def _host_us_layer(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> tuple[float, float]:
+    """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan built:
     (back to back, each call alone on an idle device)."""
     halves = {k: 0 for k in KINDS}
 
     def call(_: int) -> None:
-        p = rt.plan(layout)
-        rt.gather_kinds("global", 0, halves, {k: (rt.dense(p, k, 0)[1], p.all) for k in KINDS})
+        rt._checked(plan)  # what every compose call does with its plan
+        rt.gather_kinds("global", 0, halves, {k: (rt.dense(plan, k, 0)[1], plan.all) for k in KINDS})
     return _host_call_us(rt, n, call)
 
 

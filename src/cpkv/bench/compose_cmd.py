@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import argparse
 
+from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
+from cpkv.config import DEFAULT_PAGE_SIZE
+
 HELP = "Time every compose mode at the traced-batch shape, and the page gather against a device copy."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
-    p.add_argument("--modes", default="all", help="comma-separated modes or all")
+    p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--model", default="glm5", help="row sizes and layer count from this preset (default glm5)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--extend-tokens", type=int, default=44_600, help="query tokens of the batch (default 44600)")
     p.add_argument("--prefix-tokens", type=int, default=500_000, help="cached prefix tokens (default 500000)")

@@ -15,15 +15,17 @@ HELP = "Prefill tokens/s of a long prompt through the CP engine, cold and with a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli.args import positive_int
+    from cpkv.config import DEFAULT_PAGE_SIZE
+    from cpkv.engine.config import MODES
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
     p.add_argument("--prompt", type=positive_int, default=32768, help="prompt tokens (default 32768)")
     p.add_argument("--cached", type=float, default=0.9, help="cached share of the warm case (default 0.9)")
     p.add_argument("--cp", type=int, default=1, help="rank processes (default 1: the whole GPU)")
-    p.add_argument("--mode", default="symm", help="compose mode (default symm)")
+    p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--json", action="store_true")
 
 

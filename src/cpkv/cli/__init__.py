@@ -43,7 +43,8 @@ def _add_commands(sub: argparse._SubParsersAction, table: dict[str, str]) -> Non
         mod = _load(path)
         if mod is None:
             continue
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, epilog=getattr(mod, "EPILOG", None),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
 

@@ -13,11 +13,16 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from cpkv.config import COMPOSE_MODES
 from cpkv.errors import ConfigError
 from cpkv.files import atomic_output, atomic_path
 
-__all__ = ["atomic_output", "atomic_path", "check_output", "int_list", "nonneg_int", "positive_float", "positive_int",
-           "require_cuda"]
+__all__ = ["MODES_EPILOG", "atomic_output", "atomic_path", "check_output", "int_list", "nonneg_int", "positive_float",
+           "positive_int", "require_cuda"]
+
+# the compose modes, one line each, for the --help of every command that takes --mode / --modes
+MODES_EPILOG = "compose modes (byte-identical results):\n" + "\n".join(
+    f"  {name:<9} {what}" for name, what in COMPOSE_MODES.items())
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:

@@ -9,11 +9,12 @@ from typing import Any, Sequence
 
 from cpkv.cli.args import atomic_output, atomic_path, check_output, positive_float, positive_int
 from cpkv.cli.fmt import Progress, emit_json, table
+from cpkv.config import DEFAULT_PAGE_SIZE
 from cpkv.errors import ConfigError
 from cpkv.scheduler.admission import POLICIES
 from cpkv.scheduler.batch import Batch
 from cpkv.scheduler.costs import CostModel
-from cpkv.scheduler.replay import KV_MODES, ReplayConfig, RunResult, replay
+from cpkv.scheduler.replay import KV_MODES, ReplayConfig, ReplayResult, replay
 from cpkv.scheduler.trace import TraceRequest, builtin_trace, ideal_hit_ratio, load_trace, write_trace
 
 HELP = "Replay a request trace through the real prefix cache and admission code; report time to first token."
@@ -25,12 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", choices=(*KV_MODES, "both"), default="shared",
                    help="KV capacity: shared (each page once in the group) or replicated (on every rank)")
     p.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
-    p.add_argument("--chunk", type=int, default=16384, help="chunk size in tokens (default 16384)")
+    p.add_argument("--chunk-size", type=int, default=16384,
+                   help="new tokens per batch, and the chunk a long prompt is cut into (default 16384)")
     p.add_argument("--kv-tokens-per-rank", type=int, default=None,
                    help="KV budget of one rank in tokens (default: an H200 after GLM-5 weights, per the cost model)")
     p.add_argument("--costs", metavar="COSTS.json", action="append",
                    help="cost-model fields to replace, or a `cpkv bench ... --json` report (repeatable; applied in order)")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
     p.add_argument("--requests", type=positive_int, default=2000, help="built-in trace: number of requests (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="built-in trace: random seed (default 0)")
@@ -76,11 +78,11 @@ def _trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
 
 def _config(args: argparse.Namespace, policy: str, kv: str) -> ReplayConfig:
     """The run's ReplayConfig (which validates every value)."""
-    return ReplayConfig(policy=policy, kv=kv, cp=args.cp, page_size=args.page_size, chunk=args.chunk,
+    return ReplayConfig(policy=policy, kv=kv, cp=args.cp, page_size=args.page_size, chunk_size=args.chunk_size,
                         max_requests=args.max_requests, kv_tokens_per_rank=args.kv_tokens_per_rank)
 
 
-def _replay_all(trace, configs: list[ReplayConfig], args, costs: CostModel) -> list[RunResult]:
+def _replay_all(trace, configs: list[ReplayConfig], args, costs: CostModel) -> list[ReplayResult]:
     bar = Progress(len(trace) * len(configs), "replay")
     results = []
     with ExitStack() as stack:
@@ -99,7 +101,7 @@ def _batch_logger(f, policy: str, kv: str):
     return log
 
 
-def _print_report(results: list[RunResult], trace, source: str, args: argparse.Namespace) -> None:
+def _print_report(results: list[ReplayResult], trace, source: str, args: argparse.Namespace) -> None:
     rows = []
     for r in results:
         s = r.summary()
@@ -111,7 +113,7 @@ def _print_report(results: list[RunResult], trace, source: str, args: argparse.N
            "req/batch", "queue s"], rows)
     kv_tokens = results[0].kv_tokens_per_rank if results else 0
     print(f"\n{source}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} prompt tokens, "
-          f"ideal hit ratio {ideal_hit_ratio(trace, args.page_size):.3f}; cp={args.cp}, chunk={args.chunk}, "
+          f"ideal hit ratio {ideal_hit_ratio(trace, args.page_size):.3f}; cp={args.cp}, chunk={args.chunk_size}, "
           f"page={args.page_size}, KV {kv_tokens} tokens per rank")
     for r in results:
         if r.rejected:
@@ -136,7 +138,7 @@ def _pyplot(path: str) -> Any:
     return plt
 
 
-def _plot(plt: Any, results: list[RunResult], path: str, source: str) -> None:
+def _plot(plt: Any, results: list[ReplayResult], path: str, source: str) -> None:
     """Empirical CDF of TTFT per run, log time axis, p90/p99 marked."""
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:

@@ -9,17 +9,20 @@ import argparse
 import os
 import sys
 
+from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
+
 HELP = "Run CP prefill of a trace (KV shared across ranks) and verify it against a single rank."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
     from cpkv.cli.args import nonneg_int, positive_float, positive_int
+    from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
     from cpkv.engine.config import MODES
 
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
     p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
-                   help="compose mode (default CPKV_COMPOSE_MODE, symm); prefetch runs batches of one")
+                   help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")
     p.add_argument("--requests", type=positive_int, default=12, help="requests of the built-in trace (default 12)")
     p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir")
@@ -29,12 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="rerun on one rank without CP and compare (default on; a failure exits 1)")
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
     p.add_argument("--host-pages", type=nonneg_int, default=0, help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and reload on a hit")
-    p.add_argument("--chunk-size", type=int, default=512, help="extend cap / chunk size in tokens")
+    p.add_argument("--chunk-size", type=int, default=512,
+                   help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
     p.add_argument("--max-requests", type=int, default=8)
-    p.add_argument("--strategy", choices=("zigzag", "contiguous", "round-robin"), default="zigzag")
+    p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
                         "autotuning stay out of TTFT)")

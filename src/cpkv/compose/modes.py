@@ -1,4 +1,4 @@
-"""Compose modes (DESIGN.md §4), chosen by name. Every mode gives byte-identical dense buffers.
+"""Compose modes (docs/design.md, compose), chosen by name. Every mode gives byte-identical dense buffers.
 
     legacy    per request span: own pages (others zero) + sum all-reduce of the span      bs collectives
     fused     own pages (others zero) + one whole-buffer sum all-reduce                   one collective
@@ -21,18 +21,18 @@ from typing import Any, Callable
 
 import torch
 
+from cpkv.config import COMPOSE_MODES
 from cpkv.errors import ComposeError
-from cpkv.layout import BatchLayout
 
 # A mode is written against the runtime's primitives (dense, gather, all_reduce, barrier_round, persist, ...);
 # the runtime imports this table, so the mode functions take it untyped (no import back: no cycle).
-RunFn = Callable[[Any, Any, BatchLayout, int, str, int], torch.Tensor]   # (runtime, plan, layout, layer, kind, half)
+RunFn = Callable[[Any, Any, int, str, int], torch.Tensor]   # (runtime, plan, layer, kind, half)
 LayerFn = Callable[[Any, Any, int, dict], dict]                          # (runtime, plan, layer, {kind: half})
 
 
 @dataclass(frozen=True)
 class Mode:
-    """A compose mode: ``run(rt, plan, layout, layer, kind, half) -> dense uint8 [slots * P, row_bytes]``;
+    """A compose mode: ``run(rt, plan, layer, kind, half) -> dense uint8 [slots * P, row_bytes]``;
     ``run_layer(rt, plan, layer, {kind: half}) -> {kind: dense}``, where set, composes every kind of a layer
     at once (``ComposeRuntime.compose_layer``; otherwise that runs ``run`` per kind)."""
 
@@ -43,7 +43,7 @@ class Mode:
     run_layer: LayerFn | None = None
 
 
-def _legacy(rt, plan, layout, layer, kind, half):
+def _legacy(rt, plan, layer, kind, half):
     dense, pages = rt.dense(plan, kind, half)
     for span in plan.spans:
         rt.gather(pages, "local", layer, kind, half, span.own)
@@ -52,7 +52,7 @@ def _legacy(rt, plan, layout, layer, kind, half):
     return dense
 
 
-def _fused(rt, plan, layout, layer, kind, half):
+def _fused(rt, plan, layer, kind, half):
     dense, pages = rt.dense(plan, kind, half)
     rt.gather(pages, "local", layer, kind, half, plan.own)
     rt.all_reduce(pages)
@@ -60,7 +60,7 @@ def _fused(rt, plan, layout, layer, kind, half):
     return dense
 
 
-def _v2(rt, plan, layout, layer, kind, half):
+def _v2(rt, plan, layer, kind, half):
     dense, pages = rt.dense(plan, kind, half)
     rt.gather(pages, "global", layer, kind, half, plan.prefix)
     if plan.num_current:
@@ -72,7 +72,7 @@ def _v2(rt, plan, layout, layer, kind, half):
     return dense
 
 
-def _symm(rt, plan, layout, layer, kind, half):
+def _symm(rt, plan, layer, kind, half):
     dense, pages = rt.dense(plan, kind, half)
     rt.barrier_round()
     rt.gather(pages, "global", layer, kind, half, plan.all)
@@ -90,7 +90,7 @@ def _symm_layer(rt, plan, layer, halves):
     return {k: v[0] for k, v in views.items()}
 
 
-def _prefetch(rt, plan, layout, layer, kind, half):
+def _prefetch(rt, plan, layer, kind, half):
     if plan.num_requests != 1:
         raise ComposeError(f"compose mode 'prefetch' takes batches of one request; this batch has "
                            f"{plan.num_requests} (use 'symm')")
@@ -105,15 +105,12 @@ def _prefetch(rt, plan, layout, layer, kind, half):
     return dense
 
 
-MODES: dict[str, Mode] = {
-    m.name: m for m in (
-        Mode("legacy", False, _legacy, "per-span zero + own pages + sum all-reduce"),
-        Mode("fused", False, _fused, "own pages + one whole-buffer sum all-reduce"),
-        Mode("v2", True, _v2, "peer gather of prefix pages + all-reduce of compact current pages"),
-        Mode("symm", True, _symm, "staging + counting barrier + one gather, no collective", _symm_layer),
-        Mode("prefetch", True, _prefetch, "symm with the next layer's prefix pages gathered ahead (bs=1)"),
-    )
-}
+# name -> (needs peer memory, run, run_layer); the names and their one-line help come from cpkv.config
+_RUN = {"legacy": (False, _legacy, None), "fused": (False, _fused, None), "v2": (True, _v2, None),
+        "symm": (True, _symm, _symm_layer), "prefetch": (True, _prefetch, None)}
+assert tuple(_RUN) == tuple(COMPOSE_MODES), "every mode of cpkv.config.COMPOSE_MODES runs here, in that order"
+MODES: dict[str, Mode] = {name: Mode(name, peer, run, COMPOSE_MODES[name], layer)
+                          for name, (peer, run, layer) in _RUN.items()}
 
 
 def get_mode(name: str) -> Mode:

@@ -1,8 +1,8 @@
 """ComposePlan: every layer-invariant compose descriptor of one batch on one rank, built once.
 
-A plan is built from a ``BatchLayout`` (numpy/python), its index tensors are moved to the device once,
-and it is cached in ``layout.memo["compose"]``: never looked up by tensor address. Every layer and both
-kinds reuse it. Per slot of the dense buffer::
+A plan is built from a ``BatchLayout`` (numpy/python) by ``ComposeRuntime.prepare``, its index tensors are
+moved to the device once, and the caller passes it to every compose call of the batch (never looked up by
+tensor address, never stored on the layout). Every layer and both kinds reuse it. Per slot of the dense buffer::
 
     slot s  : prefix page  -> source = owner o       (pool of rank o),    page = pool page id
               current page -> source = cp + writer w (staging of rank w), page = its staging page
@@ -25,7 +25,6 @@ Gather entry sets (``Entries``: dest page, source index, source page; -1 source 
 from __future__ import annotations
 
 import struct
-import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
@@ -39,7 +38,6 @@ from cpkv.config import KINDS
 from cpkv.errors import ComposeError
 from cpkv.layout import BatchLayout
 
-MEMO_KEY = "compose"
 
 
 def _pack_into(out: np.ndarray, values: list[int]) -> None:
@@ -147,11 +145,11 @@ class ComposePlan:
 
     def __init__(self, layout: BatchLayout, rank: int, capacity: int, page_bytes: dict[str, int],
                  device: torch.device, current_page_ids: Sequence[int] | None) -> None:
-        self._layout = weakref.ref(layout)
         self.rank, self.cp, self.page_size = rank, layout.cp, layout.page_size
         self.capacity, self.device = capacity, device
         self.num_slots, self.num_current = layout.num_slots, layout.num_current
         self.num_requests = len(layout.requests)
+        self._request_slots = [(r.slot_start, r.slot_end) for r in layout.requests]
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
         self.views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # runtime's arena views
         own = layout.rank_current[rank]
@@ -291,9 +289,7 @@ class ComposePlan:
     @cached_property
     def spans(self) -> list[Span]:
         """Per request its slots and ``own`` entries (legacy mode only; built on first use)."""
-        layout = self._layout()
-        assert layout is not None, "the plan's batch is gone"
-        return [Span(r.slot_start, r.slot_end, self.own.slice(r.slot_start, r.slot_end)) for r in layout.requests]
+        return [Span(a, b, self.own.slice(a, b)) for a, b in self._request_slots]
 
     def _arena(self, page_bytes: dict[str, int]) -> None:
         """Deterministic offsets inside an arena half: per kind the dense buffer, then v2's compact scratch."""
@@ -309,12 +305,8 @@ class ComposePlan:
 
     # checks ---------------------------------------------------------------------------------------
 
-    def check(self, layout: BatchLayout, rank: int, signature: tuple) -> None:
-        """Raise ComposeError unless this plan was built for ``layout`` on ``rank`` with this runtime's setup."""
-        if self._layout() is not layout:
-            raise ComposeError(f"compose plan was built for another batch ({self.num_slots} slots, "
-                               f"{self.num_requests} requests); got a batch of {layout.num_slots} slots, "
-                               f"{len(layout.requests)} requests: build a plan per batch")
+    def check(self, rank: int, signature: tuple) -> None:
+        """Raise ComposeError unless this plan was built on ``rank`` with this runtime's setup."""
         if rank != self.rank or signature != self.signature:
             raise ComposeError(f"compose plan was built for rank {self.rank} with (cp, page_size, staging, "
                                f"page_bytes) = {self.signature}; this runtime is rank {rank} with {signature}")

@@ -1,4 +1,4 @@
-"""ComposeRuntime: one per rank; every layer it gives this rank the batch's dense KV (DESIGN.md §4).
+"""ComposeRuntime: one per rank; every layer it gives this rank the batch's dense KV (docs/design.md, compose).
 
 Setup (collective, once)::
 
@@ -7,12 +7,12 @@ Setup (collective, once)::
 
 Per batch and per (layer, kind), every rank, in the same order::
 
-    plan = rt.prepare(layout, current_page_ids)        # once per batch (cached in layout.memo["compose"])
-    rows = rt.current_rows(layout, layer, kind)        # uint8 [n_own * P, row_bytes], writable
+    plan = rt.prepare(layout, current_page_ids)        # once per batch; passed to every call below
+    rows = rt.current_rows(plan, layer, kind)          # uint8 [n_own * P, row_bytes], writable
     rows.index_copy_(0, plan.query_rows, kv_rows)      # the writer's KV rows of its query tokens
-    dense = rt.compose(layout, layer, kind)            # uint8 [num_slots * P, row_bytes]
+    dense = rt.compose(plan, layer, kind)              # uint8 [num_slots * P, row_bytes]
 
-or, with the rows of every kind written first, ``dense = rt.compose_layer(layout, layer)`` ({kind: dense};
+or, with the rows of every kind written first, ``dense = rt.compose_layer(plan, layer)`` ({kind: dense};
 under ``symm`` one barrier round and one gather launch for all kinds).
 
 Contract:
@@ -45,7 +45,7 @@ from cpkv import envs
 from cpkv.compose.barrier import CountingBarrier
 from cpkv.compose.modes import Mode, get_mode
 from cpkv.compose.peer import PeerMemory
-from cpkv.compose.plan import MEMO_KEY, ComposePlan, Entries
+from cpkv.compose.plan import ComposePlan, Entries
 from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
 from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
@@ -169,7 +169,7 @@ class ComposeRuntime:
     # plans ----------------------------------------------------------------------------------------
 
     def prepare(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None) -> ComposePlan:
-        """Build this batch's plan and cache it in ``layout.memo["compose"]`` (replacing an older one)."""
+        """Build this batch's plan (the caller passes it to every compose call of the batch)."""
         if layout.cp != self.cp:
             raise ComposeError(f"the batch was laid out for cp={layout.cp}; this group has {self.cp} ranks")
         if layout.page_size != self.page_size:
@@ -179,21 +179,20 @@ class ComposeRuntime:
         if plan.persists and plan.max_own_pool_page >= self.pool.num_pages:
             raise ComposeError(f"rank {self.rank}: current page ids must be < {self.pool.num_pages} (pool pages)")
         self.arena.reserve(plan.arena_bytes)
-        layout.memo[MEMO_KEY] = plan
         return plan
 
-    def plan(self, layout: BatchLayout, plan: ComposePlan | None = None) -> ComposePlan:
-        """The batch's cached plan (built without persistence if missing), checked against the batch."""
-        plan = plan or layout.memo.get(MEMO_KEY) or self.prepare(layout)
-        plan.check(layout, self.rank, self.signature)
+    def _checked(self, plan: ComposePlan) -> ComposePlan:
+        if not isinstance(plan, ComposePlan):
+            raise ComposeError(f"expected the batch's ComposePlan (from prepare), got {type(plan).__name__}")
+        plan.check(self.rank, self.signature)
         return plan
 
     # the per-layer API ----------------------------------------------------------------------------
 
-    def current_rows(self, layout: BatchLayout, layer: int, kind: str) -> torch.Tensor:
+    def current_rows(self, plan: ComposePlan, layer: int, kind: str) -> torch.Tensor:
         """uint8 [n_own * P, row_bytes]: where this rank writes its current rows for the next compose of
         ``kind`` (see the module docstring). Tail rows of partial pages come zeroed."""
-        plan = self.plan(layout)
+        plan = self._checked(plan)
         self._check_call(layer, kind)
         block = self.staging.buffers[kind][self.uses[kind] & 1][1: 1 + plan.num_own]
         rows = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
@@ -201,31 +200,29 @@ class ComposeRuntime:
             rows.index_fill_(0, plan.tail_rows, 0)
         return rows
 
-    def compose(self, layout: BatchLayout, layer: int, kind: str, mode: str | None = None,
-                plan: ComposePlan | None = None) -> torch.Tensor:
+    def compose(self, plan: ComposePlan, layer: int, kind: str, mode: str | None = None) -> torch.Tensor:
         """Dense KV of the batch for (layer, kind): uint8 [num_slots * P, row_bytes], slot-major."""
-        plan = self.plan(layout, plan)
+        plan = self._checked(plan)
         self._check_call(layer, kind)
         m = self._effective(mode)
         half = self.uses[kind] & 1
         if m.name != "prefetch" and self._pending[kind] is not None:
             self.settle_prefetch(kind)
-        dense = m.run(self, plan, layout, layer, kind, half)
+        dense = m.run(self, plan, layer, kind, half)
         self.uses[kind] += 1
         return dense
 
-    def compose_layer(self, layout: BatchLayout, layer: int, mode: str | None = None,
-                      plan: ComposePlan | None = None) -> dict[str, torch.Tensor]:
-        """Dense KV of every kind for ``layer``: ``{kind: compose(layout, layer, kind)}``, with the current rows
+    def compose_layer(self, plan: ComposePlan, layer: int, mode: str | None = None) -> dict[str, torch.Tensor]:
+        """Dense KV of every kind for ``layer``: ``{kind: compose(plan, layer, kind)}``, with the current rows
         of every kind written first. Byte-identical to composing kind by kind; under ``symm`` it takes one
         barrier round and one gather launch for all kinds (half the synchronisation and host work). Every
         rank must use the same call (``compose_layer`` or per-kind ``compose``) for a layer."""
-        plan = self.plan(layout, plan)
+        plan = self._checked(plan)
         for k in KINDS:
             self._check_call(layer, k)
         m = self._effective(mode)
         if m.run_layer is None:
-            return {k: self.compose(layout, layer, k, mode=m.name, plan=plan) for k in KINDS}
+            return {k: self.compose(plan, layer, k, mode=m.name) for k in KINDS}
         halves = {k: self.uses[k] & 1 for k in KINDS}
         for k in KINDS:
             if self._pending[k] is not None:

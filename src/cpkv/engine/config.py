@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpkv.config import AdmissionCaps, CacheConfig, CPConfig
+from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheConfig, CPConfig
 from cpkv.errors import ConfigError
 
-MODES = ("legacy", "fused", "v2", "symm", "prefetch")
+MODES = tuple(COMPOSE_MODES)
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class EngineConfig:
     cp: int = 2
     mode: str = "symm"
     device: str = "cpu"
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     strategy: str = "zigzag"
     pages_per_rank: int = 256
     host_pages: int = 0
@@ -65,6 +65,5 @@ class EngineConfig:
     def caps(self) -> AdmissionCaps:
         """Admission caps: chunk = extend cap; cached cap = every pool's pages; prefetch runs solo."""
         pool_tokens = (self.pages_per_rank - 1) * self.cp * self.page_size
-        return AdmissionCaps(extend_tokens=self.chunk_size, cached_tokens=pool_tokens, buffer_bytes=64 << 30,
-                             max_requests=1 if self.mode == "prefetch" else self.max_requests,
-                             chunk_size=self.chunk_size)
+        return AdmissionCaps(chunk_size=self.chunk_size, cached_tokens=pool_tokens, buffer_bytes=64 << 30,
+                             max_requests=1 if self.mode == "prefetch" else self.max_requests)

@@ -2,7 +2,7 @@
 
     BatchSpec (same on every rank): layout, each request's sequence tokens, the pool page id of every
     current page on its writer.
-    RankPlan (built once per batch, cached on ``layout.memo``): the rank's token ids and positions, its
+    RankPlan (built once per batch by ``rank_plan``, passed in): the rank's token ids and positions, its
     rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
     ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
     token sits when this rank holds it.
@@ -24,9 +24,8 @@ from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
 
 if TYPE_CHECKING:
+    from cpkv.compose.plan import ComposePlan
     from cpkv.compose.runtime import ComposeRuntime
-
-MEMO_KEY = "engine.rank_plan"
 
 
 @dataclass(frozen=True)
@@ -52,14 +51,7 @@ class RankPlan:
 
 
 def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
-    """Build (or fetch from ``layout.memo``) rank ``rank``'s RankPlan for ``spec``."""
-    memo = spec.layout.memo
-    if (MEMO_KEY, rank) not in memo:
-        memo[(MEMO_KEY, rank)] = _build_plan(spec, rank, model)
-    return memo[(MEMO_KEY, rank)]
-
-
-def _build_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
+    """Rank ``rank``'s RankPlan for ``spec`` (built once per batch; every layer reuses it)."""
     lay, P = spec.layout, spec.layout.page_size
     ids: list[int] = []
     pos: list[int] = []
@@ -82,23 +74,21 @@ def _build_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
                     AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last)
 
 
-def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int) -> dict[int, torch.Tensor]:
+def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", plan: RankPlan) -> dict[int, torch.Tensor]:
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
-    ``rt.prepare`` must have run for ``spec`` (the compose plan persists current pages into
-    ``spec.page_ids``).
+    ``compose``: the batch's plan from ``rt.prepare`` (it persists current pages into the batch's page ids);
+    ``plan``: this rank's ``rank_plan`` of the batch.
     """
-    plan = rank_plan(spec, rank, model)
-    lay = spec.layout
-    rows_at = lay.memo["compose"].query_rows
+    rows_at = compose.query_rows
     h = model.embed(plan.ids)
     for n, layer in enumerate(model.layers):
         p = layer.project(h, plan.rot) if plan.num_tokens else None
         for kind in KINDS:
-            rows = rt.current_rows(lay, n, kind)
+            rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
-        dense = rt.compose_layer(lay, n)  # both kinds: one barrier round and one gather launch under symm
+        dense = rt.compose_layer(compose, n)  # both kinds: one barrier round and one gather launch under symm
         if p is not None:
             h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
     if not plan.last:

@@ -22,7 +22,7 @@ import torch
 
 from cpkv.dist import RankContext
 from cpkv.engine.config import EngineConfig
-from cpkv.engine.forward import BatchSpec, run_batch
+from cpkv.engine.forward import BatchSpec, rank_plan, run_batch
 from cpkv.kvcache.allocator import PageAllocator
 from cpkv.kvcache.manager import KVCacheManager
 from cpkv.model.model import DSAModel, load_model
@@ -148,9 +148,9 @@ class RankEngine:
         page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
         assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
         start = self._sync_time()
-        self.rt.prepare(layout, page_ids)
+        compose = self.rt.prepare(layout, page_ids)
         spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
-        out = run_batch(self.model, self.rt, spec, self.rank)
+        out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model))
         for i, e in enumerate(batch.entries):
             if e.last_chunk and i in out:
                 self.out.logits[e.rid] = out[i].detach().float().cpu().numpy()

@@ -1,4 +1,4 @@
-"""Per-rank KV pools: raw ``uint8`` pages of every layer and both kinds (DESIGN.md §1, §3).
+"""Per-rank KV pools: raw ``uint8`` pages of every layer and both kinds (docs/design.md, byte formats and pools).
 
     pool[kind]: uint8 [num_layers, num_pages, page_size * row_bytes]
     rows(layer, kind): uint8 [num_pages * page_size, row_bytes]     (a view; token t of page p is row p*P + t)
@@ -15,7 +15,6 @@ import torch
 
 from cpkv.config import KINDS, ModelConfig, RowFormat
 from cpkv.errors import ComposeError
-from cpkv.kvcache.allocator import PageAllocator
 
 Alloc = Callable[[tuple[int, ...], str], torch.Tensor]  # (shape, name) -> uint8 tensor
 
@@ -27,13 +26,12 @@ def torch_alloc(device: torch.device | str) -> Alloc:
 
 
 class KVPool:
-    """One rank's pool: every layer, both kinds, and the page allocator that owns its pages."""
+    """One rank's pool: every layer, both kinds (which pages are in use is the KV-cache manager's business)."""
 
     def __init__(self, model: ModelConfig, num_pages: int, page_size: int, device: torch.device | str = "cpu",
                  alloc: Alloc | None = None, num_layers: int | None = None) -> None:
         self.model, self.num_pages, self.page_size = model, num_pages, page_size
         self.num_layers = model.num_layers if num_layers is None else num_layers
-        self.allocator = PageAllocator(num_pages, "kv pool")
         alloc = alloc or torch_alloc(device)
         self.buffers = {
             kind: alloc((self.num_layers, num_pages, page_size * model.row_bytes(kind)), f"pool.{kind}")

@@ -11,7 +11,7 @@ multiple of P, except an unaligned prefix, which always runs alone)::
     0            cached           done          done+extend_len          prompt_len
     |  cache hit  | earlier chunks |  this chunk  |  rest (later chunks)  |
     |<------ carried prefix ------>|
-    entry.prefix_len = done        entry.extend_len (≤ extend cap = min(extend_tokens, chunk_size))
+    entry.prefix_len = done        entry.extend_len (≤ the chunk size, in whole pages)
 
 The engine's loop::
 

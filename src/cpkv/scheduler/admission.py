@@ -3,7 +3,7 @@
 ``Admission`` holds the static rules (caps, policy, byte sizes); ``PrefillAdder`` builds one batch:
 ``try_add(request)`` answers ``Admitted(entry)`` or ``Rejected(reason)``, ``reason`` naming the cap:
 
-- ``extend_tokens``: new tokens of the batch > the extend cap (clamped by the chunk size);
+- ``chunk_size``: new tokens of the batch > the chunk size (the extend cap);
 - ``cached_tokens``: carried prefix tokens of the batch > the cached cap;
 - ``buffer_bytes``: dense buffers (both kinds, two parity halves) + staging + indexer logits
   (rows on the busiest rank × the batch's keys × 4 B, within the logits chunk budget) > the buffer cap;
@@ -36,7 +36,7 @@ from cpkv.scheduler.request import Request, Status
 
 POLICIES = ("solo", "mix")
 FULL_HIT = ("page", "token")
-REASONS = ("extend_tokens", "cached_tokens", "buffer_bytes", "max_requests", "pages", "solo", "max_context",
+REASONS = ("chunk_size", "cached_tokens", "buffer_bytes", "max_requests", "pages", "solo", "max_context",
            "pool_pages")
 
 
@@ -172,7 +172,7 @@ def check_staging_identity(caps: AdmissionCaps, page_size: int, staging_pages: i
     want = caps.staging_pages(page_size)
     if staging_pages != want:
         raise AdmissionError(
-            f"staging identity broken: extend cap {caps.effective_extend(page_size)} tokens / page size {page_size}"
+            f"staging identity broken: chunk size {caps.effective_extend(page_size)} tokens / page size {page_size}"
             f" + {caps.max_requests} slack pages (one per request) = {want} pages, but the staging holds "
             f"{staging_pages}")
 
@@ -257,7 +257,7 @@ class PrefillAdder:
         if self.entries and self._alone(plan):
             return Rejected("solo", "this chunk must run alone (chunked or unaligned prefix)")
         if self.extend + plan.extend > adm.extend_cap:
-            return Rejected("extend_tokens", f"{self.extend} + {plan.extend} new tokens > cap {adm.extend_cap}")
+            return Rejected("chunk_size", f"{self.extend} + {plan.extend} new tokens > cap {adm.extend_cap}")
         if self.cached + plan.prefix > caps.cached_tokens:
             return Rejected("cached_tokens", f"{self.cached} + {plan.prefix} prefix tokens > cap {caps.cached_tokens}")
         need = self._buffer_with(plan, rows)

@@ -57,7 +57,7 @@ class Batch:
     page_size: int
     cp: int
     strategy: str
-    memo: dict[str, Any] = field(default_factory=dict, repr=False)
+    _layout: BatchLayout | None = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -77,9 +77,9 @@ class Batch:
 
     def layout(self, max_context: int | None = None) -> BatchLayout:
         """The batch's page layout (built once, cached on the batch): same writers as ``Entry.writers``."""
-        if "layout" not in self.memo:
-            self.memo["layout"] = build_layout(
+        if self._layout is None:
+            self._layout = build_layout(
                 [(e.prefix_len, e.extend_len) for e in self.entries], page_size=self.page_size, cp=self.cp,
                 strategy=self.strategy, prefix_pages=[e.prefix_pages for e in self.entries],
                 max_context=max_context)
-        return self.memo["layout"]
+        return self._layout

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cpkv.config import AdmissionCaps, CPConfig, ModelConfig, preset
+from cpkv.config import DEFAULT_PAGE_SIZE, AdmissionCaps, CPConfig, ModelConfig, preset
 from cpkv.errors import ConfigError
 from cpkv.kvcache.allocator import PageAllocator
 from cpkv.kvcache.manager import KVCacheManager
@@ -30,9 +30,8 @@ class ReplayConfig:
     policy: str = "solo"
     kv: str = "shared"
     cp: int = 8
-    page_size: int = 64
-    chunk: int = 16384
-    extend_tokens: int | None = None     # default: the chunk size
+    page_size: int = DEFAULT_PAGE_SIZE
+    chunk_size: int = 16384
     max_requests: int = 16
     kv_tokens_per_rank: int | None = None  # default: the cost model's memory budget
     model: str = "glm5"
@@ -45,23 +44,20 @@ class ReplayConfig:
         if self.kv not in KV_MODES:
             raise ConfigError(f"unknown kv mode {self.kv!r}; expected one of {', '.join(KV_MODES)}")
         CPConfig(self.cp, self.page_size)  # validates cp and page_size
-        for key in ("chunk", "max_requests"):
+        for key in ("chunk_size", "max_requests"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
-        if self.extend_tokens is not None and self.extend_tokens < 1:
-            raise ConfigError(f"extend_tokens must be >= 1, got {self.extend_tokens}")
         if self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.page_size:
             raise ConfigError(f"kv_tokens_per_rank must hold at least one page ({self.page_size} tokens), "
                               f"got {self.kv_tokens_per_rank}")
         preset(self.model)  # validates the preset name
 
     def caps(self) -> AdmissionCaps:
-        return AdmissionCaps(extend_tokens=self.extend_tokens or self.chunk, max_requests=self.max_requests,
-                             chunk_size=self.chunk)
+        return AdmissionCaps(chunk_size=self.chunk_size, max_requests=self.max_requests)
 
 
 @dataclass
-class RunResult:
+class ReplayResult:
     policy: str
     kv: str
     requests: int
@@ -117,12 +113,12 @@ def build_scheduler(cfg: ReplayConfig, model: ModelConfig, costs: CostModel) -> 
 
 
 def replay(trace: Sequence[TraceRequest], cfg: ReplayConfig, costs: CostModel | None = None,
-           log: BatchLog | None = None, progress: Callable[[int], None] | None = None) -> RunResult:
+           log: BatchLog | None = None, progress: Callable[[int], None] | None = None) -> ReplayResult:
     """Simulate ``trace`` (arrival order) under ``cfg``; deterministic: same inputs, same result."""
     costs = costs or CostModel()
     model = preset(cfg.model)
     sched, kv_tokens = build_scheduler(cfg, model, costs)
-    res = RunResult(cfg.policy, cfg.kv, len(trace), kv_tokens_per_rank=kv_tokens)
+    res = ReplayResult(cfg.policy, cfg.kv, len(trace), kv_tokens_per_rank=kv_tokens)
     keys = PageKeys(trace, cfg.page_size)
     t, i, n = 0.0, 0, len(trace)
     while i < n or sched.has_work:
@@ -140,12 +136,12 @@ def replay(trace: Sequence[TraceRequest], cfg: ReplayConfig, costs: CostModel | 
     return res
 
 
-def _arrive(sched: Scheduler, tr: TraceRequest, keys: PageKeys, res: RunResult, progress) -> None:
+def _arrive(sched: Scheduler, tr: TraceRequest, keys: PageKeys, res: ReplayResult, progress) -> None:
     sched.add(Request(tr.id, keys(tr), tr.prompt_len, tr.arrival))
     _count_rejected(sched, res, progress)
 
 
-def _count_rejected(sched: Scheduler, res: RunResult, progress) -> None:
+def _count_rejected(sched: Scheduler, res: ReplayResult, progress) -> None:
     for r in sched.rejected:
         reason = r.reason.split(":", 1)[0]
         res.rejected[reason] = res.rejected.get(reason, 0) + 1
@@ -154,7 +150,7 @@ def _count_rejected(sched: Scheduler, res: RunResult, progress) -> None:
     sched.rejected.clear()
 
 
-def _run_batch(sched: Scheduler, batch: Batch, t: float, costs: CostModel, replicated: bool, res: RunResult,
+def _run_batch(sched: Scheduler, batch: Batch, t: float, costs: CostModel, replicated: bool, res: ReplayResult,
                log: BatchLog | None, progress) -> float:
     t_end = t + costs.batch_seconds(batch, replicated)
     for e in batch.entries:
