@@ -7,7 +7,6 @@ Token-KV quant/dequant: byte- and bit-identical to the torch reference.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -20,11 +19,7 @@ from cpkv.attention.ref import (
 from cpkv.config import preset
 from test_attention import assert_close_attention  # noqa: E402 (pytest puts tests/ on sys.path)
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 TINY = preset("tiny").token_format
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from cpkv.cli import main
 
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "..", "src")}
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
+ENV = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "..", "src")}
 
 
 def cpkv(*args: str) -> subprocess.CompletedProcess:

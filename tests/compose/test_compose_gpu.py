@@ -1,18 +1,12 @@
 """GPU: the Triton page gather against its torch reference, and the compose check on CUDA ranks."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from cpkv.kernels.page_gather.ref import page_gather_ref
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 
 PAGE_BYTES = [64 * 656, 64 * 132, 16 * 196, 196, 132, 3]
 

@@ -5,8 +5,6 @@ products are exact in float32; the error is the tensor cores' float32 accumulati
 head sum); -inf positions and every top-k index exactly equal."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -50,11 +48,7 @@ def _topk_cfg(name):
     return None if kw is None else TopkConfig(**kw)
 
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 FP8 = torch.float8_e4m3fn
 
 
