@@ -1,4 +1,4 @@
-"""Page-aligned in-sequence split of a CP batch (DESIGN.md §2). No torch import.
+"""Page-aligned in-sequence split of a CP batch (docs/design.md §2). No torch import.
 
 A batch is a list of requests ``(prefix_len, extend_len)``. Each request's sequence is cut into pages::
 

@@ -1,4 +1,4 @@
-"""Sparse MLA prefill attention over the composed KV (DESIGN.md §6).
+"""Sparse MLA prefill attention over the composed KV (docs/design.md §6).
 
     dequant_token_kv(rows uint8 [S, 656]) -> bf16 [S, 576]      (and quant_token_kv, its inverse)
     sparse_mla(q [T, H, 576], kv [S, 576], indices [T, topk], sm_scale, d_v=512) -> (out, lse)

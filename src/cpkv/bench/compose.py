@@ -1,6 +1,6 @@
 """``cpkv bench compose``: per-batch compose time per mode, and the gather kernel against a device copy.
 
-Shape (default): the traced batch of DESIGN.md — 12 requests, 44.6K query tokens, ~500K cached prefix
+Shape (default): a traced long-context batch — 12 requests, 44.6K query tokens, ~500K cached prefix
 tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B), both kinds. Per-(layer, kind) cost
 does not depend on the layer, so ``--layers`` layers are timed and the per-batch figure is scaled to
 the model's layer count (78 for GLM-5); the output says so.

@@ -1,4 +1,4 @@
-"""Compose: every rank gets the batch's dense KV, byte-exact across modes (DESIGN.md §4).
+"""Compose: every rank gets the batch's dense KV, byte-exact across modes (docs/design.md §4).
 
     plan.py       ComposePlan: per-batch descriptors, built once, cached in layout.memo["compose"]
     peer.py       PeerMemory: shared-memory (CPU) / CUDA IPC buffers, probed and agreed over the group

@@ -1,4 +1,4 @@
-"""Rank processes in one ``torch.distributed`` group (DESIGN.md §4 transports).
+"""Rank processes in one ``torch.distributed`` group (docs/design.md §4, transports).
 
     launch(fn, world_size, device="cpu", args=(...)) -> [fn(ctx_0, *args), ..., fn(ctx_{n-1}, *args)]
     context_from_env(device)  -> RankContext of this process under torchrun (env:// rendezvous)

@@ -1,7 +1,8 @@
 """Run the CP engine over a trace (rank processes or torchrun) and verify it against one rank.
 
-    results = run_engine(cfg, trace)                 # launches cfg.cp rank processes
-    report  = verify_run(results[0], cfg, trace)     # single-process reference prefill, no CP, no cache
+    result = run_engine(cfg, trace)                  # RunResult; launches cfg.cp rank processes
+    report = verify_run(result, trace)               # VerifyReport: single-process reference prefill, no CP, no cache
+    results = run_jobs([(cfg, trace), (cfg, trace)]) # several runs in one set of rank processes
 
 A run's outcome per request: prompt and cached lengths, TTFT (time from its release into the queue to
 the end of the batch that computed its last token; a conversation's next turn is released when the

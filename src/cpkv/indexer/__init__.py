@@ -1,4 +1,4 @@
-"""Lightning indexer (DESIGN.md §5): fp8 MQA logits, top-k selection, the memory-bounded loop.
+"""Lightning indexer (docs/design.md §5): fp8 MQA logits, top-k selection, the memory-bounded loop.
 
     mqa_logits(q, k, k_scale, weights, ks, ke, *, clean=True) -> float32 [T, S]
     topk(logits, ks, ke, k=2048)                              -> int32 [T, k] (relative to ks, -1 pad)

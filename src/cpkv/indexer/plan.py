@@ -1,4 +1,4 @@
-"""Per-batch ragged indexer plan (DESIGN.md §5, §8): built once per batch from host lists, reused by
+"""Per-batch ragged indexer plan (docs/design.md §5, §8): built once per batch from host lists, reused by
 every layer, so a layer's indexer call does no host work beyond a loop over a few chunks and never
 reads a device value.
 

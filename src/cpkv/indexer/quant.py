@@ -1,6 +1,6 @@
 """fp8 quantisation of indexer keys and queries.
 
-Index row (DESIGN.md §1, ``ModelConfig.index_format``), D = index_head_dim:
+Index row (docs/design.md §1, ``ModelConfig.index_format``), D = index_head_dim:
 
     bytes [0, D)      D float8_e4m3fn values  k_fp8[j] = k[j] / k_scale[j]
     bytes [D, D + 4)  one float32 scale       k_scale[j] = amax(|k[j]|) / 448   (little-endian)

@@ -1,4 +1,4 @@
-"""Pure-torch references of the lightning indexer (DESIGN.md §5). They run on any device and define
+"""Pure-torch references of the lightning indexer (docs/design.md §5). They run on any device and define
 the edge cases the Triton kernels must match.
 
     logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])   for ks[i] <= j < ke[i]

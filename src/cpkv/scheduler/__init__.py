@@ -1,4 +1,4 @@
-"""CP-aware admission and trace replay (DESIGN.md §7). No torch import anywhere in this package.
+"""CP-aware admission and trace replay (docs/design.md §7). No torch import anywhere in this package.
 
 Modules: ``request`` (a prompt and its progress), ``admission`` (caps, policies, ``PrefillAdder.try_add``),
 ``batch`` (what the engine runs), ``scheduler`` (queue + batch loop), ``trace`` (trace files, the

@@ -1,4 +1,4 @@
-"""Which requests share a CP prefill batch (DESIGN.md §7). No torch import.
+"""Which requests share a CP prefill batch (docs/design.md §7). No torch import.
 
 ``Admission`` holds the static rules (caps, policy, byte sizes); ``PrefillAdder`` builds one batch:
 ``try_add(request)`` answers ``Admitted(entry)`` or ``Rejected(reason)``, ``reason`` naming the cap:

@@ -1,7 +1,7 @@
 """Batch cost model for the replay: seconds of one prefill forward. No torch import.
 
-Defaults: GLM-5 on 8×H200 (estimates from FLOP and byte counts at stated efficiencies, and the
-DESIGN.md §4 reference: `symm` compose of a 544K-key batch in 62.8 ms). Every figure is per GPU, all
+Defaults: GLM-5 on 8×H200 (estimates from FLOP and byte counts at stated efficiencies, and the compose
+time of a traced 544K-key batch measured by ``cpkv bench compose``, BENCHMARKS.md). Every figure is per GPU, all
 layers included; a batch takes as long as its busiest rank::
 
     t = batch_overhead_s + num_layers * layer_overhead_s
@@ -40,7 +40,7 @@ class CostModel:
     indexer_s_per_pair: float = 7.0e-10    # 78 x (32x128x2 fp8 FLOP + 8 B logits traffic) per pair
     attention_s_per_pair: float = 1.8e-8   # 78 x 64 heads x (576 + 512) x 2 FLOP at ~0.6 PFLOP/s bf16
     topk: int = 2048
-    compose_s_per_token: float = 1.15e-7   # DESIGN §4: 62.8 ms / 544K keys (symm, both kinds, 78 layers)
+    compose_s_per_token: float = 1.15e-7   # the traced batch's symm compose / its 544K keys (BENCHMARKS.md)
     gather_s_per_token: float = 2.0e-8     # replicated: local dense gather, 61.5 KB/token at ~3 TB/s
     allgather_s_per_token: float = 1.5e-7  # replicated: every new token's KV to every rank over NVLink
     hbm_bytes: float = 141e9               # H200

@@ -264,8 +264,8 @@ class PageKeys:
 class BuiltinShape:
     """Parameters of the built-in multi-turn long-context trace (token lengths before ``scale``).
 
-    Tuned to the DESIGN.md reference workload: prompts of ~46K tokens on average, an ideal hit ratio
-    of ~0.93 (~0.91 replayed on 8×H200 with shared KV).
+    Tuned to a long multi-turn workload: prompts of tens of thousands of tokens, most of each prompt the
+    previous turn's (the hit ratios it gives are in BENCHMARKS.md).
     """
 
     rate: float = 4.0                 # requests per second, on average

@@ -1,4 +1,4 @@
-"""Work items of the logits kernel for one chunk (DESIGN.md §5): which programs to launch and in which order.
+"""Work items of the logits kernel for one chunk (docs/design.md §5): which programs to launch and in which order.
 Built on the host from the plan's host bounds, once per batch and kernel shape, and reused by every layer.
 
 A program computes the logits of one token group (``rows`` consecutive query rows of the chunk) against up

@@ -25,9 +25,8 @@ Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barrier
 no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
 flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
 
-2026-12-01, H200, `cpkv bench attention --sweep --rep-ms 60` (H=64, topk=2048, S=65536 random rows),
-bf16 GEMM 695 TFLOP/s in the same run: T=4096 468 TFLOP/s (0.67), T=16384 474 (0.68); the
-one-partition Gluon kernel 315 (0.45) in the same run. Triton is imported lazily by :func:`load`.
+Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
+by :func:`load`.
 """
 from __future__ import annotations
 
