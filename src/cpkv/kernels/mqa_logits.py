@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.kernels.grid import logits_grid
+
 SUPPORTED_HEADS = (8, 16, 32, 64)
 SUPPORTED_DIMS = (64, 128)
 
@@ -111,11 +113,13 @@ def mqa_logits_kernel(
     SPAN: tl.constexpr, CLEAN: tl.constexpr, CAST_BF16: tl.constexpr, K_ALIGN: tl.constexpr,
 ):
     N: tl.constexpr = BQ * H
-    pid_s = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    n_spans = tl.cdiv(n_cols, SPAN * BLOCK_S)  # flat grid (cpkv.kernels.grid.logits_grid): spans fastest
+    pid_s = tl.program_id(0) % n_spans
+    pid_t = tl.program_id(0) // n_spans
     t0 = pid_t * BQ
     offs_t = t0 + tl.arange(0, BQ)
     tmask = offs_t < T
+    out_rows = out_ptr + offs_t.to(tl.int64) * stride_out  # T x n_cols may pass 2^31 elements
     ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
     ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
     lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
@@ -130,18 +134,18 @@ def mqa_logits_kernel(
         ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
         for c in range(span_lo, c_start, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
         for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
     if n_tiles > 0:
         offs_n = tl.arange(0, N)
         offs_d = tl.arange(0, D)
         n_tok = t0 + offs_n // H
         nmask = n_tok < T
-        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + (offs_n % H)[:, None] * D + offs_d[None, :],
+        q_blk = tl.load(q_ptr + n_tok.to(tl.int64)[:, None] * stride_qt + (offs_n % H)[:, None] * D + offs_d[None, :],
                         mask=nmask[:, None], other=0.0)
         if CAST_BF16:
             q_blk = q_blk.to(tl.bfloat16)
@@ -161,7 +165,7 @@ def mqa_logits_kernel(
             val = acc * ksc[:, None]
             valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
             val = tl.where(valid, val, float("-inf"))
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
+            tl.store(out_rows[None, :] + oc[:, None], val,
                      mask=tmask[None, :] & (oc < n_cols)[:, None])
 
 
@@ -213,11 +217,13 @@ def mqa_logits_kernel_lanes(
     key tiles come through k_desc (a [S, D] tensor descriptor, block [BLOCK_S, D], rows past S read
     as zeros) instead of per-thread pointer loads."""
     N: tl.constexpr = BQ * H
-    pid_s = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    n_spans = tl.cdiv(n_cols, SPAN * BLOCK_S)  # flat grid (cpkv.kernels.grid.logits_grid): spans fastest
+    pid_s = tl.program_id(0) % n_spans
+    pid_t = tl.program_id(0) // n_spans
     t0 = pid_t * BQ
     offs_t = t0 + tl.arange(0, BQ)
     tmask = offs_t < T
+    out_rows = out_ptr + offs_t.to(tl.int64) * stride_out  # T x n_cols may pass 2^31 elements
     ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
     ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
     lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
@@ -232,11 +238,11 @@ def mqa_logits_kernel_lanes(
         ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
         for c in range(span_lo, c_start, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
         for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
     if n_tiles > 0:
         offs_n = tl.arange(0, N)
@@ -244,7 +250,7 @@ def mqa_logits_kernel_lanes(
         tok, head = _column_token_head(offs_n, BQ)
         n_tok = t0 + tok
         nmask = n_tok < T
-        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
+        q_blk = tl.load(q_ptr + n_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
                         mask=nmask[:, None], other=0.0)
         if CAST_BF16:
             q_blk = q_blk.to(tl.bfloat16)
@@ -271,7 +277,7 @@ def mqa_logits_kernel_lanes(
             if CLEAN:
                 valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
                 val = tl.where(valid, val, float("-inf"))
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
+            tl.store(out_rows[None, :] + oc[:, None], val,
                      mask=tmask[None, :] & (oc < n_cols)[:, None])
             ksc = ksc_n
 
@@ -367,7 +373,6 @@ def mqa_logits_triton(
         return out
     bq = cfg.bq(H)
     k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
-    grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
     kernels = {"base": mqa_logits_kernel, "lanes": mqa_logits_kernel_lanes, "gluon": mqa_logits_kernel_lanes}
     if cfg.variant not in kernels:
         raise ValueError(f"unknown logits variant {cfg.variant!r}; expected one of {sorted(kernels)}")
@@ -380,6 +385,7 @@ def mqa_logits_triton(
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, maxnreg=cfg.gluon_maxnreg,
                                 warpgroups=cfg.gluon_warpgroups, pipe=cfg.gluon_pipe, box=cfg.gluon_box,
                                 t_major=cfg.gluon_t_major, items=work(shape) if shape else None)
+    grid = logits_grid(n_cols, T, cfg.span * cfg.block_s, bq)
     extra = {}
     if cfg.variant in ("lanes", "gluon"):
         use_tma = cfg.tma and _tma_ready(k)

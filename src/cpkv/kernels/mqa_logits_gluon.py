@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cpkv.kernels.grid import logits_grid
 from cpkv.kernels.mqa_logits import check_gluon_shape
 
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
@@ -161,13 +162,15 @@ def mqa_logits_gluon_kernel(
         t0 = _uniform(gl.load(item))
         c_start = _uniform(gl.load(item + 1))
         n_tiles = _uniform(gl.load(item + 2))
-    else:  # grid (spans, token groups), the span index fastest; or (token groups, spans) with T_MAJOR
+    else:  # flat grid (cpkv.kernels.grid.logits_grid): spans fastest, or token groups with T_MAJOR
         if T_MAJOR:
-            pid_t = gl.program_id(0)
-            pid_s = gl.program_id(1)
+            n_groups = gl.cdiv(T, BQ)
+            pid_t = gl.program_id(0) % n_groups
+            pid_s = gl.program_id(0) // n_groups
         else:
-            pid_s = gl.program_id(0)
-            pid_t = gl.program_id(1)
+            n_spans = gl.cdiv(n_cols, SPAN * BLOCK_S)
+            pid_s = gl.program_id(0) % n_spans
+            pid_t = gl.program_id(0) // n_spans
         t0 = pid_t * BQ
     offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
     tmask = offs_t < T
@@ -211,7 +214,7 @@ def mqa_logits_gluon_kernel(
         qn = gl.arange(0, N, gl.SliceLayout(1, q_ld))
         q_tok, q_head = _token_head(qn, BQW)
         qd = gl.arange(0, D, gl.SliceLayout(0, q_ld))
-        q_blk = gl.load(q_ptr + ((t0 + q_tok) * stride_qt + q_head * D)[:, None] + qd[None, :],
+        q_blk = gl.load(q_ptr + ((t0 + q_tok).to(gl.int64) * stride_qt + q_head * D)[:, None] + qd[None, :],
                         mask=((t0 + q_tok) < T)[:, None], other=0.0)
         q_s.store(q_blk)
         wn = gl.arange(0, N, gl.SliceLayout(0, mma_l))
@@ -328,9 +331,7 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
             return out
         grid = (items.shape[0],)
     else:
-        grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
-        if t_major:
-            grid = grid[::-1]
+        grid = logits_grid(n_cols, T, span * BLOCK_S, bq, t_major)
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out, items if items is not None else ks,
         T, k.shape[0], col_offset, n_cols,

@@ -50,12 +50,13 @@ the same run:
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
@@ -134,8 +135,10 @@ def load() -> Any:
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         DENSE: tl.constexpr, PREFETCH_IDX: tl.constexpr, LAZY: tl.constexpr,
     ):
-        pid_h = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
+        # flat grid (cpkv.kernels.grid.sparse_mla_grid): head blocks fastest, any number of tokens
+        n_hb = tl.cdiv(H, BLOCK_H)
+        pid_h = tl.program_id(0) % n_hb
+        t = (tl.program_id(0) // n_hb).to(tl.int64)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_v = tl.arange(0, D_V)
@@ -231,7 +234,7 @@ def launch(
         from cpkv.kernels import sparse_mla_ws
 
         return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
-    grid = (math.ceil(h / cfg.block_h), t)
+    grid = sparse_mla_grid(t, h, cfg.block_h)
     compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, topk, sm_scale * LOG2E,
