@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 GROUP = 128
-# (rows per program, warps) of each kernel; the bench (`cpkv bench attention`) times them against copy_
-DEQUANT_LAUNCH = (16, 4)
-QUANT_LAUNCH = (16, 4)
+# (rows per program, warps) of each kernel, from `cpkv bench attention --sweep` (H200, 2026-12-01, BENCHMARKS.md)
+DEQUANT_LAUNCH = (8, 4)
+QUANT_LAUNCH = (8, 4)
 
 
 @lru_cache(maxsize=1)
