@@ -55,8 +55,8 @@ class LogitsConfig:
     next tile's dot overlaps this tile's epilogue; 1: no overlap in a program, ~117 registers so four
     programs per SM overlap each other); gluon_box: 64-key tiles per TMA box (2 needs pipe 1).
     gluon_items: an unclean call given a plan's work items (cpkv.indexer.work) launches one program per
-    non-empty item, span by span, the last wave cut into span // gluon_split tiles; otherwise the grid
-    (spans, token groups), or (token groups, spans) with gluon_t_major.
+    non-empty item, span by span, the last wave cut into span // gluon_split tiles; otherwise every
+    (span, token group) pair in one flat grid dimension, spans fastest (token groups with gluon_t_major).
     Lanes with TMA, 8 warps, 128-key tiles was the fastest Triton variant measured on an H200
     (2026-11-29, `cpkv bench indexer --variants`): 0.58-0.62 of the fp8 GEMM rate vs 0.48-0.53 for
     "base"."""

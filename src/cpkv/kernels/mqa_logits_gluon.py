@@ -17,7 +17,8 @@ sharing an SM fall into step. Here the overlap of tensor cores and ALUs is expli
 - PIPE = 2: two accumulators, A (even tiles) and B (odd tiles); the dot of tile i + 1 is issued before
   the epilogue of tile i, so one program overlaps itself. 204 registers: two programs per SM.
 
-Programs: the grid (spans of SPAN tiles, token groups), every pair launched, empty ones returning at once;
+Programs: every (span of SPAN tiles, token group) pair, empty ones returning at once, in one flat grid
+dimension (cpkv.kernels.grid.logits_grid: any number of tokens, spans fastest);
 or (ITEMS) one program per row of a host-built item list (first token, first column, tiles), only the
 non-empty pairs, in the order the list gives (cpkv.indexer.work: span by span, last wave cut short).
 
@@ -311,7 +312,7 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
     2 (two warpgroups share each key tile, each with its own 128 // H tokens); pipe: accumulators per
     program, 2 (tile i + 1's dot runs during tile i's epilogue) or 1 (no overlap inside a program, fewer
     registers so more programs per SM); box: 64-key tiles per TMA box (1 or 2; 2 needs pipe 1).
-    t_major: grid (token groups, spans) instead of (spans, token groups), so the programs in flight
+    t_major: token groups fastest in the flat grid instead of spans, so the programs in flight
     together share key spans. items: int32 [n, 4] work items (cpkv.indexer.work.logits_work_items: first
     token, first column, tiles, 0) in their launch order, one program each, instead of the grid; the
     columns outside every item are left unwritten, so it needs ``clean=False``."""

@@ -6,7 +6,8 @@
     out     [T, H, d_v]   bfloat16
     lse     [T, H]        float32    natural log; +inf for a row with no valid key
 
-One program handles one query token and a block of BLOCK_H heads: every gathered key tile
+One program handles one query token and a block of BLOCK_H heads (one flat grid dimension,
+head blocks fastest: ``cpkv.kernels.grid.sparse_mla_grid``, any number of tokens): every gathered key tile
 ``kv[idx[k0:k0+BLOCK_K]]`` is loaded once and used by all BLOCK_H heads (scores: a
 [BLOCK_H, d_qk] x [d_qk, BLOCK_K] bf16 dot, fp32 accumulate; then [BLOCK_H, BLOCK_K] x
 [BLOCK_K, d_v] for the values, from the same tile). Online softmax in base 2.
