@@ -38,6 +38,7 @@ from cpkv.compose.staging import align
 from cpkv.config import KINDS
 from cpkv.errors import ComposeError
 from cpkv.layout import BatchLayout
+from cpkv.upload import upload
 
 MEMO_KEY = "compose"
 
@@ -75,7 +76,7 @@ class Packer:
 
     def upload(self, device: torch.device) -> None:
         assert self.used == self.flat.size, (self.used, self.flat.size)
-        self.tensor = torch.from_numpy(self.flat).to(device)
+        self.tensor = upload(torch.from_numpy(self.flat), device)  # asynchronous on CUDA (no host sync)
 
     def view(self, region: Region) -> torch.Tensor:
         assert self.tensor is not None, "upload first"

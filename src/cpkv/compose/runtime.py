@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from cpkv import envs
-from cpkv.compose.barrier import CountingBarrier
+from cpkv.compose.barrier import DeviceBarrier, make_barrier
 from cpkv.compose.modes import Mode, get_mode
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.plan import MEMO_KEY, ComposePlan, Entries
@@ -76,9 +76,11 @@ class ComposeRuntime:
         self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
         # what a plan must have been built for (checked on every compose call)
         self.signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
-        self.barrier = CountingBarrier(mem) if mem.available else None
+        self.barrier = make_barrier(mem) if mem.available else None
         mem.exchange()
         self._check_group()
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.prepare()
         self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
         self.arena.register()
         self.use_triton = triton_available(self.device)
@@ -305,10 +307,23 @@ class ComposeRuntime:
             dist.all_reduce(t, group=self.ctx.group)
 
     def barrier_round(self) -> None:
-        """One counting-barrier round; on CUDA this rank's stream is drained first (host-side wait)."""
+        """One counting-barrier round: a kernel on this rank's stream where the GPU barrier runs (no host
+        wait; a timeout surfaces at ``check_barrier``), else a host round (on CUDA after draining the
+        stream). A group of one rank has nothing to wait for: stream order already covers its own writes."""
+        if self.cp == 1:
+            return
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier()
+            return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
+
+    def check_barrier(self) -> None:
+        """Raise ComposeTimeout if a GPU barrier round timed out (reads its status: call once per batch,
+        after the batch's synchronisation, never inside a forward pass). Host rounds raise on their own."""
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.check()
 
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""

@@ -2,10 +2,11 @@
 
     BatchSpec (same on every rank): layout, each request's sequence tokens, the pool page id of every
     current page on its writer.
-    RankPlan (built once per batch, cached on ``layout.memo``): the rank's token ids and positions, its
-    rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
+    RankPlan (built once per batch from host data, cached on ``layout.memo``): the rank's token ids and
+    positions, its rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
     ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
-    token sits when this rank holds it.
+    token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
+    plan nor the forward pass waits on the device (``cpkv.upload``).
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP). A rank with no query tokens still takes part in every compose.
@@ -22,6 +23,7 @@ from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
+from cpkv.upload import upload_list
 
 if TYPE_CHECKING:
     from cpkv.compose.runtime import ComposeRuntime
@@ -45,6 +47,7 @@ class RankPlan:
     rot: Rotary
     attn: AttnPlan
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
+    last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
 
     @property
     def num_tokens(self) -> int:
@@ -77,9 +80,10 @@ def _build_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
         ks.extend([base] * (e - s))
         ke.extend(base + p + 1 for p in range(s, e))
     dev = model.device
-    positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-    return RankPlan(torch.tensor(ids, dtype=torch.int64, device=dev), model.rotary(positions),
-                    AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last)
+    positions = upload_list(pos, torch.int64, dev)
+    return RankPlan(upload_list(ids, torch.int64, dev), model.rotary(positions),
+                    AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last,
+                    upload_list([row for _, row in last], torch.int64, dev))
 
 
 def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int) -> dict[int, torch.Tensor]:
@@ -103,5 +107,5 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int)
             h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
     if not plan.last:
         return {}
-    logits = model.logits(h[[row for _, row in plan.last]])
+    logits = model.logits(h.index_select(0, plan.last_rows))
     return {req: logits[i] for i, (req, _) in enumerate(plan.last)}

@@ -25,6 +25,7 @@ import torch
 from cpkv import envs
 from cpkv.errors import IndexerError
 from cpkv.indexer.work import WorkShape, logits_work_items
+from cpkv.upload import upload, upload_list
 
 GIB = 1 << 30
 COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
@@ -124,7 +125,7 @@ class IndexerPlan:
             for i in range(c.row_start, c.row_end):
                 rel_ks[i] -= c.key_start
                 rel_ke[i] -= c.key_start
-        as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device)  # noqa: E731
+        as_t = lambda v: upload_list(v, torch.int32, device)  # noqa: E731  (no host sync on CUDA)
         max_len = max((max(b - a, 0) for a, b in zip(ks, ke)), default=0)
         return cls(as_t(ks), as_t(ke), as_t(rel_ks), as_t(rel_ke), tuple(chunks), budget, max_len,
                    tuple(ks), tuple(ke))
@@ -136,7 +137,7 @@ class IndexerPlan:
         if key not in self._items:
             r = slice(chunk.row_start, chunk.row_end)
             items = logits_work_items(self.host_ks[r], self.host_ke[r], chunk.key_start, chunk.width, shape)
-            self._items[key] = items.to(self.ks.device)
+            self._items[key] = upload(items, self.ks.device)
         return self._items[key]
 
     @classmethod
