@@ -197,7 +197,7 @@ class RankEngine:
             return contextlib.nullcontext()
         from torch.profiler import ProfilerActivity, profile
 
-        return profile(activities=[ProfilerActivity.CUDA])
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def _sync_time(self) -> float:
         if self.model.device.type == "cuda":
