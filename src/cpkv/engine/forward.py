@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cpkv.config import KINDS
@@ -23,7 +24,7 @@ from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
-from cpkv.upload import upload_list
+from cpkv.upload import upload, upload_list
 
 if TYPE_CHECKING:
     from cpkv.compose.runtime import ComposeRuntime
@@ -63,26 +64,25 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
 
 
 def _build_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
+    """Host arrays per query-token run (numpy, no per-token Python), uploaded once."""
     lay, P = spec.layout, spec.layout.page_size
-    ids: list[int] = []
-    pos: list[int] = []
-    ks: list[int] = []
-    ke: list[int] = []
+    ids, pos, base = [], [], []
     last: list[tuple[int, int]] = []
+    n = 0
     for req, s, e in lay.rank_query_ranges[rank]:
         r = lay.requests[req]
         assert r.prefix_len % P == 0, "the engine keeps prefixes page-aligned"
-        base = r.slot_start * P
         if e == r.seq_len:
-            last.append((req, len(ids) + e - s - 1))
-        ids.extend(spec.tokens[req][s:e])
-        pos.extend(range(s, e))
-        ks.extend([base] * (e - s))
-        ke.extend(base + p + 1 for p in range(s, e))
+            last.append((req, n + e - s - 1))
+        ids.append(np.asarray(spec.tokens[req][s:e], dtype=np.int64))
+        pos.append(np.arange(s, e, dtype=np.int64))
+        base.append(np.full(e - s, r.slot_start * P, dtype=np.int64))
+        n += e - s
+    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
+    ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
     dev = model.device
-    positions = upload_list(pos, torch.int64, dev)
-    return RankPlan(upload_list(ids, torch.int64, dev), model.rotary(positions),
-                    AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last,
+    return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
+                    AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev), last,
                     upload_list([row for _, row in last], torch.int64, dev))
 
 
