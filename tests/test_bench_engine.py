@@ -49,3 +49,10 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     t = rep["ttft_s"]
     assert t["layers"] == 2 and t["extrapolated"] and set(t) >= {"256", "512"}
     assert t["512"] == pytest.approx(sum(cases["long"]["chunk_s"]) * 2, abs=2e-3)
+
+
+def test_idle_gaps_from_the_batch_start():
+    from cpkv.engine.breakdown import idle_gaps
+
+    k = [("a", 2000, 3000), ("b", 2500, 4000), ("c", 4100, 5000), ("d", 9000, 9500)]
+    assert idle_gaps(k) == [(5.0, 4.0), (0.0, 2.0), (4.0, 0.1)]

@@ -157,6 +157,11 @@ class DeviceBarrier:
                 f"(CPKV_BARRIER_TIMEOUT_S); ranks {missing} never arrived (their counts: "
                 f"{[counts[s] for s in missing]})")
 
+    @property
+    def direct(self) -> bool:
+        """True while rounds launch the compiled kernel directly (not through Triton's JIT launcher)."""
+        return self._bind().direct()
+
     def counters(self) -> list[int]:
         """This rank's pad as seen now (a synchronisation; tests)."""
         return [int(x) for x in self.pad.cpu().tolist()]

@@ -51,9 +51,20 @@ def busy_us(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def idle_gaps(kernels: Sequence[tuple[str, float, float]], top: int = 5) -> list[tuple[float, float]]:
+    """The ``top`` longest stretches with no kernel running, from time 0 (the batch start) to the last
+    kernel's end: [(start ms, length ms)], longest first."""
+    gaps, end = [], 0.0
+    for a, b in sorted((a, b) for _, a, b in kernels):
+        if a > end:
+            gaps.append((round(end / 1e3, 3), round((a - end) / 1e3, 3)))
+        end = max(end, b)
+    return sorted(gaps, key=lambda g: -g[1])[:top]
+
+
 def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -> dict:
     """batches: [(kernels of one batch, its wall seconds)] -> per part ms and share of the summed wall, the
-    GPU busy time (per batch, summed) and the host gap (module docstring)."""
+    GPU busy time (per batch, summed), the host gap (module docstring) and each batch's longest idle gaps."""
     ms = {p: 0.0 for p in PARTS}
     by_name: dict[str, float] = {}
     busy = wall = 0.0
@@ -68,5 +79,6 @@ def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -
     ms["host_gap"] = max(wall - busy, 0.0)
     return {"parts": {p: {"ms": round(v, 3), "share": round(v / wall, 4) if wall else 0.0} for p, v in ms.items()},
             "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n,
+            "idle_gaps": [idle_gaps(k) for k, _ in batches],
             "top": [(name[:120], round(v, 3), classify(name)) for name, v in
                     sorted(by_name.items(), key=lambda x: -x[1])[:TOP]]}

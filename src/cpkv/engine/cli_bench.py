@@ -124,6 +124,7 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None) -> dict 
     if prof is not None and prof.stats.get("kernels"):
         med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
         row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])
+        row["breakdown"]["host_ops"] = [prof.stats["host_ops"][k] for k in idx]
     return row
 
 

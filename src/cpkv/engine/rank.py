@@ -29,6 +29,7 @@ from cpkv.kvcache.prefix_cache import Node, PrefixCache
 from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+from cpkv.upload import staging
 
 
 @dataclass
@@ -70,6 +71,8 @@ class RankEngine:
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced)
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
         #                                                           end us) of every kernel, from the batch start
+        self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
+        #                                                           (name, self ms, calls)
 
     # -- host tier ---------------------------------------------------------------------------------
     def _spill(self, owner: int, page_id: int, slot: int) -> None:
@@ -170,15 +173,17 @@ class RankEngine:
         spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
         with self._profiled() as prof:
             start = self._sync_time()
-            with self._sync_checked():  # plan + forward: no device->host synchronisation from here ...
-                self.rt.prepare(layout, page_ids)
-                out = run_batch(self.model, self.rt, spec, self.rank)
+            with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
+                with _mark("cpkv.batch", prof):
+                    self.rt.prepare(layout, page_ids)
+                    out = run_batch(self.model, self.rt, spec, self.rank)
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
         self.out.logits.update({batch.entries[i].rid: v.cpu().numpy() for i, v in logits.items()})
         if prof is not None:
             self.kernels.append(_kernel_spans(prof))
+            self.host_ops.append(_host_ops(prof))
         self.batches += 1
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
@@ -213,6 +218,7 @@ class RankEngine:
             "barrier": type(self.rt.barrier).__name__ if self.rt.barrier is not None else None,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
+            "host_ops": self.host_ops,
         }
 
     def close(self) -> None:
@@ -257,12 +263,31 @@ def _sync_debug_error():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def _mark(name: str, prof):
+    """A profiler range around the batch's plan + forward (anchors its kernels' times); nothing unprofiled."""
+    if prof is None:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
+
+
+HOST_TOP = 12
+
+
+def _host_ops(prof) -> list[tuple[str, float, int]]:
+    """The host ops with the most self time in a profiled batch: (name, self ms, calls)."""
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:HOST_TOP]
+    return [(e.key[:100], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in rows]
+
+
 def _kernel_spans(prof) -> list[tuple[str, float, float]]:
-    """Every CUDA kernel a profiler recorded: (name, start us, end us), start-sorted, from the first start."""
+    """Every CUDA kernel a profiler recorded: (name, start us, end us), start-sorted, from the start of the
+    batch's ``cpkv.batch`` range (else from the first kernel)."""
     from torch.autograd import DeviceType
 
-    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    ev = [e for e in events if e.device_type == DeviceType.CUDA]
     if not ev:
         return []
-    t0 = min(e.time_range.start for e in ev)
+    marks = [e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU]
+    t0 = min(marks) if marks else min(e.time_range.start for e in ev)
     return sorted((e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev)
