@@ -126,3 +126,20 @@ def test_batches_at_cp2_run_without_a_host_sync():
         assert all(bool(torch.isfinite(r.logits).all()) for r in res.requests)
     for a, b in zip(symm.requests, prefetch.requests):  # same batches, byte-exact compose: the same logits
         assert torch.equal(a.logits, b.logits), a.id
+
+
+def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
+    from cpkv.upload import staging, upload, upload_list
+
+    torch.cuda.synchronize()
+    host = [torch.arange(n, dtype=dt) * 3 - 7 for n, dt in ((5, torch.int64), (1000, torch.int32),
+                                                            (3 << 20, torch.int64), (0, torch.int32))]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with staging("cuda"):
+            got = [upload(h, "cuda") for h in host] + [upload_list([4, 5, 6], torch.int32, "cuda")]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    for h, g in zip(host + [torch.tensor([4, 5, 6], dtype=torch.int32)], got):
+        assert g.is_cuda and g.dtype == h.dtype and torch.equal(g.cpu(), h)
