@@ -327,9 +327,8 @@ class ComposeRuntime:
 
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
-        if plan.persists and plan.num_own:
-            block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
-            self.pool.buffers[kind][layer].index_copy_(0, plan.own_pool_pages, block)
+        if plan.persists and plan.num_own:  # a gather over the local table: one prepared launch on GPU
+            self.gather(self.pool.buffers[kind][layer], "local", layer, kind, half, plan.persist_entries)
 
     def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
         """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""

@@ -285,7 +285,8 @@ def _kernel_spans(prof) -> list[tuple[str, float, float]]:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    ev = [e for e in events if e.device_type == DeviceType.CUDA]
+    ev = [e for e in events if e.device_type == DeviceType.CUDA and e.name != "cpkv.batch"]  # not the range's
+    #                                                                           GPU-side annotation
     if not ev:
         return []
     marks = [e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU]
