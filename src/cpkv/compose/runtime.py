@@ -30,6 +30,11 @@ Contract:
 - Every rank must make the same sequence of ``current_rows``/``compose`` calls (kinds alternate
   freely); a per-kind use counter picks the staging and arena half (use n -> half n % 2).
 
+Barrier rounds (``symm``, ``prefetch``): on CUDA with Triton a kernel on this rank's stream
+(``cpkv.compose.barrier.DeviceBarrier``): nothing waits on the host, and a round that times out surfaces as
+ComposeTimeout at ``check_barrier`` (the engine calls it once per batch, after the batch's synchronisation);
+on the CPU a host-waited round that raises at once. A group of one rank takes no rounds.
+
 Wrong batches, pools of another shape, unknown modes or a layout whose cp differs from the group
 raise ComposeError; too many current pages raise StagingOverflow on every rank.
 """
