@@ -2,7 +2,8 @@
 
     plan.py       ComposePlan: per-batch descriptors, built once, cached in layout.memo["compose"]
     peer.py       PeerMemory: shared-memory (CPU) / CUDA IPC buffers, probed and agreed over the group
-    barrier.py    CountingBarrier over host-shared signal pads
+    barrier.py    counting barriers: CountingBarrier (host-shared pads, host wait), DeviceBarrier (device
+                  pads, one kernel on the stream)
     staging.py    Staging (two parity halves) and the dense-buffer bump arena
     modes.py      legacy / fused / v2 / symm / prefetch, chosen by name
     runtime.py    ComposeRuntime: the per-rank object the engine holds

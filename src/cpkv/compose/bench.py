@@ -154,6 +154,7 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
             out["host_us"] = _host_us(rt, layout, plan)
             out["host_us_layer"], out["host_us_layer_idle"] = _host_us_layer(rt, layout, plan)
         ctx.barrier()
+    out["host_us_layer_symm"] = _host_us_compose_layer(ctx, rt, layout)
     rt.close()
     return out
 
@@ -217,6 +218,25 @@ def _host_us_layer(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n
         p = rt.plan(layout)
         rt.gather_kinds("global", 0, halves, {k: (rt.dense(p, k, 0)[1], p.all) for k in KINDS})
     return _host_call_us(rt, n, call)
+
+
+def _host_us_compose_layer(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, n: int = 100) -> float:
+    """Host µs per ``compose_layer`` under symm with the plan cached, barrier round included, every rank at
+    once and back to back (as a forward pass issues them). With the GPU barrier the round is a kernel the
+    host only enqueues; with the host barrier this includes its wait."""
+    if not rt.mem.available:
+        return float("nan")
+    for layer in range(rt.num_layers):  # prepares every layer's launches
+        rt.compose_layer(layout, layer, mode="symm")
+    _sync(rt.device)
+    ctx.barrier()
+    t0 = time.perf_counter()
+    for i in range(n):
+        rt.compose_layer(layout, i % rt.num_layers, mode="symm")
+    us = (time.perf_counter() - t0) / n * 1e6
+    _sync(rt.device)
+    ctx.barrier()
+    return us
 
 
 def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
@@ -344,6 +364,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "layout_ms": max(r["layout_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "host_us_per_layer": max(r["host_us_layer"] for r in results),
             "host_us_per_layer_idle": max(r["host_us_layer_idle"] for r in results),
+            "host_us_per_layer_symm": max(r["host_us_layer_symm"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
             "batch": batch}

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
           f"them, ranks one at a time; {out['host_us_per_layer_idle']:.1f} us per layer for a call alone on an idle "
           f"device"
           f"{'; on the CPU the copy itself runs inside the call' if cfg.device == 'cpu' else ''})")
+    print(f"whole compose_layer under symm, barrier round included, every rank at once: "
+          f"{out['host_us_per_layer_symm']:.1f} us per layer (slowest rank)")
     k = out.get("kernel")
     if k:
         print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B; device copy {k['copy_GBps']:.0f} GB/s, "

@@ -30,6 +30,11 @@ Contract:
 - Every rank must make the same sequence of ``current_rows``/``compose`` calls (kinds alternate
   freely); a per-kind use counter picks the staging and arena half (use n -> half n % 2).
 
+Barrier rounds (``symm``, ``prefetch``): on CUDA with Triton a kernel on this rank's stream
+(``cpkv.compose.barrier.DeviceBarrier``): nothing waits on the host, and a round that times out surfaces as
+ComposeTimeout at ``check_barrier`` (the engine calls it once per batch, after the batch's synchronisation);
+on the CPU a host-waited round that raises at once. A group of one rank takes no rounds.
+
 Wrong batches, pools of another shape, unknown modes or a layout whose cp differs from the group
 raise ComposeError; too many current pages raise StagingOverflow on every rank.
 """
@@ -42,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from cpkv import envs
-from cpkv.compose.barrier import CountingBarrier
+from cpkv.compose.barrier import DeviceBarrier, make_barrier
 from cpkv.compose.modes import Mode, get_mode
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.plan import MEMO_KEY, ComposePlan, Entries
@@ -76,9 +81,11 @@ class ComposeRuntime:
         self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
         # what a plan must have been built for (checked on every compose call)
         self.signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
-        self.barrier = CountingBarrier(mem) if mem.available else None
+        self.barrier = make_barrier(mem) if mem.available else None
         mem.exchange()
         self._check_group()
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.prepare()
         self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
         self.arena.register()
         self.use_triton = triton_available(self.device)
@@ -305,16 +312,28 @@ class ComposeRuntime:
             dist.all_reduce(t, group=self.ctx.group)
 
     def barrier_round(self) -> None:
-        """One counting-barrier round; on CUDA this rank's stream is drained first (host-side wait)."""
+        """One counting-barrier round: a kernel on this rank's stream where the GPU barrier runs (no host
+        wait; a timeout surfaces at ``check_barrier``), else a host round (on CUDA after draining the
+        stream). A group of one rank has nothing to wait for: stream order already covers its own writes."""
+        if self.cp == 1:
+            return
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier()
+            return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
 
+    def check_barrier(self) -> None:
+        """Raise ComposeTimeout if a GPU barrier round timed out (reads its status: call once per batch,
+        after the batch's synchronisation, never inside a forward pass). Host rounds raise on their own."""
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.check()
+
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
-        if plan.persists and plan.num_own:
-            block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
-            self.pool.buffers[kind][layer].index_copy_(0, plan.own_pool_pages, block)
+        if plan.persists and plan.num_own:  # a gather over the local table: one prepared launch on GPU
+            self.gather(self.pool.buffers[kind][layer], "local", layer, kind, half, plan.persist_entries)
 
     def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
         """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""

@@ -35,6 +35,9 @@ class EngineConfig:
     full_hit: str = "page"
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
+    sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
+    #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
+    profile: bool = False  # benchmarks (CUDA): record each timed batch's kernels (name, start, end)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""

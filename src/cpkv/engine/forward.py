@@ -2,10 +2,11 @@
 
     BatchSpec (same on every rank): layout, each request's sequence tokens, the pool page id of every
     current page on its writer.
-    RankPlan (built once per batch, cached on ``layout.memo``): the rank's token ids and positions, its
-    rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
+    RankPlan (built once per batch from host data, cached on ``layout.memo``): the rank's token ids and
+    positions, its rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
     ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
-    token sits when this rank holds it.
+    token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
+    plan nor the forward pass waits on the device (``cpkv.upload``).
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP). A rank with no query tokens still takes part in every compose.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from cpkv.config import KINDS
@@ -22,6 +24,7 @@ from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
+from cpkv.upload import upload, upload_list
 
 if TYPE_CHECKING:
     from cpkv.compose.runtime import ComposeRuntime
@@ -45,6 +48,7 @@ class RankPlan:
     rot: Rotary
     attn: AttnPlan
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
+    last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
 
     @property
     def num_tokens(self) -> int:
@@ -60,26 +64,26 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
 
 
 def _build_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
+    """Host arrays per query-token run (numpy, no per-token Python), uploaded once."""
     lay, P = spec.layout, spec.layout.page_size
-    ids: list[int] = []
-    pos: list[int] = []
-    ks: list[int] = []
-    ke: list[int] = []
+    ids, pos, base = [], [], []
     last: list[tuple[int, int]] = []
+    n = 0
     for req, s, e in lay.rank_query_ranges[rank]:
         r = lay.requests[req]
         assert r.prefix_len % P == 0, "the engine keeps prefixes page-aligned"
-        base = r.slot_start * P
         if e == r.seq_len:
-            last.append((req, len(ids) + e - s - 1))
-        ids.extend(spec.tokens[req][s:e])
-        pos.extend(range(s, e))
-        ks.extend([base] * (e - s))
-        ke.extend(base + p + 1 for p in range(s, e))
+            last.append((req, n + e - s - 1))
+        ids.append(np.asarray(spec.tokens[req][s:e], dtype=np.int64))
+        pos.append(np.arange(s, e, dtype=np.int64))
+        base.append(np.full(e - s, r.slot_start * P, dtype=np.int64))
+        n += e - s
+    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
+    ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
     dev = model.device
-    positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-    return RankPlan(torch.tensor(ids, dtype=torch.int64, device=dev), model.rotary(positions),
-                    AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last)
+    return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
+                    AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev), last,
+                    upload_list([row for _, row in last], torch.int64, dev))
 
 
 def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int) -> dict[int, torch.Tensor]:
@@ -103,5 +107,5 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int)
             h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
     if not plan.last:
         return {}
-    logits = model.logits(h[[row for _, row in plan.last]])
+    logits = model.logits(h.index_select(0, plan.last_rows))
     return {req: logits[i] for i, (req, _) in enumerate(plan.last)}

@@ -102,7 +102,8 @@ class DSALayer:
             qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        return torch.cat((q_lat.float(), rot.interleaved(q_rope)), dim=-1).to(torch.bfloat16)
+        # = cat((q_lat.float(), rope), -1).to(bf16) bit for bit, without a float32 [T, H, 576] pass
+        return torch.cat((q_lat.to(torch.bfloat16), rot.interleaved(q_rope).to(torch.bfloat16)), dim=-1)
 
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, rot: Rotary):
         """-> (iq fp8 [T, Hi, Di], iw float32 [T, Hi], index rows uint8 [T, Di + 4])."""
