@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from cpkv.errors import ConfigError
 
@@ -137,8 +138,6 @@ class ModelConfig:
     kv_dtype: str = "fp8"
 
     def __post_init__(self) -> None:
-        if self.kv_dtype == "fp8" and self.kv_lora_rank % QUANT_GROUP:
-            raise ConfigError(f"kv_lora_rank must be a multiple of {QUANT_GROUP}, got {self.kv_lora_rank}")
         for key in ("num_layers", "num_heads", "index_n_heads", "index_head_dim", "index_topk", "max_context",
                     "index_topk_freq", "n_group", "topk_group"):
             if getattr(self, key) < 1:
@@ -179,7 +178,7 @@ class ModelConfig:
                               f"{self.num_experts_per_tok} <= topk_group x experts per group")
 
     # -- per-layer kinds ---------------------------------------------------------------------------
-    @property
+    @cached_property
     def indexer_types(self) -> tuple[str, ...]:
         """"full" / "shared" per layer (class docstring)."""
         if self.indexer_pattern:
@@ -187,7 +186,7 @@ class ModelConfig:
         f, o = self.index_topk_freq, self.index_skip_topk_offset
         return tuple("full" if max(i - o + 1, 0) % f == 0 else "shared" for i in range(self.num_layers))
 
-    @property
+    @cached_property
     def mlp_layer_types(self) -> tuple[str, ...]:
         """"dense" / "sparse" (MoE) per layer."""
         if self.mlp_pattern:
@@ -195,7 +194,7 @@ class ModelConfig:
         n = min(self.first_k_dense_replace, self.num_layers)
         return ("dense",) * n + ("sparse",) * (self.num_layers - n)
 
-    @property
+    @cached_property
     def full_layers(self) -> tuple[int, ...]:
         """Layers that run the indexer and keep index rows."""
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
@@ -226,6 +225,9 @@ class ModelConfig:
     def token_format(self) -> RowFormat | PlainFormat:
         if self.kv_dtype != "fp8":
             return PlainFormat(self.kv_lora_rank + self.qk_rope_head_dim, self.kv_dtype)
+        if self.kv_lora_rank % QUANT_GROUP:
+            raise ConfigError(f"fp8 token rows need kv_lora_rank in whole groups of {QUANT_GROUP}, got "
+                              f"{self.kv_lora_rank} (use --precision exact)")
         return RowFormat(self.kv_lora_rank, self.kv_lora_rank // QUANT_GROUP, self.qk_rope_head_dim)
 
     @property
