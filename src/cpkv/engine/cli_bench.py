@@ -1,7 +1,7 @@
 """``cpkv bench engine``: prefill throughput of one long prompt through the whole CP engine.
 
-Real GLM-5 attention shapes (64 heads, 576-dim absorbed scores, indexer 32 x 128, top-k 2048) with a
-few layers, a prompt of 32K tokens, cold and with a 90 % cached prefix (a parent request caches the
+Real GLM-5 shapes (64 heads, 576-dim absorbed scores, indexer 32 x 128, top-k 2048; its layer pattern: the
+first ``--layers`` of 78, full and shared indexer layers, dense then MoE layers) with a few layers, a prompt of 32K tokens, cold and with a 90 % cached prefix (a parent request caches the
 prefix first). Runs the engine twice in the same rank processes: the first pass warms kernels up, the
 second is timed (per batch, device synchronised). Ceiling, measured in the same run: the bf16 GEMM
 rate of this GPU; the ratio is the model FLOPs of a batch / its time against it.
@@ -83,17 +83,23 @@ def case_row(name: str, res, rid: str, cfg, ceiling: float) -> dict:
 
 
 def prefill_flops(cfg, prefix: int, extend: int) -> float:
-    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers, indexer, sparse attention."""
+    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers (MoE: the routed experts a
+    token runs plus the shared ones), the indexer on full indexer layers only, sparse attention."""
     d, h, qr, kr = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     nope, rope, v, hi, di = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
-    linear = (d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
-              + qr * hi * di + d * di + d * hi + 3 * d * cfg.intermediate_size)
+    attn = d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
+    moe = 3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + d * cfg.n_routed_experts
+    mlp = {"dense": 3 * d * cfg.intermediate_size, "sparse": moe}
     seq = prefix + extend
     keys = (seq * (seq + 1) - prefix * (prefix + 1)) // 2          # sum of visible keys over the queries
     sparse = seq > cfg.index_topk
     attended = sum(min(p + 1, cfg.index_topk) for p in range(prefix, seq))
-    per_layer = 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + (2 * keys * hi * di if sparse else 0)
-    return float(per_layer * cfg.num_layers)
+    total = 0
+    for kind, full in zip(cfg.mlp_layer_types, (t == "full" for t in cfg.indexer_types)):
+        linear = attn + mlp[kind] + ((qr * hi * di + d * di + d * hi) if full else 0)
+        indexer = 2 * keys * hi * di if sparse and full else 0
+        total += 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + indexer
+    return float(total)
 
 
 def gemm_tflops(device: str) -> float:
