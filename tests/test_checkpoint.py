@@ -158,3 +158,27 @@ def test_fp8_needs_whole_quant_groups():
     with pytest.raises(ConfigError, match="--precision exact"):
         odd.token_format  # noqa: B018
     assert dataclasses.replace(odd, kv_dtype="float32").token_format.row_bytes == (96 + 32) * 4
+
+
+def test_run_writes_logits_of_a_saved_checkpoint(tmp_path, weights):
+    """``cpkv run --model DIR --logits-out F``: F holds each request's last-token logits, float32, by id."""
+    from safetensors.torch import load_file
+
+    from cpkv.engine.traces import default_trace
+    from cpkv.scheduler.trace import materialize_tokens
+
+    save_checkpoint(tmp_path / "ck", TINY, weights)
+    out = tmp_path / "logits.safetensors"
+    run = subprocess.run([sys.executable, "-m", "cpkv", "run", "--model", str(tmp_path / "ck"), "--requests", "2",
+                          "--precision", "exact", "--logits-out", str(out)],
+                         capture_output=True, text=True, env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = load_file(str(out))
+    trace = default_trace(2)
+    assert set(got) == {str(r.id) for r in trace}
+    model = load_model(str(tmp_path / "ck"), precision="exact")
+    tokens = materialize_tokens(trace, vocab_size=TINY.vocab_size)
+    for r in trace:
+        want = model.reference_prefill(tokens[r.id])
+        assert got[str(r.id)].dtype == torch.float32 and got[str(r.id)].shape == (TINY.vocab_size,)
+        assert float((got[str(r.id)] - want).abs().max()) <= 1e-4 * float(want.abs().max())

@@ -102,7 +102,7 @@ def show(result, report) -> None:
     rows += [(x["id"], x["prompt_len"], "-", "rejected", x["reason"]) for x in result.rejected]
     table(("id", "prompt", "cached", "ttft", "first token"), rows)
     s, cfg = result.summary, result.cfg
-    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model}: "
+    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model} ({cfg.precision}): "
           f"{s['batches']} batches, {len(result.requests)} requests done, {s['rejected']} rejected")
     print(f"wall {s['wall_s']:.3f} s, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit ratio "
           f"{s['cache_hit_ratio']:.3f}")

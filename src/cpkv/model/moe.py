@@ -35,8 +35,11 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
     return idx, w * cfg.routed_scaling_factor
 
 
+_GROUPED_FAILED: set[str] = set()  # device types where torch._grouped_mm raised once (then: the loop)
+
+
 def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or x.device.type in _GROUPED_FAILED:
         return False
     dtype_ok = x.dtype == (torch.bfloat16 if x.is_cuda else torch.float32)
     es = x.element_size()
@@ -46,8 +49,16 @@ def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> b
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor) -> torch.Tensor:
     """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] -> [T, D] (x's dtype)."""
-    if not _grouped_ok(x, gate_up, down):
-        return experts_loop(x, idx, w, gate_up, down)
+    if _grouped_ok(x, gate_up, down):
+        try:
+            return _experts_grouped(x, idx, w, gate_up, down)
+        except RuntimeError:  # a build or device without this grouped GEMM layout: remember, use the loop
+            _GROUPED_FAILED.add(x.device.type)
+    return experts_loop(x, idx, w, gate_up, down)
+
+
+def _experts_grouped(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor) -> torch.Tensor:
     t, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
