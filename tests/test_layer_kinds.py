@@ -44,3 +44,9 @@ def test_grouped_experts_equal_the_loop(t):
     assert torch.equal(groups[:, 0], groups[:, 1])  # topk_group 1: both experts from the one best group
     torch.testing.assert_close(experts(x, idx, w, gate_up, down), experts_loop(x, idx, w, gate_up, down),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_cost_model_counts_index_rows_on_full_layers_only():
+    from cpkv.scheduler.costs import CostModel
+
+    assert CostModel().kv_bytes_per_token == preset("glm5").kv_bytes_per_token() == 78 * 656 + 40 * 132
