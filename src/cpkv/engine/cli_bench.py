@@ -52,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
     warm, timed = run_jobs([(cfg, trace), (cfg, trace)], timeout_s=580)
     rows = [case_row(name, timed, rid, cfg_m, ceiling) for name, rid in (("cold", "cold"), ("cached", "hit"))]
     if args.json:
-        emit_json({"model": cfg_m.name, "layers": args.layers, "cp": args.cp, "mode": timed.stats["mode"],
+        emit_json({"model": cfg_m.name, "layers": args.layers, "indexer_layers": list(cfg_m.full_layers), "cp": args.cp, "mode": timed.stats["mode"],
                    "gemm_tflops": ceiling, "cases": rows})
         return 0
     table(("case", "prompt", "cached", "batch s", "prompt tok/s", "computed tok/s", "TFLOP/s", "of GEMM"),
           [(r["case"], r["prompt"], r["cached"], r["batch_s"], r["prompt_tokens_per_s"], r["computed_tokens_per_s"],
             r["tflops"], f"{r['ratio_to_gemm']:.1%}") for r in rows])
-    print(f"\n{cfg_m.name} shapes, {args.layers} layers, cp {args.cp} ({args.device}, mode {timed.stats['mode']}); "
+    moe = cfg_m.mlp_layer_types.count("sparse")
+    print(f"\n{cfg_m.name} shapes, {args.layers} layers (indexer on {len(cfg_m.full_layers)}, MoE on {moe}), cp {args.cp} ({args.device}, mode {timed.stats['mode']}); "
           f"ceiling: GEMM {ceiling:.3g} TFLOP/s measured in this run")
     return 0
 
