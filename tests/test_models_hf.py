@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cpkv.engine.config import EngineConfig  # noqa: E402
-from cpkv.engine.engine import run_engine  # noqa: E402
+from cpkv.engine.engine import run_jobs  # noqa: E402
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens  # noqa: E402
 
 COMMON = dict(
@@ -68,10 +68,20 @@ def checkpoint(request, tmp_path_factory):
     return path, ref
 
 
-def run(path, cp: int, precision: str):
-    cfg = EngineConfig(model=str(path), cp=cp, page_size=16, chunk_size=64, pages_per_rank=64, max_requests=4,
-                       precision=precision)
-    return {r.id: r for r in run_engine(cfg, TRACE, timeout_s=300).requests}
+def engine_config(path, cp: int, precision: str) -> EngineConfig:
+    return EngineConfig(model=str(path), cp=cp, page_size=16, chunk_size=64, pages_per_rank=64, max_requests=4,
+                        precision=precision)
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint):
+    """{(cp, precision): {request id: RequestResult}}: cp 1 exact, and cp 2 exact + fp8 in one set of ranks."""
+    path, _ = checkpoint
+    out = {}
+    for cp, precisions in ((1, ("exact",)), (2, ("exact", "fp8"))):
+        results = run_jobs([(engine_config(path, cp, p), TRACE) for p in precisions], timeout_s=300)
+        out.update({(cp, p): {r.id: r for r in res.requests} for p, res in zip(precisions, results)})
+    return out
 
 
 def test_config_read_as_transformers(checkpoint):
@@ -87,9 +97,9 @@ def test_config_read_as_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-def test_exact_logits_equal_transformers(checkpoint, cp):
-    path, ref = checkpoint
-    got = run(path, cp, "exact")
+def test_exact_logits_equal_transformers(checkpoint, runs, cp):
+    _, ref = checkpoint
+    got = runs[(cp, "exact")]
     assert set(got) == set(ref)
     for rid, want in ref.items():
         diff = float((got[rid].logits - want).abs().max())
@@ -97,11 +107,11 @@ def test_exact_logits_equal_transformers(checkpoint, cp):
         assert got[rid].first_token == int(want.argmax())
 
 
-def test_fp8_close_to_transformers(checkpoint):
+def test_fp8_close_to_transformers(checkpoint, runs):
     """fp8 rows change the numbers: report the overlap of the 10 best tokens and the logit difference (run
     with ``-s`` to see them)."""
     path, ref = checkpoint
-    got = run(path, 2, "fp8")
+    got = runs[(2, "fp8")]
     overlaps, rel = [], []
     for rid, want in ref.items():
         mine = got[rid].logits
