@@ -1,9 +1,10 @@
 """``cpkv bench compose``: per-batch compose time per mode, and the gather kernel against a device copy.
 
 Shape (default): the traced batch of DESIGN.md — 12 requests, 44.6K query tokens, ~500K cached prefix
-tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B), both kinds. Per-(layer, kind) cost
-does not depend on the layer, so ``--layers`` layers are timed and the per-batch figure is scaled to
-the model's layer count (78 for GLM-5); the output says so.
+tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B). A full indexer layer composes both
+kinds, a shared one token rows only; per-layer cost depends only on that, so ``--layers`` full layers
+and (for a model with shared layers) ``--layers`` shared layers are timed and the per-batch figure is
+``full x n_full + shared x n_shared`` over the model's pattern (GLM-5: 40 full + 38 shared of 78).
 
 Timing: all ranks start each iteration together (a group barrier); a rank's time is host wall time
 around ``layers x kinds`` compose calls, with the device synchronised at both ends; the figure is the
@@ -13,6 +14,7 @@ NVLink, and collective modes pay gloo's host round trips.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -121,12 +123,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bench_model(cfg: BenchConfig):
+    """The timed layers: ``layers`` full indexer layers, then ``layers`` shared ones if the model has any."""
+    model = preset(cfg.model)
+    shared = len(model.full_layers) < model.num_layers
+    pattern = ("full",) * cfg.layers + (("shared",) * cfg.layers if shared else ())
+    return dataclasses.replace(model, num_layers=len(pattern), indexer_pattern=pattern, mlp_pattern=())
+
+
 def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
     """One rank: build the runtime and the traced batch, time every mode; rank 0 also runs the kernel bench."""
-    model = preset(cfg.model)
+    model = bench_model(cfg)
     reqs, pages, ids, num_pages = traced_batch(cfg)
-    rt = ComposeRuntime.create(ctx, model, num_pages=num_pages, page_size=cfg.page_size, caps=_caps(cfg),
-                               num_layers=cfg.layers)
+    rt = ComposeRuntime.create(ctx, model, num_pages=num_pages, page_size=cfg.page_size, caps=_caps(cfg))
     for k in KINDS:
         buf = rt.pool.buffers[k]
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=buf.device))
@@ -147,7 +156,10 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         if mode == "prefetch" and len(layout.requests) != 1:
             lay = _solo_layout(cfg)
             rt.prepare(lay)
-        out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg)
+        out["modes"][mode] = _time_mode(ctx, rt, lay, mode, cfg, range(cfg.layers))
+        if model.num_layers > cfg.layers:
+            shared = _time_mode(ctx, rt, lay, mode, cfg, range(cfg.layers, model.num_layers))
+            out["modes"][mode]["ms_per_shared_layer"] = shared["ms_per_layer"]
         out["modes"][mode]["requests"] = len(lay.requests)
     for r in range(ctx.world_size):  # one rank at a time, so that no other rank's work shares the device
         if r == ctx.rank:
@@ -184,21 +196,22 @@ def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig,
     return statistics.median(plan_s) * 1e3, statistics.median(layout_s) * 1e3
 
 
-def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: str, cfg: BenchConfig) -> dict:
+def _time_mode(ctx: RankContext, rt: ComposeRuntime, layout: BatchLayout, mode: str, cfg: BenchConfig,
+               layers: range) -> dict:
     times = []
     for it in range(cfg.iters + 1):  # first iteration warms up (compilation, gloo buffers)
         ctx.barrier()
         _sync(rt.device)
         t0 = time.perf_counter()
-        for layer in range(cfg.layers):  # as the engine runs it: rows of both kinds, then compose_layer
-            for k in KINDS:
+        for layer in layers:  # as the engine runs it: rows of the layer's kinds, then compose_layer
+            for k in rt.pool.kinds_at(layer):
                 rt.current_rows(layout, layer, k)
             rt.compose_layer(layout, layer, mode=mode)
         _sync(rt.device)
         if it:
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / cfg.layers, "effective": rt.effective_mode(mode)}
+    return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / len(layers), "effective": rt.effective_mode(mode)}
 
 
 def _host_us(rt: ComposeRuntime, layout: BatchLayout, plan: ComposePlan, n: int = 100) -> float:
@@ -352,12 +365,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     modes = {}
     for m in cfg.modes:
         per_layer = max(r["modes"][m]["ms_per_layer"] for r in results)
-        modes[m] = {"ms_per_layer": per_layer, "ms_per_batch": per_layer * model.num_layers,
+        shared = max(r["modes"][m].get("ms_per_shared_layer", per_layer) for r in results)
+        n_full = len(model.full_layers)
+        modes[m] = {"ms_per_layer": per_layer, "ms_per_shared_layer": shared,
+                    "ms_per_batch": per_layer * n_full + shared * (model.num_layers - n_full),
                     "effective": results[0]["modes"][m]["effective"], "requests": results[0]["modes"][m]["requests"]}
     reqs, _, _, _ = traced_batch(cfg)
     batch = {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs), "prefix_tokens": sum(p for p, _ in reqs),
              "hit_ratio": sum(p for p, _ in reqs) / sum(p + e for p, e in reqs)}
-    return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
+    return {"config": asdict(cfg), "model_layers": model.num_layers, "model_full_layers": len(model.full_layers),
+            "modes": modes,
             "costs": unit_costs_compose(modes, batch),  # usable as `cpkv replay --costs`
             "plan_ms": max(r["plan_ms"] for r in results),
             "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results),

@@ -115,8 +115,8 @@ def _bytes(shape: tuple[int, ...], *key: int) -> torch.Tensor:
 
 
 def initial_pool(cfg: CheckConfig, model: ModelConfig, rank: int, kind: str) -> torch.Tensor:
-    """uint8 [layers, pages, P * row_bytes]: rank ``rank``'s seeded pool contents."""
-    return _bytes((cfg.layers, cfg.pages_per_rank, cfg.page_size * model.row_bytes(kind)),
+    """uint8 [layers of kind, pages, P * row_bytes]: rank ``rank``'s seeded pool contents."""
+    return _bytes((len(model.layers_of(kind)), cfg.pages_per_rank, cfg.page_size * model.row_bytes(kind)),
                   cfg.seed, rank, KINDS.index(kind), 11)
 
 
@@ -143,7 +143,7 @@ class _Stats:
 
 def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
     """One rank of the check: returns per mode {bytes, mismatches, digest, batches, effective}."""
-    model = preset(cfg.model)
+    model = preset(cfg.model).with_layers(cfg.layers)  # shared indexer layers compose token rows only
     rt = ComposeRuntime.create(ctx, model, num_pages=cfg.pages_per_rank, page_size=cfg.page_size, caps=cfg.caps(),
                                num_layers=cfg.layers)
     for k in KINDS:
@@ -180,7 +180,7 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
     for layer in range(cfg.layers):
         per_layer = layer % 2 == 1  # odd layers: every kind at once (compose_layer), even layers: kind by kind
         cur, dense_all = {}, {}
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             cur[k] = batch_current(cfg, model, layout, b, layer, k)
             rows = rt.current_rows(layout, layer, k)
             mine = cur[k][torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
@@ -189,24 +189,25 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
                 dense_all[k] = rt.compose(layout, layer, k, mode=mode)
         if per_layer:
             dense_all = rt.compose_layer(layout, layer, mode=mode)
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             dense = dense_all[k].cpu()
             if cfg.corrupt_mode == mode and rt.rank == 0 and layer == 0:
                 dense = dense.clone()
                 dense.view(-1)[0] ^= 1
-            st.add(dense, reference_dense(layout, [m[layer] for m in mirror[k]], cur[k]))
+            slot = rt.pool.slot(layer, k)
+            st.add(dense, reference_dense(layout, [m[slot] for m in mirror[k]], cur[k]))
             if own is not None:
-                got = rt.pool.buffers[k][layer][own.to(rt.device)].cpu()
+                got = rt.pool.pages(layer, k)[own.to(rt.device)].cpu()
                 st.mismatches += int((got != cur[k][torch.from_numpy(plan.own_compact)]).sum())
 
 
 def _update_mirror(cfg: CheckConfig, model: ModelConfig, layout: BatchLayout, ids: list[int], b: int,
                    mirror: dict) -> None:
     for layer in range(cfg.layers):
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             cur = batch_current(cfg, model, layout, b, layer, k)
             for c in layout.current_pages:
-                mirror[k][c.writer][layer][ids[c.compact]] = cur[c.compact]
+                mirror[k][c.writer][model.layers_of(k).index(layer)][ids[c.compact]] = cur[c.compact]
 
 
 def _sync(rt: ComposeRuntime) -> None:

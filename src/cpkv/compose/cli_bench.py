@@ -37,16 +37,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     b = out["batch"]
     print(f"batch: {b['requests']} requests, {b['extend_tokens']} query tokens, {b['prefix_tokens']} cached tokens "
-          f"(hit {b['hit_ratio']:.1%}), page {cfg.page_size}, {cfg.model} rows, both kinds; cp={cfg.cp} "
+          f"(hit {b['hit_ratio']:.1%}), page {cfg.page_size}, {cfg.model} rows; cp={cfg.cp} "
           f"device={cfg.device} peer memory={out['peer_memory']} triton={out['triton']}")
-    print(f"timed {cfg.layers} layers x {cfg.iters} iterations; per batch = per layer x {out['model_layers']} layers")
+    full, layers = out["model_full_layers"], out["model_layers"]
+    print(f"timed {cfg.layers} full (and {cfg.layers} shared) indexer layers x {cfg.iters} iterations; per batch = "
+          f"full x {full} + shared x {layers - full} layers")
     if out["shared_device"]:
         print("ranks share one GPU: peer-memory figures measure device memory, not NVLink; collectives are gloo "
               "through the host")
     elif cfg.device == "cuda":
         print("one GPU per rank: collectives through NCCL, peer reads through CUDA IPC over the GPUs' links")
-    table(["mode", "ms/layer", "ms/batch", "ran as"],
-          [(m, v["ms_per_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
+    table(["mode", "ms/full layer", "ms/shared layer", "ms/batch", "ran as"],
+          [(m, v["ms_per_layer"], v["ms_per_shared_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
                                                                         else " (bs=1: largest request alone)"))
            for m, v in out["modes"].items()])
     print(f"plan build: {out['plan_ms']:.3f} ms ({out['plan_ms_host_only']:.3f} ms without the upload); host work "

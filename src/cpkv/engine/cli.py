@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
                         "autotuning stay out of TTFT)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are ended")
+    p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
+                   help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--logits-out", metavar="FILE",
+                   help="write each finished request's last-token logits (float32 safetensors, keyed by request id)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -48,7 +52,7 @@ def engine_config(args: argparse.Namespace, cp: int):
     return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, cp=cp, mode=args.mode,
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
-                        chunk_size=args.chunk_size, max_requests=args.max_requests,
+                        chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 
@@ -62,6 +66,9 @@ def load_requests(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from cpkv.engine.engine import run_engine, run_under_torchrun, verify_run
 
+    from cpkv.cli.args import check_output
+
+    check_output(args.logits_out, "--logits-out")
     engine_config(args, args.cp)  # validates every option before the trace is read or a rank starts
     trace = load_requests(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -70,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         result = run_engine(engine_config(args, args.cp), trace, timeout_s=args.timeout)
+    if args.logits_out:
+        from cpkv.engine.engine import write_logits
+        write_logits(args.logits_out, result)
     report = verify_run(result, trace) if args.verify else None
     if args.json:
         emit(result, report)
@@ -92,7 +102,7 @@ def show(result, report) -> None:
     rows += [(x["id"], x["prompt_len"], "-", "rejected", x["reason"]) for x in result.rejected]
     table(("id", "prompt", "cached", "ttft", "first token"), rows)
     s, cfg = result.summary, result.cfg
-    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model}: "
+    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model} ({cfg.precision}): "
           f"{s['batches']} batches, {len(result.requests)} requests done, {s['rejected']} rejected")
     print(f"wall {s['wall_s']:.3f} s, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit ratio "
           f"{s['cache_hit_ratio']:.3f}")

@@ -1,15 +1,17 @@
 """``cpkv bench engine``: prefill throughput of long prompts through the whole CP engine, and where it goes.
 
-Real GLM-5 shapes with a few layers. Cases, in one trace: ``cold`` (a fresh prompt, default 32K tokens),
-``cached`` (the same length with a 90 % cached prefix: a parent request caches the prefix first) and
-``long`` (a fresh 128K prompt, chunked at ``--chunk`` tokens as ``cpkv run`` chunks it; its batches add
-up). In one set of rank processes the trace runs once untimed (JIT, autotuning), ``--runs`` times timed
-(per batch, device synchronised at both ends) and once under torch's profiler (CUDA kernel activity),
-whose kernels give each case's breakdown by part (``cpkv.engine.breakdown``) against the median timed
-wall time. Ceiling, measured in the same run: the bf16 GEMM rate of this GPU; the ratio is the model
-FLOPs of a case / its time against it. TTFT of 32K / 64K / 128K prompts through every layer of the
-model is the measured time per layer times the model's layer count (extrapolated when fewer layers
-ran; 64K is the long prompt's first two chunks).
+Real GLM-5 shapes (64 heads, 576-dim absorbed scores, indexer 32 x 128, top-k 2048) and its layer pattern:
+the first ``--layers`` of its 78 layers, full and shared indexer layers, dense then MoE layers. Cases, in one
+trace: ``cold`` (a fresh prompt, default 32K tokens), ``cached`` (the same length with a 90 % cached prefix:
+a parent request caches the prefix first) and ``long`` (a fresh 128K prompt, chunked at ``--chunk`` tokens
+as ``cpkv run`` chunks it; its batches add up). In one set of rank processes the trace runs once untimed
+(JIT, autotuning), ``--runs`` times timed (per batch, device synchronised at both ends) and once under
+torch's profiler (CUDA kernel activity), whose kernels give each case's breakdown by part
+(``cpkv.engine.breakdown``) against the median timed wall time. Ceiling, measured in the same run: the bf16
+GEMM rate of this GPU; the ratio is the model FLOPs of a case / its time against it. TTFT of 32K / 64K /
+128K prompts through every layer of the model is the measured time per layer times the model's layer count
+(extrapolated when fewer layers ran, and from the measured layers' mix of kinds; 64K is the long prompt's
+first two chunks).
 """
 from __future__ import annotations
 
@@ -152,7 +154,8 @@ def _report(args, cfg_m, full_layers: int, ceiling: float, timed, prof) -> dict:
             rows[name] = row
     st = timed[0].stats
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    return {"model": cfg_m.name, "layers": args.layers, "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
+    return {"model": cfg_m.name, "layers": args.layers, "indexer_layers": list(cfg_m.full_layers),
+            "moe_layers": cfg_m.mlp_layer_types.count("sparse"), "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk": args.chunk,
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers),
             "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
@@ -182,22 +185,29 @@ def _print(rep: dict, as_json: bool) -> None:
     how = f"extrapolated from {t['layers_measured']} layers" if t["extrapolated"] else "measured"
     print(f"\nTTFT through {t['layers']} layers on this device ({how}): "
           + ", ".join(f"{int(k) / 1024:g}K {t[k]} s" for k in sizes))
-    print(f"{rep['model']} shapes, {rep['layers']} layers, cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
+    print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
+          f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
           f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
 
 
 def prefill_flops(cfg, prefix: int, extend: int) -> float:
-    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers, indexer, sparse attention."""
+    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers (MoE: the routed experts a
+    token runs plus the shared ones), the indexer on full indexer layers only, sparse attention."""
     d, h, qr, kr = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     nope, rope, v, hi, di = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
-    linear = (d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
-              + qr * hi * di + d * di + d * hi + 3 * d * cfg.intermediate_size)
+    attn = d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
+    moe = 3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + d * cfg.n_routed_experts
+    mlp = {"dense": 3 * d * cfg.intermediate_size, "sparse": moe}
     seq = prefix + extend
     keys = (seq * (seq + 1) - prefix * (prefix + 1)) // 2          # sum of visible keys over the queries
     sparse = seq > cfg.index_topk
     attended = sum(min(p + 1, cfg.index_topk) for p in range(prefix, seq))
-    per_layer = 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + (2 * keys * hi * di if sparse else 0)
-    return float(per_layer * cfg.num_layers)
+    total = 0
+    for kind, full in zip(cfg.mlp_layer_types, (t == "full" for t in cfg.indexer_types)):
+        linear = attn + mlp[kind] + ((qr * hi * di + d * di + d * hi) if full else 0)
+        indexer = 2 * keys * hi * di if sparse and full else 0
+        total += 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + indexer
+    return float(total)
 
 
 def gemm_tflops(device: str) -> float:

@@ -128,6 +128,18 @@ class VerifyReport:
                 "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked}
 
 
+def write_logits(path: str, result: RunResult) -> None:
+    """Each finished request's last-token logits, float32 [vocab], into a safetensors file keyed by request id
+    (``str(id)``; written beside ``path`` and renamed onto it: no partial output)."""
+    from safetensors.torch import save_file
+
+    from cpkv.cli.args import atomic_path
+
+    tensors = {str(r.id): r.logits.float().contiguous() for r in result.requests}
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata={"model": str(result.cfg.model), "precision": result.cfg.precision})
+
+
 def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> VerifyReport:
     """Rerun every completed request on one process (no CP, no cache) and compare.
 
@@ -137,7 +149,8 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> 
 
     cfg = result.cfg
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers)
+    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers,
+                                precision=cfg.precision)
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
     atol, rtol = TOLERANCE[device]
     equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from cpkv.config import KINDS
 from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
@@ -95,16 +94,16 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", spec: BatchSpec, rank: int)
     plan = rank_plan(spec, rank, model)
     lay = spec.layout
     rows_at = lay.memo["compose"].query_rows
-    h = model.embed(plan.ids)
+    h, topk = model.embed(plan.ids), None  # topk: the last full indexer layer's, reused by shared layers
     for n, layer in enumerate(model.layers):
         p = layer.project(h, plan.rot) if plan.num_tokens else None
-        for kind in KINDS:
+        for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(lay, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
-        dense = rt.compose_layer(lay, n)  # both kinds: one barrier round and one gather launch under symm
+        dense = rt.compose_layer(lay, n)  # the layer's kinds: one barrier round and one gather launch under symm
         if p is not None:
-            h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
+            h, topk = layer.attend(h, p, dense, plan.attn, topk)
     if not plan.last:
         return {}
     logits = model.logits(h.index_select(0, plan.last_rows))

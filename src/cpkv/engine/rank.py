@@ -232,9 +232,10 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace in jobs:
-        key = (cfg.model, cfg.seed, cfg.num_layers)
+        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision)
         if key not in models:
-            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers)
+            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                                     precision=cfg.precision)
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)
