@@ -14,6 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (power of two, default 16)")
     p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
+    p.add_argument("--model", default="tiny",
+                   help="preset whose KV row sizes are composed (tiny, glm5, deepseek-v32; default tiny)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -23,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.compose.modes import parse_modes
 
     cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
-                      device=args.device, page_size=args.page_size, layers=args.layers)
+                      device=args.device, page_size=args.page_size, layers=args.layers, model=args.model)
     out = run_check(cfg)  # CheckConfig validated every value above
     if args.json:
         emit_json({"ok": out["ok"], "modes": {m: {k: v[k] for k in ("digest", "mismatches", "bytes", "batches",
@@ -37,12 +39,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(out: dict, table) -> None:
     rows = [(m, v["batches"], v["bytes"], v["mismatches"], v["digest"][:16],
-             v["effective"] if v["effective"] != m else "") for m, v in out["modes"].items()]
+             _ran_as(m, v["effective"])) for m, v in out["modes"].items()]
     table(["mode", "batches", "bytes compared", "mismatches", "sha256", "ran as"], rows)
     print(f"cp={out['cp']} device={out['device']} backend={out['backend']} peer memory={out['peer_memory']}"
           f"{' (ranks share one GPU)' if out['shared_device'] else ''} page={out['page_size']} layers={out['layers']}"
-          f" kinds=token,index")
+          f" kinds=token,index model={out['config']['model']}")
     if "prefetch" in out["modes"]:
         print(f"prefetch runs only on batches of one request: {out['solo_batches']} of {out['batches']} batches"
               f" (prefetch hits per rank: {out['prefetch_hits']})")
     print("OK: every rank's dense buffers match the reference" if out["ok"] else "MISMATCH: see the table above")
+
+
+def _ran_as(mode: str, effective: str) -> str:
+    """What really ran: the mode itself, or the collective fallback when the group has no peer memory."""
+    return mode if effective == mode else f"{effective} (no peer memory)"
