@@ -170,6 +170,8 @@ def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
                 continue
             _run_mode(rt, cfg, model, layout, plan, b, mode, mirror, stats[mode])
         _update_mirror(cfg, model, layout, ids, b, mirror)
+        if ctx.rank == 0:
+            ctx.report(b + 1)  # batches done (the parent's progress line)
     rt.close()
     return {"modes": {m: {"bytes": s.bytes, "mismatches": s.mismatches, "digest": s.sha.hexdigest(),
                           "batches": s.batches, "effective": s.effective} for m, s in stats.items()},
@@ -224,10 +226,13 @@ def _sync(rt: ComposeRuntime) -> None:
 
 # the parent ---------------------------------------------------------------------------------------
 
-def run_check(cfg: CheckConfig) -> dict[str, Any]:
-    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}."""
+def run_check(cfg: CheckConfig, on_progress=None) -> dict[str, Any]:
+    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}.
+    ``on_progress(batches_done)`` is called as rank 0 finishes each batch."""
     parse_modes(",".join(cfg.modes))
-    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s)
+    report = (lambda rank, done: on_progress(done)) if on_progress else None
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s,
+                     on_progress=report)
     return aggregate(cfg, results)
 
 

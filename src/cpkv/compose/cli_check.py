@@ -7,6 +7,8 @@ HELP = "Compose dense KV in N real rank processes with every mode; compare byte 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli.args import positive_float
+
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (legacy,fused,v2,symm,prefetch) or all")
     p.add_argument("--batches", type=int, default=6, help="random batches (default 6)")
@@ -16,17 +18,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
     p.add_argument("--model", default="tiny",
                    help="preset whose KV row sizes are composed (tiny, glm5, deepseek-v32; default tiny)")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds before the ranks are ended (default 600; raise it for long soaks)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpkv.cli.fmt import emit_json, table
+    from cpkv.cli.fmt import Progress, emit_json, table
     from cpkv.compose.check import CheckConfig, run_check
     from cpkv.compose.modes import parse_modes
 
     cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
-                      device=args.device, page_size=args.page_size, layers=args.layers, model=args.model)
-    out = run_check(cfg)  # CheckConfig validated every value above
+                      device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
+                      timeout_s=args.timeout)
+    bar = Progress(cfg.batches, "cpkv check compose")
+    try:
+        out = run_check(cfg, on_progress=lambda done: bar.set(done, f"cp {cfg.cp}"))  # every value validated above
+    finally:
+        bar.close()
     if args.json:
         emit_json({"ok": out["ok"], "modes": {m: {k: v[k] for k in ("digest", "mismatches", "bytes", "batches",
                                                                       "effective")} for m, v in out["modes"].items()},

@@ -87,7 +87,7 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
 
 
 def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0,
-             grace_s: float = 10.0) -> list[RunResult]:
+             grace_s: float = 2.0) -> list[RunResult]:
     """Run several jobs (same cp and device) in one set of rank processes, one after the other."""
     from cpkv.dist import launch
 
