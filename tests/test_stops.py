@@ -60,9 +60,9 @@ def _silence_heartbeat(ctx):
                                      (signal.SIGSTOP, "rank 1 stopped responding: its process is stopped")])
 def test_a_dead_or_stopped_rank_is_named_first(sig, why):
     """Rank 0 waits in a barrier for rank 1, which is killed or stopped: rank 1 is the named cause, and the
-    launch ends long before its 60 s limit (rank 0's own error, if any, follows)."""
+    launch ends long before its 120 s limit (rank 0's own error, if any, follows)."""
     with pytest.raises(RankFailure) as info:
-        launch(_kill_self, 2, args=(sig,), timeout_s=60, grace_s=0.5)
+        launch(_kill_self, 2, args=(sig,), timeout_s=120, grace_s=0.5)
     assert str(info.value).startswith(why), str(info.value)
     assert info.value.first == 1 and "did not finish" not in str(info.value).split(";")[0]
     assert "\n" not in str(info.value)  # one line; the tracebacks are in exc.tracebacks
@@ -70,7 +70,7 @@ def test_a_dead_or_stopped_rank_is_named_first(sig, why):
 
 def test_a_rank_without_heartbeat_is_named():
     with pytest.raises(RankFailure, match=r"^rank 1 stopped responding: no heartbeat for"):
-        launch(_silence_heartbeat, 2, timeout_s=30, grace_s=0.5, heartbeat_s=1.0)
+        launch(_silence_heartbeat, 2, timeout_s=120, grace_s=0.5, heartbeat_s=1.0)
 
 
 def test_a_taken_master_port_is_one_config_error(monkeypatch):
@@ -79,7 +79,7 @@ def test_a_taken_master_port_is_one_config_error(monkeypatch):
         s.listen()
         monkeypatch.setenv("CPKV_MASTER_PORT", str(s.getsockname()[1]))
         with pytest.raises(ConfigError, match=r"CPKV_MASTER_PORT=\d+: cannot listen on .* unset CPKV_MASTER_PORT"):
-            launch(_wait_in_barrier, 1, args=(0,), timeout_s=30)
+            launch(_wait_in_barrier, 1, args=(0,), timeout_s=120)
 
 
 # -- signals, through a subprocess -----------------------------------------------------------------
