@@ -24,13 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.args import as_flags, flags_of
     from cpkv.cli.fmt import Progress, emit_json, table
     from cpkv.compose.check import CheckConfig, run_check
     from cpkv.compose.modes import parse_modes
 
-    cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
-                      device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
-                      timeout_s=args.timeout)
+    with as_flags(flags_of(["cp", "batches", "seed", "page_size", "layers"])):
+        cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
+                          device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
+                          timeout_s=args.timeout)
     bar = Progress(cfg.batches, "cpkv check compose")
     try:
         out = run_check(cfg, on_progress=lambda done: bar.set(done, f"cp {cfg.cp}"))  # every value validated above
@@ -39,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"ok": out["ok"], "modes": {m: {k: v[k] for k in ("digest", "mismatches", "bytes", "batches",
                                                                       "effective")} for m, v in out["modes"].items()},
-                   "cp": out["cp"], "device": out["device"], "peer_memory": out["peer_memory"],
+                   "cp": out["cp"], "device": out["device"], "model": cfg.model, "batches": cfg.batches,
+                   "layers": cfg.layers, "page_size": cfg.page_size, "solo_batches": out["solo_batches"],
+                   "peer_memory": out["peer_memory"],
                    "backend": out["backend"], "shared_device": out["shared_device"]})
     else:
         _print(out, table)

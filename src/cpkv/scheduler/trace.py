@@ -150,7 +150,7 @@ def _parse_id(obj: dict, seen: dict) -> Hashable:
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, int) and abs(rid) > INT64_MAX):
         raise _LineError(f"'id' must be a string or an integer within int64, got {_short(rid)}")
     if _key(rid) in seen:
-        raise _LineError(f"duplicate id {rid!r} (first on line {seen[_key(rid)].line})")
+        raise _LineError(f"duplicate id {_name(rid)} (first on line {seen[_key(rid)].line})")
     return rid
 
 
@@ -196,12 +196,12 @@ def _parse_parent(obj: dict, rid: Hashable, prompt_len: int, seen: dict) -> Hash
     if isinstance(parent, bool) or not isinstance(parent, (str, int)):
         raise _LineError(f"'parent' must be a string or an integer id, got {_short(parent)}")
     if _key(parent) == _key(rid):
-        raise _LineError(f"request {rid!r} names itself as its parent")
+        raise _LineError(f"request {_name(rid)} names itself as its parent")
     if _key(parent) not in seen:
-        raise _LineError(f"unknown parent {parent!r}", parent)
+        raise _LineError(f"unknown parent {_name(parent)}", parent)
     plen = seen[_key(parent)].prompt_len
     if prompt_len < plen:
-        raise _LineError(f"prompt_len {prompt_len} is shorter than its parent {parent!r}'s {plen} "
+        raise _LineError(f"prompt_len {prompt_len} is shorter than its parent {_name(parent)}'s {plen} "
                          "(a parent's whole prompt must start this one)")
     return parent
 
@@ -212,6 +212,12 @@ def _short(value: Any) -> str:
         return f"an integer of {len(str(abs(value)))} digits"
     text = json.dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _name(rid: Hashable) -> str:
+    """An id as in a message: its repr, cut short."""
+    text = repr(rid)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_vocab(requests: Sequence[TraceRequest], vocab_size: int, source: str, model: str) -> None:
@@ -237,7 +243,7 @@ def _explain(exc: _LineError, lines: Sequence[str], n: int) -> str:
             continue
         if isinstance(obj, dict) and "id" in obj and not isinstance(obj["id"], (list, dict)) \
                 and _key(obj["id"]) == _key(exc.parent):
-            return f"parent {exc.parent!r} is defined later, on line {m + 1} (a parent must come first)"
+            return f"parent {_name(exc.parent)} is defined later, on line {m + 1} (a parent must come first)"
     return f"{exc} (no earlier line has this id)"
 
 
