@@ -179,3 +179,23 @@ def test_the_readme_test_command_prints_the_passed_line(tmp_path):
                           "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_one.py")],
                          capture_output=True, text=True, timeout=120)
     assert re.search(r"\b1 passed\b", out.stdout), out.stdout + out.stderr
+
+
+# -- short outputs, the soak's CI version ----------------------------------------------------------
+def test_layout_of_a_long_request_keeps_lines_short(capsys):
+    assert main(["layout", "--cp", "4", "--page-size", "64", "--req", "131072:100"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(x) for x in out.splitlines()) < 200
+    assert "(2048 pages in 2048 runs)" in out  # prefix owners round-robin: every page its own run
+
+
+def test_check_compose_soak_short_glm5_rows(monkeypatch, capsys):
+    """The CI version of the soak recorded in BENCHMARKS.md: GLM-5 row sizes, partial pages, cp 3, every mode."""
+    monkeypatch.setenv("CPKV_PROGRESS_S", "0")
+    assert main(["check", "compose", "--model", "glm5", "--cp", "3", "--batches", "4", "--layers", "1"]) == 0
+    out = capsys.readouterr()
+    rows = [r for r in map(str.split, out.out.splitlines()) if len(r) == 6 and r[0] in envs.COMPOSE_MODES]
+    assert [r[0] for r in rows] == list(envs.COMPOSE_MODES)
+    assert all(r[3] == "0" and r[5] == r[0] for r in rows), rows  # no mismatch; "ran as" the mode itself
+    assert "model=glm5" in out.out and "OK: every rank's dense buffers match" in out.out
+    assert out.err.splitlines()[-1].startswith("cpkv check compose: 4/4 (cp 3")

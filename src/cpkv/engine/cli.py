@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         report = verify_run(result, runnable) if args.verify else None
     finally:
         bar.close()
-    result.rejected = sorted(result.rejected + gone, key=[r.id for r in trace].index)
+    order = {(type(r.id).__name__, r.id): i for i, r in enumerate(trace)}  # 1 and "1" are different ids
+    result.rejected = sorted(result.rejected + gone, key=lambda x: order[(type(x["id"]).__name__, x["id"])])
     times = {"command_s": round(time.monotonic() - t0, 3), "ranks_s": round(t_ranks - t0, 3),
              "verify_s": round(time.monotonic() - t_ranks, 3)}
     ok = (report is None or report.ok) and (not result.rejected or args.allow_rejected)
