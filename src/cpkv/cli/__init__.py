@@ -103,10 +103,27 @@ def _stop(signum: int, frame) -> None:
     raise Stopped(signum)
 
 
-def _install_stop_handlers() -> None:
+def _install_stop_handlers() -> dict:
+    """SIGTERM/SIGHUP raise Stopped in the main thread; returns the previous handlers (for a caller that
+    runs commands in-process, e.g. tests); a no-op outside the main thread."""
+    old = {}
     for name in STOP_SIGNALS:
         if hasattr(signal, name):
-            signal.signal(getattr(signal, name), _stop)
+            sig = getattr(signal, name)
+            try:
+                old[sig] = signal.signal(sig, _stop)
+            except ValueError:  # not the main thread: signals stay as they are
+                break
+    return old
+
+
+def _rank_traceback(exc: CpkvError) -> None:
+    """After a RankFailure whose first failed rank raised something other than a cpkv error (a bug, not bad
+    input), that rank's traceback, indented under the error line."""
+    first = getattr(exc, "first", None)
+    tb = getattr(exc, "tracebacks", {}).get(first)
+    if tb and not isinstance(getattr(exc, "errors", {}).get(first), CpkvError):
+        print(f"rank {first}'s traceback:\n" + "\n".join("    " + x for x in tb.rstrip().splitlines()), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not bad_env:
         logging.basicConfig(level=envs.get("CPKV_LOG_LEVEL"), format="%(levelname)s %(name)s: %(message)s")
-    _install_stop_handlers()
+    old = _install_stop_handlers()
     try:
         args = build_parser(argv).parse_args(argv)
         return int(args._run(args) or 0)
     except CpkvError as exc:
         print(f"cpkv {name}: error: {exc}", file=sys.stderr)
+        _rank_traceback(exc)
         return 2
     except Stopped as exc:
         print(f"cpkv{' ' + name if name else ''}: stopped by {exc.args[0]}", file=sys.stderr)
@@ -132,3 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cpkv: interrupted", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cpkv import envs
-from cpkv.errors import ConfigError, CpkvError, RankFailure
+from cpkv.errors import ConfigError, RankFailure
 
 HOST = "127.0.0.1"
 BEAT_S = 0.25        # a child's heartbeat period
