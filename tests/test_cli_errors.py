@@ -114,6 +114,7 @@ CASES = [
     (["replay", "{bin}"], "expected a UTF-8 JSONL text file"),
     (["replay", "{dir}"], "cannot read the trace (Is a directory)"),
     (["replay", "--costs", "{bin}"], "cannot read a cost model"),
+    (["replay", "--costs", "/dev/zero"], "/dev/zero: cannot read a cost model (larger than 16 MiB)"),
     (["replay", "--requests", "5", "--log-batches", "{dir}"], "--log-batches '{dir}': expected a file name, got a directory"),
     (["replay", "--requests", "5", "--save-trace", "{nofolder}"], "does not exist"),
     (["replay", "--requests", "5", "--plot", "{tmp}/ttft.foo"], "expected a file name ending in one of"),
