@@ -144,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
                                 on_progress=lambda done, batches: bar.set(done, f"batch {batches}"))
         t_ranks = time.monotonic()
         bar.set(bar.done, "verifying against one rank" if args.verify else "done")
-        report = verify_run(result, runnable) if args.verify else None
+        def checked(n: int) -> None:
+            bar.set(bar.done, f"verified {n} of {len(result.requests)} on one rank")
+
+        report = verify_run(result, runnable, on_request=checked) if args.verify else None
     finally:
         bar.close()
     order = {(type(r.id).__name__, r.id): i for i, r in enumerate(trace)}  # 1 and "1" are different ids

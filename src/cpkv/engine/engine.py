@@ -132,10 +132,11 @@ class VerifyReport:
                 "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked}
 
 
-def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> VerifyReport:
+def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_request=None) -> VerifyReport:
     """Rerun every completed request on one process (no CP, no cache) and compare.
 
     ok = first tokens equal and every |logit difference| <= atol + rtol * max |reference logit|.
+    ``on_request(n)`` is called after the n-th request is compared (progress).
     """
     from cpkv.model.model import load_model
 
@@ -145,7 +146,7 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> 
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
     atol, rtol = TOLERANCE[device]
     equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol
-    for r in result.requests:
+    for n, r in enumerate(result.requests, start=1):
         ref = model.reference_prefill(tokens[r.id]).cpu()
         diff = float((ref - r.logits).abs().max())
         tol = atol + rtol * float(ref.abs().max())
@@ -153,4 +154,6 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> 
         ok &= diff <= tol
         if diff >= worst:
             worst, worst_id, tol_used = diff, r.id, tol
+        if on_request is not None:
+            on_request(n)
     return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests))
