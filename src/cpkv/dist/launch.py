@@ -199,7 +199,7 @@ def _free_store(world_size: int, timeout_s: float) -> dist.TCPStore:
 
 def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args: Sequence[Any] = (),
            timeout_s: float = 600.0, grace_s: float = 2.0, backend: str | None = None,
-           heartbeat_s: float = 10.0, on_progress: Callable[[int, Any], None] | None = None) -> list[Any]:
+           heartbeat_s: float = 30.0, on_progress: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; return their results in rank order.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout_s`` bounds the whole run
