@@ -119,9 +119,9 @@ CASES = [
     (["replay", "--requests", "5", "--save-trace", "{nofolder}"], "does not exist"),
     (["replay", "--requests", "5", "--plot", "{tmp}/ttft.foo"], "expected a file name ending in one of"),
     # cpkv layout
-    (["layout", "--cp", "0", "--page-size", "64", "--req", "0:3"], "cp must be an integer >= 1, got 0"),
+    (["layout", "--cp", "0", "--page-size", "64", "--req", "0:3"], "--cp must be an integer >= 1, got 0"),
     (["layout", "--cp", "2", "--page-size", "64", "--req", "0:3", "--max-context", "0"],
-     "max_context must be an integer >= 1, got 0"),
+     "--max-context must be an integer >= 1, got 0"),
     # cpkv check compose: validated by CheckConfig
     (["check", "compose", "--cp", "0"], "cpkv check compose: error: --cp must be an integer >= 1, got 0"),
     (["check", "compose", "--batches", "0"], "--batches must be an integer >= 1, got 0"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from cpkv.cli import fmt
+from cpkv.cli.args import as_flags, flags_of
 from cpkv.config import STRATEGIES
 from cpkv.layout import BatchLayout, build_layout
 
@@ -29,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
-                          max_context=args.max_context)
+    with as_flags(flags_of(["cp", "page_size", "max_context"])):
+        layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
+                              max_context=args.max_context)
     if args.json:
         fmt.emit_json(layout.to_dict())
     else:
