@@ -46,17 +46,17 @@ def run(args: argparse.Namespace) -> int:
                    "peer_memory": out["peer_memory"],
                    "backend": out["backend"], "shared_device": out["shared_device"]})
     else:
-        _print(out, table)
+        _print(out, table, cfg.model)
     return 0 if out["ok"] else 1
 
 
-def _print(out: dict, table) -> None:
+def _print(out: dict, table, model: str) -> None:
     rows = [(m, v["batches"], v["bytes"], v["mismatches"], v["digest"][:16],
              _ran_as(m, v["effective"])) for m, v in out["modes"].items()]
     table(["mode", "batches", "bytes compared", "mismatches", "sha256", "ran as"], rows)
     print(f"cp={out['cp']} device={out['device']} backend={out['backend']} peer memory={out['peer_memory']}"
           f"{' (ranks share one GPU)' if out['shared_device'] else ''} page={out['page_size']} layers={out['layers']}"
-          f" kinds=token,index model={out['config']['model']}")
+          f" kinds=token,index model={model}")
     if "prefetch" in out["modes"]:
         print(f"prefetch runs only on batches of one request: {out['solo_batches']} of {out['batches']} batches"
               f" (prefetch hits per rank: {out['prefetch_hits']})")
