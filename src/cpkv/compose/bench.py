@@ -151,7 +151,9 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         page_gather.DEFAULT_CONFIG.update(best)
         out["kernel"] = kern if ctx.rank == 0 else None
     plan = rt.prepare(layout, ids)
-    for mode in cfg.modes:
+    for i, mode in enumerate(cfg.modes):
+        if ctx.rank == 0:
+            ctx.report((i, f"timing {mode}"))  # the parent's progress line (a CPU run takes minutes)
         lay = layout
         if mode == "prefetch" and len(layout.requests) != 1:
             lay = _solo_layout(cfg)
@@ -161,6 +163,8 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
             shared = _time_mode(ctx, rt, lay, mode, cfg, range(cfg.layers, model.num_layers))
             out["modes"][mode]["ms_per_shared_layer"] = shared["ms_per_layer"]
         out["modes"][mode]["requests"] = len(lay.requests)
+    if ctx.rank == 0:
+        ctx.report((len(cfg.modes), "host time per call"))
     for r in range(ctx.world_size):  # one rank at a time, so that no other rank's work shares the device
         if r == ctx.rank:
             out["host_us"] = _host_us(rt, layout, plan)
@@ -358,9 +362,11 @@ def _bench(fn, reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Launch the ranks and aggregate: per mode the slowest rank's median, scaled to a whole batch."""
-    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=900)
+def run_bench(cfg: BenchConfig, on_progress=None) -> dict[str, Any]:
+    """Launch the ranks and aggregate: per mode the slowest rank's median, scaled to a whole batch.
+    ``on_progress(step, what)`` follows rank 0 (step: modes timed so far)."""
+    report = (lambda rank, msg: on_progress(*msg)) if on_progress else None
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=900, on_progress=report)
     model = preset(cfg.model)
     modes = {}
     for m in cfg.modes:

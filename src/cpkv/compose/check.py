@@ -7,7 +7,9 @@ pages, a solo request with an unaligned prefix now and then, prefix pages owned 
 between requests) and each mode, it writes its current rows, composes every (layer, kind), and compares
 the dense buffer with :func:`reference_dense` built from the mirrored pools. It also checks that the
 mode persisted the rank's current pages into its pool (the pages are scribbled over before each mode).
-``prefetch`` runs only on batches of one request.
+``prefetch`` runs only on batches of one request; a check of ``prefetch`` alone draws only such batches, so
+that each of its batches is composed. ``model`` gives the row sizes (``glm5``: 656-byte token rows, 132-byte
+index rows), not the layer count.
 """
 from __future__ import annotations
 
@@ -62,6 +64,12 @@ class CheckConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        preset(self.model)  # raises ConfigError naming the presets
+
+    @property
+    def solo_only(self) -> bool:
+        """Only ``prefetch`` is checked: every batch is a single request (the only batches it runs)."""
+        return self.modes == ("prefetch",)
 
     def caps(self) -> AdmissionCaps:
         ext = self.max_bs * self.max_extend_pages * self.page_size
@@ -75,7 +83,7 @@ def draw_batch(cfg: CheckConfig, b: int) -> tuple[BatchLayout, list[int]]:
     """Batch ``b`` (identical on every rank) and a writer-side pool page id per current page."""
     rng = np.random.default_rng([cfg.seed, b, 7])
     P, cp = cfg.page_size, cfg.cp
-    solo = b % 3 == 0
+    solo = b % 3 == 0 or cfg.solo_only
     bs = 1 if solo else int(rng.integers(2, cfg.max_bs + 1))
     reqs, pages = [], []
     for i in range(bs):
@@ -162,6 +170,8 @@ def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
                 continue
             _run_mode(rt, cfg, model, layout, plan, b, mode, mirror, stats[mode])
         _update_mirror(cfg, model, layout, ids, b, mirror)
+        if ctx.rank == 0:
+            ctx.report(b + 1)  # batches done (the parent's progress line)
     rt.close()
     return {"modes": {m: {"bytes": s.bytes, "mismatches": s.mismatches, "digest": s.sha.hexdigest(),
                           "batches": s.batches, "effective": s.effective} for m, s in stats.items()},
@@ -217,10 +227,13 @@ def _sync(rt: ComposeRuntime) -> None:
 
 # the parent ---------------------------------------------------------------------------------------
 
-def run_check(cfg: CheckConfig) -> dict[str, Any]:
-    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}."""
+def run_check(cfg: CheckConfig, on_progress=None) -> dict[str, Any]:
+    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}.
+    ``on_progress(batches_done)`` is called as rank 0 finishes each batch."""
     parse_modes(",".join(cfg.modes))
-    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s)
+    report = (lambda rank, done: on_progress(done)) if on_progress else None
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s,
+                     on_progress=report)
     return aggregate(cfg, results)
 
 

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpkv.cli.fmt import emit_json, table
+    from cpkv.cli.fmt import Progress, emit_json, table
     from cpkv.compose.bench import BenchConfig, run_bench
     from cpkv.compose.modes import parse_modes
 
@@ -31,7 +31,12 @@ def run(args: argparse.Namespace) -> int:
                       requests=args.requests, extend_tokens=args.extend_tokens, prefix_tokens=args.prefix_tokens,
                       layers=args.layers, iters=args.iters, modes=tuple(parse_modes(args.modes)),
                       kernel=not args.no_kernel)
-    out = run_bench(cfg)
+    bar = Progress(len(cfg.modes) + 1, "cpkv bench compose")
+    bar.set(0, f"starting {cfg.cp} rank processes")
+    try:
+        out = run_bench(cfg, on_progress=lambda step, what: bar.set(step, what))
+    finally:
+        bar.close()
     if args.json:
         emit_json(out)
         return 0

@@ -138,6 +138,8 @@ class RankEngine:
                 self.out.done_s[req.rid] = now - released[req.rid]
                 self.out.cached[req.rid] = req.cached
                 done.add(req.rid)
+            if self.rank == 0:
+                self.ctx.report((len(done), self.batches))  # the launching parent's progress line
         for r in blocked:
             self.out.rejected[r.id] = "parent: its parent never finished"
         self.out.wall_s = time.perf_counter() - t0

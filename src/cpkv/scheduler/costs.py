@@ -29,6 +29,9 @@ from cpkv.layout import causal_work
 from cpkv.scheduler.batch import Batch
 
 
+MAX_COSTS_BYTES = 16 << 20  # a --costs file
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-GPU unit costs (seconds) and the KV memory budget of one rank (bytes)."""
@@ -55,9 +58,13 @@ class CostModel:
         model = cls()
         for path in paths:
             try:
-                obj = json.loads(Path(path).read_text())
-            except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
-                raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
+                with open(path, "rb") as f:  # bounded: a cost file or bench report is a few KiB
+                    raw = f.read(MAX_COSTS_BYTES + 1)
+                obj = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_COSTS_BYTES else None
+            except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or undecodable bytes
+                raise ConfigError(f"{path}: cannot read a cost model ({type(exc).__name__}: {str(exc)[:200]})") from None
+            if len(raw) > MAX_COSTS_BYTES:
+                raise ConfigError(f"{path}: cannot read a cost model (larger than {MAX_COSTS_BYTES >> 20} MiB)")
             if isinstance(obj, dict) and isinstance(obj.get("costs"), dict):
                 obj = obj["costs"]
             model = model.updated(obj, str(path))

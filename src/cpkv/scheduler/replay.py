@@ -47,6 +47,8 @@ class ReplayConfig:
         for key in ("chunk", "max_requests"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.chunk % self.page_size:
+            raise ConfigError(f"chunk {self.chunk} must be a multiple of page_size {self.page_size}")
         if self.extend_tokens is not None and self.extend_tokens < 1:
             raise ConfigError(f"extend_tokens must be >= 1, got {self.extend_tokens}")
         if self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.page_size:
@@ -79,8 +81,8 @@ class RunResult:
         t = sorted(self.ttft)
         return {
             "policy": self.policy, "kv": self.kv, "requests": self.requests,
-            "ttft_s": {"p50": percentile(t, 50), "p90": percentile(t, 90), "p99": percentile(t, 99),
-                       "max": t[-1] if t else 0.0},
+            "ttft_s": ({"p50": percentile(t, 50), "p90": percentile(t, 90), "p99": percentile(t, 99), "max": t[-1]}
+                       if t else {"p50": None, "p90": None, "p99": None, "max": None}),  # none completed
             "cache_hit_ratio": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "batches": self.batches,
             "mean_batch_requests": self.batch_entries / self.batches if self.batches else 0.0,
