@@ -4,11 +4,16 @@ Byte layouts derive from the model shape (docs/design.md, byte formats):
 
     token row  = kv_lora_rank fp8 | kv_lora_rank/128 float32 scales | qk_rope_head_dim bfloat16
                  (GLM-5 / DeepSeek-V3.2: 512 + 16 + 128 = 656 B)
-    index row  = index_head_dim fp8 | one float32 scale   (128 + 4 = 132 B)
+    index row  = index_head_dim fp8 | one float32 scale   (128 + 4 = 132 B), on full indexer layers only
+
+Under ``--precision exact`` (``ModelConfig.kv_dtype`` float32 / bfloat16) both rows hold their values
+unquantised in that dtype (``PlainFormat``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from cpkv.errors import ConfigError
 
@@ -50,8 +55,63 @@ class RowFormat:
 
 
 @dataclass(frozen=True)
+class PlainFormat:
+    """An unquantised row (``--precision exact``): ``dims`` values of ``dtype`` (float32 / bfloat16), no scales.
+
+    Token rows hold latent | rope (kv_lora_rank + qk_rope_head_dim values), index rows the indexer key.
+    """
+
+    dims: int
+    dtype: str
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dims * DTYPE_BYTES[self.dtype]
+
+
+KV_DTYPES = ("fp8", "float32", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+INDEXER_TYPES = ("full", "shared")
+MLP_TYPES = ("dense", "sparse")
+ROPE_STYLES = ("interleaved", "halves")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE of the MLA and indexer rope dims: plain (``default``) or YaRN (``yarn``), as config.json's
+    ``rope_parameters`` / ``rope_scaling`` gives it. ``attention_factor`` None: derived from mscale and
+    mscale_all_dim (or from ``factor`` alone), as transformers does."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in ("default", "yarn"):
+            raise ConfigError(f"rope type {self.type!r} is not supported; expected default or yarn")
+        if self.type == "yarn" and not (self.factor > 0 and self.original_max_position_embeddings > 0):
+            raise ConfigError(f"yarn rope needs factor > 0 and original_max_position_embeddings > 0, got "
+                              f"{self.factor} and {self.original_max_position_embeddings}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a DSA model (MLA attention + lightning indexer + dense MLP)."""
+    """Shape of a DSA model: MLA attention, the lightning indexer on ``full`` layers (``shared`` layers reuse
+    the previous full layer's top-k and keep no index rows), dense MLPs on the first
+    ``first_k_dense_replace`` layers and MoE after them (field names as in the public config.json).
+
+    The indexer pattern is ``indexer_pattern`` when given ("full"/"shared" per layer), else transformers'
+    rule: layer i is full when ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0``. The MLP
+    pattern is ``mlp_pattern`` when given ("dense"/"sparse"), else dense before first_k_dense_replace.
+    ``kv_dtype``: fp8 (quantised rows) or float32 / bfloat16 (``--precision exact``, unquantised rows).
+    """
 
     name: str
     num_layers: int
@@ -70,26 +130,127 @@ class ModelConfig:
     max_context: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    model_type: str = "deepseek_v32"
+    indexer_rope: str = "halves"
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 0
+    indexer_pattern: tuple[str, ...] = ()
+    first_k_dense_replace: int = 0
+    mlp_pattern: tuple[str, ...] = ()
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    rope: RopeConfig | None = None
+    kv_dtype: str = "fp8"
 
     def __post_init__(self) -> None:
-        if self.kv_lora_rank % QUANT_GROUP:
-            raise ConfigError(f"kv_lora_rank must be a multiple of {QUANT_GROUP}, got {self.kv_lora_rank}")
-        for key in ("num_layers", "num_heads", "index_n_heads", "index_head_dim", "index_topk", "max_context"):
+        for key in ("num_layers", "num_heads", "index_n_heads", "index_head_dim", "index_topk", "max_context",
+                    "index_topk_freq", "n_group", "topk_group"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.indexer_rope not in ROPE_STYLES:
+            raise ConfigError(f"indexer_rope must be one of {', '.join(ROPE_STYLES)}, got {self.indexer_rope!r}")
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeConfig(theta=self.rope_theta))
+        object.__setattr__(self, "rope_theta", self.rope.theta)
+        self._check_patterns()
+        if "sparse" in self.mlp_layer_types:
+            self._check_moe()
 
+    def _check_patterns(self) -> None:
+        for key, allowed in (("indexer_pattern", INDEXER_TYPES), ("mlp_pattern", MLP_TYPES)):
+            pattern = getattr(self, key)
+            if pattern and len(pattern) != self.num_layers:
+                raise ConfigError(f"{key} must name all {self.num_layers} layers, got {len(pattern)}")
+            bad = sorted({x for x in pattern if x not in allowed})
+            if bad:
+                raise ConfigError(f"{key}: expected only {' / '.join(allowed)}, got {', '.join(map(repr, bad))}")
+        if self.indexer_types[0] != "full":
+            raise ConfigError("layer 0 must be a full indexer layer (a shared layer reuses an earlier full layer's "
+                              "top-k)")
+
+    def _check_moe(self) -> None:
+        for key in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"MoE layers need {key} >= 1, got {getattr(self, key)}")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ConfigError(f"n_routed_experts {self.n_routed_experts} must split into n_group {self.n_group} "
+                              f"groups and topk_group {self.topk_group} <= n_group")
+        per_group = self.n_routed_experts // self.n_group
+        if per_group < 2 or self.num_experts_per_tok > self.topk_group * per_group:
+            raise ConfigError(f"grouped routing needs >= 2 experts per group and num_experts_per_tok "
+                              f"{self.num_experts_per_tok} <= topk_group x experts per group")
+
+    # -- per-layer kinds ---------------------------------------------------------------------------
+    @cached_property
+    def indexer_types(self) -> tuple[str, ...]:
+        """"full" / "shared" per layer (class docstring)."""
+        if self.indexer_pattern:
+            return self.indexer_pattern
+        f, o = self.index_topk_freq, self.index_skip_topk_offset
+        return tuple("full" if max(i - o + 1, 0) % f == 0 else "shared" for i in range(self.num_layers))
+
+    @cached_property
+    def mlp_layer_types(self) -> tuple[str, ...]:
+        """"dense" / "sparse" (MoE) per layer."""
+        if self.mlp_pattern:
+            return self.mlp_pattern
+        n = min(self.first_k_dense_replace, self.num_layers)
+        return ("dense",) * n + ("sparse",) * (self.num_layers - n)
+
+    @cached_property
+    def full_layers(self) -> tuple[int, ...]:
+        """Layers that run the indexer and keep index rows."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    def kinds_at(self, layer: int) -> tuple[str, ...]:
+        """KV kinds layer ``layer`` writes and composes: token and index on full layers, token on shared ones."""
+        return KINDS if self.indexer_types[layer] == "full" else KINDS[:1]
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Layers holding rows of ``kind`` (every layer for token rows, the full layers for index rows)."""
+        self.row_format(kind)  # validates the kind
+        return tuple(range(self.num_layers)) if kind == "token" else self.full_layers
+
+    def kv_bytes_per_token(self) -> int:
+        """Pool bytes one cached token takes over all layers: token rows everywhere, index rows on full layers."""
+        return sum(len(self.layers_of(k)) * self.row_bytes(k) for k in KINDS)
+
+    def with_layers(self, num_layers: int) -> "ModelConfig":
+        """The first ``num_layers`` layers (benchmarks, tests); an explicit pattern is cut, not extended."""
+        for key in ("indexer_pattern", "mlp_pattern"):
+            if getattr(self, key) and num_layers > len(getattr(self, key)):
+                raise ConfigError(f"num_layers {num_layers}: the model's {key} names only {len(getattr(self, key))}")
+        return dataclasses.replace(self, num_layers=num_layers, indexer_pattern=self.indexer_pattern[:num_layers],
+                                   mlp_pattern=self.mlp_pattern[:num_layers])
+
+    # -- row formats -------------------------------------------------------------------------------
     @property
-    def token_format(self) -> RowFormat:
+    def token_format(self) -> RowFormat | PlainFormat:
+        if self.kv_dtype != "fp8":
+            return PlainFormat(self.kv_lora_rank + self.qk_rope_head_dim, self.kv_dtype)
+        if self.kv_lora_rank % QUANT_GROUP:
+            raise ConfigError(f"fp8 token rows need kv_lora_rank in whole groups of {QUANT_GROUP}, got "
+                              f"{self.kv_lora_rank} (use --precision exact)")
         return RowFormat(self.kv_lora_rank, self.kv_lora_rank // QUANT_GROUP, self.qk_rope_head_dim)
 
     @property
-    def index_format(self) -> RowFormat:
+    def index_format(self) -> RowFormat | PlainFormat:
+        if self.kv_dtype != "fp8":
+            return PlainFormat(self.index_head_dim, self.kv_dtype)
         return RowFormat(self.index_head_dim, 1, 0)
 
     def row_bytes(self, kind: str) -> int:
         return self.row_format(kind).row_bytes
 
-    def row_format(self, kind: str) -> RowFormat:
+    def row_format(self, kind: str) -> RowFormat | PlainFormat:
         if kind == "token":
             return self.token_format
         if kind == "index":
@@ -103,20 +264,34 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
+    # zai-org/GLM-5 config.json: 78 layers, indexer on 40 of them (index_topk_freq 2, offset 2), MoE from layer 3
     "glm5": ModelConfig(
         name="glm5", num_layers=78, hidden_size=6144, num_heads=64, q_lora_rank=2048, kv_lora_rank=512,
         qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
         index_topk=2048, intermediate_size=12288, vocab_size=154880, max_context=202752, rope_theta=1e6,
+        rms_norm_eps=1e-5, model_type="glm_moe_dsa", indexer_rope="interleaved", index_topk_freq=2,
+        index_skip_topk_offset=2, first_k_dense_replace=3, moe_intermediate_size=2048, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5,
     ),
+    # deepseek-ai/DeepSeek-V3.2 config.json: indexer on every layer, YaRN x40 from 4096 positions
     "deepseek-v32": ModelConfig(
         name="deepseek-v32", num_layers=61, hidden_size=7168, num_heads=128, q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
         index_head_dim=128, index_topk=2048, intermediate_size=18432, vocab_size=129280, max_context=163840,
+        model_type="deepseek_v32", indexer_rope="halves", first_k_dense_replace=3, moe_intermediate_size=2048,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5,
+        rope=RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                        mscale=1.0, mscale_all_dim=1.0),
     ),
+    # GLM-5's structure at toy sizes: full / shared / full indexer layers, a dense layer then MoE layers
     "tiny": ModelConfig(
-        name="tiny", num_layers=2, hidden_size=128, num_heads=4, q_lora_rank=64, kv_lora_rank=128,
+        name="tiny", num_layers=3, hidden_size=128, num_heads=4, q_lora_rank=64, kv_lora_rank=128,
         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, index_n_heads=4, index_head_dim=64,
-        index_topk=64, intermediate_size=256, vocab_size=512, max_context=65536,
+        index_topk=64, intermediate_size=256, vocab_size=512, max_context=65536, model_type="glm_moe_dsa",
+        indexer_rope="interleaved", index_topk_freq=2, index_skip_topk_offset=1, first_k_dense_replace=1,
+        moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5,
     ),
 }
 

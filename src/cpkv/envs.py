@@ -1,9 +1,12 @@
 """One typed registry of environment variables, all prefixed ``CPKV_``.
 
-Read a value with ``envs.get("CPKV_BARRIER_TIMEOUT_S")``; list them with ``cpkv env``.
+Read a value with ``envs.get("CPKV_BARRIER_TIMEOUT_S")``; list them with ``cpkv env``. Every value is parsed
+and range-checked by its variable's parser; :func:`problems` lists the bad ones, and the command line checks
+them before any command starts (a bad value is one error line naming the variable, never a traceback).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
@@ -13,9 +16,14 @@ from cpkv.errors import ConfigError
 
 T = TypeVar("T")
 
+# the compose modes by name: cpkv.config.COMPOSE_MODES (torch-free), which cpkv.compose.modes implements
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
 
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
+    """``parse`` turns the raw text into a value or raises ValueError whose message says what was expected."""
+
     name: str
     default: T
     parse: Callable[[str], T]
@@ -28,10 +36,18 @@ class EnvVar(Generic[T]):
         try:
             return self.parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{self.name}={raw!r}: expected {self.parse.__name__} ({exc})") from None
+            raise ConfigError(f"{self.name}={raw!r}: expected {exc}") from None
 
     def raw(self) -> str | None:
         return os.environ.get(self.name)
+
+    def problem(self) -> str | None:
+        """The error message of the current value, or None when it is unset or valid."""
+        try:
+            self.get()
+        except ConfigError as exc:
+            return str(exc)
+        return None
 
 
 def _bool(raw: str) -> bool:
@@ -43,16 +59,62 @@ def _bool(raw: str) -> bool:
     raise ValueError("one of 1/0/true/false/yes/no/on/off")
 
 
-_bool.__name__ = "bool"
+def _positive_seconds(raw: str) -> float:
+    return _positive(raw, "a finite number of seconds > 0")
+
+
+def _positive_gib(raw: str) -> float:
+    return _positive(raw, "a finite number of GiB > 0")
+
+
+def _number(raw: str, cast: Callable[[str], float], ok: Callable[[float], bool], what: str):
+    """``cast(raw)`` when it parses and ``ok`` accepts it; ValueError saying ``what`` was expected otherwise."""
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise ValueError(what) from None
+    if not ok(value):
+        raise ValueError(what)
+    return value
+
+
+def _positive(raw: str, what: str) -> float:
+    return _number(raw, float, lambda v: math.isfinite(v) and v > 0, what)
+
+
+def _nonneg_seconds(raw: str) -> float:
+    return _number(raw, float, lambda v: math.isfinite(v) and v >= 0, "a finite number of seconds >= 0")
+
+
+def _port(raw: str) -> int:
+    return _number(raw, int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: pick a free one)")
+
+
+def _mode(raw: str) -> str:
+    if raw not in COMPOSE_MODES:
+        raise ValueError(f"one of {', '.join(COMPOSE_MODES)}")
+    return raw
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"a logging level, one of {', '.join(LOG_LEVELS)}")
+    return level
+
 
 _VARS: tuple[EnvVar, ...] = (
-    EnvVar("CPKV_BARRIER_TIMEOUT_S", 60.0, float, "Seconds a counting barrier waits before raising ComposeTimeout."),
-    EnvVar("CPKV_MQA_LOGITS_CHUNK_MAX_GB", 2.0, float, "Budget in GiB for one chunk of indexer logits (rows x visible keys x 4 B)."),
-    EnvVar("CPKV_COMPOSE_MODE", "symm", str, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
+    EnvVar("CPKV_BARRIER_TIMEOUT_S", 60.0, _positive_seconds,
+           "Seconds a counting barrier waits before raising ComposeTimeout."),
+    EnvVar("CPKV_MQA_LOGITS_CHUNK_MAX_GB", 2.0, _positive_gib,
+           "Budget in GiB for one chunk of indexer logits (rows x visible keys x 4 B)."),
+    EnvVar("CPKV_COMPOSE_MODE", "symm", _mode, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
     EnvVar("CPKV_DISABLE_TRITON", False, _bool, "Use the pure-torch references even on CUDA."),
-    EnvVar("CPKV_MASTER_PORT", 0, int, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
-    EnvVar("CPKV_LOG_LEVEL", "WARNING", str, "Python logging level of cpkv's loggers."),
+    EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
+    EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
+    EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,
+           "Seconds between progress lines on stderr when it is not a terminal (0: every update)."),
 )
 
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
@@ -61,6 +123,12 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}
 def get(name: str):
     """Typed value of a registered variable (its default when unset)."""
     try:
-        return REGISTRY[name].get()
+        var = REGISTRY[name]
     except KeyError:
         raise ConfigError(f"unknown environment variable {name!r}; registered: {', '.join(REGISTRY)}") from None
+    return var.get()
+
+
+def problems() -> list[str]:
+    """One message per registered variable whose current value is invalid (empty when all are fine)."""
+    return [p for p in (v.problem() for v in REGISTRY.values()) if p is not None]

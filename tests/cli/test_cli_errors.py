@@ -24,7 +24,18 @@ def files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "dir").mkdir()
     (tmp_path / "badcfg").mkdir()
     (tmp_path / "badcfg" / "config.json").write_text("{not json")
-    names = {"empty": "empty.jsonl", "bin": "bin.jsonl", "bad": "bad.jsonl", "dir": "dir", "badcfg": "badcfg"}
+    (tmp_path / "vocab.jsonl").write_text('{"id": "a", "arrival": 0, "tokens": [1, 2, 600]}\n')
+    (tmp_path / "i64.jsonl").write_text('{"id": "a", "arrival": 0, "tokens": [1, %d]}\n' % 2 ** 64)
+    (tmp_path / "long.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 70000}\n'
+                                         '{"id": "b", "arrival": 1, "prompt_len": 70100, "parent": "a"}\n'
+                                         '{"id": "c", "arrival": 2, "prompt_len": 40}\n')
+    (tmp_path / "bigint.jsonl").write_text('{"id": %s, "arrival": 0, "prompt_len": 5}\n' % ("9" * 5000))
+    (tmp_path / "deep.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": %s}\n' % ("[" * 100_000))
+    (tmp_path / "huge.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 1000000000000}\n')
+    (tmp_path / "ok.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 100}\n')
+    names = {"empty": "empty.jsonl", "bin": "bin.jsonl", "bad": "bad.jsonl", "dir": "dir", "badcfg": "badcfg",
+             "vocab": "vocab.jsonl", "i64": "i64.jsonl", "long": "long.jsonl", "bigint": "bigint.jsonl",
+             "deep": "deep.jsonl", "huge": "huge.jsonl", "ok": "ok.jsonl"}
     return {k: str(tmp_path / v) for k, v in names.items()} | {
         "missing": str(tmp_path / "missing.jsonl"), "nofolder": str(tmp_path / "no" / "x.jsonl"), "tmp": str(tmp_path)}
 
@@ -42,11 +53,11 @@ CASES = [
     # cpkv run: validated by EngineConfig / the parser before any rank starts
     (["run", "--cp", "0"], "cp must be an integer >= 1, got 0"),
     (["run", "--cp", "-1"], "cp must be an integer >= 1, got -1"),
-    (["run", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
-    (["run", "--chunk-size", "0"], "chunk_size must be an integer >= 1, got 0"),
-    (["run", "--chunk-size", "24"], "chunk_size 24 must be a multiple of page_size 64"),
-    (["run", "--pages-per-rank", "0"], "pages_per_rank must be >= 2"),
-    (["run", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),
+    (["run", "--page-size", "3"], "--page-size must be a power of two >= 1, got 3"),
+    (["run", "--chunk-size", "0"], "--chunk-size must be an integer >= 1, got 0"),
+    (["run", "--chunk-size", "24"], "--chunk-size 24 must be a multiple of --page-size 64"),
+    (["run", "--pages-per-rank", "0"], "--pages-per-rank must be >= 2"),
+    (["run", "--max-requests", "0"], "--max-requests must be an integer >= 1, got 0"),
     (["run", "--host-pages", "-1"], "--host-pages: expected an integer >= 0, got -1"),
     (["run", "--num-layers", "0"], "--num-layers: expected an integer >= 1, got 0"),
     (["run", "--requests", "0"], "--requests: expected an integer >= 1, got 0"),
@@ -61,31 +72,63 @@ CASES = [
     (["run", "--trace", "{empty}"], "the trace holds no requests"),
     (["run", "--trace", "{bin}"], "expected a UTF-8 JSONL text file"),
     (["run", "--trace", "{bad}"], "bad.jsonl:1: bad JSON"),
+    # issue 18: token ids checked against the model before any rank starts (2), requests that can never run
+    # refused unless --allow-rejected, naming the option to change (3)
+    (["run", "--trace", "{vocab}"], "--trace {vocab}:1: 'tokens'[2] = 600 is outside the vocabulary of model tiny "
+                                    "(token ids 0..511)"),
+    (["run", "--trace", "{i64}"], "i64.jsonl:1: 'tokens'[1] must be an integer in 0..2^63-1"),
+    (["run", "--pages-per-rank", "2"], "12 of 12 requests can never run under these options (request 's0.t0': "
+                                       "pool_pages"),
+    (["run", "--pages-per-rank", "2"], "raise --pages-per-rank (now 2) or --cp (now 2)"),
+    (["run", "--pages-per-rank", "2"], "or pass --allow-rejected to accept a partial run"),
+    (["run", "--trace", "{long}"], "2 of 3 requests can never run under these options (request 'a': max_context: "
+                                   "70000 tokens exceed the model's context of"),
+    (["run", "--trace", "{long}", "--page-size", "16", "--pages-per-rank", "2", "--allow-rejected"],
+     "nothing to run: 3 of 3 requests"),
+    # issue 18: trace reading bounded (4)
+    (["run", "--trace", "{bigint}"], "bigint.jsonl:1: bad JSON (Exceeds the limit (4300 digits)"),
+    (["replay", "{deep}"], "deep.jsonl:1: bad JSON (nested too deeply)"),
+    (["replay", "{huge}"], "huge.jsonl:1: 'prompt_len' must be an integer in 1..16777216, got 1000000000000"),
+    (["replay", "/dev/zero"], "/dev/zero:1: line longer than 32 MiB"),
+    # issue 18: replay options (10)
+    (["replay", "--cp", "4"], "--cp 4: no memory left for KV at cp=4"),
+    (["replay", "--cp", "2"], "give a budget with --kv-tokens-per-rank, or raise --cp"),
+    (["replay", "{ok}", "--requests", "5"], "--requests: only for the built-in trace, but a TRACE file"),
+    (["replay", "{ok}", "--seed", "3", "--scale", "2"], "--seed, --scale: only for the built-in trace"),
+    (["replay", "--requests", "5", "--save-trace", "{tmp}/x.jsonl", "--log-batches", "{tmp}/x.jsonl"],
+     "--log-batches '{tmp}/x.jsonl' names the same file as --save-trace"),
+    (["replay", "{ok}", "--save-trace", "{ok}"], "--save-trace '{ok}' names the same file as TRACE"),
+    (["replay", "--requests", "5", "--save-trace", "/proc/x.jsonl"], "--save-trace '/proc/x.jsonl': cannot create a "
+                                                                     "file in '/proc'"),
+    (["replay", "--chunk-size", "100"], "--chunk-size 100 must be a multiple of --page-size 64"),
+    (["check", "compose", "--model", "bogus"], "unknown model preset 'bogus'"),
+    (["check", "compose", "--timeout", "0"], "--timeout: expected a finite number > 0, got 0"),
     # cpkv replay: validated by ReplayConfig / the parser; output paths checked before the run
-    (["replay", "--cp", "0"], "cp must be an integer >= 1, got 0"),
-    (["replay", "--chunk-size", "0"], "chunk_size must be an integer >= 1, got 0"),
-    (["replay", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
-    (["replay", "--kv-tokens-per-rank", "0"], "kv_tokens_per_rank must hold at least one page (64 tokens), got 0"),
-    (["replay", "--max-requests", "0"], "max_requests must be an integer >= 1, got 0"),
+    (["replay", "--cp", "0"], "--cp must be an integer >= 1, got 0"),
+    (["replay", "--chunk-size", "0"], "--chunk-size must be an integer >= 1, got 0"),
+    (["replay", "--page-size", "3"], "--page-size must be a power of two >= 1, got 3"),
+    (["replay", "--kv-tokens-per-rank", "0"], "--kv-tokens-per-rank must hold at least one page (64 tokens), got 0"),
+    (["replay", "--max-requests", "0"], "--max-requests must be an integer >= 1, got 0"),
     (["replay", "--requests", "0"], "--requests: expected an integer >= 1, got 0"),
     (["replay", "--scale", "-1"], "--scale: expected a finite number > 0, got -1"),
     (["replay", "--policy", "fifo"], "invalid choice: 'fifo'"),
     (["replay", "{bin}"], "expected a UTF-8 JSONL text file"),
     (["replay", "{dir}"], "cannot read the trace (Is a directory)"),
     (["replay", "--costs", "{bin}"], "cannot read a cost model"),
+    (["replay", "--costs", "/dev/zero"], "/dev/zero: cannot read a cost model (larger than 16 MiB)"),
     (["replay", "--requests", "5", "--log-batches", "{dir}"], "--log-batches '{dir}': expected a file name, got a directory"),
     (["replay", "--requests", "5", "--save-trace", "{nofolder}"], "does not exist"),
     (["replay", "--requests", "5", "--plot", "{tmp}/ttft.foo"], "expected a file name ending in one of"),
     # cpkv layout
-    (["layout", "--cp", "0", "--page-size", "64", "--req", "0:3"], "cp must be an integer >= 1, got 0"),
+    (["layout", "--cp", "0", "--page-size", "64", "--req", "0:3"], "--cp must be an integer >= 1, got 0"),
     (["layout", "--cp", "2", "--page-size", "64", "--req", "0:3", "--max-context", "0"],
-     "max_context must be an integer >= 1, got 0"),
+     "--max-context must be an integer >= 1, got 0"),
     # cpkv check compose: validated by CheckConfig
-    (["check", "compose", "--cp", "0"], "cpkv check compose: error: cp must be an integer >= 1, got 0"),
-    (["check", "compose", "--batches", "0"], "batches must be an integer >= 1, got 0"),
-    (["check", "compose", "--layers", "0"], "layers must be an integer >= 1, got 0"),
-    (["check", "compose", "--seed", "-1"], "seed must be an integer >= 0, got -1"),
-    (["check", "compose", "--page-size", "3"], "page_size must be a power of two >= 1, got 3"),
+    (["check", "compose", "--cp", "0"], "cpkv check compose: error: --cp must be an integer >= 1, got 0"),
+    (["check", "compose", "--batches", "0"], "--batches must be an integer >= 1, got 0"),
+    (["check", "compose", "--layers", "0"], "--layers must be an integer >= 1, got 0"),
+    (["check", "compose", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["check", "compose", "--page-size", "3"], "--page-size must be a power of two >= 1, got 3"),
     (["check", "compose", "--modes", "bogus"], "unknown compose mode 'bogus'; supported: legacy"),
     # benches: bad values first, then the missing device
     (["bench", "compose", "--cp", "0"], "cp must be an integer >= 1, got 0"),
@@ -155,7 +198,7 @@ def test_replay_outputs_written_whole(tmp_path, capsys):
 def test_whole_program_binary_trace_and_bad_config():
     """Through ``python -m cpkv``: exit 2, the one-line message, no traceback."""
     for args, needle in ((["replay", "/bin/sh"], "expected a UTF-8 JSONL text file"),
-                         (["run", "--cp", "0"], "cpkv run: error: cp must be an integer >= 1, got 0")):
+                         (["run", "--cp", "0"], "cpkv run: error: --cp must be an integer >= 1, got 0")):
         out = subprocess.run([sys.executable, "-m", "cpkv", *args], capture_output=True, text=True, env=ENV,
                              timeout=120)
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cpkv.compose.barrier import CountingBarrier
+from cpkv.compose.barrier import CountingBarrier, make_barrier
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.runtime import ComposeRuntime
 from cpkv.config import KINDS, AdmissionCaps, preset
@@ -90,3 +90,17 @@ def test_a_killed_rank_makes_the_others_time_out(monkeypatch):
         msg = info.value.results[rank]
         assert msg is not None and "ranks [2] never arrived" in msg, msg
     assert KINDS == ("token", "index")
+
+
+def _make(ctx):
+    mem = PeerMemory.create(ctx)
+    bar = make_barrier(mem)
+    mem.exchange()
+    bar()
+    bar()
+    return type(bar).__name__, bar.counters()
+
+
+def test_cpu_runs_keep_the_host_barrier():
+    """make_barrier: the GPU barrier needs CUDA IPC peer memory; shared-memory (CPU) groups wait on the host."""
+    assert launch(_make, 2, timeout_s=60) == [("CountingBarrier", [2, 2])] * 2

@@ -216,7 +216,7 @@ def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
     fake = {"ok": False, "cp": 2, "device": "cpu", "batches": 1, "page_size": 16, "layers": 1, "peer_memory": "shm",
             "backend": "gloo", "shared_device": False, "solo_batches": 1, "prefetch_hits": [0, 0],
             "modes": {"fused": {"digest": "ab" * 32, "mismatches": 3, "bytes": 10, "batches": 1, "effective": "fused"}}}
-    monkeypatch.setattr(check, "run_check", lambda cfg: fake)
+    monkeypatch.setattr(check, "run_check", lambda cfg, on_progress=None: fake)
     parser = argparse.ArgumentParser()
     cli_check.add_arguments(parser)
     assert cli_check.run(parser.parse_args(["--modes", "fused", "--json"])) == 1

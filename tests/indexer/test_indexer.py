@@ -362,3 +362,29 @@ def test_bench_command_module_shape():
     if not torch.cuda.is_available():
         with pytest.raises(IndexerError, match="CUDA"):
             cli_bench.run(args)
+
+
+def _split_chunks_loop(ks, ke, budget):
+    """The greedy split row by row (the definition split_chunks vectorises)."""
+    from cpkv.indexer.plan import IndexerChunk, padded
+
+    chunks, start, lo, hi, longest = [], 0, None, None, 0
+    for i, (a, b) in enumerate(zip(ks, ke)):
+        nlo, nhi = (lo, hi) if a == b else ((a, b) if lo is None else (min(lo, a), max(hi, b)))
+        if nlo is not None and (i - start + 1) * padded(nhi - nlo) * 4 > budget:
+            chunks.append(IndexerChunk(start, i, lo or 0, hi or 0, longest))
+            start, longest = i, 0
+            nlo, nhi = (None, None) if a == b else (a, b)
+        lo, hi, longest = nlo, nhi, max(longest, b - a)
+    if start < len(ks):
+        chunks.append(IndexerChunk(start, len(ks), lo or 0, hi or 0, longest))
+    return chunks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 120), st.booleans()), min_size=1, max_size=60),
+       st.sampled_from([16 * 4, 100 * 4, 64 * 4 * 8, 10**6]))
+def test_split_chunks_equals_the_row_by_row_greedy(rows, budget):
+    ks = [a for a, _, _ in rows]
+    ke = [a + (0 if empty else min(w, budget // 4 - 4)) for a, w, empty in rows]
+    assert split_chunks(ks, ke, budget) == _split_chunks_loop(ks, ke, budget)

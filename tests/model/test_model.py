@@ -78,7 +78,7 @@ def test_missing_tensor_is_named(tmp_path, victim):
     weights = random_weights(ONE_LAYER, seed=7)
     del weights[victim]
     save_checkpoint(tmp_path, ONE_LAYER, weights)
-    with pytest.raises(CheckpointError, match=f"missing {victim.replace('.', '[.]')}"):
+    with pytest.raises(CheckpointError, match=f"missing tensor {victim.replace('.', '[.]')}"):
         load_model(str(tmp_path))
 
 
@@ -148,7 +148,7 @@ def test_absorbed_attention_matches_explicit_mla(tiny_model):
     rot = tiny_model.rotary(torch.arange(n))
     p = layer.project(h, rot)
     plan = AttnPlan.build([0] * n, list(range(1, n + 1)), cfg.index_topk, "cpu")
-    got = layer.attend(h, p, p.token, p.index, plan)
+    got, _ = layer.attend(h, p, {"token": p.token, "index": p.index}, plan)
     want = explicit_mla_layer(layer, h, rot, dequant_token_kv(p.token, cfg.token_format).double())
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 2e-2, err
@@ -195,14 +195,14 @@ def test_sparse_path_selecting_everything_equals_dense(tiny_model):
     dense = AttnPlan.build([0] * n, list(range(1, n + 1)), TINY.index_topk, "cpu")
     forced = dataclasses.replace(dense, max_keys=TINY.index_topk + 1)  # sparse path, every key selected
     assert dense.dense and not forced.dense
-    a = layer.attend(h, p, p.token, p.index, dense)
-    b = layer.attend(h, p, p.token, p.index, forced)
+    a, _ = layer.attend(h, p, {"token": p.token, "index": p.index}, dense)
+    b, _ = layer.attend(h, p, {"token": p.token, "index": p.index}, forced)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_selected_rows_lie_inside_each_query_range(tiny_model):
     n = 2 * TINY.index_topk + 7
-    layer = tiny_model.layers[1]
+    layer = tiny_model.layers[2]  # a full indexer layer (layer 1 is shared: no index rows)
     h = tiny_model.embed(torch.tensor(tokens(n, seed=5)))
     p = layer.project(h, tiny_model.rotary(torch.arange(n)))
     off = 64  # keys of this request start at dense row 64

@@ -15,7 +15,7 @@ def test_unit_costs_from_bench_fields():
     assert att["attention_s_per_pair"] == pytest.approx(78 * 18.203e-3 / (20480 * 2048), rel=1e-12)
     idx = unit_costs_indexer([{"pairs": 10**9, "logits_ms": 4.0, "topk_ms": 1.0},
                               {"pairs": 3 * 10**9, "logits_ms": 12.0, "topk_ms": 3.0}])
-    assert idx["indexer_s_per_pair"] == pytest.approx(78 * 20e-3 / 4e9, rel=1e-12)
+    assert idx["indexer_s_per_pair"] == pytest.approx(40 * 20e-3 / 4e9, rel=1e-12)  # GLM-5: 40 full layers
     comp = unit_costs_compose({"symm": {"ms_per_batch": 62.8}}, {"prefix_tokens": 500_000, "extend_tokens": 44_000})
     assert comp["compose_s_per_token"] == pytest.approx(62.8e-3 / 544_000, rel=1e-12)
     assert unit_costs_compose({"v2": {"ms_per_batch": 1.0}}, {"prefix_tokens": 1, "extend_tokens": 1}) == {}

@@ -5,8 +5,13 @@
 The ceiling is ``torch.matmul`` of two random 8192 x 8192 bf16 matrices, timed in the same run;
 the ratio is the kernel's rate over it (target >= 0.5). Indices: per query row, ``topk`` distinct
 rows drawn uniformly from [0, S). Times are medians of ``triton.testing.do_bench``. Also reports
-the token-KV dequant bandwidth against a device-to-device copy, and the kernel's relative error
-against a float64 reference on a sample of rows.
+the token-KV dequant and quant bandwidth against a device-to-device ``copy_`` moving the same number of
+bytes, and the kernel's relative error against a float64 reference on a sample of rows.
+
+``--peer flashmla`` also times FlashMLA's ``flash_mla_sparse_fwd`` (deepseek-ai/FlashMLA, built from
+source; the ``flash_mla`` package must import) and cpkv's sparse MLA on the same inputs, in alternating
+rounds of CUDA-event-timed calls, compares their outputs (cosine difference, largest difference, lse), and
+reports cpkv / FlashMLA per shape: FlashMLA's benchmark shapes (h 128) and GLM-5's (h 64) by default.
 """
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ from cpkv.bench.timing import do_bench_ms
 from cpkv.scheduler.costs import unit_costs_attention
 
 PATTERNS = ("random", "window", "hot")
+PEERS = ("flashmla",)
+# (s_q, s_kv, h_q): FlashMLA's sparse prefill benchmark shapes (d_qk 576, d_v 512) and GLM-5's 64 heads
+PEER_SHAPES = ((4096, 8192, 128), (4096, 32768, 128), (4096, 131072, 128), (4096, 65536, 64), (16384, 65536, 64))
+# token-KV launch shapes (rows per program, warps) timed by --sweep
+KV_LAUNCHES = ((16, 4), (8, 4), (32, 4), (32, 8), (64, 8), (16, 8))
 HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEMM measured in the same run."
 
 
@@ -33,8 +43,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="indices: random (distinct uniform rows of [0, S)), window (a contiguous run of "
                              "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
                              "L2-resident, isolates the compute side)")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate kernel config at the first T")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every candidate kernel config at the first T, and the token-KV launch shapes")
+    parser.add_argument("--kv-quant-rows", type=positive_int, default=1 << 20,
+                        help="token-KV rows of the dequant / quant cases (default 1,048,576)")
+    parser.add_argument("--peer", choices=PEERS, default=None,
+                        help="also time a peer kernel on the same inputs, alternating rounds: flashmla = FlashMLA's "
+                             "flash_mla_sparse_fwd (the flash_mla package must import)")
+    parser.add_argument("--peer-shapes", type=_shape_list, default=None,
+                        help="S_Q:S_KV:H,... shapes of the peer comparison (default: FlashMLA's benchmark shapes "
+                             "and GLM-5's h 64)")
+    parser.add_argument("--peer-rounds", type=positive_int, default=7, help="alternating timing rounds per peer shape")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _shape_list(text: str) -> list[tuple[int, int, int]]:
+    """'4096:8192:128,16384:65536:64' -> [(4096, 8192, 128), (16384, 65536, 64)] (each count >= 1)."""
+    try:
+        shapes = [tuple(int(v) for v in part.split(":")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(sh) != 3 or min(sh) < 1 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"expected S_Q:S_KV:H[,S_Q:S_KV:H...] (e.g. 4096:65536:64), got {text!r}")
+    return shapes  # type: ignore[return-value]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,9 +76,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.topk > args.kv_rows:
         raise AttentionError(f"--topk {args.topk}: expected at most --kv-rows ({args.kv_rows}) distinct keys per query")
+    small = [sh for sh in (args.peer_shapes or PEER_SHAPES) if sh[1] < args.topk]
+    if args.peer and small:
+        raise AttentionError(f"--peer-shapes {small[0][0]}:{small[0][1]}:{small[0][2]}: expected S_KV >= --topk "
+                             f"({args.topk}) distinct keys per query")
+    peer = _load_peer(args.peer) if args.peer else None
     if not (torch.cuda.is_available() and triton_available()):
         raise AttentionError("cpkv bench attention needs a CUDA device and triton")
     result = _bench(args)
+    if peer is not None:
+        result["peer"] = _peer_bench(args, peer)
     _report(result, args.json)
     return 0
 
@@ -70,7 +108,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             res["sweep"] = _sweep(inputs, gemm, args.rep_ms)
         del inputs
         torch.cuda.empty_cache()
-    res["dequant"] = _dequant_case(args.kv_rows, copy_gbs, args.rep_ms)
+    res["dequant"], res["quant"] = _token_kv_cases(args.kv_quant_rows, args.rep_ms, args.sweep)
     res["costs"] = unit_costs_attention(res["cases"], args.topk)  # usable as `cpkv replay --costs`
     return res
 
@@ -84,13 +122,14 @@ def _gemm_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def _copy_gbs() -> float:
+def _copy_gbs(nbytes: int = 1 << 30) -> float:
+    """GB/s (bytes read + written) of a device-to-device ``copy_`` of ``nbytes`` bytes."""
     import torch
 
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     ms = do_bench_ms(lambda: dst.copy_(src), 200, warmup_ms=25)
-    return 2 * src.numel() * 2 / ms / 1e6
+    return 2 * nbytes / ms / 1e6
 
 
 def _inputs(t: int, h: int, topk: int, s: int, pattern: str) -> dict[str, Any]:
@@ -178,15 +217,115 @@ def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]
     return rows
 
 
-def _dequant_case(s: int, copy_gbs: float, rep_ms: int) -> dict[str, Any]:
+def _token_kv_cases(s: int, rep_ms: int, sweep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Dequant (656 B read, 1,152 B written per row) and quant (fp32 rows in, as the model layer passes them:
+    2,304 B read, 656 B written) of ``s`` GLM-5 rows, each against a ``copy_`` moving the same bytes."""
     import torch
 
     from cpkv.attention import dequant_token_kv, quant_token_kv
+    from cpkv.attention.ref import GLM5_TOKEN, row_views
+    from cpkv.kernels.token_kv import triton as token_kv
 
-    rows = quant_token_kv(torch.randn(s, 576, device="cuda"))
-    ms = do_bench_ms(lambda: dequant_token_kv(rows), rep_ms, warmup_ms=25)
-    gbs = s * (656 + 576 * 2) / ms / 1e6
-    return {"rows": s, "ms": ms, "gbs": gbs, "ratio_to_copy": gbs / copy_gbs}
+    x = torch.randn(s, 576, device="cuda")
+    rows = quant_token_kv(x)
+    cases = []
+    for name, moved, fn, launch_fn in (
+        ("dequant", s * (656 + 576 * 2), lambda: dequant_token_kv(rows),
+         lambda shape: token_kv.dequant(*row_views(rows, GLM5_TOKEN), launch=shape)),
+        ("quant", s * (576 * 4 + 656), lambda: quant_token_kv(x),
+         lambda shape: token_kv.quant(x, *row_views(torch.empty_like(rows), GLM5_TOKEN), launch=shape)),
+    ):
+        copy_gbs = _copy_gbs(moved // 2)
+        ms = do_bench_ms(fn, rep_ms, warmup_ms=25)
+        case = {"rows": s, "bytes_moved": moved, "ms": ms, "gbs": moved / ms / 1e6, "copy_gbs": copy_gbs,
+                "ratio_to_copy": moved / ms / 1e6 / copy_gbs,
+                "launch": list(getattr(token_kv, f"{name.upper()}_LAUNCH"))}
+        if sweep:
+            case["sweep"] = [{"launch": list(shape), "ms": (t := do_bench_ms(lambda: launch_fn(shape), rep_ms, warmup_ms=25)),
+                              "ratio_to_copy": moved / t / 1e6 / copy_gbs} for shape in KV_LAUNCHES]
+        cases.append(case)
+    del x, rows
+    torch.cuda.empty_cache()
+    return cases[0], cases[1]
+
+
+# the peer comparison (--peer) --------------------------------------------------------------------------
+
+def _load_peer(name: str) -> Any:
+    """The peer's sparse prefill function; AttentionError (a one-line usage error) when it does not import."""
+    from cpkv.errors import AttentionError
+
+    try:
+        from flash_mla import flash_mla_sparse_fwd
+    except Exception as exc:  # ImportError, or a build that fails to load its CUDA library
+        raise AttentionError(f"--peer {name}: expected the flash_mla package (FlashMLA built from source) on "
+                             f"PYTHONPATH, got {type(exc).__name__}: {str(exc)[:200]}") from None
+    return flash_mla_sparse_fwd
+
+
+def _event_ms(fn, reps: int) -> float:
+    """Mean ms per call of ``reps`` back-to-back calls, timed with CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _peer_bench(args: argparse.Namespace, peer: Any) -> dict[str, Any]:
+    import statistics
+
+    cases = [_peer_case(shape, args.topk, peer, args.peer_rounds) for shape in (args.peer_shapes or PEER_SHAPES)]
+    ratios = [c["cpkv_over_peer"] for c in cases]
+    return {"name": args.peer, "cases": cases, "min_ratio": min(ratios), "geo_mean_ratio": statistics.geometric_mean(ratios)}
+
+
+def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int) -> dict[str, Any]:
+    """One shape: same q / kv / indices (distinct random rows per query) for both; alternating timed rounds."""
+    import statistics
+
+    import torch
+
+    from cpkv.attention import sparse_mla
+
+    s_q, s_kv, h = shape
+    inp = _inputs(s_q, h, topk, s_kv, "random")
+    q, kv, idx, scale = inp["q"], inp["kv"], inp["idx"], inp["scale"]
+    kv3, idx3 = kv[:, None, :], idx[:, None, :]  # FlashMLA: kv [s_kv, h_kv = 1, d_qk], indices [s_q, 1, topk]
+    theirs = lambda: peer(q, kv3, idx3, scale, 512)  # noqa: E731
+    ours = lambda: sparse_mla(q, kv, idx, scale)  # noqa: E731
+    match = _compare_outputs(theirs(), ours())
+    reps = max(3, round(30 / max(_event_ms(ours, 1), 1e-3)))  # ~30 ms per timed batch of calls
+    t_peer, t_ours = [], []
+    for _ in range(rounds):
+        t_peer.append(_event_ms(theirs, reps))
+        t_ours.append(_event_ms(ours, reps))
+    mp, mo = statistics.median(t_peer), statistics.median(t_ours)
+    flops = _flops(inp)
+    del inp, q, kv, idx, kv3, idx3
+    torch.cuda.empty_cache()
+    return {"s_q": s_q, "s_kv": s_kv, "h_q": h, "topk": topk, "peer_ms": mp, "cpkv_ms": mo,
+            "peer_tflops": flops / mp / 1e9, "cpkv_tflops": flops / mo / 1e9, "cpkv_over_peer": mp / mo,
+            "rounds": rounds, "calls_per_round": reps, "peer_ms_rounds": t_peer, "cpkv_ms_rounds": t_ours, **match}
+
+
+def _compare_outputs(theirs: tuple, ours: tuple) -> dict[str, Any]:
+    """FlashMLA's (out, max_logits, lse) against cpkv's (out, lse): cosine difference as FlashMLA's tests
+    define it (1 - 2 x.y / (x.x + y.y)), largest |difference| over largest |out|, lse (natural log) difference."""
+    out_p, _, lse_p = theirs
+    out_o, lse_o = ours
+    x, y = out_p.double(), out_o.double()
+    cos = float(1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp(min=1e-300))
+    rel_max = float((x - y).abs().max() / x.abs().max().clamp(min=1e-300))
+    lp, lo = lse_p.float().reshape(lse_o.shape), lse_o.float()
+    same_inf = bool((lp.isinf() == lo.isinf()).all())
+    fin = lp.isfinite() & lo.isfinite()
+    lse_diff = float((lp[fin] - lo[fin]).abs().max()) if bool(fin.any()) else 0.0
+    return {"out_cos_diff": cos, "out_max_diff_rel": rel_max, "lse_max_diff": lse_diff, "lse_inf_equal": same_inf}
 
 
 def _report(res: dict[str, Any], as_json: bool) -> None:
@@ -204,5 +343,17 @@ def _report(res: dict[str, Any], as_json: bool) -> None:
     table(["T", "config", "ms", "TFLOP/s", "ratio to GEMM", "rel err", "dense TFLOP/s"],
           [[c["tokens"], c["config"], c["ms"], c["tflops"], c["ratio"], c["rel_err"], c.get("dense_tflops", "")]
            for c in res["cases"]])
-    d = res["dequant"]
-    print(f"dequant {d['rows']} rows: {d['ms']:.3f} ms, {d['gbs']:.0f} GB/s ({d['ratio_to_copy']:.2f} of copy)")
+    for name in ("dequant", "quant"):
+        d = res[name]
+        print(f"token-KV {name}, {d['rows']} rows (launch {d['launch']}): {d['ms']:.3f} ms, {d['gbs']:.0f} GB/s = "
+              f"{d['ratio_to_copy']:.3f} of a same-size copy_ ({d['copy_gbs']:.0f} GB/s)")
+        if d.get("sweep"):
+            table(["launch", "ms", "ratio to copy"], [[str(r["launch"]), r["ms"], r["ratio_to_copy"]] for r in d["sweep"]])
+    if "peer" in res:
+        p = res["peer"]
+        print(f"sparse MLA vs {p['name']} (same inputs, alternating rounds): cpkv / {p['name']} min "
+              f"{p['min_ratio']:.3f}, geometric mean {p['geo_mean_ratio']:.3f}")
+        table(["s_q", "s_kv", "h_q", f"{p['name']} ms", f"{p['name']} TFLOP/s", "cpkv ms", "cpkv TFLOP/s",
+               f"cpkv / {p['name']}", "out cos diff", "out max diff", "lse max diff"],
+              [[c["s_q"], c["s_kv"], c["h_q"], c["peer_ms"], c["peer_tflops"], c["cpkv_ms"], c["cpkv_tflops"],
+                c["cpkv_over_peer"], c["out_cos_diff"], c["out_max_diff_rel"], c["lse_max_diff"]] for c in p["cases"]])

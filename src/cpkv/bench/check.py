@@ -7,7 +7,9 @@ pages, a solo request with an unaligned prefix now and then, prefix pages owned 
 between requests) and each mode, it writes its current rows, composes every (layer, kind), and compares
 the dense buffer with :func:`reference_dense` built from the mirrored pools. It also checks that the
 mode persisted the rank's current pages into its pool (the pages are scribbled over before each mode).
-``prefetch`` runs only on batches of one request.
+``prefetch`` runs only on batches of one request; a check of ``prefetch`` alone draws only such batches, so
+that each of its batches is composed. ``model`` gives the row sizes (``glm5``: 656-byte token rows, 132-byte
+index rows), not the layer count.
 """
 from __future__ import annotations
 
@@ -62,6 +64,12 @@ class CheckConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        preset(self.model)  # raises ConfigError naming the presets
+
+    @property
+    def solo_only(self) -> bool:
+        """Only ``prefetch`` is checked: every batch is a single request (the only batches it runs)."""
+        return self.modes == ("prefetch",)
 
     def caps(self) -> AdmissionCaps:
         ext = self.max_bs * self.max_extend_pages * self.page_size
@@ -75,7 +83,7 @@ def draw_batch(cfg: CheckConfig, b: int) -> tuple[BatchLayout, list[int]]:
     """Batch ``b`` (identical on every rank) and a writer-side pool page id per current page."""
     rng = np.random.default_rng([cfg.seed, b, 7])
     P, cp = cfg.page_size, cfg.cp
-    solo = b % 3 == 0
+    solo = b % 3 == 0 or cfg.solo_only
     bs = 1 if solo else int(rng.integers(2, cfg.max_bs + 1))
     reqs, pages = [], []
     for i in range(bs):
@@ -115,8 +123,8 @@ def _bytes(shape: tuple[int, ...], *key: int) -> torch.Tensor:
 
 
 def initial_pool(cfg: CheckConfig, model: ModelConfig, rank: int, kind: str) -> torch.Tensor:
-    """uint8 [layers, pages, P * row_bytes]: rank ``rank``'s seeded pool contents."""
-    return _bytes((cfg.layers, cfg.pages_per_rank, cfg.page_size * model.row_bytes(kind)),
+    """uint8 [layers of kind, pages, P * row_bytes]: rank ``rank``'s seeded pool contents."""
+    return _bytes((len(model.layers_of(kind)), cfg.pages_per_rank, cfg.page_size * model.row_bytes(kind)),
                   cfg.seed, rank, KINDS.index(kind), 11)
 
 
@@ -143,7 +151,7 @@ class _Stats:
 
 def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
     """One rank of the check: returns per mode {bytes, mismatches, digest, batches, effective}."""
-    model = preset(cfg.model)
+    model = preset(cfg.model).with_layers(cfg.layers)  # shared indexer layers compose token rows only
     rt = ComposeRuntime.create(ctx, model, num_pages=cfg.pages_per_rank, page_size=cfg.page_size, caps=cfg.caps(),
                                num_layers=cfg.layers)
     for k in KINDS:
@@ -162,6 +170,8 @@ def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
                 continue
             _run_mode(rt, cfg, model, layout, plan, b, mode, mirror, stats[mode])
         _update_mirror(cfg, model, layout, ids, b, mirror)
+        if ctx.rank == 0:
+            ctx.report(b + 1)  # batches done (the parent's progress line)
     rt.close()
     return {"modes": {m: {"bytes": s.bytes, "mismatches": s.mismatches, "digest": s.sha.hexdigest(),
                           "batches": s.batches, "effective": s.effective} for m, s in stats.items()},
@@ -180,7 +190,7 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
     for layer in range(cfg.layers):
         per_layer = layer % 2 == 1  # odd layers: every kind at once (compose_layer), even layers: kind by kind
         cur, dense_all = {}, {}
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             cur[k] = batch_current(cfg, model, layout, b, layer, k)
             rows = rt.current_rows(plan, layer, k)
             mine = cur[k][torch.from_numpy(plan.own_compact)].view(-1, model.row_bytes(k)).to(rt.device)
@@ -189,24 +199,25 @@ def _run_mode(rt: ComposeRuntime, cfg: CheckConfig, model: ModelConfig, layout: 
                 dense_all[k] = rt.compose(plan, layer, k, mode=mode)
         if per_layer:
             dense_all = rt.compose_layer(plan, layer, mode=mode)
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             dense = dense_all[k].cpu()
             if cfg.corrupt_mode == mode and rt.rank == 0 and layer == 0:
                 dense = dense.clone()
                 dense.view(-1)[0] ^= 1
-            st.add(dense, reference_dense(layout, [m[layer] for m in mirror[k]], cur[k]))
+            slot = rt.pool.slot(layer, k)
+            st.add(dense, reference_dense(layout, [m[slot] for m in mirror[k]], cur[k]))
             if own is not None:
-                got = rt.pool.buffers[k][layer][own.to(rt.device)].cpu()
+                got = rt.pool.pages(layer, k)[own.to(rt.device)].cpu()
                 st.mismatches += int((got != cur[k][torch.from_numpy(plan.own_compact)]).sum())
 
 
 def _update_mirror(cfg: CheckConfig, model: ModelConfig, layout: BatchLayout, ids: list[int], b: int,
                    mirror: dict) -> None:
     for layer in range(cfg.layers):
-        for k in KINDS:
+        for k in model.kinds_at(layer):
             cur = batch_current(cfg, model, layout, b, layer, k)
             for c in layout.current_pages:
-                mirror[k][c.writer][layer][ids[c.compact]] = cur[c.compact]
+                mirror[k][c.writer][model.layers_of(k).index(layer)][ids[c.compact]] = cur[c.compact]
 
 
 def _sync(rt: ComposeRuntime) -> None:
@@ -216,10 +227,13 @@ def _sync(rt: ComposeRuntime) -> None:
 
 # the parent ---------------------------------------------------------------------------------------
 
-def run_check(cfg: CheckConfig) -> dict[str, Any]:
-    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}."""
+def run_check(cfg: CheckConfig, on_progress=None) -> dict[str, Any]:
+    """Launch ``cfg.cp`` ranks, run the check, aggregate: {"ok", "modes": {name: {...}}, ...}.
+    ``on_progress(batches_done)`` is called as rank 0 finishes each batch."""
     parse_modes(",".join(cfg.modes))
-    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s)
+    report = (lambda rank, done: on_progress(done)) if on_progress else None
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=cfg.timeout_s,
+                     on_progress=report)
     return aggregate(cfg, results)
 
 

@@ -10,6 +10,8 @@ HELP = "Compose dense KV in N real rank processes with every mode; compare byte 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli.args import positive_float
+
     p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--batches", type=int, default=6, help="random batches (default 6)")
@@ -18,35 +20,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per page (power of two, default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
+    p.add_argument("--model", default="tiny",
+                   help="preset whose KV row sizes are composed (tiny, glm5, deepseek-v32; default tiny)")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds before the ranks are ended (default 600; raise it for long soaks)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpkv.cli.fmt import emit_json, table
     from cpkv.bench.check import CheckConfig, run_check
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.cli.fmt import Progress, emit_json, table
     from cpkv.compose.modes import parse_modes
 
-    cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
-                      device=args.device, page_size=args.page_size, layers=args.layers)
-    out = run_check(cfg)  # CheckConfig validated every value above
+    with as_flags(flags_of(["cp", "batches", "seed", "page_size", "layers"])):
+        cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
+                          device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
+                          timeout_s=args.timeout)
+    bar = Progress(cfg.batches, "cpkv check compose")
+    try:
+        out = run_check(cfg, on_progress=lambda done: bar.set(done, f"cp {cfg.cp}"))  # every value validated above
+    finally:
+        bar.close()
     if args.json:
         emit_json({"ok": out["ok"], "modes": {m: {k: v[k] for k in ("digest", "mismatches", "bytes", "batches",
                                                                       "effective")} for m, v in out["modes"].items()},
-                   "cp": out["cp"], "device": out["device"], "peer_memory": out["peer_memory"],
+                   "cp": out["cp"], "device": out["device"], "model": cfg.model, "batches": cfg.batches,
+                   "layers": cfg.layers, "page_size": cfg.page_size, "solo_batches": out["solo_batches"],
+                   "peer_memory": out["peer_memory"],
                    "backend": out["backend"], "shared_device": out["shared_device"]})
     else:
-        _print(out, table)
+        _print(out, table, cfg.model)
     return 0 if out["ok"] else 1
 
 
-def _print(out: dict, table) -> None:
+def _print(out: dict, table, model: str) -> None:
     rows = [(m, v["batches"], v["bytes"], v["mismatches"], v["digest"][:16],
-             v["effective"] if v["effective"] != m else "") for m, v in out["modes"].items()]
+             _ran_as(m, v["effective"])) for m, v in out["modes"].items()]
     table(["mode", "batches", "bytes compared", "mismatches", "sha256", "ran as"], rows)
     print(f"cp={out['cp']} device={out['device']} backend={out['backend']} peer memory={out['peer_memory']}"
           f"{' (ranks share one GPU)' if out['shared_device'] else ''} page={out['page_size']} layers={out['layers']}"
-          f" kinds=token,index")
+          f" kinds=token,index model={model}")
     if "prefetch" in out["modes"]:
         print(f"prefetch runs only on batches of one request: {out['solo_batches']} of {out['batches']} batches"
               f" (prefetch hits per rank: {out['prefetch_hits']})")
     print("OK: every rank's dense buffers match the reference" if out["ok"] else "MISMATCH: see the table above")
+
+
+def _ran_as(mode: str, effective: str) -> str:
+    """What really ran: the mode itself, or the collective fallback when the group has no peer memory."""
+    return mode if effective == mode else f"{effective} (no peer memory)"

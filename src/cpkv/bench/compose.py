@@ -1,9 +1,10 @@
 """``cpkv bench compose``: per-batch compose time per mode, and the gather kernel against a device copy.
 
 Shape (default): a traced long-context batch — 12 requests, 44.6K query tokens, ~500K cached prefix
-tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B), both kinds. Per-(layer, kind) cost
-does not depend on the layer, so ``--layers`` layers are timed and the per-batch figure is scaled to
-the model's layer count (78 for GLM-5); the output says so.
+tokens (91.8% hit ratio), page 64, GLM-5 row sizes (656 / 132 B). A full indexer layer composes both
+kinds, a shared one token rows only; per-layer cost depends only on that, so ``--layers`` full layers
+and (for a model with shared layers) ``--layers`` shared layers are timed and the per-batch figure is
+``full x n_full + shared x n_shared`` over the model's pattern (GLM-5: 40 full + 38 shared of 78).
 
 Timing: all ranks start each iteration together (a group barrier); a rank's time is host wall time
 around ``layers x kinds`` compose calls, with the device synchronised at both ends; the figure is the
@@ -13,6 +14,7 @@ NVLink, and collective modes pay gloo's host round trips.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -118,12 +120,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def bench_model(cfg: BenchConfig):
+    """The timed layers: ``layers`` full indexer layers, then ``layers`` shared ones if the model has any."""
+    model = preset(cfg.model)
+    shared = len(model.full_layers) < model.num_layers
+    pattern = ("full",) * cfg.layers + (("shared",) * cfg.layers if shared else ())
+    return dataclasses.replace(model, num_layers=len(pattern), indexer_pattern=pattern, mlp_pattern=())
+
+
 def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
     """One rank: build the runtime and the traced batch, time every mode; rank 0 also runs the kernel bench."""
-    model = preset(cfg.model)
+    model = bench_model(cfg)
     reqs, pages, ids, num_pages = traced_batch(cfg)
-    rt = ComposeRuntime.create(ctx, model, num_pages=num_pages, page_size=cfg.page_size, caps=_caps(cfg),
-                               num_layers=cfg.layers)
+    rt = ComposeRuntime.create(ctx, model, num_pages=num_pages, page_size=cfg.page_size, caps=_caps(cfg))
     for k in KINDS:
         buf = rt.pool.buffers[k]
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device=buf.device))
@@ -139,18 +148,26 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         page_gather.DEFAULT_CONFIG.update(best)
         out["kernel"] = kern if ctx.rank == 0 else None
     plan = rt.prepare(layout, ids)
-    for mode in cfg.modes:
+    for i, mode in enumerate(cfg.modes):
+        if ctx.rank == 0:
+            ctx.report((i, f"timing {mode}"))  # the parent's progress line (a CPU run takes minutes)
         lay, p = layout, plan
         if mode == "prefetch" and len(layout.requests) != 1:
             lay = _solo_layout(cfg)
             p = rt.prepare(lay)
-        out["modes"][mode] = _time_mode(ctx, rt, p, mode, cfg)
+        out["modes"][mode] = _time_mode(ctx, rt, p, mode, cfg, range(cfg.layers))
+        if model.num_layers > cfg.layers:
+            shared = _time_mode(ctx, rt, p, mode, cfg, range(cfg.layers, model.num_layers))
+            out["modes"][mode]["ms_per_shared_layer"] = shared["ms_per_layer"]
         out["modes"][mode]["requests"] = len(lay.requests)
+    if ctx.rank == 0:
+        ctx.report((len(cfg.modes), "host time per call"))
     for r in range(ctx.world_size):  # one rank at a time, so that no other rank's work shares the device
         if r == ctx.rank:
             out["host_us"] = _host_us(rt, plan)
             out["host_us_layer"], out["host_us_layer_idle"] = _host_us_layer(rt, plan)
         ctx.barrier()
+    out["host_us_layer_symm"] = _host_us_compose_layer(ctx, rt, plan)
     rt.close()
     return out
 
@@ -180,21 +197,22 @@ def _time_plan(rt: ComposeRuntime, reqs, pages, ids, cfg: BenchConfig,
     return statistics.median(plan_s) * 1e3, statistics.median(layout_s) * 1e3
 
 
-def _time_mode(ctx: RankContext, rt: ComposeRuntime, plan: ComposePlan, mode: str, cfg: BenchConfig) -> dict:
+def _time_mode(ctx: RankContext, rt: ComposeRuntime, plan: ComposePlan, mode: str, cfg: BenchConfig,
+               layers: range) -> dict:
     times = []
     for it in range(cfg.iters + 1):  # first iteration warms up (compilation, gloo buffers)
         ctx.barrier()
         _sync(rt.device)
         t0 = time.perf_counter()
-        for layer in range(cfg.layers):  # as the engine runs it: rows of both kinds, then compose_layer
-            for k in KINDS:
+        for layer in layers:  # as the engine runs it: rows of the layer's kinds, then compose_layer
+            for k in rt.pool.kinds_at(layer):
                 rt.current_rows(plan, layer, k)
             rt.compose_layer(plan, layer, mode=mode)
         _sync(rt.device)
         if it:
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / cfg.layers, "effective": rt.effective_mode(mode)}
+    return {"ms_measured": med * 1e3, "ms_per_layer": med * 1e3 / len(layers), "effective": rt.effective_mode(mode)}
 
 
 def _host_us(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> float:
@@ -214,6 +232,25 @@ def _host_us_layer(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> tuple
         rt._checked(plan)  # what every compose call does with its plan
         rt.gather_kinds("global", 0, halves, {k: (rt.dense(plan, k, 0)[1], plan.all) for k in KINDS})
     return _host_call_us(rt, n, call)
+
+
+def _host_us_compose_layer(ctx: RankContext, rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> float:
+    """Host µs per ``compose_layer`` under symm with the plan cached, barrier round included, every rank at
+    once and back to back (as a forward pass issues them). With the GPU barrier the round is a kernel the
+    host only enqueues; with the host barrier this includes its wait."""
+    if not rt.mem.available:
+        return float("nan")
+    for layer in range(rt.num_layers):  # prepares every layer's launches
+        rt.compose_layer(plan, layer, mode="symm")
+    _sync(rt.device)
+    ctx.barrier()
+    t0 = time.perf_counter()
+    for i in range(n):
+        rt.compose_layer(plan, i % rt.num_layers, mode="symm")
+    us = (time.perf_counter() - t0) / n * 1e6
+    _sync(rt.device)
+    ctx.barrier()
+    return us
 
 
 def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
@@ -306,25 +343,32 @@ def _launch_us(fn, n: int = 300) -> float:
     return t / n * 1e6
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Launch the ranks and aggregate: per mode the slowest rank's median, scaled to a whole batch."""
-    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=900)
+def run_bench(cfg: BenchConfig, on_progress=None) -> dict[str, Any]:
+    """Launch the ranks and aggregate: per mode the slowest rank's median, scaled to a whole batch.
+    ``on_progress(step, what)`` follows rank 0 (step: modes timed so far)."""
+    report = (lambda rank, msg: on_progress(*msg)) if on_progress else None
+    results = launch(rank_worker, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=900, on_progress=report)
     model = preset(cfg.model)
     modes = {}
     for m in cfg.modes:
         per_layer = max(r["modes"][m]["ms_per_layer"] for r in results)
-        modes[m] = {"ms_per_layer": per_layer, "ms_per_batch": per_layer * model.num_layers,
+        shared = max(r["modes"][m].get("ms_per_shared_layer", per_layer) for r in results)
+        n_full = len(model.full_layers)
+        modes[m] = {"ms_per_layer": per_layer, "ms_per_shared_layer": shared,
+                    "ms_per_batch": per_layer * n_full + shared * (model.num_layers - n_full),
                     "effective": results[0]["modes"][m]["effective"], "requests": results[0]["modes"][m]["requests"]}
     reqs, _, _, _ = traced_batch(cfg)
     batch = {"requests": len(reqs), "extend_tokens": sum(e for _, e in reqs), "prefix_tokens": sum(p for p, _ in reqs),
              "hit_ratio": sum(p for p, _ in reqs) / sum(p + e for p, e in reqs)}
-    return {"config": asdict(cfg), "model_layers": model.num_layers, "modes": modes,
+    return {"config": asdict(cfg), "model_layers": model.num_layers, "model_full_layers": len(model.full_layers),
+            "modes": modes,
             "costs": unit_costs_compose(modes, batch),  # usable as `cpkv replay --costs`
             "plan_ms": max(r["plan_ms"] for r in results),
             "plan_ms_host_only": max(r["plan_ms_host_only"] for r in results),
             "layout_ms": max(r["layout_ms"] for r in results), "host_us_per_layer_kind": max(r["host_us"] for r in results),
             "host_us_per_layer": max(r["host_us_layer"] for r in results),
             "host_us_per_layer_idle": max(r["host_us_layer_idle"] for r in results),
+            "host_us_per_layer_symm": max(r["host_us_layer_symm"] for r in results),
             "kernel": results[0].get("kernel"), "peer_memory": results[0]["peer_memory"],
             "triton": results[0]["triton"], "shared_device": cfg.device == "cuda" and _shared(cfg.cp),
             "batch": batch}

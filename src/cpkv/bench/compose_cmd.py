@@ -26,30 +26,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpkv.cli.fmt import emit_json, table
     from cpkv.bench.compose import BenchConfig, run_bench
+    from cpkv.cli.fmt import Progress, emit_json, table
     from cpkv.compose.modes import parse_modes
 
     cfg = BenchConfig(cp=args.cp, device=args.device, model=args.model, page_size=args.page_size,
                       requests=args.requests, extend_tokens=args.extend_tokens, prefix_tokens=args.prefix_tokens,
                       layers=args.layers, iters=args.iters, modes=tuple(parse_modes(args.modes)),
                       kernel=not args.no_kernel)
-    out = run_bench(cfg)
+    bar = Progress(len(cfg.modes) + 1, "cpkv bench compose")
+    bar.set(0, f"starting {cfg.cp} rank processes")
+    try:
+        out = run_bench(cfg, on_progress=lambda step, what: bar.set(step, what))
+    finally:
+        bar.close()
     if args.json:
         emit_json(out)
         return 0
     b = out["batch"]
     print(f"batch: {b['requests']} requests, {b['extend_tokens']} query tokens, {b['prefix_tokens']} cached tokens "
-          f"(hit {b['hit_ratio']:.1%}), page {cfg.page_size}, {cfg.model} rows, both kinds; cp={cfg.cp} "
+          f"(hit {b['hit_ratio']:.1%}), page {cfg.page_size}, {cfg.model} rows; cp={cfg.cp} "
           f"device={cfg.device} peer memory={out['peer_memory']} triton={out['triton']}")
-    print(f"timed {cfg.layers} layers x {cfg.iters} iterations; per batch = per layer x {out['model_layers']} layers")
+    full, layers = out["model_full_layers"], out["model_layers"]
+    print(f"timed {cfg.layers} full (and {cfg.layers} shared) indexer layers x {cfg.iters} iterations; per batch = "
+          f"full x {full} + shared x {layers - full} layers")
     if out["shared_device"]:
         print("ranks share one GPU: peer-memory figures measure device memory, not NVLink; collectives are gloo "
               "through the host")
     elif cfg.device == "cuda":
         print("one GPU per rank: collectives through NCCL, peer reads through CUDA IPC over the GPUs' links")
-    table(["mode", "ms/layer", "ms/batch", "ran as"],
-          [(m, v["ms_per_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
+    table(["mode", "ms/full layer", "ms/shared layer", "ms/batch", "ran as"],
+          [(m, v["ms_per_layer"], v["ms_per_shared_layer"], v["ms_per_batch"], v["effective"] + ("" if v["requests"] != 1 or m != "prefetch"
                                                                         else " (bs=1: largest request alone)"))
            for m, v in out["modes"].items()])
     print(f"plan build: {out['plan_ms']:.3f} ms ({out['plan_ms_host_only']:.3f} ms without the upload); host work "
@@ -59,12 +66,14 @@ def run(args: argparse.Namespace) -> int:
           f"them, ranks one at a time; {out['host_us_per_layer_idle']:.1f} us per layer for a call alone on an idle "
           f"device"
           f"{'; on the CPU the copy itself runs inside the call' if cfg.device == 'cpu' else ''})")
+    print(f"whole compose_layer under symm, barrier round included, every rank at once: "
+          f"{out['host_us_per_layer_symm']:.1f} us per layer (slowest rank)")
     k = out.get("kernel")
     if k:
         print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B; device copy {k['copy_GBps']:.0f} GB/s, "
               f"index_select {k['index_select_GBps']:.0f} GB/s ({k['index_select_GBps'] / k['copy_GBps']:.3f})")
-        table(["block", "warps", "hints", "waves", "GB/s", "x copy", "correct"],
-              [(v["block"], v["num_warps"], v["hints"], v["waves"], v["GBps"], v["ratio_to_copy"], v["correct"])
+        table(["block", "warps", "GB/s", "x copy", "correct"],
+              [(v["block"], v["num_warps"], v["GBps"], v["ratio_to_copy"], v["correct"])
                for v in k["variants"]])
         print(f"compose modes above ran with the best gather config: {k['best']}")
         print(f"gather launch host time {k['launch_host_us']:.1f} us (a one-element torch op: "

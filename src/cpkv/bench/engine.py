@@ -1,16 +1,24 @@
-"""``cpkv bench engine``: prefill throughput of one long prompt through the whole CP engine.
+"""``cpkv bench engine``: prefill throughput of long prompts through the whole CP engine, and where it goes.
 
-Real GLM-5 attention shapes (64 heads, 576-dim absorbed scores, indexer 32 x 128, top-k 2048) with a
-few layers, a prompt of 32K tokens, cold and with a 90 % cached prefix (a parent request caches the
-prefix first). Runs the engine twice in the same rank processes: the first pass warms kernels up, the
-second is timed (per batch, device synchronised). Ceiling, measured in the same run: the bf16 GEMM
-rate of this GPU; the ratio is the model FLOPs of a batch / its time against it.
+Real GLM-5 shapes (64 heads, 576-dim absorbed scores, indexer 32 x 128, top-k 2048) and its layer pattern:
+the first ``--layers`` of its 78 layers, full and shared indexer layers, dense then MoE layers. Cases, in one
+trace: ``cold`` (a fresh prompt, default 32K tokens), ``cached`` (the same length with a 90 % cached prefix:
+a parent request caches the prefix first) and ``long`` (a fresh 128K prompt, chunked at ``--chunk`` tokens
+as ``cpkv run`` chunks it; its batches add up). In one set of rank processes the trace runs once untimed
+(JIT, autotuning), ``--runs`` times timed (per batch, device synchronised at both ends) and once under
+torch's profiler (CUDA kernel activity), whose kernels give each case's breakdown by part
+(``cpkv.bench.breakdown``) against the median timed wall time. Ceiling, measured in the same run: the bf16
+GEMM rate of this GPU; the ratio is the model FLOPs of a case / its time against it. TTFT of 32K / 64K /
+128K prompts through every layer of the model is the measured time per layer times the model's layer count
+(extrapolated when fewer layers ran, and from the measured layers' mix of kinds; 64K is the long prompt's
+first two chunks).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
-HELP = "Prefill tokens/s of a long prompt through the CP engine, cold and with a cached prefix."
+HELP = "Prefill throughput of long prompts through the CP engine, with a per-part breakdown of each batch."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,82 +28,188 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--prompt", type=positive_int, default=32768, help="prompt tokens (default 32768)")
+    p.add_argument("--prompt", type=positive_int, default=32768, help="prompt tokens of cold/cached (default 32768)")
+    p.add_argument("--long", type=int, default=131072, help="tokens of the long prompt (default 131072; 0: none)")
+    p.add_argument("--chunk-size", type=positive_int, default=32768, help="chunk size (default 32768)")
     p.add_argument("--cached", type=float, default=0.9, help="cached share of the warm case (default 0.9)")
+    p.add_argument("--runs", type=positive_int, default=3, help="timed runs (default 3)")
     p.add_argument("--cp", type=int, default=1, help="rank processes (default 1: the whole GPU)")
     p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import require_cuda
-    from cpkv.cli.fmt import emit_json, table
+    from cpkv.engine.engine import run_jobs
+
+    cfg, cfg_m, full_layers, trace = _setup(args)
+    require_cuda(args.device, "cpkv bench engine")
+    ceiling = gemm_tflops(args.device)
+    jobs = [(_replace(cfg, warmup=True), trace)] + [(cfg, trace)] * (args.runs - 1)
+    if not args.no_profile:
+        jobs.append((_replace(cfg, profile=True), trace))
+    results = run_jobs(jobs, timeout_s=590)
+    timed, prof = results[: args.runs], (None if args.no_profile else results[-1])
+    report = _report(args, cfg_m, full_layers, ceiling, timed, prof)
+    _print(report, args.json)
+    return 0
+
+
+def _replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def _setup(args: argparse.Namespace):
     from cpkv.config import CPConfig
     from cpkv.engine.config import EngineConfig
-    from cpkv.engine.engine import run_jobs
     from cpkv.errors import ConfigError
     from cpkv.model.config import load_model_config
 
     if not 0.0 <= args.cached < 1.0:
         raise ConfigError(f"--cached: expected a share in [0, 1), got {args.cached}")
+    if args.long < 0:
+        raise ConfigError(f"--long: expected 0 (no long prompt) or a token count, got {args.long}")
     CPConfig(args.cp, args.page_size)  # validates cp and page_size before they size anything
     cfg_m = load_model_config(args.model, args.layers)
     P = args.page_size
+    if args.chunk_size % P:
+        raise ConfigError(f"--chunk-size: expected a multiple of --page-size {P}, got {args.chunk_size}")
     prefix = int(args.prompt * args.cached) // P * P
-    trace = bench_trace(args.prompt, prefix)
-    chunk = -(-args.prompt // P) * P
-    pages = 2 * (-(-args.prompt // P)) + 8
+    trace = bench_trace(args.prompt, prefix, args.long)
+    tokens = 2 * args.prompt + args.long
+    pages = -(-tokens // P) + 16
+    chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
-                       page_size=P, pages_per_rank=pages // args.cp + 8, chunk_size=chunk, max_requests=1)
-    require_cuda(args.device, "cpkv bench engine")
-    ceiling = gemm_tflops(args.device)
-    warm, timed = run_jobs([(cfg, trace), (cfg, trace)], timeout_s=580)
-    rows = [case_row(name, timed, rid, cfg_m, ceiling) for name, rid in (("cold", "cold"), ("cached", "hit"))]
-    if args.json:
-        emit_json({"model": cfg_m.name, "layers": args.layers, "cp": args.cp, "mode": timed.stats["mode"],
-                   "gemm_tflops": ceiling, "cases": rows})
-        return 0
-    table(("case", "prompt", "cached", "batch s", "prompt tok/s", "computed tok/s", "TFLOP/s", "of GEMM"),
-          [(r["case"], r["prompt"], r["cached"], r["batch_s"], r["prompt_tokens_per_s"], r["computed_tokens_per_s"],
-            r["tflops"], f"{r['ratio_to_gemm']:.1%}") for r in rows])
-    print(f"\n{cfg_m.name} shapes, {args.layers} layers, cp {args.cp} ({args.device}, mode {timed.stats['mode']}); "
-          f"ceiling: GEMM {ceiling:.3g} TFLOP/s measured in this run")
-    return 0
+                       page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1)
+    return cfg, cfg_m, load_model_config(args.model).num_layers, trace
 
 
-def bench_trace(prompt: int, prefix: int):
-    """cold: a fresh prompt; base: the prefix alone (fills the cache); hit: base + the rest."""
+def bench_trace(prompt: int, prefix: int, long: int = 0):
+    """cold: a fresh prompt; base: the prefix alone (fills the cache); hit: base + the rest; long: a fresh
+    long prompt (several chunks)."""
     from cpkv.scheduler.trace import TraceRequest
 
-    return [TraceRequest("cold", 0.0, prompt), TraceRequest("base", 0.0, prefix),
-            TraceRequest("hit", 0.0, prompt, None, "base")]
+    trace = [TraceRequest("cold", 0.0, prompt), TraceRequest("base", 0.0, prefix),
+             TraceRequest("hit", 0.0, prompt, None, "base")]
+    return trace + ([TraceRequest("long", 0.0, long)] if long else [])
 
 
-def case_row(name: str, res, rid: str, cfg, ceiling: float) -> dict:
-    log, times = res.stats["batch_log"], res.stats["batch_s"]
-    i = next(k for k, b in enumerate(log) if b[0][0] == rid)
-    _, prefix, extend, _, _ = log[i][0]
-    secs = times[i]
-    flops = prefill_flops(cfg, prefix, extend)
-    return {"case": name, "prompt": prefix + extend, "cached": prefix, "batch_s": round(secs, 4),
-            "prompt_tokens_per_s": round((prefix + extend) / secs, 1), "computed_tokens_per_s": round(extend / secs, 1),
-            "tflops": round(flops / secs / 1e12, 1), "ratio_to_gemm": round(flops / secs / 1e12 / ceiling, 4)}
+CASES = (("cold", "cold"), ("cached", "hit"), ("long", "long"))
+
+
+def _batches(res, rid: str) -> list[int]:
+    """Indices of the batches that computed request ``rid`` (its chunks, in order)."""
+    return [k for k, b in enumerate(res.stats["batch_log"]) if b[0][0] == rid]
+
+
+def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None) -> dict | None:
+    """One case over the timed runs (median, per run), with its breakdown from the profiled run."""
+    from cpkv.bench.breakdown import parts
+
+    idx = _batches(runs[0], rid)
+    if not idx:
+        return None
+    chunks = [runs[0].stats["batch_log"][k][0][1:3] for k in idx]  # (prefix, extend) per chunk
+    flops = sum(prefill_flops(cfg, p, e) for p, e in chunks)
+    per_run = [sum(r.stats["batch_s"][k] for k in idx) for r in runs]
+    secs = statistics.median(per_run)
+    prompt, cached = chunks[-1][0] + chunks[-1][1], chunks[0][0]
+    row = {"case": name, "prompt": prompt, "cached": cached, "batches": len(idx), "batch_s": round(secs, 4),
+           "batch_s_runs": [round(s, 4) for s in per_run], "spread": round(max(per_run) / min(per_run) - 1, 4),
+           "prompt_tokens_per_s": round(prompt / secs, 1), "computed_tokens_per_s": round((prompt - cached) / secs, 1),
+           "tflops": round(flops / secs / 1e12, 1), "ratio_to_gemm": round(flops / secs / 1e12 / ceiling, 4),
+           "ratio_runs": [round(flops / s / 1e12 / ceiling, 4) for s in per_run],
+           "chunk_s": [round(statistics.median(r.stats["batch_s"][k] for r in runs), 4) for k in idx]}
+    if prof is not None and prof.stats.get("kernels"):
+        med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
+        row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])
+        row["breakdown"]["host_ops"] = [prof.stats["host_ops"][k] for k in idx]
+    return row
+
+
+def ttft(rows: dict, layers: int, full_layers: int) -> dict:
+    """TTFT of 32K / 64K / 128K prompts through ``full_layers`` layers, from the cold and long cases."""
+    scale = full_layers / layers
+    out = {"layers_measured": layers, "layers": full_layers, "extrapolated": layers != full_layers}
+    if "cold" in rows:
+        out[str(rows["cold"]["prompt"])] = round(rows["cold"]["batch_s"] * scale, 3)
+    if "long" in rows:
+        c = rows["long"]["chunk_s"]
+        per_chunk = rows["long"]["prompt"] // len(c)
+        for n in range(2, len(c) + 1, 2):
+            out[str(n * per_chunk)] = round(sum(c[:n]) * scale, 3)
+    return out
+
+
+def _report(args, cfg_m, full_layers: int, ceiling: float, timed, prof) -> dict:
+    import torch
+
+    rows = {}
+    for name, rid in CASES:
+        row = case_row(name, timed, rid, cfg_m, ceiling, prof)
+        if row is not None:
+            rows[name] = row
+    st = timed[0].stats
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"model": cfg_m.name, "layers": args.layers, "indexer_layers": list(cfg_m.full_layers),
+            "moe_layers": cfg_m.mlp_layer_types.count("sparse"), "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
+            "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
+            "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers),
+            "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
+
+
+def _print(rep: dict, as_json: bool) -> None:
+    from cpkv.cli.fmt import emit_json, table
+    from cpkv.bench.breakdown import LABELS, PARTS
+
+    if as_json:
+        emit_json(rep)
+        return
+    rows = rep["cases"]
+    table(("case", "prompt", "cached", "batches", "batch s", "runs s", "prompt tok/s", "TFLOP/s", "of GEMM", "spread"),
+          [(r["case"], r["prompt"], r["cached"], r["batches"], r["batch_s"], " ".join(map(str, r["batch_s_runs"])),
+            r["prompt_tokens_per_s"], r["tflops"], f"{r['ratio_to_gemm']:.1%}", f"{r['spread']:.1%}") for r in rows])
+    with_parts = [r for r in rows if "breakdown" in r]
+    if with_parts:
+        print()
+        table(("part", *(f"{r['case']} ms (share)" for r in with_parts)),
+              [(LABELS[p], *(f"{r['breakdown']['parts'][p]['ms']:.2f} ({r['breakdown']['parts'][p]['share']:.1%})"
+                             for r in with_parts)) for p in PARTS]
+              + [("GPU busy / wall ms", *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}"
+                                         for r in with_parts))])
+    t = rep["ttft_s"]
+    sizes = [k for k in t if k.isdigit()]
+    how = f"extrapolated from {t['layers_measured']} layers" if t["extrapolated"] else "measured"
+    print(f"\nTTFT through {t['layers']} layers on this device ({how}): "
+          + ", ".join(f"{int(k) / 1024:g}K {t[k]} s" for k in sizes))
+    print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
+          f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
+          f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
 
 
 def prefill_flops(cfg, prefix: int, extend: int) -> float:
-    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers, indexer, sparse attention."""
+    """Model FLOPs of computing tokens [prefix, prefix + extend): linear layers (MoE: the routed experts a
+    token runs plus the shared ones), the indexer on full indexer layers only, sparse attention."""
     d, h, qr, kr = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     nope, rope, v, hi, di = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
-    linear = (d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
-              + qr * hi * di + d * di + d * hi + 3 * d * cfg.intermediate_size)
+    attn = d * qr + qr * h * (nope + rope) + d * (kr + rope) + h * nope * kr + h * kr * v + h * v * d
+    moe = 3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts) + d * cfg.n_routed_experts
+    mlp = {"dense": 3 * d * cfg.intermediate_size, "sparse": moe}
     seq = prefix + extend
     keys = (seq * (seq + 1) - prefix * (prefix + 1)) // 2          # sum of visible keys over the queries
     sparse = seq > cfg.index_topk
     attended = sum(min(p + 1, cfg.index_topk) for p in range(prefix, seq))
-    per_layer = 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + (2 * keys * hi * di if sparse else 0)
-    return float(per_layer * cfg.num_layers)
+    total = 0
+    for kind, full in zip(cfg.mlp_layer_types, (t == "full" for t in cfg.indexer_types)):
+        linear = attn + mlp[kind] + ((qr * hi * di + d * di + d * hi) if full else 0)
+        indexer = 2 * keys * hi * di if sparse and full else 0
+        total += 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + indexer
+    return float(total)
 
 
 def gemm_tflops(device: str) -> float:
@@ -121,4 +235,4 @@ def gemm_tflops(device: str) -> float:
     del a, b
     if device == "cuda":
         torch.cuda.empty_cache()
-    return round(rate, 1)
+    return round(rate, 4)

@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     _check_variant_names(args.variants)
     if not torch.cuda.is_available():
         raise IndexerError("cpkv bench indexer needs a CUDA device (none is visible)")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise IndexerError("cpkv bench indexer needs triton, which is not installed") from None
+    from cpkv.kernels.platform import triton_importable
+
+    if not triton_importable():
+        raise IndexerError("cpkv bench indexer needs triton, which is not installed")
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]

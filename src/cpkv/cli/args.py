@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Mapping, Sequence
 
 from cpkv.config import COMPOSE_MODES
-from cpkv.errors import ConfigError
+from cpkv.errors import ConfigError, CpkvError
 from cpkv.files import atomic_output, atomic_path
 
-__all__ = ["MODES_EPILOG", "atomic_output", "atomic_path", "check_output", "int_list", "nonneg_int", "positive_float",
-           "positive_int", "require_cuda"]
+__all__ = ["MODES_EPILOG", "as_flags", "atomic_output", "atomic_path", "check_distinct", "check_output", "flag_names",
+           "flags_of", "int_list", "nonneg_int", "positive_float", "positive_int", "require_cuda"]
 
 # the compose modes, one line each, for the --help of every command that takes --mode / --modes
 MODES_EPILOG = "compose modes (byte-identical results):\n" + "\n".join(
@@ -65,7 +68,8 @@ def int_list(text: str) -> list[int]:
 
 
 def check_output(path: str | None, option: str) -> None:
-    """Raise ConfigError unless ``path`` can be created: its folder exists and it is not itself a folder."""
+    """Raise ConfigError unless ``path`` can be created: its folder exists and takes a new file (tried with a
+    temporary file, removed at once), and it is not itself a folder."""
     if path is None:
         return
     p = Path(path)
@@ -74,8 +78,45 @@ def check_output(path: str | None, option: str) -> None:
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{option} {path!r}: the folder {str(parent)!r} is not writable")
+    probe = parent / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.probe"
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{option} {path!r}: cannot create a file in {str(parent)!r} ({exc.strerror})") from None
+
+
+def check_distinct(paths: Mapping[str, str | None], inputs: Mapping[str, str | None] = {}) -> None:
+    """Raise ConfigError when two output options (option -> path) name one file, or an output names an input."""
+    seen: dict[str, str] = {}
+    for option, path in [*inputs.items(), *paths.items()]:
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ConfigError(f"{option} {path!r} names the same file as {seen[key]}: each output needs its own file")
+        seen[key] = option
+
+
+@contextmanager
+def as_flags(flags: Mapping[str, str]) -> Iterator[None]:
+    """Inside the block, an error of a config object names the command's flags instead of its fields
+    (``chunk_size 24 must be a multiple of page_size 16`` -> ``--chunk-size 24 ... --page-size 16``)."""
+    try:
+        yield
+    except CpkvError as exc:
+        raise type(exc)(flag_names(str(exc), flags)) from None
+
+
+def flag_names(message: str, flags: Mapping[str, str]) -> str:
+    for field, flag in sorted(flags.items(), key=lambda kv: -len(kv[0])):
+        message = re.sub(rf"(?<![\w-]){re.escape(field)}(?!\w)", flag, message)
+    return message
+
+
+def flags_of(names: Sequence[str]) -> dict[str, str]:
+    """field -> --field-name for config fields named like their flags."""
+    return {n: "--" + n.replace("_", "-") for n in names}
 
 
 def require_cuda(device: str, command: str) -> None:

@@ -1,10 +1,12 @@
-"""``cpkv env``: list the CPKV_ environment variables, their defaults and current values."""
+"""``cpkv env``: list the CPKV_ environment variables, their defaults, current values and what is wrong with
+any of them (an invalid value also makes the command exit 2, after the listing)."""
 from __future__ import annotations
 
 import argparse
 
 from cpkv import envs
 from cpkv.cli import fmt
+from cpkv.errors import ConfigError
 
 HELP = "List cpkv's environment variables (all prefixed CPKV_) with defaults and current values."
 
@@ -14,9 +16,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [(v.name, v.default, v.raw() if v.raw() is not None else "", v.help) for v in envs.REGISTRY.values()]
+    rows = [(v.name, v.default, v.raw() if v.raw() is not None else "", v.problem(), v.help)
+            for v in envs.REGISTRY.values()]
     if args.json:
-        fmt.emit_json([{"name": n, "default": d, "value": c or None, "help": h} for n, d, c, h in rows])
+        fmt.emit_json([{"name": n, "default": d, "value": c or None, "valid": p is None, "problem": p, "help": h}
+                       for n, d, c, p, h in rows])
     else:
-        fmt.table(("name", "default", "set to", "description"), rows)
+        fmt.table(("name", "default", "set to", "description"),
+                  [(n, d, c + ("  <- INVALID" if p else ""), h) for n, d, c, p, h in rows])
+    bad = [p for *_, p, _ in rows if p]
+    if bad:
+        raise ConfigError("; ".join(bad))
     return 0

@@ -1,4 +1,4 @@
-"""Output helpers shared by every command: tables, JSON, a progress bar on terminals."""
+"""Output helpers shared by every command: tables, JSON, progress on stderr."""
 from __future__ import annotations
 
 import json
@@ -31,24 +31,49 @@ def emit_json(obj: Any) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """Progress of long work on stderr: a live bar on a terminal; otherwise (a log, a pipe) one line
+    ``label: done/total (note, N s)`` every ``CPKV_PROGRESS_S`` seconds (default 5; 0: at every update),
+    the first only once the work has lasted that long, so that short commands print nothing."""
 
-    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
-        self.total, self.label, self.done = max(total, 1), label, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._last = 0.0
+    def __init__(self, total: int, label: str, enabled: bool | None = None, interval_s: float | None = None) -> None:
+        from cpkv import envs
 
-    def update(self, n: int = 1) -> None:
-        self.done += n
+        self.total, self.label, self.done, self.note = max(total, 1), label, 0, ""
+        self.tty = sys.stderr.isatty() if enabled is None else enabled
+        self.interval_s = envs.get("CPKV_PROGRESS_S") if interval_s is None else interval_s
+        self.start = self._last = time.monotonic()
+        self._drawn = False
+        self._shown = -1  # the count of the last line printed (not on a terminal)
+
+    def update(self, n: int = 1, note: str | None = None) -> None:
+        self.set(self.done + n, note)
+
+    def set(self, done: int, note: str | None = None) -> None:
+        """``done`` units so far; ``note``: what is happening now (shown beside the count)."""
+        self.done = done
+        if note is not None:
+            self.note = note
         now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+        if self.tty:
+            if now - self._last > 0.1 or self.done >= self.total:
+                self._last = now
+                frac = min(self.done / self.total, 1.0)
+                extra = f" {self.note}" if self.note else ""
+                sys.stderr.write(f"\r{self.label} [{'#' * int(30 * frac):<30}] {self.done}/{self.total}{extra}\033[K")
+                sys.stderr.flush()
+                self._drawn = True
+        elif now - self._last >= self.interval_s:
             self._last = now
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total}")
-            sys.stderr.flush()
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        note = f"{self.note}, " if self.note else ""
+        print(f"{self.label}: {self.done}/{self.total} ({note}{now - self.start:.0f} s)", file=sys.stderr, flush=True)
+        self._drawn, self._shown = True, self.done
 
     def close(self) -> None:
-        if self.enabled:
+        if self.tty and self._drawn:
             sys.stderr.write("\n")
             sys.stderr.flush()
+        elif self._drawn and self.done != self._shown:
+            self._line(time.monotonic())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from cpkv.cli import fmt
+from cpkv.cli.args import as_flags, flags_of
 from cpkv.config import STRATEGIES
 from cpkv.layout import BatchLayout, build_layout
 
@@ -29,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
-                          max_context=args.max_context)
+    with as_flags(flags_of(["cp", "page_size", "max_context"])):
+        layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
+                              max_context=args.max_context)
     if args.json:
         fmt.emit_json(layout.to_dict())
     else:
@@ -38,8 +40,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_RUNS = 8  # runs shown per cell; a long request's cell is cut short (``--json`` lists every page)
+
+
 def _runs(items: list[tuple[int, int]]) -> str:
-    """Compress [(page, rank), ...] into 'p0-p3:r1 p4:r0' style runs."""
+    """Compress [(page, rank), ...] into 'p0-p3:r1 p4:r0' style runs; a cell of more than MAX_RUNS runs shows
+    the first and last few and how many there are."""
     out: list[str] = []
     start = 0
     for i in range(1, len(items) + 1):
@@ -47,6 +53,8 @@ def _runs(items: list[tuple[int, int]]) -> str:
             a, b = items[start][0], items[i - 1][0]
             out.append(f"{a}{'' if a == b else f'-{b}'}:r{items[start][1]}")
             start = i
+    if len(out) > MAX_RUNS:
+        out = out[: MAX_RUNS - 2] + ["..."] + out[-2:] + [f"({len(items)} pages in {len(out)} runs)"]
     return " ".join(out) or "-"
 
 

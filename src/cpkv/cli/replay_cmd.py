@@ -7,7 +7,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
-from cpkv.cli.args import atomic_output, atomic_path, check_output, positive_float, positive_int
+from cpkv.cli.args import (as_flags, atomic_output, atomic_path, check_distinct, check_output, flags_of,
+                           positive_float, positive_int)
 from cpkv.cli.fmt import Progress, emit_json, table
 from cpkv.config import DEFAULT_PAGE_SIZE
 from cpkv.errors import ConfigError
@@ -18,6 +19,9 @@ from cpkv.scheduler.replay import KV_MODES, ReplayConfig, ReplayResult, replay
 from cpkv.scheduler.trace import TraceRequest, builtin_trace, ideal_hit_ratio, load_trace, write_trace
 
 HELP = "Replay a request trace through the real prefix cache and admission code; report time to first token."
+BUILTIN = {"requests": 2000, "seed": 0, "scale": 1.0}  # the built-in trace's options and their defaults
+FLAGS = {**flags_of(["cp", "chunk_size", "page_size", "max_requests", "kv_tokens_per_rank", "policy"]), "kv": "--kv"}
+OUTPUTS = ("save_trace", "log_batches", "plot")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost-model fields to replace, or a `cpkv bench ... --json` report (repeatable; applied in order)")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
-    p.add_argument("--requests", type=positive_int, default=2000, help="built-in trace: number of requests (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="built-in trace: random seed (default 0)")
-    p.add_argument("--scale", type=positive_float, default=1.0, help="built-in trace: length multiplier (default 1.0)")
+    p.add_argument("--requests", type=positive_int, help="built-in trace: number of requests (default 2000)")
+    p.add_argument("--seed", type=int, help="built-in trace: random seed (default 0)")
+    p.add_argument("--scale", type=positive_float, help="built-in trace: length multiplier (default 1.0)")
     p.add_argument("--save-trace", metavar="FILE.jsonl", help="write the replayed trace to this file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the TTFT distribution per run (matplotlib)")
@@ -46,18 +50,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Every option and output path is checked before the trace is read; output files appear whole or not at all."""
+    _check_trace_options(args)
     combos = [(p, k) for p in _choices(args.policy, POLICIES) for k in _choices(args.kv, KV_MODES)]
-    configs = [_config(args, p, k) for p, k in combos]
-    for option in ("save_trace", "log_batches", "plot"):
-        check_output(getattr(args, option), "--" + option.replace("_", "-"))
+    with as_flags(FLAGS):
+        configs = [_config(args, p, k) for p, k in combos]
+    outputs = {"--" + o.replace("_", "-"): getattr(args, o) for o in OUTPUTS}
+    check_distinct(outputs, {"TRACE": args.trace})
+    for option, path in outputs.items():
+        check_output(path, option)
     plt = _pyplot(args.plot) if args.plot else None
     costs = CostModel.from_json(*args.costs) if args.costs else CostModel()
+    _check_kv_budget(args, costs)
     trace, source = _trace(args)
     if args.save_trace:
-        write_trace(trace, args.save_trace)
-    results = _replay_all(trace, configs, args, costs)
+        try:
+            write_trace(trace, args.save_trace)
+        except OSError as exc:
+            raise ConfigError(f"--save-trace {args.save_trace!r}: cannot write it ({exc.strerror})") from None
+    try:
+        results = _replay_all(trace, configs, args, costs)
+    except OSError as exc:
+        raise ConfigError(f"--log-batches {args.log_batches!r}: cannot write it ({exc.strerror})") from None
     if args.json:
-        emit_json({"runs": [r.summary() for r in results]})
+        emit_json({"trace": _trace_summary(trace, source, args), "cp": args.cp, "chunk_size": args.chunk_size,
+                   "page_size": args.page_size, "max_requests": args.max_requests,
+                   "runs": [r.summary() for r in results]})
     else:
         _print_report(results, trace, source, args)
     if plt is not None:
@@ -69,11 +86,39 @@ def _choices(value: str, names: Sequence[str]) -> list[str]:
     return list(names) if value == "both" else [value]
 
 
+def _check_trace_options(args: argparse.Namespace) -> None:
+    """--requests/--seed/--scale shape the built-in trace: with a TRACE file they would be silently ignored."""
+    given = [f"--{k}" for k in BUILTIN if getattr(args, k) is not None]
+    if args.trace and given:
+        raise ConfigError(f"{', '.join(given)}: only for the built-in trace, but a TRACE file ({args.trace!r}) was "
+                          "given: drop them, or drop the file")
+    for k, v in BUILTIN.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def _check_kv_budget(args: argparse.Namespace, costs: CostModel) -> None:
+    """Without --kv-tokens-per-rank, the cost model's memory budget must leave room for KV at this --cp."""
+    if args.kv_tokens_per_rank is None:
+        try:
+            costs.kv_tokens_per_rank(args.cp)
+        except ConfigError as exc:
+            raise ConfigError(f"--cp {args.cp}: {exc}; give a budget with --kv-tokens-per-rank, or raise --cp "
+                              "(or pass --costs with a smaller weight_bytes)") from None
+
+
 def _trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     if args.trace:
         return load_trace(args.trace), args.trace
     trace = builtin_trace(args.requests, seed=args.seed, scale=args.scale)
     return trace, f"built-in trace (n={args.requests}, seed={args.seed}, scale={args.scale:g})"
+
+
+def _trace_summary(trace: list[TraceRequest], source: str, args: argparse.Namespace) -> dict[str, Any]:
+    return {"source": source, "file": args.trace, "requests": len(trace),
+            "prompt_tokens": sum(r.prompt_len for r in trace),
+            "ideal_hit_ratio": round(ideal_hit_ratio(trace, args.page_size), 4),
+            "builtin": None if args.trace else {k: getattr(args, k) for k in BUILTIN}}
 
 
 def _config(args: argparse.Namespace, policy: str, kv: str) -> ReplayConfig:
@@ -83,14 +128,16 @@ def _config(args: argparse.Namespace, policy: str, kv: str) -> ReplayConfig:
 
 
 def _replay_all(trace, configs: list[ReplayConfig], args, costs: CostModel) -> list[ReplayResult]:
-    bar = Progress(len(trace) * len(configs), "replay")
+    bar = Progress(len(trace) * len(configs), "cpkv replay")
     results = []
-    with ExitStack() as stack:
-        log_file = stack.enter_context(atomic_output(args.log_batches)) if args.log_batches else None
-        for cfg in configs:
-            log = _batch_logger(log_file, cfg.policy, cfg.kv) if log_file else None
-            results.append(replay(trace, cfg, costs, log=log, progress=bar.update))
-    bar.close()
+    try:
+        with ExitStack() as stack:
+            log_file = stack.enter_context(atomic_output(args.log_batches)) if args.log_batches else None
+            for cfg in configs:
+                log = _batch_logger(log_file, cfg.policy, cfg.kv) if log_file else None
+                results.append(replay(trace, cfg, costs, log=log, progress=bar.update))
+    finally:
+        bar.close()
     return results
 
 
@@ -105,7 +152,7 @@ def _print_report(results: list[ReplayResult], trace, source: str, args: argpars
     rows = []
     for r in results:
         s = r.summary()
-        t = s["ttft_s"]
+        t = {k: "-" if v is None else v for k, v in s["ttft_s"].items()}  # "-": no request completed
         rows.append([s["policy"], s["kv"], s["requests"], s["rejected"], round(s["cache_hit_ratio"], 4),
                      t["p50"], t["p90"], t["p99"], t["max"], s["batches"], round(s["mean_batch_requests"], 3),
                      s["mean_queue_s"]])
@@ -145,7 +192,7 @@ def _plot(plt: Any, results: list[ReplayResult], path: str, source: str) -> None
         t = sorted(r.ttft)
         if not t:
             continue
-        s = r.summary()["ttft_s"]
+        s = r.summary()["ttft_s"]  # not None: some request completed
         ax.step(t, [(i + 1) / len(t) for i in range(len(t))], where="post",
                 label=f"{r.policy}/{r.kv}: p90 {s['p90']:.3g} s, p99 {s['p99']:.3g} s")
     ax.set_xscale("log")

@@ -2,16 +2,36 @@
 
 Defaults: CPU, cp 2, the tiny model, a built-in multi-turn trace (prefix hits and a chunked prompt
 included), verification on. ``torchrun --nproc-per-node N -m cpkv run ...`` runs one rank per process.
+
+Before any rank starts: every option, the trace (token ids within the model's vocabulary) and the requests
+that can never run under these options (too long for the model, more pages than every pool holds, ...).
+A run in which a request was rejected neither passes nor exits 0 unless ``--allow-rejected`` is given;
+the error names the option to change.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+
+from cpkv.cli.fmt import Progress
+from cpkv.errors import ConfigError
 
 from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
 
 HELP = "Run CP prefill of a trace (KV shared across ranks) and verify it against a single rank."
+FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_size", "max_requests", "num_layers")
+# what to change for each rejection reason (scheduler.admission.REASONS, and "parent")
+HINTS = {
+    "max_context": "the model's context is fixed: shorten those prompts or pick a --model with a longer context",
+    "pool_pages": "raise --pages-per-rank (now {pages_per_rank}) or --cp (now {cp})",
+    "cached_tokens": "raise --pages-per-rank (now {pages_per_rank}) or --cp (now {cp})",
+    "pages": "raise --pages-per-rank (now {pages_per_rank})",
+    "buffer_bytes": "lower --chunk-size (now {chunk_size})",
+    "chunk_size": "raise --chunk-size (now {chunk_size})",
+    "parent": "their parent requests were rejected",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
                         "autotuning stay out of TTFT)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are ended")
+    p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
+                   help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--logits-out", metavar="FILE",
+                   help="write each finished request's last-token logits (float32 safetensors, keyed by request id)")
+    p.add_argument("--allow-rejected", action="store_true",
+                   help="accept a run in which some requests were rejected (default: such a run fails, exit 2)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -52,54 +78,129 @@ def engine_config(args: argparse.Namespace, cp: int):
     return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, cp=cp, mode=args.mode,
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
-                        chunk_size=args.chunk_size, max_requests=args.max_requests,
+                        chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 
-def load_requests(args: argparse.Namespace):
+def load_requests(args: argparse.Namespace, vocab_size: int):
+    """The trace (every listed token id checked against the model's vocabulary)."""
     from cpkv.cli.traces import default_trace
-    from cpkv.scheduler.trace import load_trace
+    from cpkv.scheduler.trace import check_vocab, load_trace
 
-    return load_trace(args.trace) if args.trace else default_trace(args.requests)
+    if not args.trace:
+        return default_trace(args.requests)
+    trace = load_trace(args.trace)
+    check_vocab(trace, vocab_size, f"--trace {args.trace}", args.model)
+    return trace
+
+
+def never_runs(trace, cfg, model_cfg) -> dict:
+    """id -> why, for the requests that can never run under ``cfg`` (the ranks' own admission rules), and
+    their descendants."""
+    from cpkv.scheduler.admission import Admission
+
+    adm = Admission.build(cfg.caps(), model_cfg, cfg.cp_config, policy=cfg.policy, full_hit=cfg.full_hit)
+    pool_pages = cfg.cp * (cfg.pages_per_rank - 1)
+    never: dict = {}
+    for r in trace:
+        if r.parent is not None and r.parent in never:
+            never[r.id] = f"parent: its parent {r.parent!r} can never run"
+            continue
+        why = adm.never_reason(r.prompt_len, pool_pages)
+        if why is not None:
+            never[r.id] = f"{why.reason}: {why.detail}"
+    return never
+
+
+def rejection_error(rejected: list, total: int, cfg, before: bool) -> str:
+    """The one-line error of a run with rejected requests: how many, the first and why, what to change."""
+    first = rejected[0]
+    reasons = list(dict.fromkeys(x["reason"].split(":", 1)[0] for x in rejected))
+    hints = "; ".join(HINTS.get(r, "see the reasons above").format(**vars(cfg)) for r in reasons)
+    when = "can never run under these options" if before else "were rejected"
+    return (f"{len(rejected)} of {total} requests {when} (request {first['id']!r}: {first['reason']}): {hints}; "
+            "or pass --allow-rejected to accept a partial run")
 
 
 def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.args import as_flags, check_output, flags_of
     from cpkv.engine.engine import run_engine, run_under_torchrun, verify_run
+    from cpkv.model.config import load_model_config
 
-    engine_config(args, args.cp)  # validates every option before the trace is read or a rank starts
-    trace = load_requests(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        result = run_under_torchrun(engine_config(args, int(os.environ["WORLD_SIZE"])), trace)
-        if result is None:
-            return 0
-    else:
-        result = run_engine(engine_config(args, args.cp), trace, timeout_s=args.timeout)
-    report = verify_run(result, trace) if args.verify else None
+    check_output(args.logits_out, "--logits-out")
+    t0 = time.monotonic()
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    with as_flags(flags_of(FLAGS)):  # every option checked before the trace is read or a rank starts
+        cfg = engine_config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.cp)
+    model_cfg = load_model_config(args.model, args.num_layers)
+    trace = load_requests(args, model_cfg.vocab_size)
+    never = never_runs(trace, cfg, model_cfg)
+    gone = [{"id": r.id, "prompt_len": r.prompt_len, "reason": never[r.id]} for r in trace if r.id in never]
+    if gone and not args.allow_rejected:
+        raise ConfigError(rejection_error(gone, len(trace), cfg, before=True))
+    runnable = [r for r in trace if r.id not in never]
+    if not runnable:
+        raise ConfigError(f"nothing to run: {rejection_error(gone, len(trace), cfg, before=True)}")
+    bar = Progress(len(runnable), "cpkv run")
+    bar.set(0, f"starting {cfg.cp} rank processes")
+    try:
+        if torchrun:
+            result = run_under_torchrun(cfg, runnable)
+            if result is None:
+                return 0
+        else:
+            result = run_engine(cfg, runnable, timeout_s=args.timeout,
+                                on_progress=lambda done, batches: bar.set(done, f"batch {batches}"))
+        t_ranks = time.monotonic()
+        bar.set(bar.done, "verifying against one rank" if args.verify else "done")
+        def checked(n: int) -> None:
+            bar.set(bar.done, f"verified {n} of {len(result.requests)} on one rank")
+
+        report = verify_run(result, runnable, on_request=checked) if args.verify else None
+    finally:
+        bar.close()
+    if args.logits_out:
+        from cpkv.engine.engine import write_logits
+        write_logits(args.logits_out, result)
+    order = {(type(r.id).__name__, r.id): i for i, r in enumerate(trace)}  # 1 and "1" are different ids
+    result.rejected = sorted(result.rejected + gone, key=lambda x: order[(type(x["id"]).__name__, x["id"])])
+    times = {"command_s": round(time.monotonic() - t0, 3), "ranks_s": round(t_ranks - t0, 3),
+             "verify_s": round(time.monotonic() - t_ranks, 3)}
+    ok = (report is None or report.ok) and (not result.rejected or args.allow_rejected)
     if args.json:
-        emit(result, report)
+        emit(result, report, args, trace, times, ok)
     else:
-        show(result, report)
+        show(result, report, args, times)
+    if result.rejected and not args.allow_rejected:
+        raise ConfigError(rejection_error(result.rejected, len(trace), cfg, before=False))
     return 1 if report is not None and not report.ok else 0
 
 
-def emit(result, report) -> None:
+def emit(result, report, args, trace, times, ok) -> None:
     from cpkv.cli.fmt import emit_json
 
-    emit_json({"requests": [r.to_json() for r in result.requests], "rejected": result.rejected,
-               "summary": result.summary, "verify": report.to_json() if report else None})
+    cfg = result.cfg
+    emit_json({"ok": ok, "cp": cfg.cp, "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
+               "mode": result.summary["mode"],
+               "policy": cfg.policy, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
+               "pages_per_rank": cfg.pages_per_rank, "allow_rejected": args.allow_rejected,
+               "trace": {"file": args.trace, "requests": len(trace)},
+               "requests": [r.to_json() for r in result.requests], "rejected": result.rejected,
+               "summary": {**result.summary, **times}, "verify": report.to_json() if report else None})
 
 
-def show(result, report) -> None:
+def show(result, report, args, times) -> None:
     from cpkv.cli.fmt import table
 
     rows = [(r.id, r.prompt_len, r.cached_len, f"{r.ttft_s * 1e3:.1f} ms", r.first_token) for r in result.requests]
-    rows += [(x["id"], x["prompt_len"], "-", "rejected", x["reason"]) for x in result.rejected]
+    rows += [(x["id"], x["prompt_len"], "-", "rejected", _clip(x["reason"])) for x in result.rejected]
     table(("id", "prompt", "cached", "ttft", "first token"), rows)
     s, cfg = result.summary, result.cfg
-    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model}: "
-          f"{s['batches']} batches, {len(result.requests)} requests done, {s['rejected']} rejected")
-    print(f"wall {s['wall_s']:.3f} s, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit ratio "
-          f"{s['cache_hit_ratio']:.3f}")
+    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model} ({cfg.precision}): "
+          f"{s['batches']} batches, {len(result.requests)} requests done, {len(result.rejected)} rejected")
+    print(f"wall {s['wall_s']:.3f} s in rank 0's batch loop, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit "
+          f"ratio {s['cache_hit_ratio']:.3f}; the command took {times['command_s']:.1f} s ({times['ranks_s']:.1f} s "
+          f"with rank processes: start-up, model load, warm-up and batches; {times['verify_s']:.1f} s verification)")
     print(f"KV pages per rank {s['kv_pages_per_rank']} (a replicated layout would hold "
           f"{s['kv_pages_replicated']} on every rank); host tier: {s['pages_spilled']} spilled, "
           f"{s['pages_reloaded']} reloaded")
@@ -107,8 +208,16 @@ def show(result, report) -> None:
     print(f"attention calls: {att['sparse']} sparse (indexer top-k), {att['dense']} dense (short rows)")
     if report is None:
         print("verification: off")
-    else:
-        verdict = "PASSED" if report.ok else "FAILED"
-        print(f"verification against a single rank: {verdict} (first tokens "
-              f"{'equal' if report.tokens_equal else 'DIFFER'}, max |logit diff| {report.max_logit_diff:.3g} "
-              f"<= {report.tolerance:.3g} needed, {report.checked} requests)", file=sys.stdout)
+        return
+    verdict = "PASSED" if report.ok else "FAILED"
+    if report.ok and result.rejected:
+        verdict = "PASSED (rejected requests allowed by --allow-rejected)" if args.allow_rejected else \
+            "INCOMPLETE (requests were rejected: see the error below)"
+    print(f"verification against a single rank: {verdict} (first tokens "
+          f"{'equal' if report.tokens_equal else 'DIFFER'}, max |logit diff| {report.max_logit_diff:.3g} "
+          f"<= {report.tolerance:.3g} needed, {report.checked} requests checked, {len(result.rejected)} rejected)",
+          file=sys.stdout)
+
+
+def _clip(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

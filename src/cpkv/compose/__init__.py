@@ -1,8 +1,9 @@
 """Compose: every rank gets the batch's dense KV, byte-exact across modes (docs/design.md §4).
 
-    plan.py       ComposePlan: per-batch descriptors, built once, cached in layout.memo["compose"]
+    plan.py       ComposePlan: per-batch descriptors, built once by ComposeRuntime.prepare, passed to every call
     peer.py       PeerMemory: shared-memory (CPU) / CUDA IPC buffers, probed and agreed over the group
-    barrier.py    CountingBarrier over host-shared signal pads
+    barrier.py    counting barriers: CountingBarrier (host-shared pads, host wait), DeviceBarrier (device
+                  pads, one kernel on the stream)
     staging.py    Staging (two parity halves) and the dense-buffer bump arena
     modes.py      legacy / fused / v2 / symm / prefetch, chosen by name
     runtime.py    ComposeRuntime: the per-rank object the engine holds

@@ -1,4 +1,9 @@
-"""Counting barrier over peer (host-shared) memory: phase-safe, never reset, times out naming the late.
+"""Counting barriers over peer memory (docs/design.md §4): phase-safe, never reset, time out naming the late.
+
+Two implementations of one protocol: ``CountingBarrier`` waits on the host over host-shared pads (CPU
+runs, and CUDA without Triton); ``DeviceBarrier`` arrives and waits on the GPU stream over device pads
+mapped through CUDA IPC (``cpkv.kernels.barrier.triton``), so the host never drains its stream for a round.
+``make_barrier`` picks one. The protocol (host barrier's terms):
 
 Signal pads::
 
@@ -18,9 +23,14 @@ fence sits between a rank's data writes and its arrival stores, and between seei
 reading peers' data (``_fence``: releasing then re-acquiring a private lock, whose atomics order memory
 on weakly ordered CPUs such as aarch64 too; on x86-64 stores are in order anyway).
 
-Waiting is on the host: on CUDA the caller synchronises its stream before arriving (its writes are done)
-and the peers' writes were done before they arrived. After ``CPKV_BARRIER_TIMEOUT_S`` (default 60 s)
-the waiting rank raises ``ComposeTimeout`` naming the ranks whose count stayed below the round.
+Host waiting: on CUDA the caller synchronises its stream before arriving (its writes are done) and the
+peers' writes were done before they arrived. After ``CPKV_BARRIER_TIMEOUT_S`` (default 60 s) the waiting
+rank raises ``ComposeTimeout`` naming the ranks whose count stayed below the round.
+
+Device waiting: the round is one kernel on the rank's stream, after the stream's data writes and before
+its reads of peers' data; the kernel's bounded spin records a timeout in a device status buffer instead
+of raising (a kernel cannot), and ``DeviceBarrier.check`` (the host, once per batch, after its end-of-batch
+synchronisation) raises the same ``ComposeTimeout``.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 
 from cpkv import envs
 from cpkv.compose.peer import PeerMemory
@@ -101,3 +112,70 @@ class CountingBarrier:
             f"rank {self.rank}: counting barrier round {k} timed out after {self.timeout_s:g} s "
             f"(CPKV_BARRIER_TIMEOUT_S); ranks {missing} never arrived (their counts: "
             f"{[int(pad[s]) for s in missing]})")
+
+
+class DeviceBarrier:
+    """The counting barrier on the GPU stream (module docstring). Allocate before ``mem.exchange()``; use
+    after it. ``mem`` must be CUDA IPC peer memory and Triton importable (``device_barrier_available``)."""
+
+    def __init__(self, mem: PeerMemory, name: str = "barrier", timeout_s: float | None = None) -> None:
+        self.rank, self.world_size = mem.ctx.rank, mem.ctx.world_size
+        self.mem, self.name = mem, name
+        self.timeout_s = float(envs.get("CPKV_BARRIER_TIMEOUT_S") if timeout_s is None else timeout_s)
+        self.pad = mem.alloc((self.world_size,), f"{name}.pad", torch.int64)
+        self.state = torch.zeros(2 + self.world_size, dtype=torch.int64, device=self.pad.device)
+        self.rounds = 0
+        self._launch = None
+
+    def _bind(self):
+        if self._launch is None:
+            from cpkv.kernels.barrier.triton import barrier_launcher
+
+            addrs = [t.data_ptr() for t in self.mem.peers(f"{self.name}.pad")]
+            peers = torch.tensor(addrs, dtype=torch.int64, device=self.pad.device)
+            self._launch = barrier_launcher(peers, self.pad, self.state, self.rank, int(self.timeout_s * 1e9))
+        return self._launch
+
+    def prepare(self) -> None:
+        """Compile and bind the kernel now (after ``mem.exchange()``), so the first round launches at once."""
+        self._bind()
+
+    def __call__(self) -> None:
+        """One round, enqueued on the current stream: no host wait."""
+        self._bind()()
+        self.rounds += 1
+
+    def check(self) -> None:
+        """Raise ComposeTimeout if a round timed out on the device (reads the status: a synchronisation,
+        meant for the end of a batch)."""
+        st = self.state.cpu().tolist()
+        if st[1]:
+            k, counts = st[1], st[2:]
+            missing = [s for s in range(self.world_size) if counts[s] < k]
+            raise ComposeTimeout(
+                f"rank {self.rank}: GPU counting barrier round {k} timed out after {self.timeout_s:g} s "
+                f"(CPKV_BARRIER_TIMEOUT_S); ranks {missing} never arrived (their counts: "
+                f"{[counts[s] for s in missing]})")
+
+    @property
+    def direct(self) -> bool:
+        """True while rounds launch the compiled kernel directly (not through Triton's JIT launcher)."""
+        return self._bind().direct()
+
+    def counters(self) -> list[int]:
+        """This rank's pad as seen now (a synchronisation; tests)."""
+        return [int(x) for x in self.pad.cpu().tolist()]
+
+
+def device_barrier_available(mem: PeerMemory) -> bool:
+    """True where the GPU barrier can run: CUDA IPC peer memory, Triton importable, not disabled."""
+    from cpkv.kernels.platform import use_triton
+
+    return mem.kind == "cuda-ipc" and use_triton(mem.ctx.device)
+
+
+def make_barrier(mem: PeerMemory, name: str = "barrier",
+                 timeout_s: float | None = None) -> CountingBarrier | DeviceBarrier:
+    """The GPU barrier where it can run, else the host one (see ``device_barrier_available``)."""
+    cls = DeviceBarrier if device_barrier_available(mem) else CountingBarrier
+    return cls(mem, name, timeout_s)

@@ -100,8 +100,9 @@ def _prefetch(rt, plan, layer, kind, half):
     rt.barrier_round()  # exactly one round per (layer, kind), hit or miss
     rt.gather(pages, "global", layer, kind, half, plan.current)
     rt.persist(plan, layer, kind, half)
-    if layer + 1 < rt.num_layers:
-        rt.issue_prefetch(plan, layer + 1, kind, half ^ 1)
+    nxt = rt.pool.next_layer[kind][layer]  # for index rows: the next full indexer layer
+    if nxt is not None:
+        rt.issue_prefetch(plan, nxt, kind, half ^ 1)
     return dense
 
 

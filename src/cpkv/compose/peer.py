@@ -42,6 +42,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _IPC_DEVICE_ARG = 6  # storage_device in the arguments of torch's rebuild_cuda_tensor (torch >= 2.0)
 
 
+class _NotWanted(Exception):
+    """This rank does not want peer memory: its probe answers "no"."""
+
+
 class PeerMemory:
     """Peer-visible buffers of this rank and mapped views of every peer's (see module docstring)."""
 
@@ -59,19 +63,27 @@ class PeerMemory:
 
     @classmethod
     def create(cls, ctx: RankContext, enabled: bool | None = None) -> PeerMemory:
-        """Collective. Probe peer memory on every rank and agree on it with a MIN all-reduce."""
+        """Collective. Probe peer memory on every rank and agree on it with a MIN all-reduce.
+
+        Every rank takes part in the same collectives whatever its own setting says: a rank that does not
+        want peer memory (``CPKV_DISABLE_PEER_MEMORY`` set in its environment only) says so in the probe's
+        exchange, and the whole group settles on "none" at once.
+        """
         token = ctx.all_gather_object(uuid.uuid4().hex[:12] if ctx.rank == 0 else None)[0]
         want = (not envs.get("CPKV_DISABLE_PEER_MEMORY")) if enabled is None else enabled
         kind = "shm" if ctx.device.type == "cpu" else "cuda-ipc"
         probe = cls(ctx, kind, token)
-        ok = probe._probe() if want else False
+        ok = probe._probe(bool(want))
         agreed = ctx.all_reduce_min(int(ok))
         probe.close()
         return cls(ctx, kind if agreed else "none", token)
 
-    def _probe(self) -> bool:
-        """Write a rank pattern into a device and a host buffer, exchange handles, read every peer's back."""
+    def _probe(self, want: bool = True) -> bool:
+        """Write a rank pattern into a device and a host buffer, exchange handles, read every peer's back.
+        ``want`` False: allocate nothing, still join the exchange (answering "no")."""
         try:
+            if not want:
+                raise _NotWanted
             dev = self.alloc((16,), "probe")
             host = self.alloc_host((16,), "probe-host", torch.uint8)
             dev.fill_(self.ctx.rank + 1)
@@ -79,7 +91,7 @@ class PeerMemory:
             if dev.is_cuda:
                 torch.cuda.synchronize(dev.device)
             sent = (True, dict(self._handles))
-        except Exception:  # noqa: BLE001 - a failed probe means "no peer memory", agreed by the caller
+        except Exception:  # noqa: BLE001 - a failed probe (or _NotWanted) means "no peer memory", agreed by all
             sent = (False, None)
         everyone = self.ctx.all_gather_object(sent)
         ok = all(x[0] for x in everyone)

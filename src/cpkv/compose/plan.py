@@ -21,6 +21,7 @@ Gather entry sets (``Entries``: dest page, source index, source page; -1 source 
     own       every slot: own prefix pages from the local pool (source 0), own current pages from the
               local staging (source 1), others -1              fused (legacy: one set per request span)
     compact   compact current pages: own from local staging (source 1), others -1      v2
+    persist   (with current_page_ids) dest = the rank's own pool pages, from local staging  every mode
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from cpkv.compose.staging import align
 from cpkv.config import KINDS
 from cpkv.errors import ComposeError
 from cpkv.layout import BatchLayout
+from cpkv.upload import upload
 
 
 
@@ -73,7 +75,7 @@ class Packer:
 
     def upload(self, device: torch.device) -> None:
         assert self.used == self.flat.size, (self.used, self.flat.size)
-        self.tensor = torch.from_numpy(self.flat).to(device)
+        self.tensor = upload(torch.from_numpy(self.flat), device)  # asynchronous on CUDA (no host sync)
 
     def view(self, region: Region) -> torch.Tensor:
         assert self.tensor is not None, "upload first"
@@ -159,12 +161,10 @@ class ComposePlan:
         assert self.num_query_tokens == layout.query_tokens(rank)
         pool_pages = self._persist(current_page_ids, own)
         pack = Packer(7 * self.num_slots + 6 * self.num_current + self.num_own * self.page_size
-                      + len(pool_pages or ()))
+                      + 3 * len(pool_pages or ()))
         self._entries(layout, pack)
         self._rows(pack, tails)
-        pp = None if pool_pages is None else pack.take(len(pool_pages))
-        if pp is not None:
-            _pack_into(pp[1], pool_pages)
+        pp = None if pool_pages is None else self._persist_entries(pack, pool_pages)
         self._upload(pack, pp)
         self._arena(page_bytes)
 
@@ -274,6 +274,17 @@ class ComposePlan:
         filled = np.ones(n, bool)
         filled[self._t[1]] = False
         np.compress(filled, np.arange(n), out=self._q[1])
+
+    def _persist_entries(self, pack: Packer, pool_pages: list[int]) -> Region:
+        """``persist``: this rank's j-th own current page (local staging, source 1, page j + 1) into its pool
+        page ``pool_pages[j]`` (dest), as a gather over the local table. Returns the pool pages' region."""
+        n = len(pool_pages)
+        pp, src, page = pack.take(n), pack.take(n), pack.take(n)
+        _pack_into(pp[1], pool_pages)
+        src[1][:] = 1
+        page[1][:] = np.arange(1, n + 1)
+        self.persist_entries = Entries(pack, pp, src, page)
+        return pp
 
     def _upload(self, pack: Packer, pp: Region | None) -> None:
         """One host-to-device copy of every index array; entry views are made on first use."""

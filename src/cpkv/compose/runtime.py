@@ -30,6 +30,11 @@ Contract:
 - Every rank must make the same sequence of ``current_rows``/``compose`` calls (kinds alternate
   freely); a per-kind use counter picks the staging and arena half (use n -> half n % 2).
 
+Barrier rounds (``symm``, ``prefetch``): on CUDA with Triton a kernel on this rank's stream
+(``cpkv.compose.barrier.DeviceBarrier``): nothing waits on the host, and a round that times out surfaces as
+ComposeTimeout at ``check_barrier`` (the engine calls it once per batch, after the batch's synchronisation);
+on the CPU a host-waited round that raises at once. A group of one rank takes no rounds.
+
 Wrong batches, pools of another shape, unknown modes or a layout whose cp differs from the group
 raise ComposeError; too many current pages raise StagingOverflow on every rank.
 """
@@ -42,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from cpkv import envs
-from cpkv.compose.barrier import CountingBarrier
+from cpkv.compose.barrier import DeviceBarrier, make_barrier
 from cpkv.compose.modes import Mode, get_mode
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.plan import ComposePlan, Entries
@@ -78,9 +83,11 @@ class ComposeRuntime:
         self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
         # what a plan must have been built for (checked on every compose call)
         self.signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
-        self.barrier = CountingBarrier(mem) if mem.available else None
+        self.barrier = make_barrier(mem) if mem.available else None
         mem.exchange()
         self._check_group()
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.prepare()
         self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
         self.arena.register()
         self.use_triton = use_triton(self.device)
@@ -108,9 +115,9 @@ class ComposeRuntime:
     def _check_pool(self) -> None:
         for k in KINDS:
             buf = self.pool.buffers[k]
-            want = (self.num_layers, self.pool.num_pages, self.page_bytes[k])
+            want = (len(self.pool.slots[k]), self.pool.num_pages, self.page_bytes[k])
             if buf.dtype != torch.uint8 or tuple(buf.shape) != want:
-                raise ComposeError(f"pool {k!r} buffer must be uint8 {list(want)} (layers, pages, page_size * "
+                raise ComposeError(f"pool {k!r} buffer must be uint8 {list(want)} (layers of kind, pages, page_size * "
                                    f"row_bytes {self.pool.row_bytes(k)}), got {buf.dtype} {list(buf.shape)}")
         if self.mem.available and not all(self.mem.has(f"pool.{k}") for k in KINDS):
             raise ComposeError("the pool was not allocated through PeerMemory.alloc (pass alloc=mem.alloc to KVPool)")
@@ -146,25 +153,28 @@ class ComposeRuntime:
             addrs = [a for rows in (glob or []) + loc for a in rows]
             self.aligned16[k] = self.page_bytes[k] % 16 == 0 and all(a % 16 == 0 for a in addrs)
             if glob is not None:
-                self.bases["global"][k] = self._base_views(glob)
-            self.bases["local"][k] = self._base_views(loc)
+                self.bases["global"][k] = self._base_views(k, glob)
+            self.bases["local"][k] = self._base_views(k, loc)
 
-    def _base_views(self, rows: list[list[int]]) -> list[list[torch.Tensor]]:
-        """[layer][half] -> int64 [n_src] device view (looked up per call with no torch op)."""
-        t = torch.tensor(rows, dtype=torch.int64, device=self.device).view(self.num_layers, 2, -1)
-        return [[t[layer, h] for h in (0, 1)] for layer in range(self.num_layers)]
+    def _base_views(self, kind: str, rows: list[list[int]]) -> list[list[torch.Tensor] | None]:
+        """[layer][half] -> int64 [n_src] device view (looked up per call with no torch op); None for a layer
+        that keeps no rows of ``kind``."""
+        t = torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(self.pool.slots[kind]), 2, -1)
+        slots = self.pool.slots[kind]
+        return [[t[slots[layer], h] for h in (0, 1)] if layer in slots else None for layer in range(self.num_layers)]
 
     def _base_rows(self, kind: str, pools: Sequence[torch.Tensor], stagings: Sequence[torch.Tensor]) -> list[list[int]]:
         rows = []
-        for layer in range(self.num_layers):
+        for slot in range(len(self.pool.slots[kind])):
             for half in (0, 1):
-                rows.append([p[layer].data_ptr() for p in pools] + [s[half].data_ptr() for s in stagings])
+                rows.append([p[slot].data_ptr() for p in pools] + [s[half].data_ptr() for s in stagings])
         return rows
 
     def _sources(self, table: str, layer: int, kind: str, half: int) -> list[torch.Tensor]:
+        slot = self.pool.slot(layer, kind)
         if table == "local":
-            return [self.pool.buffers[kind][layer], self.staging.buffers[kind][half]]
-        return [p[layer] for p in self.pools[kind]] + [s[half] for s in self.stagings[kind]]
+            return [self.pool.buffers[kind][slot], self.staging.buffers[kind][half]]
+        return [p[slot] for p in self.pools[kind]] + [s[half] for s in self.stagings[kind]]
 
     # plans ----------------------------------------------------------------------------------------
 
@@ -213,22 +223,24 @@ class ComposeRuntime:
         return dense
 
     def compose_layer(self, plan: ComposePlan, layer: int, mode: str | None = None) -> dict[str, torch.Tensor]:
-        """Dense KV of every kind for ``layer``: ``{kind: compose(plan, layer, kind)}``, with the current rows
-        of every kind written first. Byte-identical to composing kind by kind; under ``symm`` it takes one
-        barrier round and one gather launch for all kinds (half the synchronisation and host work). Every
-        rank must use the same call (``compose_layer`` or per-kind ``compose``) for a layer."""
+        """Dense KV of every kind ``layer`` keeps (token and index rows on a full indexer layer, token rows on a
+        shared one): ``{kind: compose(plan, layer, kind)}``, with the current rows of those kinds written first.
+        Byte-identical to composing kind by kind; under ``symm`` it takes one barrier round and one gather
+        launch for all kinds (half the synchronisation and host work). Every rank must use the same call
+        (``compose_layer`` or per-kind ``compose``) for a layer."""
         plan = self._checked(plan)
-        for k in KINDS:
+        kinds = self.pool.kinds_at(layer) if 0 <= layer < self.num_layers else KINDS
+        for k in kinds:
             self._check_call(layer, k)
         m = self._effective(mode)
         if m.run_layer is None:
-            return {k: self.compose(plan, layer, k, mode=m.name) for k in KINDS}
-        halves = {k: self.uses[k] & 1 for k in KINDS}
-        for k in KINDS:
+            return {k: self.compose(plan, layer, k, mode=m.name) for k in kinds}
+        halves = {k: self.uses[k] & 1 for k in kinds}
+        for k in kinds:
             if self._pending[k] is not None:
                 self.settle_prefetch(k)
         dense = m.run_layer(self, plan, layer, halves)
-        for k in KINDS:
+        for k in kinds:
             self.uses[k] += 1
         return dense
 
@@ -245,6 +257,7 @@ class ComposeRuntime:
             raise ComposeError(f"unknown KV kind {kind!r}; expected one of {', '.join(KINDS)}")
         if not (0 <= layer < self.num_layers):
             raise ComposeError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        self.pool.slot(layer, kind)  # ComposeError for index rows of a shared indexer layer
 
     # primitives used by the modes -----------------------------------------------------------------
 
@@ -304,16 +317,28 @@ class ComposeRuntime:
             dist.all_reduce(t, group=self.ctx.group)
 
     def barrier_round(self) -> None:
-        """One counting-barrier round; on CUDA this rank's stream is drained first (host-side wait)."""
+        """One counting-barrier round: a kernel on this rank's stream where the GPU barrier runs (no host
+        wait; a timeout surfaces at ``check_barrier``), else a host round (on CUDA after draining the
+        stream). A group of one rank has nothing to wait for: stream order already covers its own writes."""
+        if self.cp == 1:
+            return
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier()
+            return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.barrier()
 
+    def check_barrier(self) -> None:
+        """Raise ComposeTimeout if a GPU barrier round timed out (reads its status: call once per batch,
+        after the batch's synchronisation, never inside a forward pass). Host rounds raise on their own."""
+        if isinstance(self.barrier, DeviceBarrier):
+            self.barrier.check()
+
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
-        if plan.persists and plan.num_own:
-            block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
-            self.pool.buffers[kind][layer].index_copy_(0, plan.own_pool_pages, block)
+        if plan.persists and plan.num_own:  # a gather over the local table: one prepared launch on GPU
+            self.gather(self.pool.pages(layer, kind), "local", layer, kind, half, plan.persist_entries)
 
     def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
         """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""

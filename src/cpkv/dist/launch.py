@@ -10,17 +10,31 @@ Transports (chosen by :func:`pick_backend`):
 Rendezvous: the parent hosts a ``TCPStore`` on a free port (``CPKV_MASTER_PORT`` if set, else port 0
 and the OS picks), children connect to it, so no port is ever raced for.
 
-Failure handling: each child sends ``(rank, ok, payload)`` through its own pipe. When a rank raises or
-its process dies, the parent gives the others ``grace_s`` seconds to finish (they may be raising
-their own error, e.g. ``ComposeTimeout`` from a barrier) and then ends them; ``launch`` raises
-``RankFailure`` naming every failed, dead or late rank. ``exc.results`` (per rank, None where missing)
-and ``exc.errors`` (rank -> exception object, when it could be pickled) carry the details.
+Each child talks to the parent through its own pipe: a heartbeat every ``BEAT_S`` seconds (from a thread,
+so it keeps beating while the rank waits in a collective), progress reports (``ctx.report(...)``) and at
+the end ``(ok, payload)``. The parent watches the pipes and the processes:
+
+- a rank that raises, dies, is stopped (SIGSTOP, state ``T`` in ``/proc``) or stops beating for
+  ``heartbeat_s`` once it started beating is a failure; the others get ``grace_s`` seconds (they may be raising their own error,
+  e.g. ``ComposeTimeout``) and are then ended;
+- ``launch`` raises ``RankFailure`` naming the ranks: dead and stopped ones first (the cause; their peers'
+  errors follow from them), then those that raised, in the order they did, then the late ones.
+  ``exc.results`` (per rank, None where missing), ``exc.errors`` (rank -> exception, when it could be
+  pickled) and ``exc.tracebacks`` carry the details; ``str(exc)`` is one line per rank, no traceback;
+- when the parent is interrupted (Ctrl-C, or SIGTERM/SIGHUP turned into an exception by the command
+  line), every rank is sent SIGTERM at once and SIGKILL ``STOP_S`` seconds later;
+- a child asks the kernel to kill it when the parent dies (Linux ``PR_SET_PDEATHSIG``): no orphan ranks
+  even after ``kill -9`` of the parent.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import pickle
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,6 +50,27 @@ from cpkv import envs
 from cpkv.errors import ConfigError, RankFailure
 
 HOST = "127.0.0.1"
+BEAT_S = 0.25        # a child's heartbeat period
+STOP_S = 0.5         # SIGTERM -> SIGKILL delay when ranks are ended early
+
+
+class _Channel:
+    """A child's end of its pipe to the parent; the heartbeat thread and the rank share it."""
+
+    def __init__(self, conn: connection.Connection) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, msg: tuple) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+    def beat_forever(self) -> None:
+        while True:
+            time.sleep(BEAT_S)
+            try:
+                self.send(("beat",))
+            except (OSError, ValueError):  # the parent went away or the pipe closed: nothing to beat for
+                return
 
 
 @dataclass(frozen=True)
@@ -48,6 +83,7 @@ class RankContext:
     backend: str
     group: Any = None
     shared_device: bool = False
+    channel: Any = None  # the pipe to the launching parent (None under torchrun)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -61,6 +97,11 @@ class RankContext:
         t = torch.tensor([value], dtype=torch.int64, device=self.collective_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def report(self, payload: Any) -> None:
+        """Send a progress report (picklable, small) to the parent's ``on_progress``; no-op under torchrun."""
+        if self.channel is not None:
+            self.channel.send(("progress", payload))
 
     @property
     def collective_device(self) -> torch.device:
@@ -87,27 +128,42 @@ def _rank_device(device: str, rank: int, shared: bool) -> torch.device:
     return torch.device("cuda", 0 if shared else rank)
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, shared: bool, port: int,
-           args: tuple, conn: connection.Connection, timeout_s: float) -> None:
+           args: tuple, conn: connection.Connection, timeout_s: float, parent: int) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGTERM, lambda *_: _exit(128 + signal.SIGTERM))  # atexit handlers remove shm files
+    channel = _Channel(conn)
+    threading.Thread(target=channel.beat_forever, name="cpkv-heartbeat", daemon=True).start()
     dev = _rank_device(device, rank, shared)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     try:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        ctx = RankContext(rank, world_size, dev, backend, dist.group.WORLD, shared)
+        ctx = RankContext(rank, world_size, dev, backend, dist.group.WORLD, shared, channel)
         result = fn(ctx, *args)
-        conn.send((rank, True, result))
+        channel.send(("result", True, result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        conn.send((rank, False, _failure_payload(exc)))
-        conn.close()
-        _exit(1)
+        try:
+            channel.send(("result", False, _failure_payload(exc)))
+        finally:
+            _exit(1)
     try:
         dist.barrier()  # nobody tears down memory a peer may still read
         dist.destroy_process_group()
     finally:
-        conn.close()
         _exit(0)
 
 
@@ -130,17 +186,27 @@ def _failure_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
 
 def _free_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     port = envs.get("CPKV_MASTER_PORT")
-    return dist.TCPStore(HOST, port, world_size + 1, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    try:
+        return dist.TCPStore(HOST, port, world_size + 1, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistNetworkError: the port is taken (another run) or not ours to bind
+        if port == 0:
+            raise
+        why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"CPKV_MASTER_PORT={port}: cannot listen on {HOST}:{port} ({why}); another run may "
+                          f"hold it: pick another port or unset CPKV_MASTER_PORT (a free one is picked)") from None
 
 
 def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args: Sequence[Any] = (),
-           timeout_s: float = 600.0, grace_s: float = 10.0, backend: str | None = None) -> list[Any]:
+           timeout_s: float = 600.0, grace_s: float = 2.0, backend: str | None = None,
+           heartbeat_s: float = 30.0, on_progress: Callable[[int, Any], None] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` in ``world_size`` fresh processes; return their results in rank order.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout_s`` bounds the whole run
     and the process group's collectives; ``grace_s`` is how long the other ranks may still run after a
-    first rank failed. Raises ``RankFailure`` naming the ranks that raised, died or did not finish.
+    first rank failed; a rank silent for ``heartbeat_s`` seconds is failed. ``on_progress(rank, payload)``
+    receives every ``ctx.report(payload)``. Raises ``RankFailure`` naming the ranks that raised, died, were
+    stopped or did not finish.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -148,89 +214,163 @@ def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args
     backend = backend or chosen
     store = _free_store(world_size, timeout_s)
     ctx = mp.get_context("spawn")
-    procs, conns = [], []
-    for rank in range(world_size):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, world_size, device, backend, shared, store.port,
-                                              tuple(args), send, timeout_s), name=f"cpkv-rank{rank}")
-        p.start()
-        send.close()
-        procs.append(p)
-        conns.append(recv)
+    procs: list = []
+    conns: list = []
+    watch = _Watch(procs, conns, timeout_s, grace_s, heartbeat_s, on_progress)
     try:
-        outcome = _collect(procs, conns, timeout_s, grace_s)
-    finally:
-        _end(procs)
+        for rank in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            conns.append(recv)
+            p = ctx.Process(target=_child, args=(fn, rank, world_size, device, backend, shared, store.port,
+                                                  tuple(args), send, timeout_s, os.getpid()), name=f"cpkv-rank{rank}")
+            procs.append(p)
+            p.start()
+            send.close()
+        watch.run()
+    finally:  # also on an interrupt: no rank outlives the launch
+        _end(procs, early=len(watch.results) < world_size)
+        for c in conns:
+            c.close()
         del store
-    return _finish(outcome, world_size, timeout_s)
+    return _finish(watch, world_size, timeout_s)
 
 
-def _collect(procs: list, conns: list, timeout_s: float, grace_s: float) -> dict[int, tuple]:
-    """rank -> (ok, payload) for every rank that reported; ('dead', exitcode) for dead ones."""
-    outcome: dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(outcome) < len(procs):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        waitables = {c: r for r, c in enumerate(conns) if r not in outcome}
-        waitables.update({procs[r].sentinel: r for r in range(len(procs)) if r not in outcome})
-        for obj in connection.wait(list(waitables), timeout=min(left, 1.0)):
-            rank = waitables[obj]
-            if rank not in outcome:
-                outcome[rank] = _read(conns[rank], procs[rank])
-                if not outcome[rank][0]:
-                    deadline = min(deadline, time.monotonic() + grace_s)
-    return outcome
+class _Watch:
+    """The parent's loop over the children's pipes and processes (see the module docstring)."""
+
+    def __init__(self, procs: list, conns: list, timeout_s: float, grace_s: float, heartbeat_s: float,
+                 on_progress: Callable[[int, Any], None] | None) -> None:
+        self.procs, self.conns, self.on_progress = procs, conns, on_progress
+        self.timeout_s, self.grace_s, self.heartbeat_s = timeout_s, grace_s, heartbeat_s
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, tuple] = {}  # rank -> (order, kind, detail); kind: raised / dead / stopped
+        self.seen: dict[int, float] = {}      # rank -> when the parent last heard from it (from its first beat:
+        #                                       starting up, importing torch, may take long on a loaded host)
+        self.stopped_since: dict[int, float] = {}
+
+    def settled(self, rank: int) -> bool:
+        return rank in self.results or rank in self.failures
+
+    def run(self) -> None:
+        start = last = time.monotonic()
+        deadline = start + self.timeout_s
+        while not all(self.settled(r) for r in range(len(self.procs))):
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if now - last > 1.0:  # this process was not running (stopped itself, or starved): no one is late
+                self.seen = {r: max(t, now) for r, t in self.seen.items()}
+            last = now
+            ready = connection.wait(self._waitables(), timeout=min(deadline - now, BEAT_S))
+            self._read(ready)
+            self._check_alive()
+            if self.failures:
+                deadline = min(deadline, self._first_failure_s + self.grace_s)
+
+    def _waitables(self) -> list:
+        out = [c for r, c in enumerate(self.conns) if not self.settled(r)]
+        return out + [p.sentinel for r, p in enumerate(self.procs) if not self.settled(r)]
+
+    def _read(self, ready: list) -> None:
+        for rank, conn in enumerate(self.conns):
+            if self.settled(rank):
+                continue
+            if conn in ready or self.procs[rank].sentinel in ready:
+                self._drain(rank, conn)
+            if not self.settled(rank) and self.procs[rank].sentinel in ready:
+                self.procs[rank].join(1.0)
+                self._fail(rank, "dead", self.procs[rank].exitcode)
+
+    def _drain(self, rank: int, conn: connection.Connection) -> None:
+        try:
+            while not self.settled(rank) and conn.poll():
+                msg = conn.recv()
+                self.seen[rank] = time.monotonic()
+                if msg[0] == "progress" and self.on_progress is not None:
+                    self.on_progress(rank, msg[1])
+                elif msg[0] == "result":
+                    if msg[1]:
+                        self.results[rank] = msg[2]
+                    else:
+                        self._fail(rank, "raised", msg[2])
+        except (EOFError, OSError):
+            pass
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        for rank, p in enumerate(self.procs):
+            if self.settled(rank):
+                continue
+            if _state(p.pid) in ("T", "t"):
+                since = self.stopped_since.setdefault(rank, now)
+                if now - since >= 2 * BEAT_S:
+                    self._fail(rank, "stopped", "its process is stopped (SIGSTOP or a debugger)")
+                continue
+            self.stopped_since.pop(rank, None)
+            if rank in self.seen and now - self.seen[rank] > self.heartbeat_s:
+                self._fail(rank, "stopped", f"no heartbeat for {now - self.seen[rank]:.1f} s (hung or starved)")
+
+    def _fail(self, rank: int, kind: str, detail: Any) -> None:
+        if not self.failures:
+            self._first_failure_s = time.monotonic()
+        self.failures[rank] = (len(self.failures), kind, detail)
 
 
-def _read(conn: connection.Connection, proc: Any) -> tuple:
+def _state(pid: int | None) -> str:
+    """The process state letter of /proc/PID/stat ('R', 'S', 'T' stopped, ...); '' where unknown."""
     try:
-        if conn.poll(0.5):
-            _, ok, payload = conn.recv()
-            return ok, payload
-    except (EOFError, OSError):
-        pass
-    proc.join(5.0)
-    return False, ("dead", proc.exitcode)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
-def _end(procs: list) -> None:
+def _end(procs: list, early: bool) -> None:
+    """End the rank processes. ``early``: they are not done (a failure or an interrupt): SIGTERM every one
+    at once, SIGKILL what is left ``STOP_S`` later. Otherwise they are leaving on their own."""
+    deadline = time.monotonic() + (STOP_S if early else 5.0)
+    if early:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
     for p in procs:
-        p.join(timeout=0.5 if p.is_alive() else 0)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=5)
         if p.is_alive():
             p.kill()
             p.join()
 
 
-def _finish(outcome: dict[int, tuple], world_size: int, timeout_s: float) -> list[Any]:
+def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException | None] = {}
-    lines: list[str] = []
+    tracebacks: dict[int, str] = {}
+    lines: list[tuple[tuple, str]] = []
     for rank in range(world_size):
-        if rank not in outcome:
-            lines.append(f"rank {rank} did not finish (killed after the run's {timeout_s:g} s limit or a peer's "
-                         f"failure)")
-            errors[rank] = None
+        if rank in watch.results:
+            results[rank] = watch.results[rank]
             continue
-        ok, payload = outcome[rank]
-        if ok:
-            results[rank] = payload
-        elif payload[0] == "dead":
-            lines.append(f"rank {rank} died with exit code {payload[1]} before returning")
-            errors[rank] = None
+        errors[rank] = None
+        if rank not in watch.failures:
+            lines.append(((2, rank), f"rank {rank} did not finish (ended after the run's {timeout_s:g} s limit "
+                                     f"or a peer's failure)"))
+            continue
+        order, kind, detail = watch.failures[rank]
+        if kind == "dead":
+            lines.append(((0, order), f"rank {rank} died with exit code {detail} before returning"))
+        elif kind == "stopped":
+            lines.append(((0, order), f"rank {rank} stopped responding: {detail}"))
         else:
-            name, msg, tb, blob = payload
-            lines.append(f"rank {rank} raised {name}: {msg}\n{_indent(tb)}")
-            errors[rank] = _unpickle(blob)
+            name, msg, tb, blob = detail
+            first = msg.strip().splitlines()[0] if msg.strip() else ""
+            lines.append(((1, order), f"rank {rank} raised {name}: {first}"))
+            errors[rank], tracebacks[rank] = _unpickle(blob), tb
     if lines:
-        exc = RankFailure("; ".join(line.split("\n")[0] for line in lines) + "\n" + "\n".join(lines))
-        exc.results, exc.errors, exc.failed = results, errors, sorted(errors)  # type: ignore[attr-defined]
+        lines.sort()
+        exc = RankFailure("; ".join(text for _, text in lines))
+        exc.results, exc.errors, exc.tracebacks = results, errors, tracebacks  # type: ignore[attr-defined]
+        exc.failed = sorted(errors)  # type: ignore[attr-defined]
+        exc.first = int(lines[0][1].split()[1])  # type: ignore[attr-defined]
         raise exc
     return results
 
@@ -240,10 +380,6 @@ def _unpickle(blob: bytes | None) -> BaseException | None:
         return pickle.loads(blob) if blob else None
     except Exception:  # noqa: BLE001
         return None
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.rstrip().splitlines())
 
 
 def context_from_env(device: str = "cpu", timeout_s: float = 600.0) -> RankContext:

@@ -7,6 +7,12 @@ from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheCo
 from cpkv.errors import ConfigError
 
 MODES = tuple(COMPOSE_MODES)
+PRECISIONS = ("fp8", "exact")
+
+
+def is_preset(model: str) -> bool:
+    from cpkv.config import PRESETS
+    return model in PRESETS
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,12 @@ class EngineConfig:
     chunk_size: int = 512
     max_requests: int = 8
     full_hit: str = "page"
+    precision: str = "fp8"  # fp8 KV rows, or exact: rows, indexer keys and queries in the model dtype
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
+    sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
+    #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
+    profile: bool = False  # benchmarks (CUDA): record each timed batch's kernels (name, start, end)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
@@ -56,7 +66,14 @@ class EngineConfig:
             raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
-        load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        cfg = load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json
+        if self.precision == "fp8":
+            cfg.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
+        if not is_preset(self.model):
+            from cpkv.model.checkpoint import check_checkpoint
+            check_checkpoint(self.model, cfg)  # every header, name and shape, before any rank starts
 
     @property
     def cp_config(self) -> CPConfig:

@@ -88,19 +88,23 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
 
 
 def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0,
-             grace_s: float = 10.0) -> list[RunResult]:
-    """Run several jobs (same cp and device) in one set of rank processes, one after the other."""
+             grace_s: float = 2.0, on_progress=None) -> list[RunResult]:
+    """Run several jobs (same cp and device) in one set of rank processes, one after the other.
+    ``on_progress(requests_done, batches)`` follows rank 0 through the current job."""
     from cpkv.dist import launch
 
     cp, device = jobs[0][0].cp, jobs[0][0].device
     if any(c.cp != cp or c.device != device for c, _ in jobs):
         raise ValueError("run_jobs: every job must use the same cp and device")
-    per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s, grace_s=grace_s)
+    report = (lambda rank, msg: on_progress(*msg)) if on_progress else None
+    per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s, grace_s=grace_s,
+                      on_progress=report)
     return [merge(cfg, trace, [per_rank[r][i] for r in range(cp)]) for i, (cfg, trace) in enumerate(jobs)]
 
 
-def run_engine(cfg: EngineConfig, trace: Sequence[TraceRequest], *, timeout_s: float = 600.0) -> RunResult:
-    return run_jobs([(cfg, trace)], timeout_s=timeout_s)[0]
+def run_engine(cfg: EngineConfig, trace: Sequence[TraceRequest], *, timeout_s: float = 600.0,
+               on_progress=None) -> RunResult:
+    return run_jobs([(cfg, trace)], timeout_s=timeout_s, on_progress=on_progress)[0]
 
 
 def run_under_torchrun(cfg: EngineConfig, trace: Sequence[TraceRequest]) -> RunResult | None:
@@ -129,20 +133,34 @@ class VerifyReport:
                 "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked}
 
 
-def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> VerifyReport:
+def write_logits(path: str, result: RunResult) -> None:
+    """Each finished request's last-token logits, float32 [vocab], into a safetensors file keyed by request id
+    (``str(id)``; written beside ``path`` and renamed onto it: no partial output)."""
+    from safetensors.torch import save_file
+
+    from cpkv.files import atomic_path
+
+    tensors = {str(r.id): r.logits.float().contiguous() for r in result.requests}
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata={"model": str(result.cfg.model), "precision": result.cfg.precision})
+
+
+def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_request=None) -> VerifyReport:
     """Rerun every completed request on one process (no CP, no cache) and compare.
 
     ok = first tokens equal and every |logit difference| <= atol + rtol * max |reference logit|.
+    ``on_request(n)`` is called after the n-th request is compared (progress).
     """
     from cpkv.model.model import load_model
 
     cfg = result.cfg
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers)
+    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers,
+                                precision=cfg.precision)
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
     atol, rtol = TOLERANCE[device]
     equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol
-    for r in result.requests:
+    for n, r in enumerate(result.requests, start=1):
         ref = model.reference_prefill(tokens[r.id]).cpu()
         diff = float((ref - r.logits).abs().max())
         tol = atol + rtol * float(ref.abs().max())
@@ -150,4 +168,6 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None) -> 
         ok &= diff <= tol
         if diff >= worst:
             worst, worst_id, tol_used = diff, r.id, tol
+        if on_request is not None:
+            on_request(n)
     return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests))

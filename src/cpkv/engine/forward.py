@@ -2,10 +2,11 @@
 
     BatchSpec (same on every rank): layout, each request's sequence tokens, the pool page id of every
     current page on its writer.
-    RankPlan (built once per batch by ``rank_plan``, passed in): the rank's token ids and positions, its
-    rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
+    RankPlan (built once per batch by ``rank_plan`` from host data, passed in): the rank's token ids and
+    positions, its rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
     ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
-    token sits when this rank holds it.
+    token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
+    plan nor the forward pass waits on the device (``cpkv.upload``).
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP). A rank with no query tokens still takes part in every compose.
@@ -15,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from cpkv.config import KINDS
 from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
+from cpkv.upload import upload, upload_list
 
 if TYPE_CHECKING:
     from cpkv.compose.plan import ComposePlan
@@ -44,6 +46,7 @@ class RankPlan:
     rot: Rotary
     attn: AttnPlan
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
+    last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
 
     @property
     def num_tokens(self) -> int:
@@ -51,27 +54,27 @@ class RankPlan:
 
 
 def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
-    """Rank ``rank``'s RankPlan for ``spec`` (built once per batch; every layer reuses it)."""
+    """Rank ``rank``'s RankPlan for ``spec``, built once per batch (every layer reuses it): host arrays per
+    query-token run (numpy, no per-token Python), uploaded once."""
     lay, P = spec.layout, spec.layout.page_size
-    ids: list[int] = []
-    pos: list[int] = []
-    ks: list[int] = []
-    ke: list[int] = []
+    ids, pos, base = [], [], []
     last: list[tuple[int, int]] = []
+    n = 0
     for req, s, e in lay.rank_query_ranges[rank]:
         r = lay.requests[req]
         assert r.prefix_len % P == 0, "the engine keeps prefixes page-aligned"
-        base = r.slot_start * P
         if e == r.seq_len:
-            last.append((req, len(ids) + e - s - 1))
-        ids.extend(spec.tokens[req][s:e])
-        pos.extend(range(s, e))
-        ks.extend([base] * (e - s))
-        ke.extend(base + p + 1 for p in range(s, e))
+            last.append((req, n + e - s - 1))
+        ids.append(np.asarray(spec.tokens[req][s:e], dtype=np.int64))
+        pos.append(np.arange(s, e, dtype=np.int64))
+        base.append(np.full(e - s, r.slot_start * P, dtype=np.int64))
+        n += e - s
+    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
+    ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
     dev = model.device
-    positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-    return RankPlan(torch.tensor(ids, dtype=torch.int64, device=dev), model.rotary(positions),
-                    AttnPlan.build(ks, ke, model.cfg.index_topk, dev), last)
+    return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
+                    AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev), last,
+                    upload_list([row for _, row in last], torch.int64, dev))
 
 
 def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", plan: RankPlan) -> dict[int, torch.Tensor]:
@@ -81,17 +84,17 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", pla
     ``plan``: this rank's ``rank_plan`` of the batch.
     """
     rows_at = compose.query_rows
-    h = model.embed(plan.ids)
+    h, topk = model.embed(plan.ids), None  # topk: the last full indexer layer's, reused by shared layers
     for n, layer in enumerate(model.layers):
         p = layer.project(h, plan.rot) if plan.num_tokens else None
-        for kind in KINDS:
+        for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
-        dense = rt.compose_layer(compose, n)  # both kinds: one barrier round and one gather launch under symm
+        dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
         if p is not None:
-            h = layer.attend(h, p, dense["token"], dense["index"], plan.attn)
+            h, topk = layer.attend(h, p, dense, plan.attn, topk)
     if not plan.last:
         return {}
-    logits = model.logits(h[[row for _, row in plan.last]])
+    logits = model.logits(h.index_select(0, plan.last_rows))
     return {req: logits[i] for i, (req, _) in enumerate(plan.last)}

@@ -13,9 +13,10 @@ Only the owner of a page touches its bytes (spill, reload); the bookkeeping is r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from cpkv.kvcache.manager import KVCacheManager
 from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+from cpkv.upload import staging
 
 
 @dataclass
@@ -67,6 +69,10 @@ class RankEngine:
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced)
+        self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
+        #                                                           end us) of every kernel, from the batch start
+        self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
+        #                                                           (name, self ms, calls)
 
     # -- host tier ---------------------------------------------------------------------------------
     def _spill(self, owner: int, page_id: int, slot: int) -> None:
@@ -115,6 +121,8 @@ class RankEngine:
                 self.out.done_s[req.rid] = now - released[req.rid]
                 self.out.cached[req.rid] = req.cached
                 done.add(req.rid)
+            if self.rank == 0:
+                self.ctx.report((len(done), self.batches))  # the launching parent's progress line
         for r in blocked:
             self.out.rejected[r.id] = "parent: its parent never finished"
         self.out.wall_s = time.perf_counter() - t0
@@ -147,19 +155,39 @@ class RankEngine:
         layout = batch.layout(self.model.cfg.max_context)
         page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
         assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
-        start = self._sync_time()
-        compose = self.rt.prepare(layout, page_ids)
         spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
-        out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model))
-        for i, e in enumerate(batch.entries):
-            if e.last_chunk and i in out:
-                self.out.logits[e.rid] = out[i].detach().float().cpu().numpy()
+        with self._profiled() as prof:
+            start = self._sync_time()
+            with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
+                with _mark("cpkv.batch", prof):
+                    compose = self.rt.prepare(layout, page_ids)
+                    out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model))
+            logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
+            self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
+        self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
+        self.out.logits.update({batch.entries[i].rid: v.cpu().numpy() for i, v in logits.items()})
+        if prof is not None:
+            self.kernels.append(_kernel_spans(prof))
+            self.host_ops.append(_host_ops(prof))
         self.batches += 1
-        self.batch_s.append(self._sync_time() - start)
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
         return self.sched.finish(batch)
+
+    def _sync_checked(self):
+        """With cfg.sync_check on CUDA: torch raises on any device->host synchronisation inside."""
+        if not (self.cfg.sync_check and self.model.device.type == "cuda"):
+            return contextlib.nullcontext()
+        return _sync_debug_error()
+
+    def _profiled(self):
+        """With cfg.profile on CUDA: a torch profiler recording the batch's kernels (else yields None)."""
+        if not (self.cfg.profile and self.model.device.type == "cuda"):
+            return contextlib.nullcontext()
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def _sync_time(self) -> float:
         if self.model.device.type == "cuda":
@@ -172,8 +200,10 @@ class RankEngine:
             "batches": self.batches, "spilled": self.kv.stats["spilled"],
             "reloaded": self.kv.stats["reloaded"], "evicted": self.kv.stats["evicted"],
             "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
+            "barrier": type(self.rt.barrier).__name__ if self.rt.barrier is not None else None,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
-            "batch_log": self.batch_log, "batch_s": self.batch_s,
+            "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
+            "host_ops": self.host_ops,
         }
 
     def close(self) -> None:
@@ -187,14 +217,15 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace in jobs:
-        key = (cfg.model, cfg.seed, cfg.num_layers)
+        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision)
         if key not in models:
-            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers)
+            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                                     precision=cfg.precision)
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)
-        if cfg.warmup:
-            _run_once(ctx, cfg, model, trace)  # untimed: JIT/autotune every kernel shape of this trace
+        if cfg.warmup:  # untimed: JIT/autotune every kernel shape of this trace (and fill first-use caches)
+            _run_once(ctx, replace(cfg, sync_check=False, profile=False), model, trace)
             for layer in model.layers:
                 layer.stats.update(dense=0, sparse=0)
         outputs.append(_run_once(ctx, cfg, model, trace))
@@ -207,3 +238,43 @@ def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Seque
         return engine.run(trace)
     finally:
         engine.close()
+
+
+@contextlib.contextmanager
+def _sync_debug_error():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _mark(name: str, prof):
+    """A profiler range around the batch's plan + forward (anchors its kernels' times); nothing unprofiled."""
+    if prof is None:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
+
+
+HOST_TOP = 12
+
+
+def _host_ops(prof) -> list[tuple[str, float, int]]:
+    """The host ops with the most self time in a profiled batch: (name, self ms, calls)."""
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:HOST_TOP]
+    return [(e.key[:100], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in rows]
+
+
+def _kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """Every CUDA kernel a profiler recorded: (name, start us, end us), start-sorted, from the start of the
+    batch's ``cpkv.batch`` range (else from the first kernel)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    ev = [e for e in events if e.device_type == DeviceType.CUDA and e.name != "cpkv.batch"]  # not the range's
+    #                                                                           GPU-side annotation
+    if not ev:
+        return []
+    marks = [e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU]
+    t0 = min(marks) if marks else min(e.time_range.start for e in ev)
+    return sorted((e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev)

@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from cpkv import envs
 from cpkv.errors import IndexerError
 from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
+from cpkv.upload import upload
 
 GIB = 1 << 30
 COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
@@ -67,7 +69,7 @@ class IndexerChunk:
 class IndexerPlan:
     """ks/ke: int32 [T] on the device (absolute dense rows); rel_ks/rel_ke: int32 [T], the same bounds
     as columns of each row's chunk; chunks: host-side; max_len: longest row (host int); host_ks / host_ke:
-    the bounds as host tuples, from which the logits kernel's work items are built (work_items)."""
+    the bounds as host int64 arrays, from which the logits kernel's work items are built (work_items)."""
 
     ks: torch.Tensor
     ke: torch.Tensor
@@ -76,8 +78,8 @@ class IndexerPlan:
     chunks: tuple[IndexerChunk, ...]
     chunk_max_bytes: int
     max_len: int
-    host_ks: tuple[int, ...] = ()
-    host_ke: tuple[int, ...] = ()
+    host_ks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    host_ke: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     _items: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -114,20 +116,19 @@ class IndexerPlan:
         device: torch.device | str,
         chunk_max_bytes: int | None = None,
     ) -> "IndexerPlan":
-        """Host lists of per-row bounds (ks <= ke; an empty row has ks == ke) -> plan on ``device``."""
+        """Host per-row bounds (sequences or int arrays; ks <= ke; an empty row has ks == ke) -> plan on
+        ``device``. Vectorised on the host (numpy), uploaded without a host synchronisation."""
         if len(ks) != len(ke):
             raise IndexerError(f"ks and ke must have the same length, got {len(ks)} and {len(ke)}")
         budget = default_chunk_max_bytes() if chunk_max_bytes is None else int(chunk_max_bytes)
-        chunks = split_chunks(ks, ke, budget)
-        rel_ks, rel_ke = list(ks), list(ke)
+        a, b = np.asarray(ks, dtype=np.int64).reshape(-1), np.asarray(ke, dtype=np.int64).reshape(-1)
+        chunks = split_chunks(a, b, budget)
+        off = np.zeros(a.size, np.int64)
         for c in chunks:
-            for i in range(c.row_start, c.row_end):
-                rel_ks[i] -= c.key_start
-                rel_ke[i] -= c.key_start
-        as_t = lambda v: torch.tensor(v, dtype=torch.int32).to(device)  # noqa: E731
-        max_len = max((max(b - a, 0) for a, b in zip(ks, ke)), default=0)
-        return cls(as_t(ks), as_t(ke), as_t(rel_ks), as_t(rel_ke), tuple(chunks), budget, max_len,
-                   tuple(ks), tuple(ke))
+            off[c.row_start: c.row_end] = c.key_start
+        as_t = lambda v: upload(torch.from_numpy(v.astype(np.int32)), device)  # noqa: E731  (no host sync)
+        max_len = int(np.maximum(b - a, 0).max()) if a.size else 0
+        return cls(as_t(a), as_t(b), as_t(a - off), as_t(b - off), tuple(chunks), budget, max_len, a, b)
 
     def work_items(self, chunk: IndexerChunk, shape: WorkShape) -> torch.Tensor:
         """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.kernels.mqa_logits.work), on the plan's
@@ -136,7 +137,7 @@ class IndexerPlan:
         if key not in self._items:
             r = slice(chunk.row_start, chunk.row_end)
             items = logits_work_items(self.host_ks[r], self.host_ke[r], chunk.key_start, chunk.width, shape)
-            self._items[key] = items.to(self.ks.device)
+            self._items[key] = upload(items, self.ks.device)
         return self._items[key]
 
     @classmethod
@@ -146,24 +147,39 @@ class IndexerPlan:
         return cls.from_bounds(ks.tolist(), ke.tolist(), ks.device, chunk_max_bytes)
 
 
-def split_chunks(ks: Sequence[int], ke: Sequence[int], budget: int) -> list[IndexerChunk]:
-    """Greedy split of rows into chunks whose rows x padded(width) x 4 B stays within ``budget``.
-    Empty rows (ks == ke) widen no chunk."""
+def split_chunks(ks: Sequence[int] | np.ndarray, ke: Sequence[int] | np.ndarray, budget: int) -> list[IndexerChunk]:
+    """Greedy split of rows into chunks whose rows x padded(width) x 4 B stays within ``budget``: each chunk
+    takes rows while they fit. Empty rows (ks == ke) widen no chunk. Vectorised: per chunk, running key
+    bounds over the remaining rows and the first row whose cost exceeds the budget (costs only grow)."""
+    a, b = np.asarray(ks, dtype=np.int64).reshape(-1), np.asarray(ke, dtype=np.int64).reshape(-1)
+    _check_rows(a, b, budget)
+    empty = a == b
+    lo_all = np.where(empty, np.iinfo(np.int64).max, a)
+    hi_all = np.where(empty, np.iinfo(np.int64).min, b)
     chunks: list[IndexerChunk] = []
-    start, lo, hi, longest = 0, None, None, 0
-    for i, (a, b) in enumerate(zip(ks, ke)):
-        if b < a:
-            raise IndexerError(f"row {i}: ke ({b}) < ks ({a})")
-        if padded(b - a) * 4 > budget:
-            raise IndexerError(
-                f"row {i} sees {b - a} keys: {padded(b - a) * 4} B of logits exceed the chunk budget of {budget} B"
-            )
-        nlo, nhi = (lo, hi) if a == b else ((a, b) if lo is None else (min(lo, a), max(hi, b)))
-        if nlo is not None and (i - start + 1) * padded(nhi - nlo) * 4 > budget:
-            chunks.append(IndexerChunk(start, i, lo or 0, hi or 0, longest))
-            start, longest = i, 0
-            nlo, nhi = (None, None) if a == b else (a, b)
-        lo, hi, longest = nlo, nhi, max(longest, b - a)
-    if start < len(ks):
-        chunks.append(IndexerChunk(start, len(ks), lo or 0, hi or 0, longest))
+    start, n = 0, a.size
+    while start < n:
+        lo, hi = np.minimum.accumulate(lo_all[start:]), np.maximum.accumulate(hi_all[start:])
+        seen = hi > lo  # some non-empty row so far
+        width = np.where(seen, hi - lo, 0)
+        cost = np.arange(1, n - start + 1) * (-(-width // COL_ALIGN) * COL_ALIGN) * 4
+        over = np.flatnonzero(seen & (cost > budget))
+        end = start + (int(over[0]) if over.size else n - start)
+        j = end - start - 1
+        k0, k1 = (int(lo[j]), int(hi[j])) if seen[j] else (0, 0)
+        chunks.append(IndexerChunk(start, end, k0, k1, int((b[start:end] - a[start:end]).max())))
+        start = end
     return chunks
+
+
+def _check_rows(a: np.ndarray, b: np.ndarray, budget: int) -> None:
+    """IndexerError for the first row with ke < ks or whose own logits row exceeds the budget."""
+    w = b - a
+    bad = np.flatnonzero((w < 0) | ((-(-np.maximum(w, 0) // COL_ALIGN) * COL_ALIGN) * 4 > budget))
+    if not bad.size:
+        return
+    i = int(bad[0])
+    if b[i] < a[i]:
+        raise IndexerError(f"row {i}: ke ({b[i]}) < ks ({a[i]})")
+    raise IndexerError(f"row {i} sees {b[i] - a[i]} keys: {padded(int(b[i] - a[i])) * 4} B of logits exceed the "
+                       f"chunk budget of {budget} B")

@@ -22,8 +22,12 @@ MIN_SCALE = 1e-10  # keeps an all-zero row finite (its fp8 values are then all 0
 
 
 def _amax_scale(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., D] float -> float32 [...] scale = amax(|x|) / 448 (at least MIN_SCALE)."""
-    return (x.float().abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
+    """x: [..., D] float -> float32 [...] scale = amax(|x|) / 448 (at least MIN_SCALE).
+
+    Divided by a tensor, not a Python number: CUDA turns division by a scalar into a multiplication by its
+    reciprocal (one ulp off at times), so only tensor / tensor gives the same bytes on every device."""
+    amax = x.float().abs().amax(dim=-1)
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
 
 
 def quantize_index_keys(k: torch.Tensor) -> torch.Tensor:

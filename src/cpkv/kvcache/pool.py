@@ -1,7 +1,11 @@
 """Per-rank KV pools: raw ``uint8`` pages of every layer and both kinds (docs/design.md, byte formats and pools).
 
-    pool[kind]: uint8 [num_layers, num_pages, page_size * row_bytes]
+    pool[kind]: uint8 [layers of kind, num_pages, page_size * row_bytes]
     rows(layer, kind): uint8 [num_pages * page_size, row_bytes]     (a view; token t of page p is row p*P + t)
+
+Token rows exist on every layer, index rows only on the model's full indexer layers (a shared layer
+reuses an earlier layer's top-k and keeps none): ``slot(layer, kind)`` is the layer's index in
+``pool[kind]``.
 
 Typed field views (``values``/``scales``/``rope``) reinterpret byte columns of the rows, so fp8 payloads
 move as bytes on any device: never ``index_select`` / ``index_copy_`` a float8 tensor, move uint8 rows.
@@ -30,13 +34,29 @@ class KVPool:
 
     def __init__(self, model: ModelConfig, num_pages: int, page_size: int, device: torch.device | str = "cpu",
                  alloc: Alloc | None = None, num_layers: int | None = None) -> None:
+        if num_layers is not None and num_layers != model.num_layers:
+            model = model.with_layers(num_layers)
         self.model, self.num_pages, self.page_size = model, num_pages, page_size
-        self.num_layers = model.num_layers if num_layers is None else num_layers
+        self.num_layers = model.num_layers
+        self.slots = {k: {layer: i for i, layer in enumerate(model.layers_of(k))} for k in KINDS}
+        # the next layer holding rows of the kind (prefetch targets), None after the last
+        self.next_layer = {k: dict(zip(model.layers_of(k), model.layers_of(k)[1:] + (None,))) for k in KINDS}
         alloc = alloc or torch_alloc(device)
         self.buffers = {
-            kind: alloc((self.num_layers, num_pages, page_size * model.row_bytes(kind)), f"pool.{kind}")
+            kind: alloc((len(self.slots[kind]), num_pages, page_size * model.row_bytes(kind)), f"pool.{kind}")
             for kind in KINDS
         }
+
+    def kinds_at(self, layer: int) -> tuple[str, ...]:
+        """The kinds layer ``layer`` holds rows of."""
+        return self.model.kinds_at(layer)
+
+    def slot(self, layer: int, kind: str) -> int:
+        """Index of ``layer`` in ``buffers[kind]`` (ComposeError when the layer keeps no rows of ``kind``)."""
+        try:
+            return self.slots[kind][layer]
+        except KeyError:
+            raise ComposeError(f"layer {layer} keeps no {kind} rows (a shared indexer layer has none)") from None
 
     @property
     def device(self) -> torch.device:
@@ -47,11 +67,11 @@ class KVPool:
 
     def pages(self, layer: int, kind: str) -> torch.Tensor:
         """uint8 [num_pages, page_size * row_bytes] of one layer."""
-        return self.buffers[kind][layer]
+        return self.buffers[kind][self.slot(layer, kind)]
 
     def rows(self, layer: int, kind: str) -> torch.Tensor:
         """uint8 [num_pages * page_size, row_bytes] of one layer."""
-        return self.buffers[kind][layer].view(self.num_pages * self.page_size, self.row_bytes(kind))
+        return self.pages(layer, kind).view(self.num_pages * self.page_size, self.row_bytes(kind))
 
     def write_rows(self, layer: int, kind: str, row_ids: torch.Tensor, data: torch.Tensor) -> None:
         """rows[row_ids] = data; ``data`` uint8 [n, row_bytes] (row id = page * page_size + offset)."""

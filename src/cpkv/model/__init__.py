@@ -1,6 +1,7 @@
-"""The reference DSA model (GLM-5 / DeepSeek-V3.2 structure) and its per-rank layer halves.
+"""GLM-5 / DeepSeek-V3.2 as their public checkpoints define them, and their per-rank layer halves.
 
-    load_model_config(spec)            preset name or checkpoint dir -> ModelConfig
+    load_model_config(spec)            preset name or checkpoint dir (config.json) -> ModelConfig
+    load_model(spec, precision=...)    fp8 or exact KV rows; a checkpoint's safetensors checked, then loaded
     DSAModel.random(cfg, seed) / DSAModel.from_pretrained(dir, cfg)
     model.embed / model.rotary / layer.project / layer.attend / model.logits   (engine pieces)
     model.reference_prefill(tokens)    single-process cp = 1 prefill -> last-token logits

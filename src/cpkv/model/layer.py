@@ -1,18 +1,28 @@
 """One DSA decoder layer, decomposed so that a CP rank can run it around the per-layer compose.
 
     project(h, rotary)                     h [T, hidden] (a rank's own query tokens)
-        -> Projected: q     bf16 [T, H, kv_lora + rope]   absorbed MLA query (latent | rotated rope)
-                      token uint8 [T, token row_bytes]   quantised latent KV + rope key (quant_token_kv)
-                      index uint8 [T, Di + 4]            fp8 indexer key + scale (quantize_index_keys)
-                      iq    fp8 [T, Hi, Di], iw float32 [T, Hi]   indexer queries, weights (q scale folded)
-    ... the rank writes ``token`` / ``index`` rows, compose builds the dense buffers of the batch ...
-    attend(h, proj, token_dense, index_dense, plan) -> h' [T, hidden]
-        indexer top-k over index_dense rows [ks, ke) (or every key when each row sees <= top-k),
-        sparse MLA over token_dense, W_UV and o_proj, residual, RMSNorm + SwiGLU MLP, residual.
+        -> Projected: q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
+                      token uint8 [T, token row_bytes]  latent KV + rope key (fp8: quant_token_kv)
+                      index uint8 [T, index row_bytes]  indexer key (fp8: quantize_index_keys); None on a
+                                                        shared layer, which keeps no index rows
+                      iq [T, Hi, Di], iw float32 [T, Hi]  indexer queries and head weights (full layers)
+    ... the rank writes the layer's kinds of rows, compose builds the batch's dense buffers ...
+    attend(h, proj, dense, plan, topk) -> (h' [T, hidden], topk)
+        full layer: indexer top-k over dense["index"] rows [ks, ke) (or every key when each row sees
+        <= top-k); shared layer: the previous full layer's ``topk`` (dense rows of the same batch);
+        sparse MLA over dense["token"], W_UV and o_proj, residual; RMSNorm + dense SwiGLU MLP or MoE
+        (``cpkv.model.moe``), residual.
 
 Absorbed MLA (DeepSeek-V3 / GLM-5): kv_b_proj [H*(nope+v), kv_lora] splits into W_UK [H, nope, kv_lora]
-and W_UV [H, v, kv_lora]; scores are q_nope W_UK . c + q_rope . k_rope over kv_lora + rope dims,
-softmax scale (nope + rope)^-1/2; the output latent [T, H, kv_lora] maps back through W_UV.
+and W_UV [H, v, kv_lora]; scores are q_nope W_UK . c + q_rope . k_rope over kv_lora + rope dims with
+transformers' softmax scale ((nope + rope)^-1/2, times YaRN's mscale_all_dim correction squared); the output
+latent [T, H, kv_lora] maps back through W_UV. The indexer as transformers': q from the query latent,
+k = LayerNorm(wk x), RoPE on the first rope dims (interleaved on GLM-5, halves on DeepSeek-V3.2), head
+weights weights_proj(x) * Hi^-1/2, logits sum_h w_h relu(q_h . k * Di^-1/2). q_a / kv_a RMSNorms use
+eps 1e-6 (transformers hard-codes it), the layer norms ``rms_norm_eps``.
+
+Precision (``cfg.kv_dtype``): fp8 rows (656 / 132 B for GLM-5; Hadamard-rotated indexer q/k, as the
+DeepSeek reference, for the fp8 quantisation) or exact rows in the model dtype (``cpkv.model.exact``).
 """
 from __future__ import annotations
 
@@ -23,7 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
-from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, swiglu_mlp
+from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, softmax_scale, swiglu_mlp
+
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass
@@ -32,9 +44,9 @@ class Projected:
 
     q: torch.Tensor
     token: torch.Tensor
-    index: torch.Tensor
-    iq: torch.Tensor
-    iw: torch.Tensor
+    index: torch.Tensor | None
+    iq: torch.Tensor | None
+    iw: torch.Tensor | None
 
 
 @dataclass
@@ -72,82 +84,125 @@ class DSALayer:
         self.cfg, self.n = cfg, n
         w = {k[len(f"model.layers.{n}."):]: v for k, v in weights.items() if k.startswith(f"model.layers.{n}.")}
         self.w = w
+        self.full = cfg.indexer_types[n] == "full"
+        self.exact = cfg.kv_dtype != "fp8"
         h, nope, v, kr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = w["self_attn.kv_b_proj.weight"].view(h, nope + v, kr)
         self.w_uk = kv_b[:, :nope].contiguous()  # [H, nope, kv_lora]
         self.w_uv = kv_b[:, nope:].contiguous()  # [H, v, kv_lora]
-        self.sm_scale = (nope + cfg.qk_rope_head_dim) ** -0.5
+        self.sm_scale = softmax_scale(cfg.rope, nope + cfg.qk_rope_head_dim)
+        self.moe = self._stack_experts() if cfg.mlp_layer_types[n] == "sparse" else None
         self.stats = {"dense": 0, "sparse": 0}
+
+    def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed experts as gate_up [E, 2I, D] and down [E, D, I] (the per-expert tensors are dropped)."""
+        w, e = self.w, self.cfg.n_routed_experts
+        p = [f"mlp.experts.{x}." for x in range(e)]
+        gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight"], w[q + "up_proj.weight"])) for q in p])
+        down = torch.stack([w[q + "down_proj.weight"] for q in p])
+        for q in p:
+            for k in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                del w[q + k]
+        return gate_up, down
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
     def project(self, h: torch.Tensor, rot: Rotary) -> Projected:
         """h [T, hidden] (compute dtype) -> Projected (module docstring)."""
-        from cpkv.attention import quant_token_kv
-
         cfg, w = self.cfg, self.w
         x = rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
         qr = rms_norm(F.linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"],
-                      cfg.rms_norm_eps)
+                      LATENT_NORM_EPS)
         kv = F.linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
-        latent = rms_norm(kv[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], cfg.rms_norm_eps)
-        k_rope = rot.interleaved(kv[:, cfg.kv_lora_rank:])
-        token = quant_token_kv(torch.cat((latent.float(), k_rope), dim=1), cfg.token_format)
+        latent = rms_norm(kv[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], LATENT_NORM_EPS)
+        token = self._token_rows(torch.cat((latent.float(), rot.interleaved(kv[:, cfg.kv_lora_rank:])), dim=1))
+        if not self.full:
+            return Projected(self._query(qr, rot), token, None, None, None)
         iq, iw, index = self._indexer_inputs(x, qr, rot)
         return Projected(self._query(qr, rot), token, index, iq, iw)
 
+    def _token_rows(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv float32 [T, kv_lora + rope] -> uint8 token rows (fp8 quantised, or exact in the KV dtype)."""
+        if self.exact:
+            from cpkv.model.exact import pack_rows
+            return pack_rows(kv, self.cfg.token_format)
+        from cpkv.attention import quant_token_kv
+        return quant_token_kv(kv, self.cfg.token_format)
+
     def _query(self, qr: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """qr [T, q_lora] -> absorbed query bf16 [T, H, kv_lora + rope]."""
+        """qr [T, q_lora] -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or the KV dtype."""
         cfg = self.cfg
         q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(
             qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        return torch.cat((q_lat.float(), rot.interleaved(q_rope)), dim=-1).to(torch.bfloat16)
+        if self.exact:
+            return torch.cat((q_lat.float(), rot.interleaved(q_rope)), dim=-1).to(_kv_torch_dtype(cfg))
+        # = cat((q_lat.float(), rope), -1).to(bf16) bit for bit, without a float32 [T, H, 576] pass
+        return torch.cat((q_lat.to(torch.bfloat16), rot.interleaved(q_rope).to(torch.bfloat16)), dim=-1)
 
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, rot: Rotary):
-        """-> (iq fp8 [T, Hi, Di], iw float32 [T, Hi], index rows uint8 [T, Di + 4])."""
-        from cpkv.indexer import quantize_index_keys, quantize_queries
-
+        """-> (iq [T, Hi, Di], iw float32 [T, Hi], index rows uint8 [T, index row_bytes])."""
         cfg, w = self.cfg, self.w
         t, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
         q = F.linear(qr, w["self_attn.indexer.wq_b.weight"]).view(t, hi, di)
         k = layer_norm(F.linear(x, w["self_attn.indexer.wk.weight"]), w["self_attn.indexer.k_norm.weight"],
                        w["self_attn.indexer.k_norm.bias"])
-        q, k = hadamard_rotate(self._rope_first(q, rot)), hadamard_rotate(self._rope_first(k, rot))
-        weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float())
-        weights = weights * (hi ** -0.5 * di ** -0.5)
-        iq, iw = quantize_queries(q, weights)
-        return iq, iw, quantize_index_keys(k)
+        q, k = self._rope_first(q, rot), self._rope_first(k, rot)
+        weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
+        if self.exact:
+            from cpkv.model.exact import pack_rows
+            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
+        from cpkv.indexer import quantize_index_keys, quantize_queries
+
+        iq, iw = quantize_queries(hadamard_rotate(q), weights * di ** -0.5)
+        return iq, iw, quantize_index_keys(hadamard_rotate(k))
 
     def _rope_first(self, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (halves), the rest pass."""
+        """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (interleaved or halves), the rest pass."""
         r = self.cfg.qk_rope_head_dim
-        return torch.cat((rot.halves(x[..., :r]), x[..., r:].float()), dim=-1)
+        turn = rot.interleaved if self.cfg.indexer_rope == "interleaved" else rot.halves
+        return torch.cat((turn(x[..., :r]), x[..., r:].float()), dim=-1)
 
     # -- half 2: over the composed dense buffers ---------------------------------------------------
-    def attend(self, h: torch.Tensor, p: Projected, token_dense: torch.Tensor, index_dense: torch.Tensor,
-               plan: AttnPlan) -> torch.Tensor:
-        """h [T, hidden]; token_dense uint8 [S, token row]; index_dense uint8 [S, Di + 4] -> h' [T, hidden]."""
-        from cpkv.attention import dequant_token_kv
-
-        kv = dequant_token_kv(token_dense, self.cfg.token_format)
-        latent = self._attention(p, kv, index_dense, plan)  # bf16 [T, H, kv_lora]
+    def attend(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
+               topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, hidden]; dense {"token": uint8 [S, token row], "index": uint8 [S, index row] (full layers)};
+        ``topk``: the previous full layer's selection (shared layers) -> (h' [T, hidden], this layer's topk)."""
+        kv = self._dense_kv(dense["token"])
+        if not plan.dense and self.full:
+            topk = self.select(p, dense["index"], plan)
+        latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
         o = torch.einsum("thc,hvc->thv", latent.to(h.dtype), self.w_uv).reshape(h.shape[0], -1)
         h = h + F.linear(o, self.w["self_attn.o_proj.weight"])
-        return h + self._mlp(h)
+        return h + self._mlp(h), topk
 
-    def _attention(self, p: Projected, kv: torch.Tensor, index_dense: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
-        from cpkv.attention import dense_causal_mla, sparse_mla
+    def _dense_kv(self, token_dense: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            from cpkv.model.exact import unpack_rows
+            return unpack_rows(token_dense, self.cfg.token_format)
+        from cpkv.attention import dequant_token_kv
+        return dequant_token_kv(token_dense, self.cfg.token_format)
+
+    def _attention(self, p: Projected, kv: torch.Tensor, topk: torch.Tensor | None, plan: AttnPlan) -> torch.Tensor:
+        from cpkv.attention import dense_causal_mla, dense_causal_mla_ref, sparse_mla, sparse_mla_ref
 
         kr = self.cfg.kv_lora_rank
         if plan.dense:
             self.stats["dense"] += 1
-            return dense_causal_mla(p.q, kv, plan.ks, plan.ke, self.sm_scale, kr)[0]
+            run = dense_causal_mla_ref if self.exact else dense_causal_mla
+            return run(p.q, kv, plan.ks, plan.ke, self.sm_scale, kr)[0]
+        if topk is None:
+            raise ValueError(f"layer {self.n} is a shared indexer layer with no earlier full layer's top-k")
         self.stats["sparse"] += 1
-        return sparse_mla(p.q, kv, self.select(p, index_dense, plan), self.sm_scale, kr)[0]
+        return (sparse_mla_ref if self.exact else sparse_mla)(p.q, kv, topk, self.sm_scale, kr)[0]
 
     def select(self, p: Projected, index_dense: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
         """Indexer top-k: int32 [T, topk] absolute dense rows (-1 none) of each query's selected keys."""
+        if self.exact:
+            from cpkv.model.exact import index_topk_exact, unpack_rows
+
+            k = unpack_rows(index_dense, self.cfg.index_format)
+            return index_topk_exact(p.iq, k, p.iw, plan.ks, plan.ke, plan.topk, self.cfg.index_head_dim ** -0.5)
         from cpkv.indexer import dequantize_index_rows, index_topk, topk_to_slots
 
         k_fp8, k_scale = dequantize_index_rows(index_dense)
@@ -155,6 +210,20 @@ class DSALayer:
         return topk_to_slots(rel, plan.ks)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        from cpkv.model.moe import experts, route
+
         w = self.w
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
-        return swiglu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        if self.moe is None:
+            return swiglu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
+        out = experts(x, idx, weights, *self.moe)
+        if self.cfg.n_shared_experts:
+            s = "mlp.shared_experts."
+            out = out + swiglu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+        return out
+
+
+def _kv_torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    from cpkv.model.exact import TORCH_DTYPES
+    return TORCH_DTYPES[cfg.kv_dtype]

@@ -6,6 +6,7 @@ engine must reproduce its first tokens and, within tolerance, its last-token log
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -13,14 +14,32 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
+from cpkv.errors import ConfigError
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
 from cpkv.model.weights import Weights, check_weights, load_weights, random_weights
+
+PRECISIONS = ("fp8", "exact")
+
+
+FLOAT32_WEIGHTS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # kept in float32, as transformers
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """Compute dtype: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow there)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype
+
+
+def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> ModelConfig:
+    """``cfg`` with the KV dtype of ``precision``: fp8 rows, or (``exact``) rows in the compute dtype."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    kv = "fp8" if precision == "fp8" else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return dataclasses.replace(cfg, kv_dtype=kv)
 
 
 class DSAModel:
@@ -31,8 +50,10 @@ class DSAModel:
         check_weights(weights, cfg)
         self.cfg, self.device = cfg, torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
-        self.weights = {k: v.to(device=self.device, dtype=self.dtype) for k, v in weights.items()}
+        self.weights = {k: v.to(device=self.device, dtype=_dtype_of(k, self.dtype)) for k, v in weights.items()}
         self.layers = [DSALayer(cfg, self.weights, n) for n in range(cfg.num_layers)]
+        # routed experts live stacked in their layers now
+        self.weights = {k: v for k, v in self.weights.items() if ".mlp.experts." not in k}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
@@ -52,7 +73,7 @@ class DSAModel:
         return F.embedding(tokens.to(self.device), self.weights["model.embed_tokens.weight"])
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
-        return Rotary.build(positions.to(self.device), self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+        return Rotary.build(positions.to(self.device), self.cfg.qk_rope_head_dim, self.cfg.rope)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, hidden] -> float32 [N, vocab] after the final norm and the LM head."""
@@ -70,19 +91,21 @@ class DSAModel:
         ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
         rot = self.rotary(torch.arange(n, device=self.device))
         plan = AttnPlan.build([0] * n, list(range(1, n + 1)), self.cfg.index_topk, self.device)
-        h = self.embed(ids)
+        h, topk = self.embed(ids), None
         for layer in self.layers:
             p = layer.project(h, rot)
-            h = layer.attend(h, p, p.token, p.index, plan)
+            h, topk = layer.attend(h, p, {"token": p.token, "index": p.index}, plan, topk)
         return self.logits(h[-1:])[0]
 
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               num_layers: int | None = None) -> DSAModel:
-    """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors)."""
+               num_layers: int | None = None, precision: str = "fp8") -> DSAModel:
+    """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
+    ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype)."""
     from cpkv.model.config import load_model_config
 
-    cfg = load_model_config(spec, num_layers)
+    dtype = dtype or default_dtype(device)
+    cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
     if Path(spec).is_dir():
         return DSAModel.from_pretrained(spec, cfg, device, dtype)
     return DSAModel.random(cfg, seed, device, dtype)

@@ -1,16 +1,22 @@
 """Small tensor ops of the DSA model: norms, rotary embeddings, the Hadamard rotation, SwiGLU.
 
-Rotary embeddings follow the DeepSeek-V3.2 reference: MLA rotates *interleaved* pairs (x[2i], x[2i+1]);
-the indexer rotates *halves* (x[i], x[i + d/2]). ``Rotary`` holds cos/sin for one batch's positions,
-built once per batch and shared by every layer.
+Rotary embeddings as transformers' GLM-5 / DeepSeek-V3.2: MLA rotates *interleaved* pairs
+(x[2i], x[2i+1]); the indexer rotates interleaved pairs on GLM-5 and *halves* (x[i], x[i + d/2]) on
+DeepSeek-V3.2. Frequencies are plain (theta^(-2i/d)) or YaRN's blend of interpolated and extrapolated
+ones, and YaRN's attention factor scales cos and sin. ``Rotary`` holds cos/sin for one batch's
+positions, built once per batch and shared by every layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from cpkv.config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,19 +36,59 @@ def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """-> (inv_freq float32 [dim / 2], attention factor), in transformers' float32 arithmetic."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.type == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor, original = rope.factor, rope.original_max_position_embeddings
+    attention = rope.attention_factor
+    if attention is None:
+        attention = (yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+                     if rope.mscale and rope.mscale_all_dim else yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
+
+
+def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
+    """MLA softmax scale: qk_head_dim^-1/2, times yarn_mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = qk_head_dim ** -0.5
+    if rope.type != "default" and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
 @dataclass(frozen=True)
 class Rotary:
-    """cos/sin float32 [T, rope_dim / 2] of one batch's token positions."""
+    """cos/sin float32 [T, rope_dim / 2] of one batch's token positions (attention factor included)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     @classmethod
-    def build(cls, positions: torch.Tensor, rope_dim: int, theta: float) -> "Rotary":
-        """positions int [T] -> Rotary with angles pos * theta^(-2i / rope_dim)."""
-        inv = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device) / rope_dim)
-        ang = positions.to(torch.float64)[:, None] * inv[None, :]
-        return cls(torch.cos(ang).float(), torch.sin(ang).float())
+    def build(cls, positions: torch.Tensor, rope_dim: int, rope: RopeConfig | float) -> "Rotary":
+        """positions int [T] -> Rotary with angles pos * inv_freq (``rope``: a RopeConfig or a plain theta)."""
+        rope = rope if isinstance(rope, RopeConfig) else RopeConfig(theta=float(rope))
+        inv, attention = rope_frequencies(rope, rope_dim)
+        ang = positions.to(torch.float32)[:, None] * inv.to(positions.device)[None, :]
+        return cls(torch.cos(ang) * attention, torch.sin(ang) * attention)
 
     def _cs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[1],)

@@ -1,6 +1,6 @@
 """DSA model weights: the public checkpoint naming, random weights from a seed, safetensors loading.
 
-Names and shapes (``[out, in]`` for linear layers), as in DeepSeek-V3.2 / GLM-5 checkpoints::
+Names and shapes (``[out, in]`` for linear layers), as in the GLM-5 / DeepSeek-V3.2 checkpoints::
 
     model.embed_tokens.weight                               [vocab, hidden]
     model.layers.N.input_layernorm.weight                   [hidden]
@@ -11,18 +11,31 @@ Names and shapes (``[out, in]`` for linear layers), as in DeepSeek-V3.2 / GLM-5 
     model.layers.N.self_attn.kv_a_layernorm.weight          [kv_lora]
     model.layers.N.self_attn.kv_b_proj.weight               [H * (nope + v), kv_lora]
     model.layers.N.self_attn.o_proj.weight                  [hidden, H * v]
+    full indexer layers only:
     model.layers.N.self_attn.indexer.wq_b.weight            [Hi * Di, q_lora]
     model.layers.N.self_attn.indexer.wk.weight              [Di, hidden]
     model.layers.N.self_attn.indexer.k_norm.weight / .bias  [Di]   (LayerNorm)
     model.layers.N.self_attn.indexer.weights_proj.weight    [Hi, hidden]
     model.layers.N.post_attention_layernorm.weight          [hidden]
+    dense layers (N < first_k_dense_replace):
     model.layers.N.mlp.{gate_proj,up_proj}.weight           [inter, hidden]
     model.layers.N.mlp.down_proj.weight                     [hidden, inter]
+    MoE layers:
+    model.layers.N.mlp.gate.weight                          [experts, hidden]
+    model.layers.N.mlp.gate.e_score_correction_bias         [experts]
+    model.layers.N.mlp.experts.E.{gate_proj,up_proj}.weight [moe_inter, hidden]
+    model.layers.N.mlp.experts.E.down_proj.weight           [hidden, moe_inter]
+    model.layers.N.mlp.shared_experts.{gate_proj,up_proj}.weight  [moe_inter * shared, hidden]
+    model.layers.N.mlp.shared_experts.down_proj.weight      [hidden, moe_inter * shared]
     model.norm.weight                                       [hidden]
     lm_head.weight                                          [vocab, hidden]
 
-Block-quantised fp8 checkpoints (a float8 ``.weight`` beside ``.weight_scale_inv`` of one float32 scale
-per 128 x 128 block) are dequantised on load.
+Checkpoints: ``*.safetensors`` files, or the shards a ``model.safetensors.index.json`` lists; tensors of
+layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` cut) are not read.
+Block-quantised fp8 weights (a float8 ``.weight`` beside ``.weight_scale_inv``, one float32 scale per
+128 x 128 block) are **dequantised at load** into the compute dtype; the engine never runs fp8 GEMMs.
+``cpkv.model.checkpoint.check_checkpoint`` validates every file header, name and shape without reading
+tensor data (the parent process runs it before any rank starts).
 """
 from __future__ import annotations
 
@@ -33,47 +46,11 @@ import torch
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
+from cpkv.model.checkpoint import expected_shapes, layer_shapes  # noqa: F401  (the public names live there)
 
 Weights = dict[str, torch.Tensor]
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 FP8_BLOCK = 128
-
-
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's tensors, keyed by the name after ``model.layers.N.``."""
-    d, h, qr, kr = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    hi, di, inter = cfg.index_n_heads, cfg.index_head_dim, cfg.intermediate_size
-    a = "self_attn."
-    return {
-        "input_layernorm.weight": (d,),
-        a + "q_a_proj.weight": (qr, d),
-        a + "q_a_layernorm.weight": (qr,),
-        a + "q_b_proj.weight": (h * (nope + rope), qr),
-        a + "kv_a_proj_with_mqa.weight": (kr + rope, d),
-        a + "kv_a_layernorm.weight": (kr,),
-        a + "kv_b_proj.weight": (h * (nope + v), kr),
-        a + "o_proj.weight": (d, h * v),
-        a + "indexer.wq_b.weight": (hi * di, qr),
-        a + "indexer.wk.weight": (di, d),
-        a + "indexer.k_norm.weight": (di,),
-        a + "indexer.k_norm.bias": (di,),
-        a + "indexer.weights_proj.weight": (hi, d),
-        "post_attention_layernorm.weight": (d,),
-        "mlp.gate_proj.weight": (inter, d),
-        "mlp.up_proj.weight": (inter, d),
-        "mlp.down_proj.weight": (d, inter),
-    }
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model needs, full public names -> shape."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
-    for n in range(cfg.num_layers):
-        out.update({f"model.layers.{n}.{k}": s for k, s in layer_shapes(cfg).items()})
-    out["model.norm.weight"] = (cfg.hidden_size,)
-    out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    return out
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -93,7 +70,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devi
     x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
     if name.endswith(NORM_SUFFIXES):
         return 1.0 + 0.1 * x
-    if name.endswith(".bias"):
+    if name.endswith("bias"):  # k_norm.bias, the router's e_score_correction_bias
         return 0.1 * x
     if name == "model.embed_tokens.weight":
         return x
@@ -116,20 +93,25 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights") -
 
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> Weights:
-    """Read the tensors ``cfg`` needs from ``path/*.safetensors`` (layers beyond cfg.num_layers skipped)."""
-    from safetensors import safe_open
+    """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; fp8 block-scaled
+    weights dequantised; tensors of other layers not read)."""
+    from safetensors import SafetensorError, safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files")
-    wanted = expected_shapes(cfg)
+    from cpkv.model.checkpoint import check_checkpoint
+
+    index = check_checkpoint(path, cfg)
+    wanted = set(expected_shapes(cfg))
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted | {n + "_scale_inv" for n in wanted if n + "_scale_inv" in index}:
+        by_file.setdefault(index[name].file, []).append(name)
     raw: Weights = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if key in wanted or (key.endswith("_scale_inv") and key[: -len("_scale_inv")] in wanted):
-                    raw[key] = st.get_tensor(key)
-    out = {name: _dequant(raw, name).to(device=device, dtype=dtype, copy=True) for name in wanted if name in raw}
+    for f, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                raw.update({name: st.get_tensor(name) for name in sorted(names)})
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{f}: cannot read tensors ({exc})") from None
+    out = {name: _dequant(raw, name).to(device=device, dtype=dtype, copy=True) for name in wanted}
     check_weights(out, cfg, str(path))
     return out
 
@@ -144,8 +126,10 @@ def _dequant(raw: Weights, name: str) -> torch.Tensor:
     return w.float() * s
 
 
-def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: Weights, shards: int = 2) -> None:
-    """Write ``config.json`` and ``weights`` split over ``shards`` safetensors files (tests, examples)."""
+def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: Weights, shards: int = 2, fp8: bool = False) -> None:
+    """Write ``config.json``, ``weights`` split over ``shards`` safetensors files and their
+    ``model.safetensors.index.json`` (tests, examples). ``fp8``: 2-D linear weights stored as DeepSeek ships
+    them, float8_e4m3fn with 128 x 128 block ``weight_scale_inv``."""
     from safetensors.torch import save_file
 
     from cpkv.model.config import config_to_dict
@@ -153,9 +137,31 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: Weights, shards
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-    names = list(weights)
+    stored: Weights = {}
+    for k, w in weights.items():
+        if fp8 and w.dim() == 2 and k.endswith("proj.weight"):
+            stored[k], stored[k + "_scale_inv"] = quant_fp8_blocks(w)
+        else:
+            stored[k] = w
+    names = list(stored)
     per = -(-len(names) // shards)
+    weight_map = {}
     for i in range(shards):
-        part = {k: weights[k].contiguous() for k in names[i * per:(i + 1) * per]}
+        part = {k: stored[k].contiguous() for k in names[i * per:(i + 1) * per]}
         if part:
-            save_file(part, str(path / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file(part, str(path / file))
+            weight_map.update({k: file for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def quant_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (float8_e4m3fn [R, C], float32 scale_inv [ceil(R/128), ceil(C/128)]): w ~ fp8 x scale."""
+    rows, cols = w.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale

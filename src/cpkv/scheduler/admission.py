@@ -61,7 +61,9 @@ class Rejected:
 class Admission:
     """Static admission rules every rank applies identically.
 
-    ``row_bytes``: token + index row bytes per token (788 B for GLM-5). ``staging_pages``: current pages
+    ``row_bytes``: token + index row bytes per token of one layer's dense buffers and staging (788 B for
+    GLM-5: a batch composes index rows on its full indexer layers, so both kinds' buffers exist; what
+    differs per layer kind is the pool, ``ModelConfig.kv_bytes_per_token``). ``staging_pages``: current pages
     per staging parity half (the staging identity). ``logits_budget``: bytes of one indexer logits chunk.
     ``full_hit``: a prompt entirely in the cache recomputes its last page (``page``, stays aligned) or
     only its last token (``token``: an unaligned prefix, runs alone).

@@ -29,6 +29,9 @@ from cpkv.layout import causal_work
 from cpkv.scheduler.batch import Batch
 
 
+MAX_COSTS_BYTES = 16 << 20  # a --costs file
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-GPU unit costs (seconds) and the KV memory budget of one rank (bytes)."""
@@ -37,7 +40,7 @@ class CostModel:
     layer_overhead_s: float = 1.5e-4       # per layer: kernel launches, two barriers, norms
     num_layers: int = 78
     linear_s_per_token: float = 9.0e-5     # projections + MoE share: ~80 GFLOP/token at ~0.9 PFLOP/s fp8
-    indexer_s_per_pair: float = 7.0e-10    # 78 x (32x128x2 fp8 FLOP + 8 B logits traffic) per pair
+    indexer_s_per_pair: float = 3.6e-10    # 40 full layers x (32x128x2 fp8 FLOP + 8 B logits traffic) per pair
     attention_s_per_pair: float = 1.8e-8   # 78 x 64 heads x (576 + 512) x 2 FLOP at ~0.6 PFLOP/s bf16
     topk: int = 2048
     compose_s_per_token: float = 1.15e-7   # the traced batch's symm compose / its 544K keys (BENCHMARKS.md)
@@ -47,7 +50,7 @@ class CostModel:
     mem_fraction: float = 0.90
     weight_bytes: float = 7.6e11           # GLM-5 in FP8, whole model (divided over the cp ranks)
     reserve_bytes: float = 8e9             # activations, dense buffers, logits chunk, staging, graphs
-    kv_bytes_per_token: int = 61464        # 78 layers x (656 + 132) B
+    kv_bytes_per_token: int = 56448        # 78 layers x 656 B + 40 full indexer layers x 132 B (glm5 preset)
 
     @classmethod
     def from_json(cls, *paths: str | Path) -> "CostModel":
@@ -55,9 +58,13 @@ class CostModel:
         model = cls()
         for path in paths:
             try:
-                obj = json.loads(Path(path).read_text())
-            except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes
-                raise ConfigError(f"{path}: cannot read a cost model ({exc})") from None
+                with open(path, "rb") as f:  # bounded: a cost file or bench report is a few KiB
+                    raw = f.read(MAX_COSTS_BYTES + 1)
+                obj = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_COSTS_BYTES else None
+            except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or undecodable bytes
+                raise ConfigError(f"{path}: cannot read a cost model ({type(exc).__name__}: {str(exc)[:200]})") from None
+            if len(raw) > MAX_COSTS_BYTES:
+                raise ConfigError(f"{path}: cannot read a cost model (larger than {MAX_COSTS_BYTES >> 20} MiB)")
             if isinstance(obj, dict) and isinstance(obj.get("costs"), dict):
                 obj = obj["costs"]
             model = model.updated(obj, str(path))
@@ -129,9 +136,9 @@ def unit_costs_attention(cases: list[dict[str, Any]], topk: int, num_layers: int
     return {"attention_s_per_pair": num_layers * seconds / pairs} if pairs else {}
 
 
-def unit_costs_indexer(scenarios: list[dict[str, Any]], num_layers: int = 78) -> dict[str, float]:
+def unit_costs_indexer(scenarios: list[dict[str, Any]], num_layers: int = 40) -> dict[str, float]:
     """``indexer_s_per_pair`` from ``cpkv bench indexer`` scenarios: logits + top-k time over the
-    (query, visible key) pairs, times the layers."""
+    (query, visible key) pairs, times the layers that run the indexer (GLM-5: its 40 full layers)."""
     pairs = sum(s["pairs"] for s in scenarios)
     seconds = sum(s["logits_ms"] + s["topk_ms"] for s in scenarios) / 1e3
     return {"indexer_s_per_pair": num_layers * seconds / pairs} if pairs else {}

@@ -47,6 +47,8 @@ class ReplayConfig:
         for key in ("chunk_size", "max_requests"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.chunk_size % self.page_size:
+            raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
         if self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.page_size:
             raise ConfigError(f"kv_tokens_per_rank must hold at least one page ({self.page_size} tokens), "
                               f"got {self.kv_tokens_per_rank}")
@@ -76,8 +78,8 @@ class ReplayResult:
         t = sorted(self.ttft)
         return {
             "policy": self.policy, "kv": self.kv, "requests": self.requests,
-            "ttft_s": {"p50": percentile(t, 50), "p90": percentile(t, 90), "p99": percentile(t, 99),
-                       "max": t[-1] if t else 0.0},
+            "ttft_s": ({"p50": percentile(t, 50), "p90": percentile(t, 90), "p99": percentile(t, 99), "max": t[-1]}
+                       if t else {"p50": None, "p90": None, "p99": None, "max": None}),  # none completed
             "cache_hit_ratio": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "batches": self.batches,
             "mean_batch_requests": self.batch_entries / self.batches if self.batches else 0.0,

@@ -9,6 +9,11 @@ One JSON object per line (docs/trace-format.md)::
 ``id`` (string or integer, unique), ``arrival`` (seconds, non-decreasing), and either ``tokens`` (the
 prompt) or ``prompt_len`` with an optional ``parent`` (an earlier request whose whole prompt starts this
 one). A synthetic prompt's tokens are drawn deterministically from its id, after its parent's tokens.
+
+Reading is bounded whatever the file holds: at most ``MAX_TRACE_BYTES`` in all and ``MAX_LINE_BYTES`` per
+line, integers (ids, token ids) within int64, prompts of at most ``MAX_PROMPT_LEN`` tokens; a file
+beyond a bound, deeply nested JSON or a huge number is a ``TraceError`` naming the line, never a
+MemoryError or a RecursionError.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from cpkv.files import atomic_output
 
 FIELDS = ("id", "arrival", "tokens", "prompt_len", "parent")
 DEFAULT_VOCAB = 512  # the smallest preset vocabulary: synthetic tokens are valid for every preset
+MAX_TRACE_BYTES = 256 << 20  # a trace file (10,000 requests by prompt_len take about 1 MiB)
+MAX_LINE_BYTES = 32 << 20    # one line (a 2M-token prompt given as token ids)
+MAX_PROMPT_LEN = 1 << 24     # tokens of one prompt (far above any model's context)
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -53,14 +62,37 @@ class TraceRequest:
 # -- parsing ---------------------------------------------------------------------------------------
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """Parse and validate a JSONL trace; the first bad line raises TraceError naming it and why."""
+    return parse_trace(read_lines(path), source=str(path))
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The file's lines, read within MAX_TRACE_BYTES and MAX_LINE_BYTES (TraceError beyond either)."""
+    lines: list[str] = []
+    total = 0
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            while True:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    return lines
+                total += len(raw)
+                n = len(lines) + 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise TraceError(f"{path}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB (the most a trace "
+                                     "line may hold)")
+                if total > MAX_TRACE_BYTES:
+                    raise TraceError(f"{path}: larger than {MAX_TRACE_BYTES >> 20} MiB (the most a trace may hold)")
+                lines.append(_decode(raw, path, n, total - len(raw)))
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc.strerror})") from None
+
+
+def _decode(raw: bytes, path: str | Path, n: int, offset: int) -> str:
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{path}: expected a UTF-8 JSONL text file, got undecodable bytes at offset "
-                         f"{exc.start}") from None
-    return parse_trace(text.splitlines(), source=str(path))
+        raise TraceError(f"{path}:{n}: expected a UTF-8 JSONL text file, got undecodable bytes at offset "
+                         f"{offset + exc.start}") from None
 
 
 def parse_trace(lines: Sequence[str], source: str = "<trace>") -> list[TraceRequest]:
@@ -96,6 +128,10 @@ def _parse_line(raw: str, n: int, seen: dict, last_arrival: float) -> TraceReque
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _LineError(f"bad JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an integer of thousands of digits
+        raise _LineError(f"bad JSON ({str(exc).split(';')[0]})") from None
+    except RecursionError:
+        raise _LineError("bad JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise _LineError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(FIELDS))
@@ -112,10 +148,10 @@ def _parse_id(obj: dict, seen: dict) -> Hashable:
     if "id" not in obj:
         raise _LineError("missing field 'id'")
     rid = obj["id"]
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        raise _LineError(f"'id' must be a string or an integer, got {json.dumps(rid)}")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, int) and abs(rid) > INT64_MAX):
+        raise _LineError(f"'id' must be a string or an integer within int64, got {_short(rid)}")
     if _key(rid) in seen:
-        raise _LineError(f"duplicate id {rid!r} (first on line {seen[_key(rid)].line})")
+        raise _LineError(f"duplicate id {_name(rid)} (first on line {seen[_key(rid)].line})")
     return rid
 
 
@@ -137,15 +173,17 @@ def _parse_prompt(obj: dict) -> tuple[tuple[int, ...] | None, int]:
                          + (", not both" if has_t else "; neither is present"))
     if has_n:
         n = obj["prompt_len"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise _LineError(f"'prompt_len' must be an integer >= 1, got {json.dumps(n)}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROMPT_LEN:
+            raise _LineError(f"'prompt_len' must be an integer in 1..{MAX_PROMPT_LEN}, got {_short(n)}")
         return None, n
     toks = obj["tokens"]
     if not isinstance(toks, list) or not toks:
         raise _LineError("'tokens' must be a non-empty list of integers")
+    if len(toks) > MAX_PROMPT_LEN:
+        raise _LineError(f"'tokens' must hold at most {MAX_PROMPT_LEN} tokens, got {len(toks)}")
     for i, t in enumerate(toks):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise _LineError(f"'tokens'[{i}] must be an integer >= 0, got {json.dumps(t)}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+            raise _LineError(f"'tokens'[{i}] must be an integer in 0..2^63-1, got {_short(t)}")
     return tuple(toks), len(toks)
 
 
@@ -157,16 +195,42 @@ def _parse_parent(obj: dict, rid: Hashable, prompt_len: int, seen: dict) -> Hash
         raise _LineError("'parent' goes with 'prompt_len' only: a prompt given as 'tokens' shares its prefix "
                          "through the tokens themselves")
     if isinstance(parent, bool) or not isinstance(parent, (str, int)):
-        raise _LineError(f"'parent' must be a string or an integer id, got {json.dumps(parent)}")
+        raise _LineError(f"'parent' must be a string or an integer id, got {_short(parent)}")
     if _key(parent) == _key(rid):
-        raise _LineError(f"request {rid!r} names itself as its parent")
+        raise _LineError(f"request {_name(rid)} names itself as its parent")
     if _key(parent) not in seen:
-        raise _LineError(f"unknown parent {parent!r}", parent)
+        raise _LineError(f"unknown parent {_name(parent)}", parent)
     plen = seen[_key(parent)].prompt_len
     if prompt_len < plen:
-        raise _LineError(f"prompt_len {prompt_len} is shorter than its parent {parent!r}'s {plen} "
+        raise _LineError(f"prompt_len {prompt_len} is shorter than its parent {_name(parent)}'s {plen} "
                          "(a parent's whole prompt must start this one)")
     return parent
+
+
+def _short(value: Any) -> str:
+    """A bad value as JSON, cut short (a line may hold megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _name(rid: Hashable) -> str:
+    """An id as in a message: its repr, cut short."""
+    text = repr(rid)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_vocab(requests: Sequence[TraceRequest], vocab_size: int, source: str, model: str) -> None:
+    """Raise TraceError naming the first listed token id outside [0, vocab_size) (line and position)."""
+    for r in requests:
+        if r.tokens is None:
+            continue
+        top = max(r.tokens)
+        if top >= vocab_size:
+            i = r.tokens.index(top)
+            raise TraceError(f"{source}:{r.line}: 'tokens'[{i}] = {top} is outside the vocabulary of model {model} "
+                             f"(token ids 0..{vocab_size - 1})")
 
 
 def _explain(exc: _LineError, lines: Sequence[str], n: int) -> str:
@@ -176,11 +240,11 @@ def _explain(exc: _LineError, lines: Sequence[str], n: int) -> str:
     for m in range(n, len(lines)):
         try:
             obj = json.loads(lines[m])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict) and "id" in obj and not isinstance(obj["id"], (list, dict)) \
                 and _key(obj["id"]) == _key(exc.parent):
-            return f"parent {exc.parent!r} is defined later, on line {m + 1} (a parent must come first)"
+            return f"parent {_name(exc.parent)} is defined later, on line {m + 1} (a parent must come first)"
     return f"{exc} (no earlier line has this id)"
 
 

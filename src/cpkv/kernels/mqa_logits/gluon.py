@@ -13,7 +13,8 @@ that four single-warpgroup programs share each SM and overlap one another's dots
 TMA boxes of BOX = 2 tiles (one expect, one copy and one wait per box), STAGES box buffers, each refilled at
 the top of the next box after a thread barrier.
 
-Programs: the grid (spans of SPAN tiles, token groups), every pair launched, empty ones returning at once;
+Programs: every (span of SPAN tiles, token group) pair, empty ones returning at once, in one flat grid
+dimension (cpkv.kernels.grid.logits_grid: any number of tokens, spans fastest);
 or (ITEMS) one program per row of a host-built item list (first token, first column, tiles), only the
 non-empty pairs, in the order the list gives (cpkv.kernels.mqa_logits.work: span by span, last wave cut short).
 
@@ -39,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from cpkv.kernels.grid import logits_grid
 
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
@@ -133,9 +136,10 @@ def mqa_logits_gluon_kernel(
         t0 = _uniform(gl.load(item))
         c_start = _uniform(gl.load(item + 1))
         n_tiles = _uniform(gl.load(item + 2))
-    else:  # grid (spans, token groups), the span index fastest
-        pid_s = gl.program_id(0)
-        pid_t = gl.program_id(1)
+    else:  # flat grid (cpkv.kernels.grid.logits_grid): spans fastest
+        n_spans = gl.cdiv(n_cols, SPAN * BLOCK_S)
+        pid_s = gl.program_id(0) % n_spans
+        pid_t = gl.program_id(0) // n_spans
         t0 = pid_t * BQ
     offs_t = t0 + gl.arange(0, BQ, gl.SliceLayout(0, res_l))
     tmask = offs_t < T
@@ -179,7 +183,7 @@ def mqa_logits_gluon_kernel(
         qn = gl.arange(0, N, gl.SliceLayout(1, q_ld))
         q_tok, q_head = _token_head(qn, BQW)
         qd = gl.arange(0, D, gl.SliceLayout(0, q_ld))
-        q_blk = gl.load(q_ptr + ((t0 + q_tok) * stride_qt + q_head * D)[:, None] + qd[None, :],
+        q_blk = gl.load(q_ptr + ((t0 + q_tok).to(gl.int64) * stride_qt + q_head * D)[:, None] + qd[None, :],
                         mask=((t0 + q_tok) < T)[:, None], other=0.0)
         q_s.store(q_blk)
         wn = gl.arange(0, N, gl.SliceLayout(0, mma_l))
@@ -249,7 +253,7 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
             return out
         grid = (items.shape[0],)
     else:
-        grid = (-(-n_cols // (span * BLOCK_S)), -(-T // bq))
+        grid = logits_grid(n_cols, T, span * BLOCK_S, bq)
     mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out, items if items is not None else ks,
         T, k.shape[0], col_offset, n_cols,

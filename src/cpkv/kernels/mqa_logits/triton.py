@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cpkv.kernels.grid import logits_grid
 from cpkv.kernels.mqa_logits.config import LogitsConfig
 from cpkv.kernels.platform import capability, gluon_importable, sm_count
 
@@ -90,11 +91,13 @@ def mqa_logits_kernel_lanes(
     key tiles come through k_desc (a [S, D] tensor descriptor, block [BLOCK_S, D], rows past S read
     as zeros) instead of per-thread pointer loads."""
     N: tl.constexpr = BQ * H
-    pid_s = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    n_spans = tl.cdiv(n_cols, SPAN * BLOCK_S)  # flat grid (cpkv.kernels.grid.logits_grid): spans fastest
+    pid_s = tl.program_id(0) % n_spans
+    pid_t = tl.program_id(0) // n_spans
     t0 = pid_t * BQ
     offs_t = t0 + tl.arange(0, BQ)
     tmask = offs_t < T
+    out_rows = out_ptr + offs_t.to(tl.int64) * stride_out  # T x n_cols may pass 2^31 elements
     ks_v = tl.load(ks_ptr + offs_t, mask=tmask, other=2147483647)
     ke_v = tl.load(ke_ptr + offs_t, mask=tmask, other=0)
     lo = tl.maximum(tl.min(ks_v, axis=0) - col_off, 0)
@@ -109,11 +112,11 @@ def mqa_logits_kernel_lanes(
         ninf = tl.full([BLOCK_S, BQ], float("-inf"), tl.float32)
         for c in range(span_lo, c_start, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
         for c in range(c_start + n_tiles * BLOCK_S, span_hi, BLOCK_S):
             oc = c + offs_bs
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], ninf,
+            tl.store(out_rows[None, :] + oc[:, None], ninf,
                      mask=tmask[None, :] & (oc < span_hi)[:, None])
     if n_tiles > 0:
         offs_n = tl.arange(0, N)
@@ -121,7 +124,7 @@ def mqa_logits_kernel_lanes(
         tok, head = _column_token_head(offs_n, BQ)
         n_tok = t0 + tok
         nmask = n_tok < T
-        q_blk = tl.load(q_ptr + n_tok[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
+        q_blk = tl.load(q_ptr + n_tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
                         mask=nmask[:, None], other=0.0)
         if CAST_BF16:
             q_blk = q_blk.to(tl.bfloat16)
@@ -148,7 +151,7 @@ def mqa_logits_kernel_lanes(
             if CLEAN:
                 valid = (j[:, None] >= ks_v[None, :]) & (j[:, None] < ke_v[None, :])
                 val = tl.where(valid, val, float("-inf"))
-            tl.store(out_ptr + offs_t[None, :] * stride_out + oc[:, None], val,
+            tl.store(out_rows[None, :] + oc[:, None], val,
                      mask=tmask[None, :] & (oc < n_cols)[:, None])
             ksc = ksc_n
 
@@ -227,7 +230,7 @@ def mqa_logits_triton(
         return out
     bq = cfg.bq(H)
     k_align = next(a for a in (16, 8, 4, 2, 1) if k.stride(0) % a == 0)
-    grid = (-(-n_cols // (cfg.span * cfg.block_s)), -(-T // bq))
+    grid = logits_grid(n_cols, T, cfg.span * cfg.block_s, bq)
     if cfg.variant == "gluon" and _gluon_applies(q, k):
         from cpkv.kernels.mqa_logits.gluon import mqa_logits_gluon
 

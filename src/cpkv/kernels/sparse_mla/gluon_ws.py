@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from cpkv.kernels.grid import sparse_mla_grid
+
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
 
@@ -50,6 +52,13 @@ def load() -> Any:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     @gluon.jit
+    def _program(H):
+        """(head block, query token as int64) of this program in the flat grid (cpkv.kernels.grid)."""
+        n_hb = (H + 63) // 64
+        pid = gl.program_id(0)
+        return pid % n_hb, (pid // n_hb).to(gl.int64)
+
+    @gluon.jit
     def _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE: gl.constexpr):
         """Query token t's keys: (first key row (dense), number of keys, its index row)."""
         if DENSE:
@@ -61,9 +70,9 @@ def load() -> Any:
         return ks_t, n_keys, IDX + t * stride_it
 
     @gluon.jit
-    def _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+    def _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
         """A consumer's token, key range and empty softmax state (row max, row sum, O half, a zero S)."""
-        t = gl.program_id(1).to(gl.int64)
+        _, t = _program(H)
         ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         m_run = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
         l_run = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
@@ -95,8 +104,7 @@ def load() -> Any:
                   q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr):
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
-        pid_h = gl.program_id(0)
-        t = gl.program_id(1).to(gl.int64)
+        pid_h, t = _program(H)
         bar_q = bars.index(0)
         # Q rows (heads >= H zero-filled)
         hq = pid_h * 64 + gl.arange(0, 64, rl)
@@ -143,14 +151,14 @@ def load() -> Any:
         return s, gl.maximum(m_ref, mx)
 
     @gluon.jit
-    def _consumer0(IDX, KS, KE, S, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
+    def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
                    DENSE: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max)."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE, s_l, o_l)
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE, s_l, o_l)
         mbarrier.wait(bars.index(0), 0)
         for i in range(gl.cdiv(n_keys, 128)):
             ph = i & 1
@@ -206,7 +214,7 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, TOPK, stride_it, DENSE, s_l, o_l)
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE, s_l, o_l)
         mbarrier.wait(bars.index(0), 0)
         for i in range(gl.cdiv(n_keys, 128)):
             ph = i & 1
@@ -257,7 +265,7 @@ def load() -> Any:
         l_tot = l_run + sl.index(0).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
-        pid_h = gl.program_id(0)
+        pid_h, _ = _program(H)
         ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
         co = 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
         gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
@@ -269,7 +277,7 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
-        o, l_run, _ = _consumer0(IDX, KS, KE, S, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm,
+        o, l_run, _ = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm,
                                  bars, DENSE)
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -281,8 +289,7 @@ def load() -> Any:
         l_tot = l_run + sl.index(1).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
-        pid_h = gl.program_id(0)
-        t = gl.program_id(1).to(gl.int64)
+        pid_h, t = _program(H)
         ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
         co = gl.arange(0, 256, gl.SliceLayout(0, o_l))
         gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
@@ -333,7 +340,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: 
     t, h, _ = q.shape
     dense = indices is None
     idx = ks if dense else indices
-    grid = ((h + 63) // 64, t)
+    grid = sparse_mla_grid(t, h, 64)
     return load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,

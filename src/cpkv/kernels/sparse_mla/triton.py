@@ -6,7 +6,8 @@
     out     [T, H, d_v]   bfloat16
     lse     [T, H]        float32    natural log; +inf for a row with no valid key
 
-One program handles one query token and a block of BLOCK_H heads: every gathered key tile
+One program handles one query token and a block of BLOCK_H heads (one flat grid dimension,
+head blocks fastest: ``cpkv.kernels.grid.sparse_mla_grid``, any number of tokens): every gathered key tile
 ``kv[idx[k0:k0+BLOCK_K]]`` is loaded once and used by all BLOCK_H heads (scores: a
 [BLOCK_H, d_qk] x [d_qk, BLOCK_K] bf16 dot, fp32 accumulate; then [BLOCK_H, BLOCK_K] x
 [BLOCK_K, d_v] for the values, from the same tile). Online softmax in base 2.
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from cpkv.kernels.platform import capability, gluon_importable
+from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
@@ -104,8 +106,10 @@ def load() -> Any:
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
         DENSE: tl.constexpr,
     ):
-        pid_h = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
+        # flat grid (cpkv.kernels.grid.sparse_mla_grid): head blocks fastest, any number of tokens
+        n_hb = tl.cdiv(H, BLOCK_H)
+        pid_h = tl.program_id(0) % n_hb
+        t = (tl.program_id(0) // n_hb).to(tl.int64)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         offs_v = tl.arange(0, D_V)
@@ -175,7 +179,7 @@ def launch(
         from cpkv.kernels.sparse_mla import gluon_ws as sparse_mla_ws
 
         return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
-    grid = (math.ceil(h / cfg.block_h), t)
+    grid = sparse_mla_grid(t, h, cfg.block_h)
     compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, topk, sm_scale * LOG2E,

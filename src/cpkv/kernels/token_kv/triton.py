@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 GROUP = 128
-BLOCK_S = 16
+# (rows per program, warps) of each kernel: the fastest shape of `cpkv bench attention --sweep` (BENCHMARKS.md)
+DEQUANT_LAUNCH = (8, 4)
+QUANT_LAUNCH = (8, 4)
 
 
 @lru_cache(maxsize=1)
@@ -35,41 +37,48 @@ def load() -> tuple[Any, Any]:
         FP8, SCALE, ROPE, OUT, S, stride_f, stride_s, stride_r, stride_o,
         G: tl.constexpr, D_R: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
+        # [BLOCK_S, G, 128] tiles: each group's scale is loaded once per thread and broadcast over the
+        # group's values in registers (a [BLOCK_S, G] load), not once per value
         rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         rmask = rows < S
-        r64 = rows.to(tl.int64)[:, None]
-        offs_l = tl.arange(0, G * 128)[None, :]
-        x = tl.load(FP8 + r64 * stride_f + offs_l, mask=rmask[:, None], other=0.0)
-        sc = tl.load(SCALE + r64 * stride_s + offs_l // 128, mask=rmask[:, None], other=0.0)  # L1 hits
-        y = x.to(tl.float32) * sc
-        tl.store(OUT + r64 * stride_o + offs_l, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=rmask[:, None])
+        r64 = rows.to(tl.int64)
+        offs_g = tl.arange(0, G)
+        lat = (offs_g[:, None] * 128 + tl.arange(0, 128)[None, :])[None, :, :]
+        m3 = rmask[:, None, None]
+        x = tl.load(FP8 + r64[:, None, None] * stride_f + lat, mask=m3, other=0.0)
+        sc = tl.load(SCALE + r64[:, None] * stride_s + offs_g[None, :], mask=rmask[:, None], other=0.0)
+        y = x.to(tl.float32) * sc[:, :, None]
+        tl.store(OUT + r64[:, None, None] * stride_o + lat, y.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=m3)
         if D_R > 0:
             offs_r = tl.arange(0, D_R)[None, :]
-            rope = tl.load(ROPE + r64 * stride_r + offs_r, mask=rmask[:, None], other=0.0)
-            tl.store(OUT + r64 * stride_o + G * 128 + offs_r, rope, mask=rmask[:, None])
+            rope = tl.load(ROPE + r64[:, None] * stride_r + offs_r, mask=rmask[:, None], other=0.0)
+            tl.store(OUT + r64[:, None] * stride_o + G * 128 + offs_r, rope, mask=rmask[:, None])
 
     @triton.jit
     def _quant(
         X, FP8, SCALE, ROPE, S, stride_x, stride_f, stride_s, stride_r,
         D_L: tl.constexpr, G: tl.constexpr, D_R: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
+        # [BLOCK_S, G, 128] tiles, as in _dequant: the group max is a reduction over the last axis and the
+        # scale broadcasts back over it in registers (no reshape of a [BLOCK_S, D_L] tile)
         rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         rmask = rows < S
-        r64 = rows.to(tl.int64)[:, None]
-        offs_l = tl.arange(0, D_L)[None, :]
-        x = tl.load(X + r64 * stride_x + offs_l, mask=rmask[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.reshape(tl.abs(x), (BLOCK_S, G, 128)), 2)
+        r64 = rows.to(tl.int64)
+        offs_g = tl.arange(0, G)
+        lat = (offs_g[:, None] * 128 + tl.arange(0, 128)[None, :])[None, :, :]
+        m3 = rmask[:, None, None]
+        x = tl.load(X + r64[:, None, None] * stride_x + lat, mask=m3, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 2)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         safe = tl.where(scale > 0.0, scale, 1.0)
-        sfull = tl.reshape(tl.broadcast_to(safe[:, :, None], (BLOCK_S, G, 128)), (BLOCK_S, D_L))
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, sfull), -448.0), 448.0)
-        tl.store(FP8 + r64 * stride_f + offs_l, v.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=rmask[:, None])
-        offs_g = tl.arange(0, G)[None, :]
-        tl.store(SCALE + r64 * stride_s + offs_g, scale, mask=rmask[:, None])
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(safe[:, :, None], x.shape)), -448.0), 448.0)
+        tl.store(FP8 + r64[:, None, None] * stride_f + lat, v.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m3)
+        tl.store(SCALE + r64[:, None] * stride_s + offs_g[None, :], scale, mask=rmask[:, None])
         if D_R > 0:
             offs_r = tl.arange(0, D_R)[None, :]
-            rope = tl.load(X + r64 * stride_x + D_L + offs_r, mask=rmask[:, None], other=0.0)
-            tl.store(ROPE + r64 * stride_r + offs_r, rope.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=rmask[:, None])
+            rope = tl.load(X + r64[:, None] * stride_x + D_L + offs_r, mask=rmask[:, None], other=0.0)
+            tl.store(ROPE + r64[:, None] * stride_r + offs_r, rope.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                     mask=rmask[:, None])
 
     return _dequant, _quant
 
@@ -80,28 +89,34 @@ def supported(d_l: int, d_r: int) -> bool:
     return groups >= 1 and groups & (groups - 1) == 0 and (d_r == 0 or d_r & (d_r - 1) == 0)
 
 
-def dequant(fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """fp8 [S, D_L] float8_e4m3fn, scale [S, G] float32, rope [S, D_R] bfloat16 (views) -> [S, D_L + D_R] bf16."""
+def dequant(fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor,
+            launch: tuple[int, int] | None = None) -> torch.Tensor:
+    """fp8 [S, D_L] float8_e4m3fn, scale [S, G] float32, rope [S, D_R] bfloat16 (views) -> [S, D_L + D_R] bf16.
+    launch: (rows per program, warps), default DEQUANT_LAUNCH."""
+    block_s, warps = launch or DEQUANT_LAUNCH
     s, d_l = fp8.shape
     d_r = rope.shape[1]
     out = torch.empty((s, d_l + d_r), dtype=torch.bfloat16, device=fp8.device)
     if s:
         kernel = load()[0]
-        kernel[(triton_cdiv(s, BLOCK_S),)](
+        kernel[(triton_cdiv(s, block_s),)](
             fp8, scale, rope, out, s, fp8.stride(0), scale.stride(0), rope.stride(0), out.stride(0),
-            G=d_l // GROUP, D_R=d_r, BLOCK_S=BLOCK_S, num_warps=4,
+            G=d_l // GROUP, D_R=d_r, BLOCK_S=block_s, num_warps=warps,
         )
     return out
 
 
-def quant(x: torch.Tensor, fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor) -> None:
-    """x [S, D_L + D_R] float -> writes the typed views fp8 [S, D_L], scale [S, G], rope [S, D_R] in place."""
+def quant(x: torch.Tensor, fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor,
+          launch: tuple[int, int] | None = None) -> None:
+    """x [S, D_L + D_R] float -> writes the typed views fp8 [S, D_L], scale [S, G], rope [S, D_R] in place.
+    launch: (rows per program, warps), default QUANT_LAUNCH."""
+    block_s, warps = launch or QUANT_LAUNCH
     s, d_l = fp8.shape
     if s:
         kernel = load()[1]
-        kernel[(triton_cdiv(s, BLOCK_S),)](
+        kernel[(triton_cdiv(s, block_s),)](
             x, fp8, scale, rope, s, x.stride(0), fp8.stride(0), scale.stride(0), rope.stride(0),
-            D_L=d_l, G=d_l // GROUP, D_R=rope.shape[1], BLOCK_S=BLOCK_S, num_warps=4,
+            D_L=d_l, G=d_l // GROUP, D_R=rope.shape[1], BLOCK_S=block_s, num_warps=warps,
         )
 
 

@@ -1,0 +1,84 @@
+"""Where a batch's time goes: its GPU kernels (from a profiled run) grouped by part, against its wall time.
+
+    parts(kernels, wall_s) -> {part: {"ms", "share"}} + gpu_busy_ms + host_gap_ms/share
+    kernels: [(name, start us, end us)] of one or more batches (``RankEngine`` with ``cfg.profile``)
+
+Parts are read off kernel names (cuBLAS/CUTLASS GEMMs, the Triton/Gluon kernels by function name, torch's
+own kernels as elementwise); ``quant`` holds the token-KV quant/dequant kernels and every torch kernel
+converting to or from fp8 (the indexer's key and query quantisation run as torch elementwise ops).
+``host_gap`` = wall time - GPU busy time (the union of kernel intervals): time the GPU waited for the host.
+Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
+than the busy time. No torch import.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Sequence
+
+TOP = 15  # kernels listed by total time, with their part (to audit the name rules)
+PARTS = ("gemm", "indexer_logits", "topk", "attention", "compose", "quant", "elementwise", "host_gap")
+LABELS = {
+    "gemm": "projection / MLP GEMMs", "indexer_logits": "indexer logits", "topk": "top-k",
+    "attention": "sparse attention", "compose": "compose (gather, barrier)", "quant": "quant / dequant",
+    "elementwise": "norms, RoPE, elementwise, copies", "host_gap": "host gap (wall - GPU busy)",
+}
+_RULES = (  # first match wins
+    ("indexer_logits", re.compile(r"mqa_logits")),
+    ("topk", re.compile(r"topk")),
+    ("attention", re.compile(r"sparse_mla")),
+    ("compose", re.compile(r"page_gather|_barrier")),
+    ("quant", re.compile(r"^_?(de)?quant\b|float8|fp8|e4m3", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk", re.I)),
+)
+
+
+def classify(name: str) -> str:
+    """The part a kernel named ``name`` belongs to (``elementwise`` when no rule matches)."""
+    for part, rule in _RULES:
+        if rule.search(name):
+            return part
+    return "elementwise"
+
+
+def busy_us(spans: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def idle_gaps(kernels: Sequence[tuple[str, float, float]], top: int = 5) -> list[tuple[float, float]]:
+    """The ``top`` longest stretches with no kernel running, from time 0 (the batch start) to the last
+    kernel's end: [(start ms, length ms)], longest first."""
+    gaps, end = [], 0.0
+    for a, b in sorted((a, b) for _, a, b in kernels):
+        if a > end:
+            gaps.append((round(end / 1e3, 3), round((a - end) / 1e3, 3)))
+        end = max(end, b)
+    return sorted(gaps, key=lambda g: -g[1])[:top]
+
+
+def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -> dict:
+    """batches: [(kernels of one batch, its wall seconds)] -> per part ms and share of the summed wall, the
+    GPU busy time (per batch, summed), the host gap (module docstring) and each batch's longest idle gaps."""
+    ms = {p: 0.0 for p in PARTS}
+    by_name: dict[str, float] = {}
+    busy = wall = 0.0
+    n = 0
+    for kernels, wall_s in batches:
+        for name, a, b in kernels:
+            ms[classify(name)] += (b - a) / 1e3
+            by_name[name] = by_name.get(name, 0.0) + (b - a) / 1e3
+        busy += busy_us((a, b) for _, a, b in kernels) / 1e3
+        wall += wall_s * 1e3
+        n += len(kernels)
+    ms["host_gap"] = max(wall - busy, 0.0)
+    return {"parts": {p: {"ms": round(v, 3), "share": round(v / wall, 4) if wall else 0.0} for p, v in ms.items()},
+            "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n,
+            "idle_gaps": [idle_gaps(k) for k, _ in batches],
+            "top": [(name[:120], round(v, 3), classify(name)) for name, v in
+                    sorted(by_name.items(), key=lambda x: -x[1])[:TOP]]}

@@ -1,0 +1,84 @@
+"""Host data onto a device without a host synchronisation (plans are built from host data once per batch).
+
+A CPU tensor copied to CUDA from pageable memory is a synchronous copy: the host waits for the stream to
+drain, which exposes every launch latency behind it. ``upload`` copies asynchronously on the current
+stream from pinned memory. Pinning per call (``Tensor.pin_memory``) costs milliseconds of host time, so
+inside ``staging(device)`` uploads take consecutive slices of one pinned buffer kept per device:
+
+    with staging(device):        # enter only when no copy of an earlier scope can still be in flight
+        plan = build_plan(...)   # (the engine enters it right after its batch-start synchronisation)
+
+The buffer grows when a scope needs more; a replaced buffer is kept until the next scope starts. Outside
+a scope each upload pins its own copy (torch's caching host allocator keeps it until the copy has run).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+ALIGN = 256
+_STAGES: dict[torch.device, "_Stage"] = {}
+
+
+class _Stage:
+    """One device's pinned staging buffer: bump offset inside a scope, reset when a scope starts."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.used = 0
+        self.active = False
+        self.retired: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        start = -(-self.used // ALIGN) * ALIGN
+        if start + nbytes > self.buf.numel():
+            self.retired.append(self.buf)  # copies from it may be in flight until the scope's batch ends
+            self.buf = torch.empty(max(2 * self.buf.numel(), nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            start = 0
+        self.used = start + nbytes
+        return self.buf[start: start + nbytes]
+
+
+@contextlib.contextmanager
+def staging(device: torch.device | str) -> Iterator[None]:
+    """Uploads to ``device`` inside use one reused pinned buffer (module docstring). No-op off CUDA."""
+    device = _key(device)
+    if device.type != "cuda":
+        yield
+        return
+    st = _STAGES.setdefault(device, _Stage())
+    st.used, st.active = 0, True
+    st.retired.clear()
+    try:
+        yield
+    finally:
+        st.active = False
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: asynchronous through pinned memory on CUDA; on the CPU the
+    tensor itself (no copy)."""
+    device = _key(device)
+    if device.type != "cuda":
+        return host.to(device)
+    st = _STAGES.get(device)
+    if st is None or not st.active or not host.numel():
+        return host.pin_memory().to(device, non_blocking=True)
+    src = host.contiguous()
+    pinned = st.take(src.numel() * src.element_size())
+    pinned.copy_(src.view(-1).view(torch.uint8))
+    return pinned.view(src.dtype).view(src.shape).to(device, non_blocking=True)
+
+
+def _key(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def upload_list(values: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Python ints -> a ``dtype`` tensor [len(values)] on ``device`` (``upload``)."""
+    return upload(torch.tensor(values, dtype=dtype), device)

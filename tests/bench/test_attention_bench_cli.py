@@ -1,0 +1,63 @@
+"""`cpkv bench attention` host side: the --peer options' checks and the output comparison (no GPU needed)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from cpkv.bench.attention import PEER_SHAPES, _compare_outputs, _shape_list
+from cpkv.cli import main
+
+
+def _call(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_shape_list_parses_and_refuses() -> None:
+    assert _shape_list("4096:8192:128, 16384:65536:64") == [(4096, 8192, 128), (16384, 65536, 64)]
+    for bad in ("4096:8192", "a:b:c", "0:10:64", ""):
+        with pytest.raises(Exception, match="S_Q:S_KV:H"):
+            _shape_list(bad)
+
+
+def test_default_peer_shapes_are_flashmlas_and_glm5s() -> None:
+    assert {h for _, _, h in PEER_SHAPES} == {128, 64}
+    assert all(s_kv >= 2048 for _, s_kv, _ in PEER_SHAPES)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--peer-shapes", "4096:8192"], "--peer-shapes: expected S_Q:S_KV:H"),
+    (["--peer", "nope"], "--peer: invalid choice"),
+    (["--peer", "flashmla", "--peer-shapes", "64:100:64"], "expected S_KV >= --topk (2048)"),
+])
+def test_peer_usage_errors(argv, needle, capsys) -> None:
+    code, err = _call(["bench", "attention", *argv], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_mla") is not None, reason="flash_mla is installed here")
+def test_missing_flashmla_is_a_one_line_error(capsys) -> None:
+    code, err = _call(["bench", "attention", "--peer", "flashmla", "--json"], capsys)
+    assert code == 2 and "expected the flash_mla package" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def test_compare_outputs_measures_differences() -> None:
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(8, 4, 16, generator=g).to(torch.bfloat16)
+    lse = torch.randn(8, 4, generator=g)
+    lse[3, 1] = math.inf
+    same = _compare_outputs((out, None, lse), (out.clone(), lse.clone()))
+    assert same == {"out_cos_diff": 0.0, "out_max_diff_rel": 0.0, "lse_max_diff": 0.0, "lse_inf_equal": True}
+    lse2 = lse.clone()
+    lse2[0, 0] += 0.25
+    lse2[5, 2] = math.inf
+    off = _compare_outputs((out, None, lse), ((out.float() * 1.01).to(torch.bfloat16), lse2))
+    assert off["out_cos_diff"] > 0 and 0.005 < off["out_max_diff_rel"] < 0.02
+    assert off["lse_max_diff"] == pytest.approx(0.25) and off["lse_inf_equal"] is False

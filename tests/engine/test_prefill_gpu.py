@@ -1,0 +1,140 @@
+"""GPU: the counting barrier on the stream (rank processes sharing one GPU) and a forward pass with no
+device->host synchronisation."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from cpkv.compose.barrier import make_barrier
+from cpkv.compose.peer import PeerMemory
+from cpkv.dist import launch
+from cpkv.errors import ComposeTimeout
+
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
+
+ROUNDS = 240
+STAMP = 1 << 20  # int64 elements per parity half of each rank's round-stamped data (8 MiB)
+
+
+def _storm(ctx, rounds: int) -> dict:
+    """Each round k: a rank writes k over its data (parity half k % 2), arrives and waits on the GPU, then
+    counts the elements of every rank's half k % 2 that are not k (an early pass reads round k - 2's stamp).
+    Rank k % cp is late: on the host (enqueues 3 ms late), on the device (its stream sleeps before the
+    write), or after the reads (its next arrival is late while peers may run a round ahead)."""
+    mem = PeerMemory.create(ctx)
+    bar = make_barrier(mem, timeout_s=30)
+    mem.alloc((2, STAMP), "stamp", torch.int64)
+    mem.exchange()
+    kind = type(bar).__name__
+    bar.prepare()
+    stamps = mem.peers("stamp")
+    bad = torch.zeros(rounds, ctx.world_size, dtype=torch.int64, device=ctx.device)
+    for k in range(1, rounds + 1):
+        late, how = (k % ctx.world_size) == ctx.rank, (k // ctx.world_size) % 3
+        if late and how == 0:
+            time.sleep(0.003)
+        if late and how == 1:
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU cycles before this rank's write
+        stamps[ctx.rank][k % 2].fill_(k)
+        bar()
+        for s, t in enumerate(stamps):
+            bad[k - 1, s] = (t[k % 2] != k).sum()
+        if late and how == 2:
+            torch.cuda._sleep(2_000_000)
+    torch.cuda.synchronize()
+    ctx.barrier()
+    out = {"kind": kind, "bad": bad.sum(0).tolist(), "bad_rounds": int((bad.sum(1) > 0).sum()),
+           "drained": bar.counters(), "rounds": bar.rounds, "timed_out": int(bar.state[1])}
+    ctx.barrier()
+    mem.close()
+    return out
+
+
+def test_gpu_barrier_storm_with_rotating_late_ranks():
+    out = launch(_storm, 3, device="cuda", args=(ROUNDS,), timeout_s=300)
+    for rank, o in enumerate(out):
+        assert o["kind"] == "DeviceBarrier"
+        assert o["bad"] == [0, 0, 0] and o["bad_rounds"] == 0, f"rank {rank} read a peer's data before it arrived: {o}"
+        assert o["drained"] == [ROUNDS] * 3 and o["rounds"] == ROUNDS
+        assert o["timed_out"] == 0
+
+
+def _late(ctx) -> dict:
+    """Rank cp - 1 never arrives; the others time out once, then later rounds pass without waiting."""
+    mem = PeerMemory.create(ctx)
+    bar = make_barrier(mem, name="late", timeout_s=0.5)
+    mem.exchange()
+    bar.prepare()
+    msg, after_s = None, None
+    if ctx.rank != ctx.world_size - 1:
+        bar()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        bar()
+        bar()
+        torch.cuda.synchronize()
+        after_s = time.perf_counter() - t
+        try:
+            bar.check()
+        except ComposeTimeout as exc:
+            msg = str(exc)
+    ctx.barrier()
+    mem.close()
+    return {"msg": msg, "after_s": after_s}
+
+
+def test_gpu_barrier_timeout_names_the_late_rank():
+    out = launch(_late, 3, device="cuda", timeout_s=120)
+    for rank in (0, 1):
+        msg = out[rank]["msg"]
+        assert msg is not None and f"rank {rank}:" in msg and "round 1 timed out" in msg, msg
+        assert "ranks [2] never arrived (their counts: [0])" in msg, msg
+        assert out[rank]["after_s"] < 0.4, "rounds after a timeout must not wait again"
+    assert out[2]["msg"] is None
+
+
+# GLM-5 shapes (two layers): every part of the forward runs a GPU kernel, none the torch reference
+def _trace():
+    from cpkv.scheduler.trace import TraceRequest
+
+    return [TraceRequest("a0", 0.0, 3000), TraceRequest("b0", 0.0, 2500), TraceRequest("a1", 0.0, 4500, None, "a0"),
+            TraceRequest("c0", 0.0, 700)]
+
+
+def test_batches_at_cp2_run_without_a_host_sync():
+    """Whole batches (plan + forward) at cp 2 on one GPU under symm and prefetch inside
+    torch.cuda.set_sync_debug_mode("error"): any device->host synchronisation would raise in the rank."""
+    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.engine import run_jobs
+
+    base = EngineConfig(model="glm5", num_layers=2, cp=2, device="cuda", page_size=64, pages_per_rank=200,
+                        chunk_size=4096, max_requests=1, warmup=True, sync_check=True)
+    trace = _trace()
+    symm, prefetch = run_jobs([(base, trace), (dataclasses.replace(base, mode="prefetch"), trace)], timeout_s=500)
+    for res in (symm, prefetch):
+        assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0"] and not res.rejected
+        assert res.stats["barrier"] == "DeviceBarrier"
+        assert res.stats["attention"]["sparse"] > 0 and res.requests[2].cached_len >= 2944
+        assert all(bool(torch.isfinite(r.logits).all()) for r in res.requests)
+    for a, b in zip(symm.requests, prefetch.requests):  # same batches, byte-exact compose: the same logits
+        assert torch.equal(a.logits, b.logits), a.id
+
+
+def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
+    from cpkv.upload import staging, upload, upload_list
+
+    torch.cuda.synchronize()
+    host = [torch.arange(n, dtype=dt) * 3 - 7 for n, dt in ((5, torch.int64), (1000, torch.int32),
+                                                            (3 << 20, torch.int64), (0, torch.int32))]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with staging("cuda"):
+            got = [upload(h, "cuda") for h in host] + [upload_list([4, 5, 6], torch.int32, "cuda")]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    for h, g in zip(host + [torch.tensor([4, 5, 6], dtype=torch.int32)], got):
+        assert g.is_cuda and g.dtype == h.dtype and torch.equal(g.cpu(), h)
