@@ -182,7 +182,9 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
     if not _direct_launch_ok():
         return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
+    fast = _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
+    fast.segments = (0,)  # where (out, bases, ..., out_addr) sit in the raw arguments (relaunch_with)
+    return fast
 
 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
@@ -201,7 +203,32 @@ def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = N
         return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
                                   PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12],
                                   num_warps=segs[0].warps)
-    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
+    fast = _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
+    fast.segments = (0, 8)  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
+    return fast
+
+
+def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> Callable[[], None] | None:
+    """A launcher equal to ``launch`` (from :func:`gather_launcher` or :func:`gather_pair_launcher`) but with
+    each segment's (out, bases) replaced by ``targets`` (one pair per segment): the same entries, kernel and
+    grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
+    another layer's sources). None when ``launch`` is not a direct launch or a new address would change
+    what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
+    segments, raw = getattr(launch, "segments", None), getattr(launch, "raw", None)
+    if segments is None or raw is None or len(targets) != len(segments):
+        return None
+    new = list(raw)
+    keep = list(launch.tensors)
+    for at, (out, bases) in zip(segments, targets):
+        addr = out.data_ptr()
+        if (out.shape[-1] * out.element_size() != launch.page_bytes[segments.index(at)]
+                or (addr % 16 == 0) != (raw[at + 5] % 16 == 0) or bases.data_ptr() % 16 != raw[at + 1] % 16
+                or bases.dtype != torch.int64):
+            return None
+        new[at], new[at + 1], new[at + 5] = addr, bases.data_ptr(), addr
+        keep += [out, bases]
+    return _fast(launch.spec, tuple(new), tuple(keep), segments, launch.page_bytes)
 
 
 def _direct_launch_ok() -> bool:
@@ -225,14 +252,21 @@ def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int
         if compiled is None:
             compiled = _COMPILED[key] = compile_fn()
         run = compiled.run  # loads the binary on first use
-    function, meta = compiled.function, compiled.packed_metadata
-    g0, g1, g2 = grid
     raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
-    current_stream, index = torch._C._cuda_getCurrentRawStream, device.index or 0
+    page_bytes = tuple(t.shape[-1] * t.element_size() for t in keep[::5])  # each segment's out
+    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep, (),
+                 page_bytes)
+
+
+def _fast(spec: tuple, raw: tuple, keep: tuple, segments: tuple, page_bytes: tuple) -> Callable[[], None]:
+    """The zero-argument launch of ``spec`` (run, grid, function, metadata, device index) with ``raw``."""
+    run, (g0, g1, g2), function, meta, index = spec
+    current_stream = torch._C._cuda_getCurrentRawStream
 
     def fast() -> None:
         run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
     fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
+    fast.spec, fast.raw, fast.segments, fast.page_bytes = spec, raw, segments, page_bytes
     return fast
 
 
