@@ -193,6 +193,10 @@ class ComposeRuntime:
             raise ComposeError(f"rank {self.rank}: current page ids must be < {self.pool.num_pages} (pool pages)")
         self.arena.reserve(plan.arena_bytes)
         layout.memo[MEMO_KEY] = plan
+        for k in KINDS:  # the views every layer uses, made now (none on first use inside the forward)
+            for h in (0, 1):
+                self._rows_view(plan, k, h)
+                self.dense(plan, k, h)
         self.prepare_launches(plan)
         return plan
 
@@ -209,10 +213,18 @@ class ComposeRuntime:
         ``kind`` (see the module docstring). Tail rows of partial pages come zeroed."""
         plan = self.plan(layout)
         self._check_call(layer, kind)
-        block = self.staging.buffers[kind][self.uses[kind] & 1][1: 1 + plan.num_own]
-        rows = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
+        half = self.uses[kind] & 1
+        rows = plan.views.get(("rows", kind, half))
+        if rows is None:
+            rows = self._rows_view(plan, kind, half)
         if plan.tail_rows.numel():
             rows.index_fill_(0, plan.tail_rows, 0)
+        return rows
+
+    def _rows_view(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
+        """This rank's current-row block of staging half ``half`` (kept on the plan: the staging never moves)."""
+        block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
+        rows = plan.views[("rows", kind, half)] = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
         return rows
 
     def compose(self, layout: BatchLayout, layer: int, kind: str, mode: str | None = None,
