@@ -182,9 +182,8 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
     if not _direct_launch_ok():
         return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    fast = _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
-    fast.segments = (0,)  # where (out, bases, ..., out_addr) sit in the raw arguments (relaunch_with)
-    return fast
+    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device,
+                   segments=(0,))
 
 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
@@ -203,9 +202,8 @@ def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = N
         return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
                                   PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11], HINTS=a[12],
                                   num_warps=segs[0].warps)
-    fast = _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
-    fast.segments = (0, 8)  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
-    return fast
+    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device,
+                   segments=(0, 8))  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
 
 
 def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -220,9 +218,9 @@ def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tens
         return None
     new = list(raw)
     keep = list(launch.tensors)
-    for at, (out, bases) in zip(segments, targets):
+    for at, page_bytes, (out, bases) in zip(segments, launch.page_bytes, targets):
         addr = out.data_ptr()
-        if (out.shape[-1] * out.element_size() != launch.page_bytes[segments.index(at)]
+        if (out.shape[-1] * out.element_size() != page_bytes
                 or (addr % 16 == 0) != (raw[at + 5] % 16 == 0) or bases.data_ptr() % 16 != raw[at + 1] % 16
                 or bases.dtype != torch.int64):
             return None
@@ -244,17 +242,19 @@ def _no_hook(hook: Any) -> bool:
 
 
 def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int], args: tuple, keep: tuple,
-            device: torch.device) -> Callable[[], None]:
+            device: torch.device, segments: tuple[int, ...]) -> Callable[[], None]:
     """A zero-argument launch of the kernel compiled under ``key`` (``compile_fn`` compiles it if needed)
-    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into."""
+    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into (per segment its
+    out, bases, dest, src, page); ``segments``: where each segment's (OUT, BASES, ..., out_addr) start in
+    ``args`` (for relaunch_with)."""
     with torch.cuda.device(device):  # the module is loaded into the current device's context
         compiled = _COMPILED.get(key)
         if compiled is None:
             compiled = _COMPILED[key] = compile_fn()
         run = compiled.run  # loads the binary on first use
     raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
-    page_bytes = tuple(t.shape[-1] * t.element_size() for t in keep[::5])  # each segment's out
-    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep, (),
+    page_bytes = tuple(keep[5 * i].shape[-1] * keep[5 * i].element_size() for i in range(len(segments)))
+    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep, segments,
                  page_bytes)
 
 
