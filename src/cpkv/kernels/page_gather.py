@@ -213,20 +213,20 @@ def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tens
     grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
     another layer's sources). None when ``launch`` is not a direct launch or a new address would change
     what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
-    segments, raw = getattr(launch, "segments", None), getattr(launch, "raw", None)
-    if segments is None or raw is None or len(targets) != len(segments):
+    segments = getattr(launch, "segments", None)
+    if not segments or len(targets) != len(segments):
         return None
+    raw = launch.raw
     new = list(raw)
-    keep = list(launch.tensors)
     for at, page_bytes, (out, bases) in zip(segments, launch.page_bytes, targets):
-        addr = out.data_ptr()
-        if (out.shape[-1] * out.element_size() != page_bytes
-                or (addr % 16 == 0) != (raw[at + 5] % 16 == 0) or bases.data_ptr() % 16 != raw[at + 1] % 16
-                or bases.dtype != torch.int64):
+        addr, table = out.data_ptr(), bases.data_ptr()
+        if (out.shape[-1] * out.element_size() != page_bytes or (addr & 15) != (raw[at] & 15)
+                or (table & 15) != (raw[at + 1] & 15) or bases.dtype is not torch.int64):
             return None
-        new[at], new[at + 1], new[at + 5] = addr, bases.data_ptr(), addr
-        keep += [out, bases]
-    return _fast(launch.spec, tuple(new), tuple(keep), segments, launch.page_bytes)
+        new[at] = new[at + 5] = addr
+        new[at + 1] = table
+    keep = (*launch.tensors, *(t for pair in targets for t in pair))
+    return _fast(launch.spec, tuple(new), keep, segments, launch.page_bytes)
 
 
 def _direct_launch_ok() -> bool:
