@@ -155,7 +155,7 @@ class ComposePlan:
         self.num_slots, self.num_current = layout.num_slots, layout.num_current
         self.num_requests = len(layout.requests)
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
-        self.views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # runtime's arena views
+        self.views: dict[tuple, object] = {}  # the runtime's arena and staging-row views of this batch
         own = layout.rank_current[rank]
         self.num_own = len(own)
         tails = self._tails(layout, own)
