@@ -163,3 +163,13 @@ def test_fused_forms_on_cuda_within_tolerance():
     out = torch.empty(4099, 64, 576, dtype=torch.bfloat16, device="cuda")
     rot.interleaved(q, out=out[..., 512:])
     torch.testing.assert_close(out[..., 512:].float(), b.to(torch.bfloat16).float(), rtol=2 ** -7, atol=2 ** -20)
+
+
+def test_index_scales_equal_amax_of_abs():
+    from cpkv.indexer.quant import _amax_scale
+
+    x = torch.randn(37, 4, 128, generator=torch.Generator().manual_seed(2)) * 7
+    x[3, 1] = 0  # a zero row keeps MIN_SCALE
+    for v in (x, x.bfloat16()):
+        amax = v.float().abs().amax(dim=-1)
+        assert torch.equal(_amax_scale(v), (amax / torch.full_like(amax, 448.0)).clamp_(min=1e-10))
