@@ -4,8 +4,8 @@ RMSNorm through ``F.rms_norm`` and the interleaved RoPE as one complex product a
 the separate float32 passes (``rms_norm_ref``, ``Rotary.interleaved_ref``); the layer that writes its
 query, token-KV rows and attention output into preallocated slices (no cat, no reshape copy) gives the
 same bytes and logits as the stack/cat/einsum layer it replaced (``_UnfusedLayer`` below). On CUDA the
-fused kernels may contract products into FMAs or reduce in another order: within 1 bf16 ulp (RMSNorm)
-and 2^-20 relative (RoPE in float32).
+fused kernels may contract products into FMAs or reduce in another order: RMSNorm within bf16 eps x |value|
+(1 to 2 ulp), RoPE in float32 within 2^-18 absolute for values of order 1, and its bf16 form within 1 bf16 ulp.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_fused_forms_on_cuda_within_tolerance():
     rot = Rotary.build(torch.arange(4099, device="cuda") * 31, 64, RopeConfig(theta=1e6))
     q = torch.randn(4099, 64, 256, generator=gen, device="cuda").bfloat16()[..., 192:]
     a, b = rot.interleaved(q), rot.interleaved_ref(q)
-    torch.testing.assert_close(a, b, rtol=2 ** -20, atol=2 ** -20)
+    torch.testing.assert_close(a, b, rtol=2 ** -20, atol=2 ** -18)
     out = torch.empty(4099, 64, 576, dtype=torch.bfloat16, device="cuda")
     rot.interleaved(q, out=out[..., 512:])
     torch.testing.assert_close(out[..., 512:].float(), b.to(torch.bfloat16).float(), rtol=2 ** -7, atol=2 ** -20)
@@ -173,3 +173,23 @@ def test_index_scales_equal_amax_of_abs():
     for v in (x, x.bfloat16()):
         amax = v.float().abs().amax(dim=-1)
         assert torch.equal(_amax_scale(v), (amax / torch.full_like(amax, 448.0)).clamp_(min=1e-10))
+
+
+@pytest.mark.cuda
+@cuda
+def test_fused_layer_on_cuda_within_tolerance():
+    """The batched GEMMs writing strided slices (query, attention output) and the fused norms on the GPU give
+    the unfused layer's query and logits within bf16 / fp8 rounding (tiny preset, bf16, fp8 rows)."""
+    cfg = load_model_config("tiny", 3)
+    model = DSAModel.random(cfg, seed=5, device="cuda")
+    fused = model.layers
+    unfused = [_UnfusedLayer(cfg, model.weights | _experts(layer), layer.n) for layer in fused]
+    tokens = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    rot = model.rotary(torch.arange(len(tokens), device="cuda"))
+    h = model.embed(torch.tensor(tokens, device="cuda"))
+    qa, qb = fused[0].project(h, rot).q.float(), unfused[0].project(h, rot).q.float()
+    torch.testing.assert_close(qa, qb, rtol=2 ** -6, atol=2 ** -6 * qb.abs().max().item())
+    got = model.reference_prefill(tokens)
+    model.layers = unfused
+    want = model.reference_prefill(tokens)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())

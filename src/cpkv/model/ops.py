@@ -3,8 +3,8 @@
 Rotary embeddings as transformers' GLM-5 / DeepSeek-V3.2: MLA rotates *interleaved* pairs
 (x[2i], x[2i+1]); the indexer rotates interleaved pairs on GLM-5 and *halves* (x[i], x[i + d/2]) on
 DeepSeek-V3.2. Frequencies are plain (theta^(-2i/d)) or YaRN's blend of interpolated and extrapolated
-ones, and YaRN's attention factor scales cos and sin. ``Rotary`` holds cos/sin for one batch's
-positions, built once per batch and shared by every layer.
+ones, and YaRN's attention factor scales cos and sin. ``Rotary`` holds cos/sin (and cos + i sin) for one
+batch's positions, built once per batch and shared by every layer.
 """
 from __future__ import annotations
 
