@@ -226,8 +226,9 @@ def _fence_batch(ctx: RankContext, rt: ComposeRuntime) -> None:
     """Group barrier before a batch's first mode: every rank has finished the previous batch. The modes
     scribble over this rank's current pool pages, and a current page of this batch may be a prefix page of
     the previous one that a slower peer is still gathering (its last gather follows its last barrier round,
-    which this rank has passed too). The engine needs no such barrier: only ``persist`` writes current
-    pages, after the batch's first barrier round or collective (see ``cpkv.compose.runtime``)."""
+    which this rank has passed too). The engine writes a batch's current pages only in ``persist``, after
+    that batch's first barrier round or collective; its host-tier reloads synchronise on their own
+    (``RankEngine._fence_reload``)."""
     _sync(rt)
     ctx.barrier()
 
