@@ -63,6 +63,7 @@ class RankEngine:
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
         self.cache = PrefixCache(cfg.page_size, allocators, cfg.host_pages)
         self.spill = self._spill if self.host is not None else None
+        self._reload_fenced = False  # this reload round has synchronised the group (_fence_reload)
         self.sched = Scheduler(self.cache, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
                                staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit, on_spill=self.spill)
         self.out = RankOutput(self.rank)
@@ -84,11 +85,16 @@ class RankEngine:
 
         The queue head may evict to make room; later requests only use free pages (no thrashing).
         When any page came back, the group synchronises: peers gather prefix pages straight from the
-        owner's pool (``v2`` before any collective), so the bytes must have landed first.
+        owner's pool (``v2`` before any collective), so the bytes must have landed first. Before the first
+        page comes back it synchronises too (``_fence_reload``): the page it lands in may have been a prefix
+        page of the batch just finished (evicted here to make room), which a slower peer may still be
+        gathering (``symm``/``prefetch`` gather after the batch's last barrier round, which this rank has passed
+        as well).
         """
         if self.host is None:
             return
         before = self.cache.stats["reloaded"]
+        self._reload_fenced = False
         for i, req in enumerate(list(self.sched.waiting)[: self.cfg.caps().max_requests]):
             if not req.started:
                 self._reload_chain(self.cache.match(req.keys).nodes, may_evict=i == 0)
@@ -110,12 +116,21 @@ class RankEngine:
                     self.cache.evict(1, owner=node.owner, on_spill=self.spill)
                 if alloc.num_free == 0:
                     break
+                self._fence_reload()
                 page = alloc.allocate(1)[0]
                 if node.owner == self.rank:
                     self.host.load([node.host_slot], [page])
                 self.cache.reload(node, page)
         finally:
             self.cache.unlock(nodes)
+
+    def _fence_reload(self) -> None:
+        """Once per ``_reload_waiting``, before its first pool write: every rank finished the last batch.
+        Every rank reaches it at the same decision (the bookkeeping is replicated)."""
+        if not self._reload_fenced:
+            self._sync_time()
+            self.ctx.barrier()
+            self._reload_fenced = True
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RankOutput:
