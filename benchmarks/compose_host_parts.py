@@ -43,6 +43,7 @@ def worker(ctx) -> dict:
     out["gather_us"] = _us(ctx, rt, lambda i: rt.gather_kinds("global", 0, halves,
                                                                 {k: (rt.dense(plan, k, 0)[1], plan.all) for k in KINDS}))
     out["persist_us"] = _us(ctx, rt, lambda i: [rt.persist(plan, 0, k, 0) for k in KINDS])
+    out["persist_pair_us"] = _us(ctx, rt, lambda i: rt.persist_kinds(plan, 0, halves))  # what symm runs now
     out["plan_checks_us"] = _us(ctx, rt, lambda i: [rt.plan(layout) for _ in KINDS])
     out["compose_layer_us"] = _us(ctx, rt, lambda i: rt.compose_layer(layout, i % 4, mode="symm"))
     out["direct"] = getattr(rt.barrier, "direct", None)

@@ -240,6 +240,8 @@ def test_logits_work_items_equal_the_grid(cfg):
     _assert_logits_close(want, mqa_logits_ref(q, k, k_scale, w, plan.ks, plan.ke, dtype=torch.float64)[:, c.key_start:c.key_end])
     shape = work_shape(q, k, config)
     assert shape is not None and shape.rows == 4  # 128 // 32 tokens per program
+    from cpkv.kernels.mqa_logits.triton import planned_work_shape
+    assert planned_work_shape(32, 128, q.device, config) == shape  # what a batch plan builds its items for
     items = plan.work_items(c, shape)
     assert items.is_cuda and items.shape[0] > 0
     got = torch.full((T, c.width), 12345.0, device="cuda")

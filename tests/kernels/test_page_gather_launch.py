@@ -122,3 +122,18 @@ def test_launchers_fall_back_without_direct_launches(fake, monkeypatch):
     pg.gather_pair_launcher((*a, True), (*a, True))()
     assert compiles == [("single", True)] and len(compiled.calls) == 1
     assert calls == [("slow", 3)] * 3
+
+
+def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
+    compiled, compiles = fake
+    a, b = _seg(64 * 656, 4), _seg(64 * 132, 7)
+    a2, b2 = _seg(64 * 656, 4)[:2], _seg(64 * 132, 7)[:2]  # another layer's pages and source table
+    single = pg.gather_launcher(*a)
+    pg.relaunch_with(single, [a2])()
+    pg.gather_launcher(*a2, *a[2:])()
+    pair = pg.gather_pair_launcher((*a, True), (*b, True))
+    pg.relaunch_with(pair, [a2, b2])()
+    pg.gather_pair_launcher((*a2, *a[2:], True), (*b2, *b[2:], True))()
+    assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2] == compiled.calls[3]
+    assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[2][9 + 9] == b2[1].data_ptr()
+    assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets

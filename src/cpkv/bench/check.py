@@ -6,7 +6,8 @@ on every rank from the seed: 1..max_bs requests, empty and non-empty page-aligne
 pages, a solo request with an unaligned prefix now and then, prefix pages owned by any rank and shared
 between requests) and each mode, it writes its current rows, composes every (layer, kind), and compares
 the dense buffer with :func:`reference_dense` built from the mirrored pools. It also checks that the
-mode persisted the rank's current pages into its pool (the pages are scribbled over before each mode).
+mode persisted the rank's current pages into its pool (the pages are scribbled over before each mode; a
+group barrier at each batch start keeps that from hitting pages a slower peer still reads for the last batch).
 ``prefetch`` runs only on batches of one request; a check of ``prefetch`` alone draws only such batches, so
 that each of its batches is composed. ``model`` gives the row sizes (``glm5``: 656-byte token rows, 132-byte
 index rows), not the layer count.
@@ -164,6 +165,7 @@ def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
     for b in range(cfg.batches):
         layout, ids = draw_batch(cfg, b)
         plan = rt.prepare(layout, ids)
+        _fence_batch(ctx, rt)
         solo += len(layout.requests) == 1
         for mode in cfg.modes:
             if mode == "prefetch" and len(layout.requests) != 1:
@@ -218,6 +220,17 @@ def _update_mirror(cfg: CheckConfig, model: ModelConfig, layout: BatchLayout, id
             cur = batch_current(cfg, model, layout, b, layer, k)
             for c in layout.current_pages:
                 mirror[k][c.writer][model.layers_of(k).index(layer)][ids[c.compact]] = cur[c.compact]
+
+
+def _fence_batch(ctx: RankContext, rt: ComposeRuntime) -> None:
+    """Group barrier before a batch's first mode: every rank has finished the previous batch. The modes
+    scribble over this rank's current pool pages, and a current page of this batch may be a prefix page of
+    the previous one that a slower peer is still gathering (its last gather follows its last barrier round,
+    which this rank has passed too). The engine writes a batch's current pages only in ``persist``, after
+    that batch's first barrier round or collective; its host-tier reloads synchronise on their own
+    (``RankEngine._fence_reload``)."""
+    _sync(rt)
+    ctx.barrier()
 
 
 def _sync(rt: ComposeRuntime) -> None:

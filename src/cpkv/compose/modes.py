@@ -85,8 +85,7 @@ def _symm_layer(rt, plan, layer, halves):
     views = {k: rt.dense(plan, k, h) for k, h in halves.items()}
     rt.barrier_round()
     rt.gather_kinds("global", layer, halves, {k: (v[1], plan.all) for k, v in views.items()})
-    for k, h in halves.items():
-        rt.persist(plan, layer, k, h)
+    rt.persist_kinds(plan, layer, halves)  # both kinds' current pages into the pool: one more launch
     return {k: v[0] for k, v in views.items()}
 
 

@@ -153,7 +153,7 @@ class ComposePlan:
         self.num_requests = len(layout.requests)
         self._request_slots = [(r.slot_start, r.slot_end) for r in layout.requests]
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
-        self.views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # runtime's arena views
+        self.views: dict[tuple, object] = {}  # the runtime's arena and staging-row views of this batch
         own = layout.rank_current[rank]
         self.num_own = len(own)
         tails = self._tails(layout, own)

@@ -56,7 +56,7 @@ from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
 from cpkv.kernels.page_gather.ref import gather_group
-from cpkv.kernels.page_gather.triton import gather_launcher, gather_pair_launcher
+from cpkv.kernels.page_gather.triton import gather_launcher, gather_pair_launcher, relaunch_with
 from cpkv.kernels.platform import use_triton
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
@@ -92,6 +92,10 @@ class ComposeRuntime:
         self.arena.register()
         self.use_triton = use_triton(self.device)
         self._tables()
+        # per kind, per layer: the pool's page view (None where the layer keeps no rows of the kind); the pool
+        # never moves, so the views serve every batch (no per-layer view op)
+        self._pool_pages = {k: [pool.pages(n, k) if n in pool.slots[k] else None for n in range(self.num_layers)]
+                            for k in KINDS}
         self.mode: Mode = get_mode(mode or envs.get("CPKV_COMPOSE_MODE"))
         self.uses = {k: 0 for k in KINDS}
         self._pending: dict[str, _Pending | None] = {k: None for k in KINDS}
@@ -189,6 +193,11 @@ class ComposeRuntime:
         if plan.persists and plan.max_own_pool_page >= self.pool.num_pages:
             raise ComposeError(f"rank {self.rank}: current page ids must be < {self.pool.num_pages} (pool pages)")
         self.arena.reserve(plan.arena_bytes)
+        for k in KINDS:  # the views every layer uses, made now (none on first use inside the forward)
+            for h in (0, 1):
+                self._rows_view(plan, k, h)
+                self.dense(plan, k, h)
+        self.prepare_launches(plan)
         return plan
 
     def _checked(self, plan: ComposePlan) -> ComposePlan:
@@ -204,10 +213,18 @@ class ComposeRuntime:
         ``kind`` (see the module docstring). Tail rows of partial pages come zeroed."""
         plan = self._checked(plan)
         self._check_call(layer, kind)
-        block = self.staging.buffers[kind][self.uses[kind] & 1][1: 1 + plan.num_own]
-        rows = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
+        half = self.uses[kind] & 1
+        rows = plan.views.get(("rows", kind, half))
+        if rows is None:
+            rows = self._rows_view(plan, kind, half)
         if plan.tail_rows.numel():
             rows.index_fill_(0, plan.tail_rows, 0)
+        return rows
+
+    def _rows_view(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
+        """This rank's current-row block of staging half ``half`` (kept on the plan: the staging never moves)."""
+        block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
+        rows = plan.views[("rows", kind, half)] = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
         return rows
 
     def compose(self, plan: ComposePlan, layer: int, kind: str, mode: str | None = None) -> torch.Tensor:
@@ -284,8 +301,7 @@ class ComposeRuntime:
             key = (table, layer, kind, half, out.data_ptr(), out.shape[-1])
             launch = e.launchers.get(key)
             if launch is None:
-                launch = e.launchers[key] = gather_launcher(out, self.bases[table][kind][layer][half], e.dest, e.src,
-                                                            e.page, aligned16=self.aligned16[kind])
+                launch = e.launchers[key] = self._launcher(e, ("one", table, kind), [(out, table, layer, kind, half)])
             launch()
             return
         groups, zero = e.groups()
@@ -298,19 +314,76 @@ class ComposeRuntime:
     def gather_kinds(self, table: str, layer: int, halves: dict[str, int],
                      targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
         """``gather`` for several kinds (``targets``: kind -> (out, entries)); one kernel launch for two kinds."""
-        if self.use_triton and len(targets) == 2:
-            (k0, (out0, e0)), (k1, (out1, e1)) = targets.items()
-            key = ("pair", table, layer, k0, halves[k0], out0.data_ptr(), k1, halves[k1], out1.data_ptr(),
-                   e1.dest.data_ptr(), e1.src.data_ptr(), e1.page.data_ptr(), e1.n)  # launchers keep them alive
-            launch = e0.launchers.get(key)
-            if launch is None:
-                launch = e0.launchers[key] = gather_pair_launcher(
-                    (out0, self.bases[table][k0][layer][halves[k0]], e0.dest, e0.src, e0.page, self.aligned16[k0]),
-                    (out1, self.bases[table][k1][layer][halves[k1]], e1.dest, e1.src, e1.page, self.aligned16[k1]))
+        launch = self._pair_launch(table, layer, halves, targets) if self.use_triton and len(targets) == 2 else None
+        if launch is not None:
             launch()
             return
         for k, (out, e) in targets.items():
             self.gather(out, table, layer, k, halves[k], e)
+
+    def _pair_launch(self, table: str, layer: int, halves: dict[str, int],
+                     targets: dict[str, tuple[torch.Tensor, Entries]]):
+        """The prepared one-launch gather of two kinds (kept on the first kind's entries)."""
+        (k0, (out0, e0)), (k1, (out1, e1)) = targets.items()
+        key = ("pair", table, layer, k0, halves[k0], out0.data_ptr(), k1, halves[k1], out1.data_ptr(),
+               e1.dest.data_ptr(), e1.src.data_ptr(), e1.page.data_ptr(), e1.n)  # launchers keep them alive
+        launch = e0.launchers.get(key)
+        if launch is None:
+            launch = e0.launchers[key] = self._launcher(
+                e0, ("pair", table, k0, k1, id(e1)), [(out0, table, layer, k0, halves[k0]),
+                                                     (out1, table, layer, k1, halves[k1])], e1)
+        return launch
+
+    def _launcher(self, e: Entries, family: tuple, segs: list[tuple], e1: Entries | None = None):
+        """The prepared launch of one gather (one segment) or a pair (two: ``e`` then ``e1``), each segment
+        ``(out, table, layer, kind, half)``. The first of a ``family`` (same entries, table and kinds) on the
+        plan is built in full and kept as its template; the others (other layers, halves, outputs) re-point
+        the template's outputs and source tables (``relaunch_with``: a few µs instead of a full build)."""
+        targets = [(out, self.bases[t][k][n][h]) for out, t, n, k, h in segs]
+        template = e.launchers.get(family)
+        if template is not None:
+            launch = relaunch_with(template, targets)
+            if launch is not None:
+                return launch
+        if e1 is None:
+            (out, bases), kind = targets[0], segs[0][3]
+            launch = gather_launcher(out, bases, e.dest, e.src, e.page, aligned16=self.aligned16[kind])
+        else:
+            (o0, b0), (o1, b1), k0, k1 = *targets, segs[0][3], segs[1][3]
+            launch = gather_pair_launcher((o0, b0, e.dest, e.src, e.page, self.aligned16[k0]),
+                                          (o1, b1, e1.dest, e1.src, e1.page, self.aligned16[k1]))
+        e.launchers.setdefault(family, launch)
+        return launch
+
+    def prepare_launches(self, plan: ComposePlan, mode: str | None = None) -> None:
+        """Build, before the batch's first kernel, every launch the batch's forward will make under ``symm``
+        (``compose_layer`` of each layer in order: one gather pair and one persist pair per layer, with the
+        staging halves the use counters will pick), and the dense views, so no layer builds host state on
+        first use. Other modes and CPU runs build theirs on first use."""
+        if not self.use_triton or self._effective(mode).name != "symm":
+            return
+        uses = dict(self.uses)
+        for n in range(self.num_layers):
+            kinds = self.pool.kinds_at(n)
+            halves = {k: uses[k] & 1 for k in kinds}
+            targets = {k: (self.dense(plan, k, h)[1], plan.all) for k, h in halves.items()}
+            self._prebuild("global", n, halves, targets)
+            if plan.persists and plan.num_own:
+                self._prebuild("local", n, halves,
+                               {k: (self._pool_pages[k][n], plan.persist_entries) for k in halves})
+            for k in kinds:
+                uses[k] += 1
+
+    def _prebuild(self, table: str, layer: int, halves: dict[str, int],
+                  targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
+        """Make ``gather_kinds(table, layer, halves, targets)``'s launch(es) without running them."""
+        if len(targets) == 2:
+            self._pair_launch(table, layer, halves, targets)
+            return
+        for k, (out, e) in targets.items():
+            key = (table, layer, k, halves[k], out.data_ptr(), out.shape[-1])
+            if e.n and key not in e.launchers:
+                e.launchers[key] = self._launcher(e, ("one", table, k), [(out, table, layer, k, halves[k])])
 
     def all_reduce(self, t: torch.Tensor) -> None:
         if self.cp > 1 and t.numel():
@@ -338,7 +411,14 @@ class ComposeRuntime:
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
         if plan.persists and plan.num_own:  # a gather over the local table: one prepared launch on GPU
-            self.gather(self.pool.pages(layer, kind), "local", layer, kind, half, plan.persist_entries)
+            self.gather(self._pool_pages[kind][layer], "local", layer, kind, half, plan.persist_entries)
+
+    def persist_kinds(self, plan: ComposePlan, layer: int, halves: dict[str, int]) -> None:
+        """``persist`` for every kind of ``halves`` (kind -> staging half): one prepared pair launch for two
+        kinds on GPU (``gather_kinds``), the same bytes as one persist per kind."""
+        if plan.persists and plan.num_own:
+            self.gather_kinds("local", layer, halves,
+                              {k: (self._pool_pages[k][layer], plan.persist_entries) for k in halves})
 
     def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
         """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""

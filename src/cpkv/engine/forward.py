@@ -72,9 +72,22 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
     cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
     ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
     dev = model.device
+    attn = AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev)
+    attn.indexer.prepare_items(_logits_work_shape(model), model.cfg.index_topk)  # no first-use host work later
     return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
-                    AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev), last,
-                    upload_list([row for _, row in last], torch.int64, dev))
+                    attn, last, upload_list([row for _, row in last], torch.int64, dev))
+
+
+def _logits_work_shape(model: DSAModel):
+    """The WorkShape of the fp8 indexer logits kernel the layers will launch (None: no work items there)."""
+    cfg = model.cfg
+    if model.device.type != "cuda" or cfg.kv_dtype != "fp8" or "full" not in cfg.indexer_types:
+        return None
+    from cpkv.kernels.platform import use_triton
+    if not use_triton(model.device):
+        return None
+    from cpkv.kernels.mqa_logits.triton import planned_work_shape
+    return planned_work_shape(cfg.index_n_heads, cfg.index_head_dim, model.device)
 
 
 def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", plan: RankPlan) -> dict[int, torch.Tensor]:

@@ -65,6 +65,7 @@ class RankEngine:
                                  on_spill=self._spill if self.host is not None else None)
         self.sched = Scheduler(self.kv, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
                                staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
+        self._reload_fenced = False  # this reload round has synchronised the group (_fence_reload)
         self.out = RankOutput(self.rank)
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
@@ -84,11 +85,16 @@ class RankEngine:
 
         The queue head may evict to make room; later requests only use free pages (no thrashing).
         When any page came back, the group synchronises: peers gather prefix pages straight from the
-        owner's pool (``v2`` before any collective), so the bytes must have landed first.
+        owner's pool (``v2`` before any collective), so the bytes must have landed first. Before the first
+        page comes back it synchronises too (``_fence_reload``): the page it lands in may have been a prefix
+        page of the batch just finished (evicted here to make room), which a slower peer may still be
+        gathering (``symm``/``prefetch`` gather after the batch's last barrier round, which this rank has passed
+        as well).
         """
         if self.host is None:
             return
         reloaded = 0
+        self._reload_fenced = False
         for i, req in enumerate(list(self.sched.waiting)[: self.cfg.caps().max_requests]):
             if not req.started:
                 reloaded += self.kv.reload(req.keys, self._load, may_evict=i == 0)
@@ -97,8 +103,17 @@ class RankEngine:
             self.ctx.barrier()
 
     def _load(self, owner: int, slot: int, page_id: int) -> None:
+        self._fence_reload()  # every rank loads the same pages in the same order: the first call fences
         if owner == self.rank and self.host is not None:
             self.host.load([slot], [page_id])
+
+    def _fence_reload(self) -> None:
+        """Once per ``_reload_waiting``, before its first pool write: every rank finished the last batch.
+        Every rank reaches it at the same decision (the bookkeeping is replicated)."""
+        if not self._reload_fenced:
+            self._sync_time()
+            self.ctx.barrier()
+            self._reload_fenced = True
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RankOutput:

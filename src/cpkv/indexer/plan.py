@@ -140,6 +140,16 @@ class IndexerPlan:
             self._items[key] = upload(items, self.ks.device)
         return self._items[key]
 
+    def prepare_items(self, shape: WorkShape | None, topk: int) -> None:
+        """Build (and upload) the logits work items of every chunk that computes logits (rows seeing more than
+        ``topk`` keys) for ``shape`` now, so a layer's indexer call finds them built: the batch plan calls
+        this before the batch's first kernel (no host work inside the forward). ``shape`` None: nothing."""
+        if shape is None:
+            return
+        for c in self.chunks:
+            if c.max_len > topk:
+                self.work_items(c, shape)
+
     @classmethod
     def from_tensors(cls, ks: torch.Tensor, ke: torch.Tensor, chunk_max_bytes: int | None = None) -> "IndexerPlan":
         """Plan from device bounds: reads them to the host once (a synchronisation; pass a plan

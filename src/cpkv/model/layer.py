@@ -113,15 +113,25 @@ class DSALayer:
         qr = rms_norm(F.linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"],
                       LATENT_NORM_EPS)
         kv = F.linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
-        latent = rms_norm(kv[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], LATENT_NORM_EPS)
-        token = self._token_rows(torch.cat((latent.float(), rot.interleaved(kv[:, cfg.kv_lora_rank:])), dim=1))
+        token = self._token_rows(self._token_kv(kv, rot))
         if not self.full:
             return Projected(self._query(qr, rot), token, None, None, None)
         iq, iw, index = self._indexer_inputs(x, qr, rot)
         return Projected(self._query(qr, rot), token, index, iq, iw)
 
+    def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
+        """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent |
+        rotated rope key, each written into its slice (no float32 cat). The values the rows keep are the
+        same: the latent is rounded to the compute dtype by its norm either way, and the rope key is stored
+        in bfloat16 (fp8 rows) or the KV dtype (= the compute dtype), one rounding of the float32 rotation."""
+        kr = self.cfg.kv_lora_rank
+        out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        out[:, :kr] = rms_norm(kv[:, :kr], self.w["self_attn.kv_a_layernorm.weight"], LATENT_NORM_EPS)
+        rot.interleaved(kv[:, kr:], out=out[:, kr:])
+        return out
+
     def _token_rows(self, kv: torch.Tensor) -> torch.Tensor:
-        """kv float32 [T, kv_lora + rope] -> uint8 token rows (fp8 quantised, or exact in the KV dtype)."""
+        """kv float [T, kv_lora + rope] -> uint8 token rows (fp8 quantised, or exact in the KV dtype)."""
         if self.exact:
             from cpkv.model.exact import pack_rows
             return pack_rows(kv, self.cfg.token_format)
@@ -134,11 +144,18 @@ class DSALayer:
         q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(
             qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        if self.exact:
-            return torch.cat((q_lat.float(), rot.interleaved(q_rope)), dim=-1).to(_kv_torch_dtype(cfg))
-        # = cat((q_lat.float(), rope), -1).to(bf16) bit for bit, without a float32 [T, H, 576] pass
-        return torch.cat((q_lat.to(torch.bfloat16), rot.interleaved(q_rope).to(torch.bfloat16)), dim=-1)
+        # out = cat((q_nope W_UK, rope(q_rope)), -1) in the query dtype, each part written into its slice:
+        # the absorbed product straight from the batched GEMM (when dtypes match), the rotation rounded once
+        kr = cfg.kv_lora_rank
+        dtype = _kv_torch_dtype(cfg) if self.exact else torch.bfloat16
+        out = torch.empty(qr.shape[0], cfg.num_heads, kr + cfg.qk_rope_head_dim, dtype=dtype, device=qr.device)
+        lat = out[..., :kr]
+        if dtype == q.dtype:
+            torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
+        else:
+            lat.copy_(torch.einsum("thn,hnc->thc", q_nope, self.w_uk))
+        rot.interleaved(q_rope, out=out[..., kr:])
+        return out
 
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, rot: Rotary):
         """-> (iq [T, Hi, Di], iw float32 [T, Hi], index rows uint8 [T, index row_bytes])."""
@@ -161,7 +178,10 @@ class DSALayer:
         """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (interleaved or halves), the rest pass."""
         r = self.cfg.qk_rope_head_dim
         turn = rot.interleaved if self.cfg.indexer_rope == "interleaved" else rot.halves
-        return torch.cat((turn(x[..., :r]), x[..., r:].float()), dim=-1)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        out[..., r:] = x[..., r:]
+        turn(x[..., :r], out=out[..., :r])
+        return out
 
     # -- half 2: over the composed dense buffers ---------------------------------------------------
     def attend(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
@@ -172,9 +192,16 @@ class DSALayer:
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
-        o = torch.einsum("thc,hvc->thv", latent.to(h.dtype), self.w_uv).reshape(h.shape[0], -1)
-        h = h + F.linear(o, self.w["self_attn.o_proj.weight"])
+        h = h + F.linear(self._latent_out(latent.to(h.dtype)), self.w["self_attn.o_proj.weight"])
         return h + self._mlp(h), topk
+
+    def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
+        """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
+        writing [T, H, v] in place (the einsum's [H, T, v] result would be copied again by the reshape)."""
+        t, cfg = latent.shape[0], self.cfg
+        o = torch.empty(t, cfg.num_heads, cfg.v_head_dim, dtype=latent.dtype, device=latent.device)
+        torch.bmm(latent.transpose(0, 1), self.w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o.view(t, -1)
 
     def _dense_kv(self, token_dense: torch.Tensor) -> torch.Tensor:
         if self.exact:

@@ -3,8 +3,8 @@
 Rotary embeddings as transformers' GLM-5 / DeepSeek-V3.2: MLA rotates *interleaved* pairs
 (x[2i], x[2i+1]); the indexer rotates interleaved pairs on GLM-5 and *halves* (x[i], x[i + d/2]) on
 DeepSeek-V3.2. Frequencies are plain (theta^(-2i/d)) or YaRN's blend of interpolated and extrapolated
-ones, and YaRN's attention factor scales cos and sin. ``Rotary`` holds cos/sin for one batch's
-positions, built once per batch and shared by every layer.
+ones, and YaRN's attention factor scales cos and sin. ``Rotary`` holds cos/sin (and cos + i sin) for one
+batch's positions, built once per batch and shared by every layer.
 """
 from __future__ import annotations
 
@@ -17,10 +17,22 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import RopeConfig
+from cpkv.upload import upload
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., d] -> same dtype as x; computed in float32."""
+    """x [..., d] -> same dtype as x: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded once.
+
+    With ``weight`` in x's dtype this is ``F.rms_norm``: one fused kernel on CUDA (float32 statistics and
+    products, one rounding to x's dtype) instead of six float32 passes over [T, d]; on CPU it runs the same
+    float32 ops in the same order as the form below (bit-identical, tested)."""
+    if weight.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` as separate float32 passes (any weight dtype; the reference of the fused form)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
@@ -75,34 +87,83 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
+def _complex_pairs(x: torch.Tensor) -> torch.Tensor:
+    """float32 [..., r] -> complex64 view [..., r / 2] of its pairs (x[2i], x[2i+1]) (a copy when the strides
+    do not allow a view)."""
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.contiguous()
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
 @dataclass(frozen=True)
 class Rotary:
-    """cos/sin float32 [T, rope_dim / 2] of one batch's token positions (attention factor included)."""
+    """cos/sin float32 [T, rope_dim / 2] of one batch's token positions (attention factor included), and
+    ``cis`` = cos + i sin (complex64, built once with them) for the interleaved rotation."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    cis: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.cis is None:
+            object.__setattr__(self, "cis", torch.complex(self.cos, self.sin))
 
     @classmethod
     def build(cls, positions: torch.Tensor, rope_dim: int, rope: RopeConfig | float) -> "Rotary":
         """positions int [T] -> Rotary with angles pos * inv_freq (``rope``: a RopeConfig or a plain theta)."""
         rope = rope if isinstance(rope, RopeConfig) else RopeConfig(theta=float(rope))
         inv, attention = rope_frequencies(rope, rope_dim)
-        ang = positions.to(torch.float32)[:, None] * inv.to(positions.device)[None, :]
+        inv = upload(inv, positions.device)  # asynchronous: a pageable copy would drain the stream
+        ang = positions.to(torch.float32)[:, None] * inv[None, :]
         return cls(torch.cos(ang) * attention, torch.sin(ang) * attention)
 
+    def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return (x.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[1],)
+
     def _cs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[1],)
+        shape = self._shape(x)
         return self.cos.view(shape), self.sin.view(shape)
 
-    def interleaved(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., r] (pairs x[2i], x[2i+1]) -> rotated, float32."""
+    def interleaved(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, ..., r] (pairs x[2i], x[2i+1]) -> rotated, float32 (or written into ``out``, any float dtype,
+        rounded once; returns ``out``).
+
+        One complex product (a + ib)(cos + i sin) per pair: real a cos - b sin, imaginary a sin + b cos, the
+        products of the stack form (``interleaved_ref``) without its four products, two sums and stack as
+        separate float32 passes. A float32 ``out`` whose pairs can be viewed as complex receives the product
+        directly."""
+        z = _complex_pairs(x.float())
+        cis = self.cis.view(self._shape(x))
+        if out is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and out.storage_offset() % 2 == 0 \
+                and all(s % 2 == 0 for s in out.stride()[:-1]):
+            torch.mul(z, cis, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+            return out
+        y = torch.view_as_real(z * cis).flatten(-2)
+        return y if out is None else out.copy_(y)
+
+    def interleaved_ref(self, x: torch.Tensor) -> torch.Tensor:
+        """``interleaved`` as separate float32 products and a stack (the reference of the complex form)."""
         c, s = self._cs(x)
         xf = x.float().unflatten(-1, (-1, 2))
         a, b = xf[..., 0], xf[..., 1]
         return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
 
-    def halves(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., r] (pairs x[i], x[i + r/2]) -> rotated, float32."""
+    def halves(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, ..., r] (pairs x[i], x[i + r/2]) -> rotated, float32 (or written into ``out``; returns it).
+
+        Each half is computed into its slice of the result (no cat); same products and sums as
+        ``halves_ref``."""
+        c, s = self._cs(x)
+        a, b = x.float().chunk(2, dim=-1)
+        y = out if out is not None and out.dtype == torch.float32 else torch.empty(x.shape, dtype=torch.float32,
+                                                                                      device=x.device)
+        lo, hi = y.chunk(2, dim=-1)
+        torch.mul(a, c, out=lo).sub_(b * s)
+        torch.mul(a, s, out=hi).add_(b * c)
+        return y if out is None or out is y else out.copy_(y)
+
+    def halves_ref(self, x: torch.Tensor) -> torch.Tensor:
+        """``halves`` with a cat (the reference)."""
         c, s = self._cs(x)
         a, b = x.float().chunk(2, dim=-1)
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1)

@@ -195,6 +195,22 @@ def work_shape(q: torch.Tensor, k: torch.Tensor, config: LogitsConfig | None = N
     return _gluon_work_shape(q.shape[1], cfg, q.device.index)
 
 
+def planned_work_shape(heads: int, dim: int, device: torch.device | str, config: LogitsConfig | None = None):
+    """work_shape of the fp8 logits call a batch plan will make on ``device`` (q [T, heads, dim], k rows made
+    TMA-ready by aligned_keys), known before any tensor exists: the plan builds its work items ahead with it.
+    None off CUDA or where the Gluon kernel with work items does not run."""
+    device = torch.device(device)
+    cfg = config or DEFAULT_CONFIG
+    if device.type != "cuda" or cfg.variant != "gluon" or not cfg.gluon_items:
+        return None
+    if heads not in (8, 16, 32) or dim not in (64, 128):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _device(index)[0] != (9, 0) or not _gluon_importable():
+        return None
+    return _gluon_work_shape(heads, cfg, index)
+
+
 @functools.lru_cache(maxsize=64)
 def _gluon_work_shape(heads: int, cfg: LogitsConfig, device: int | None):
     """work_shape of the Gluon kernel (its domain already checked)."""

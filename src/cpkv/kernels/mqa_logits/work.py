@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -45,47 +46,48 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
                       shape: WorkShape) -> torch.Tensor:
     """ks, ke: absolute key bounds of the chunk's rows (host); columns are keys key_start ... key_start +
     n_cols - 1. -> int32 [n, 4] items on the CPU in launch order (module docstring). Row i's columns
-    [ks - key_start, ke - key_start) clipped to the block are covered by the items of its group."""
+    [ks - key_start, ke - key_start) clipped to the block are covered by the items of its group.
+    Numpy on whole arrays: a batch's plan builds them before its first kernel (IndexerPlan.prepare_items)."""
     if len(ks) != len(ke):
         raise ValueError(f"ks and ke must have the same length, got {len(ks)} and {len(ke)}")
     if not len(ks) or n_cols <= 0:
         return torch.zeros(0, 4, dtype=torch.int32)
     r, tile, span = shape.rows, shape.tile, shape.span
-    lo = (torch.tensor(ks, dtype=torch.int64) - key_start).clamp(min=0)
-    hi = (torch.tensor(ke, dtype=torch.int64) - key_start).clamp(max=n_cols)
+    lo = np.maximum(np.asarray(ks, dtype=np.int64).reshape(-1) - key_start, 0)
+    hi = np.minimum(np.asarray(ke, dtype=np.int64).reshape(-1) - key_start, n_cols)
     empty = hi <= lo
     big = n_cols + tile * span
-    lo, hi = lo.masked_fill(empty, big), hi.masked_fill(empty, -1)
-    groups = -(-len(ks) // r)
-    pad = groups * r - len(ks)
-    glo = torch.cat([lo, lo.new_full((pad,), big)]).view(groups, r).amin(1)
-    ghi = torch.cat([hi, hi.new_full((pad,), -1)]).view(groups, r).amax(1)
+    groups = -(-lo.size // r)
+    glo = np.full(groups * r, big, np.int64)
+    ghi = np.full(groups * r, -1, np.int64)
+    glo[: lo.size] = np.where(empty, big, lo)
+    ghi[: hi.size] = np.where(empty, -1, hi)
+    glo, ghi = glo.reshape(groups, r).min(1), ghi.reshape(groups, r).max(1)
     t_lo, t_hi = glo // tile, (ghi + tile - 1) // tile
     s_lo = t_lo // span
-    count = torch.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
-    g = torch.repeat_interleave(torch.arange(groups), count)
-    first = torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
-    s = s_lo[g] + torch.arange(g.numel()) - first
-    a = torch.maximum(s * span, t_lo[g])
-    b = torch.minimum((s + 1) * span, t_hi[g])
-    order = torch.argsort(s * groups + g, stable=True)
+    count = np.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
+    g = np.repeat(np.arange(groups, dtype=np.int64), count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    s = s_lo[g] + np.arange(g.size, dtype=np.int64) - first
+    a = np.maximum(s * span, t_lo[g])
+    b = np.minimum((s + 1) * span, t_hi[g])
+    order = np.argsort(s * groups + g, kind="stable")
     g, a, n = g[order], a[order], (b - a)[order]
     g, a, n = _split_tail(g, a, n, shape)
-    return torch.stack([g * r, a * tile, n, torch.zeros_like(n)], 1).to(torch.int32)
+    return torch.from_numpy(np.stack([g * r, a * tile, n, np.zeros_like(n)], 1).astype(np.int32))
 
 
-def _split_tail(g: torch.Tensor, a: torch.Tensor, n: torch.Tensor, shape: WorkShape):
+def _split_tail(g: np.ndarray, a: np.ndarray, n: np.ndarray, shape: WorkShape):
     """Cut the items that lie entirely within the last slots x span tiles into pieces of span // split."""
     piece = max(shape.span // shape.split, 1)
-    if piece >= shape.span or not n.numel():
+    if piece >= shape.span or not n.size:
         return g, a, n
-    suffix = torch.flip(torch.cumsum(torch.flip(n, [0]), 0), [0])
+    suffix = np.cumsum(n[::-1])[::-1]
     cut = suffix <= shape.slots * shape.span
-    parts = torch.where(cut, (n + piece - 1) // piece, 1)
-    idx = torch.repeat_interleave(torch.arange(n.numel()), parts)
-    k = torch.arange(idx.numel()) - torch.repeat_interleave(torch.cumsum(parts, 0) - parts, parts)
-    step = torch.where(cut, piece, n)[idx]
+    parts = np.where(cut, (n + piece - 1) // piece, 1)
+    idx = np.repeat(np.arange(n.size, dtype=np.int64), parts)
+    k = np.arange(idx.size, dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
+    step = np.where(cut, piece, n)[idx]
     a2 = a[idx] + k * step
-    n2 = torch.minimum(step, a[idx] + n[idx] - a2)
+    n2 = np.minimum(step, a[idx] + n[idx] - a2)
     return g[idx], a2, n2
-

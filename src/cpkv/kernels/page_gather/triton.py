@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -145,7 +145,8 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
     if not _direct_launch_ok():
         return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
+    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device,
+                   segments=(0,))
 
 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
@@ -164,7 +165,31 @@ def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = N
         return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
                                   PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11],
                                   num_warps=segs[0].warps)
-    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device)
+    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device,
+                   segments=(0, 8))  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
+
+
+def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> Callable[[], None] | None:
+    """A launcher equal to ``launch`` (from :func:`gather_launcher` or :func:`gather_pair_launcher`) but with
+    each segment's (out, bases) replaced by ``targets`` (one pair per segment): the same entries, kernel and
+    grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
+    another layer's sources). None when ``launch`` is not a direct launch or a new address would change
+    what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
+    segments = getattr(launch, "segments", None)
+    if not segments or len(targets) != len(segments):
+        return None
+    raw = launch.raw
+    new = list(raw)
+    for at, page_bytes, (out, bases) in zip(segments, launch.page_bytes, targets):
+        addr, table = out.data_ptr(), bases.data_ptr()
+        if (out.shape[-1] * out.element_size() != page_bytes or (addr & 15) != (raw[at] & 15)
+                or (table & 15) != (raw[at + 1] & 15) or bases.dtype is not torch.int64):
+            return None
+        new[at] = new[at + 5] = addr
+        new[at + 1] = table
+    keep = (*launch.tensors, *(t for pair in targets for t in pair))
+    return _fast(launch.spec, tuple(new), keep, segments, launch.page_bytes)
 
 
 def _direct_launch_ok() -> bool:
@@ -180,22 +205,31 @@ def _no_hook(hook: Any) -> bool:
 
 
 def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int], args: tuple, keep: tuple,
-            device: torch.device) -> Callable[[], None]:
+            device: torch.device, segments: tuple[int, ...]) -> Callable[[], None]:
     """A zero-argument launch of the kernel compiled under ``key`` (``compile_fn`` compiles it if needed)
-    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into."""
+    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into (per segment its
+    out, bases, dest, src, page); ``segments``: where each segment's (OUT, BASES, ..., out_addr) start in
+    ``args`` (for relaunch_with)."""
     with torch.cuda.device(device):  # the module is loaded into the current device's context
         compiled = _COMPILED.get(key)
         if compiled is None:
             compiled = _COMPILED[key] = compile_fn()
         run = compiled.run  # loads the binary on first use
-    function, meta = compiled.function, compiled.packed_metadata
-    g0, g1, g2 = grid
     raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
-    current_stream, index = torch._C._cuda_getCurrentRawStream, device.index or 0
+    page_bytes = tuple(keep[5 * i].shape[-1] * keep[5 * i].element_size() for i in range(len(segments)))
+    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep, segments,
+                 page_bytes)
+
+
+def _fast(spec: tuple, raw: tuple, keep: tuple, segments: tuple, page_bytes: tuple) -> Callable[[], None]:
+    """The zero-argument launch of ``spec`` (run, grid, function, metadata, device index) with ``raw``."""
+    run, (g0, g1, g2), function, meta, index = spec
+    current_stream = torch._C._cuda_getCurrentRawStream
 
     def fast() -> None:
         run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
     fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
+    fast.spec, fast.raw, fast.segments, fast.page_bytes = spec, raw, segments, page_bytes
     return fast
 
 

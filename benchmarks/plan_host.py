@@ -1,0 +1,68 @@
+"""Host ms of one batch's plan on the CPU (2026-12-01, issue 14): the 90 %-cached 32K batch of ``cpkv bench
+engine`` (29,440 cached + 3,328 new tokens, page 64, GLM-5 shapes), per rank 0 of cp 1 and 2, median of N.
+
+    PYTHONPATH=src python3 benchmarks/plan_host.py [N]
+
+Parts: the batch layout, the compose plan, the rank plan (token ids, positions, rotary tables, indexer chunk
+plan; its device math runs on the CPU here) and the indexer logits work items of the H200 Gluon kernel's
+shape (rows 4, 64-key tiles, spans of 64, 132 SMs x 4 programs, last wave split 4): the forward used to
+build those on first use inside layer 0, the plan builds them now. No GPU, no Triton needed.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from cpkv.compose.plan import ComposePlan
+from cpkv.config import preset
+from cpkv.engine.forward import BatchSpec, _build_plan
+from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
+from cpkv.layout import build_layout
+from cpkv.model.ops import Rotary
+
+P, CACHED, NEW = 64, 29440, 3328
+SHAPE = WorkShape(rows=4, tile=64, span=64, slots=132 * 4, split=4)
+
+
+def median_ms(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main(n: int) -> None:
+    torch.set_num_threads(1)
+    cfg = preset("glm5")
+    model = SimpleNamespace(cfg=cfg, device=torch.device("cpu"),
+                            rotary=lambda pos: Rotary.build(pos, cfg.qk_rope_head_dim, cfg.rope))
+    page_bytes = {k: P * cfg.row_bytes(k) for k in ("token", "index")}
+    for cp in (1, 2):
+        lay = build_layout([(CACHED, NEW)], page_size=P, cp=cp)
+        ids = list(range(1, lay.num_current + 1))
+        spec = BatchSpec(lay, (tuple(range(CACHED + NEW)),), tuple(ids))
+        ip = _build_plan(spec, 0, model).attn.indexer
+
+        def items() -> None:
+            for c in ip.chunks:
+                r = slice(c.row_start, c.row_end)
+                logits_work_items(ip.host_ks[r], ip.host_ke[r], c.key_start, c.width, SHAPE)
+
+        parts = {"layout": lambda: build_layout([(CACHED, NEW)], page_size=P, cp=cp),
+                 "compose plan": lambda: ComposePlan(lay, 0, 200, page_bytes, torch.device("cpu"), ids),
+                 "rank plan": lambda: _build_plan(spec, 0, model),
+                 "work items": items}
+        res = {k: median_ms(f, n) for k, f in parts.items()}
+        print(f"cp {cp} rank 0 ({ip.num_tokens} query rows, {len(ip.chunks)} chunk(s)): "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items()))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 50)
