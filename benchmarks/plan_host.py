@@ -19,7 +19,7 @@ import torch
 
 from cpkv.compose.plan import ComposePlan
 from cpkv.config import preset
-from cpkv.engine.forward import BatchSpec, _build_plan
+from cpkv.engine.forward import BatchSpec, rank_plan
 from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
 from cpkv.layout import build_layout
 from cpkv.model.ops import Rotary
@@ -48,7 +48,7 @@ def main(n: int) -> None:
         lay = build_layout([(CACHED, NEW)], page_size=P, cp=cp)
         ids = list(range(1, lay.num_current + 1))
         spec = BatchSpec(lay, (tuple(range(CACHED + NEW)),), tuple(ids))
-        ip = _build_plan(spec, 0, model).attn.indexer
+        ip = rank_plan(spec, 0, model).attn.indexer
 
         def items() -> None:
             for c in ip.chunks:
@@ -57,7 +57,7 @@ def main(n: int) -> None:
 
         parts = {"layout": lambda: build_layout([(CACHED, NEW)], page_size=P, cp=cp),
                  "compose plan": lambda: ComposePlan(lay, 0, 200, page_bytes, torch.device("cpu"), ids),
-                 "rank plan": lambda: _build_plan(spec, 0, model),
+                 "rank plan": lambda: rank_plan(spec, 0, model),
                  "work items": items}
         res = {k: median_ms(f, n) for k, f in parts.items()}
         print(f"cp {cp} rank 0 ({ip.num_tokens} query rows, {len(ip.chunks)} chunk(s)): "

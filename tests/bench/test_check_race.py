@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cpkv.compose import check
+from cpkv.bench import check
 from cpkv.bench.check import SCRIBBLE, CheckConfig, draw_batch, initial_pool
 from cpkv.config import preset
 from cpkv.dist import launch

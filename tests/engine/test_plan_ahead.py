@@ -10,7 +10,7 @@ import torch
 
 from cpkv.indexer.plan import IndexerPlan
 from cpkv.kernels.mqa_logits.work import WorkShape
-from cpkv.kernels import page_gather as pg
+from cpkv.kernels.page_gather import triton as pg
 
 SHAPES = [WorkShape(rows=4, tile=64, span=64, slots=528, split=4), WorkShape(rows=2, tile=16, span=4, slots=3, split=2)]
 
@@ -97,7 +97,7 @@ def _launch_logs(ctx):
     R.gather_launcher, R.gather_pair_launcher = _fake_launchers(log, builds)
     real_relaunch = R.relaunch_with
     model = preset("tiny")
-    caps = AdmissionCaps(extend_tokens=64, cached_tokens=128, max_requests=2, chunk_size=64)
+    caps = AdmissionCaps(chunk_size=64, cached_tokens=128, max_requests=2)
     rt = ComposeRuntime.create(ctx, model, num_pages=64, page_size=4, caps=caps, num_layers=3, mode="symm")
     rt.use_triton = True
     rt._tables()  # the Triton source tables (addresses of the shared-memory pools and stagings)
@@ -113,7 +113,7 @@ def _launch_logs(ctx):
         at_prepare = len(builds) - before
         del log[:]
         for n in range(3):
-            rt.compose_layer(layout, n)
+            rt.compose_layer(plan, n)
         ahead = list(log)
         in_forward = len(builds) - before - at_prepare
         for e in (plan.all, plan.persist_entries):  # now the reference: every launch built in full, lazily
@@ -122,7 +122,7 @@ def _launch_logs(ctx):
         rt.uses = dict(uses)
         del log[:]
         for n in range(3):
-            rt.compose_layer(layout, n)
+            rt.compose_layer(plan, n)
         out.append({"ahead": ahead, "full": list(log), "in_forward": in_forward, "at_prepare": at_prepare,
                     "prepared": prepared, "own": plan.num_own})
     rt.close()
