@@ -23,7 +23,9 @@ from cpkv.indexer import (
     IndexerPlan, dequantize_index_rows, index_topk, mqa_logits, mqa_logits_ref, quantize_index_keys, quantize_queries,
     topk, topk_ref,
 )
-from test_attention import assert_close_attention  # noqa: E402 (pytest puts tests/ on sys.path)
+import sys, pathlib  # noqa: E401,E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
+from test_attention import assert_close_attention  # noqa: E402
 from test_indexer_gpu import _assert_logits_close  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
