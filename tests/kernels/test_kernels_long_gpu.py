@@ -24,7 +24,7 @@ from cpkv.indexer import (
     topk, topk_ref,
 )
 import sys, pathlib  # noqa: E401,E402
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "attention"))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("attention", "indexer")]
 from test_attention import assert_close_attention  # noqa: E402
 from test_indexer_gpu import _assert_logits_close  # noqa: E402
 
