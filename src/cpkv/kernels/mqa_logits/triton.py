@@ -201,7 +201,7 @@ def planned_work_shape(heads: int, dim: int, device: torch.device | str, config:
     None off CUDA or where the Gluon kernel with work items does not run."""
     device = torch.device(device)
     cfg = config or DEFAULT_CONFIG
-    if device.type != "cuda" or cfg.variant != "gluon" or not cfg.gluon_items:
+    if device.type != "cuda" or cfg.variant != "gluon":
         return None
     if heads not in (8, 16, 32) or dim not in (64, 128):
         return None
