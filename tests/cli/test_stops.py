@@ -29,7 +29,7 @@ linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 # -- rank functions --------------------------------------------------------------------------------
 def _wait_in_barrier(ctx, seconds):
     """Every rank waits in a collective that rank 0 joins only after ``seconds``."""
-    print(f"rank {ctx.rank} ready", flush=True)
+    os.write(1, f"rank {ctx.rank} ready\n".encode())  # one write: lines from two ranks never interleave
     if ctx.rank == 0:
         time.sleep(seconds)
     dist.barrier()
