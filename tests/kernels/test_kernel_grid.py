@@ -19,14 +19,14 @@ def test_sparse_mla_grid_is_one_dimensional_for_any_token_count(tokens: int, hea
 
 @settings(max_examples=200, deadline=None)
 @given(n_cols=st.integers(0, 1 << 21), tokens=st.integers(0, 1 << 20), span=st.sampled_from([1024, 4096, 192, 64]),
-       rows=st.sampled_from([1, 2, 4, 8, 16]), t_major=st.booleans())
-def test_logits_grid_covers_spans_and_token_groups(n_cols: int, tokens: int, span: int, rows: int, t_major: bool) -> None:
+       rows=st.sampled_from([1, 2, 4, 8, 16]))
+def test_logits_grid_covers_spans_and_token_groups(n_cols: int, tokens: int, span: int, rows: int) -> None:
     programs = cdiv(n_cols, span) * cdiv(tokens, rows)
     if programs > MAX_GRID_X:  # more programs than grid x holds (a logits block of >= 2^31 x span x rows floats)
         with pytest.raises(ValueError, match="grid x"):
-            logits_grid(n_cols, tokens, span, rows, t_major)
+            logits_grid(n_cols, tokens, span, rows)
         return
-    assert logits_grid(n_cols, tokens, span, rows, t_major) == (programs,)
+    assert logits_grid(n_cols, tokens, span, rows) == (programs,)
 
 
 @pytest.mark.parametrize("inner,outer", [(1, 7), (3, 5), (2, 65_537), (33, 1)])
@@ -39,7 +39,7 @@ def test_flat_grid_split_visits_each_pair_once_inner_fastest(inner: int, outer: 
 def test_million_token_prompts_fit_grid_x() -> None:
     assert sparse_mla_grid(1 << 20, 128, 64) == (1 << 21,)
     assert logits_grid(1 << 20, 1 << 20, 4096, 4) == (256 * (1 << 18),)
-    assert logits_grid(4096, 1 << 20, 4096, 4, t_major=True) == (1 << 18,)
+    assert logits_grid(4096, 1 << 20, 4096, 4) == (1 << 18,)
 
 
 def test_limits_are_refused_with_the_counts() -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import traceback
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Sequence
 
@@ -191,7 +193,7 @@ class RankEngine:
         return self.sched.finish(batch)
 
     def _sync_checked(self):
-        """With cfg.sync_check on CUDA: torch raises on any device->host synchronisation inside."""
+        """With cfg.sync_check on CUDA: one error naming every device->host synchronisation inside."""
         if not (self.cfg.sync_check and self.model.device.type == "cuda"):
             return contextlib.nullcontext()
         return _sync_debug_error()
@@ -255,13 +257,42 @@ def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Seque
         engine.close()
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync-debug message
+
+
 @contextlib.contextmanager
 def _sync_debug_error():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    """Inside: every device->host synchronisation is recorded with the cpkv frames that reached it (torch's
+    sync debug mode "warn", each warning caught with its stack); on exit one error lists them all, so one
+    GPU run names every site rather than the first."""
+    sites: dict[str, int] = {}
+
+    def seen(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        site = sync_site(traceback.extract_stack()[:-1])
+        sites[site] = sites.get(site, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown, warnings.showwarning = warnings.showwarning, seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    if sites:
+        raise RuntimeError(f"{sum(sites.values())} device->host synchronisations in a batch's plan + forward: "
+                           + "; ".join(f"{n}x {s}" for s, n in sites.items()))
+
+
+def sync_site(stack: traceback.StackSummary) -> str:
+    """``a.py:12 f < b.py:40 g``: the cpkv frames of a stack, innermost first (the whole stack's last three
+    frames when none is cpkv's)."""
+    stack = [f for f in stack if os.path.basename(f.filename) != "warnings.py"]
+    mine = [f for f in stack if f"{os.sep}cpkv{os.sep}" in f.filename]
+    frames = (mine or stack[-3:])[::-1][:6]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames)
 
 
 def _mark(name: str, prof):

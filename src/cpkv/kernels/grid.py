@@ -45,8 +45,7 @@ def sparse_mla_grid(tokens: int, heads: int, block_h: int) -> tuple[int]:
     return check_grid(flat_grid(cdiv(heads, block_h), tokens))
 
 
-def logits_grid(n_cols: int, tokens: int, span_cols: int, rows: int, t_major: bool = False) -> tuple[int]:
-    """MQA logits: one program per (key span of ``span_cols`` columns, group of ``rows`` tokens); spans
-    fastest, or token groups fastest with ``t_major``."""
-    spans, groups = cdiv(n_cols, span_cols), cdiv(tokens, rows)
-    return check_grid(flat_grid(groups, spans) if t_major else flat_grid(spans, groups))
+def logits_grid(n_cols: int, tokens: int, span_cols: int, rows: int) -> tuple[int]:
+    """MQA logits: one program per (key span of ``span_cols`` columns, group of ``rows`` tokens), spans
+    fastest."""
+    return check_grid(flat_grid(cdiv(n_cols, span_cols), cdiv(tokens, rows)))
