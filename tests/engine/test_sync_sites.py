@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from cpkv.engine import rank
 from cpkv.engine.rank import SYNC_WARNING, _sync_debug_error
 
 
@@ -23,6 +24,7 @@ def _elsewhere():
 def modes(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", seen.append)
+    monkeypatch.setattr(rank, "_canary", _synchronises)  # the stream sync's warning, as torch would emit it
     return seen
 
 
@@ -52,3 +54,12 @@ def test_an_error_inside_propagates_and_resets_the_mode(modes):
             _synchronises()
             raise KeyError("x")
     assert modes == ["warn", 0]
+
+
+def test_a_canary_that_is_not_seen_falls_back_to_error_mode(modes, monkeypatch):
+    """If torch's warnings did not reach the collector, a sync must still fail the batch: torch's own
+    "error" mode takes over."""
+    monkeypatch.setattr(rank, "_canary", lambda: None)
+    with _sync_debug_error():
+        pass
+    assert modes == ["warn", "error", 0]

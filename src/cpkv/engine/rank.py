@@ -264,7 +264,8 @@ SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's sync-debug mes
 def _sync_debug_error():
     """Inside: every device->host synchronisation is recorded with the cpkv frames that reached it (torch's
     sync debug mode "warn", each warning caught with its stack); on exit one error lists them all, so one
-    GPU run names every site rather than the first."""
+    GPU run names every site rather than the first. A canary sync on entry proves the warnings arrive; where
+    they would not, torch's "error" mode stops at the first sync instead (never a silent pass)."""
     sites: dict[str, int] = {}
 
     def seen(message, category, filename, lineno, file=None, line=None):
@@ -277,6 +278,10 @@ def _sync_debug_error():
         warnings.simplefilter("always")
         shown, warnings.showwarning = warnings.showwarning, seen
         torch.cuda.set_sync_debug_mode("warn")
+        _canary()  # one known sync: if its warning does not reach ``seen``, fall back to stopping at the first
+        if not sites:
+            torch.cuda.set_sync_debug_mode("error")
+        sites.clear()
         try:
             yield
         finally:
@@ -284,6 +289,11 @@ def _sync_debug_error():
     if sites:
         raise RuntimeError(f"{sum(sites.values())} device->host synchronisations in a batch's plan + forward: "
                            + "; ".join(f"{n}x {s}" for s, n in sites.items()))
+
+
+def _canary() -> None:
+    """A synchronisation known to trigger torch's sync debug check (the stream is idle at a batch's start)."""
+    torch.cuda.current_stream().synchronize()
 
 
 def sync_site(stack: traceback.StackSummary) -> str:

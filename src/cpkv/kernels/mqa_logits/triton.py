@@ -206,7 +206,7 @@ def planned_work_shape(heads: int, dim: int, device: torch.device | str, config:
     if heads not in (8, 16, 32) or dim not in (64, 128):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if _device(index)[0] != (9, 0) or not _gluon_importable():
+    if capability(torch.device("cuda", index)) != (9, 0) or not gluon_importable():
         return None
     return _gluon_work_shape(heads, cfg, index)
 
