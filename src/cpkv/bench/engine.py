@@ -11,7 +11,9 @@ torch's profiler (CUDA kernel activity), whose kernels give each case's breakdow
 GEMM rate of this GPU; the ratio is the model FLOPs of a case / its time against it. TTFT of 32K / 64K /
 128K prompts through every layer of the model is the measured time per layer times the model's layer count
 (extrapolated when fewer layers ran, and from the measured layers' mix of kinds; 64K is the long prompt's
-first two chunks).
+first two chunks). ``--host-load [N]`` then repeats the timed runs in fresh rank processes with N busy-loop
+processes holding the host's cores (``cpkv.bench.host_load``) and reports each case's slowdown: a forward
+pass bound by the host shows it at once.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
+    p.add_argument("--host-load", type=positive_int, nargs="?", const=-1, default=0, metavar="N",
+                   help="then run the timed runs again with N busy-loop processes on the host (no N: one per "
+                        "core) and report each case's slowdown under that load")
     p.add_argument("--json", action="store_true")
 
 
@@ -54,8 +59,30 @@ def run(args: argparse.Namespace) -> int:
     results = run_jobs(jobs, timeout_s=590)
     timed, prof = results[: args.runs], (None if args.no_profile else results[-1])
     report = _report(args, cfg_m, full_layers, ceiling, timed, prof)
+    if args.host_load:
+        report["host_load"] = _loaded(args, cfg, cfg_m, trace, ceiling, report)
     _print(report, args.json)
     return 0
+
+
+def _loaded(args, cfg, cfg_m, trace, ceiling: float, report: dict) -> dict:
+    """The timed runs again (fresh rank processes, one untimed pass first) with busy-loop processes holding
+    the host's cores: each case's median batch time under load against the quiet runs of this call."""
+    from cpkv.bench.host_load import default_procs, host_load
+    from cpkv.engine.engine import run_jobs
+
+    procs = default_procs() if args.host_load < 0 else args.host_load  # -1: the flag without a count
+    with host_load(procs):
+        loaded = run_jobs([(_replace(cfg, warmup=True), trace)] + [(cfg, trace)] * (args.runs - 1), timeout_s=590)
+    quiet = {r["case"]: r for r in report["cases"]}
+    cases = []
+    for name, rid in CASES:
+        row = case_row(name, loaded, rid, cfg_m, ceiling)
+        if row is not None and name in quiet:
+            q = quiet[name]["batch_s"]
+            cases.append({"case": name, "quiet_s": q, "loaded_s": row["batch_s"], "loaded_s_runs": row["batch_s_runs"],
+                          "slowdown": round(row["batch_s"] / q - 1, 4), "ratio_to_gemm": row["ratio_to_gemm"]})
+    return {"procs": procs, "cases": cases}
 
 
 def _replace(cfg, **kw):
@@ -187,6 +214,11 @@ def _print(rep: dict, as_json: bool) -> None:
     how = f"extrapolated from {t['layers_measured']} layers" if t["extrapolated"] else "measured"
     print(f"\nTTFT through {t['layers']} layers on this device ({how}): "
           + ", ".join(f"{int(k) / 1024:g}K {t[k]} s" for k in sizes))
+    load = rep.get("host_load")
+    if load:
+        print(f"\nwith {load['procs']} busy-loop processes on the host: "
+              + ", ".join(f"{c['case']} {c['loaded_s']} s ({c['slowdown']:+.1%}, {c['ratio_to_gemm']:.1%} of GEMM)"
+                          for c in load["cases"]))
     print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
           f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
           f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
