@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The figures and GPU tests the open issues ask for (issues 14, 16, 17), so that a session with little device
+# time spends it measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call
+# (at most 10 minutes); run a group twice for the issues' "two runs".
+#
+#     bash benchmarks/h200_round.sh tests|engine|attention|compose ...
+#
+# FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers (an ignored folder) and carry it;
+# it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
+# limit and the others still run. NVLink multicast stays off.
+set -u
+OUT=${OUT:-h200_out}; mkdir -p "$OUT"
+export PYTHONPATH=src NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+steps=" $* "
+want() { [[ "$steps" == *" $1 "* ]]; }
+step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt, exit status appended
+    local name=$1 limit=$2; shift 2
+    echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    echo "rc=$?" >>"$OUT/$name.txt"; tail -3 "$OUT/$name.txt"
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+if want tests; then
+    step tests 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_gpu.py tests/model/test_model_fused.py \
+        tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py
+fi
+if want engine; then
+    step engine 420 python3 -m cpkv bench engine --json --host-load
+    step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
+fi
+if want attention; then
+    peer=()
+    if [ -d .peers ] && bash .peers/build_flashmla.sh /tmp/peers >"$OUT/flashmla_build.txt" 2>&1; then
+        export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla)
+    fi
+    step attention 400 python3 -m cpkv bench attention --json "${peer[@]}"
+fi
+if want compose; then
+    step compose 300 python3 -m cpkv bench compose --device cuda --cp 2 --json
+    step check 250 python3 -m cpkv check compose --device cuda --cp 2 --modes all --batches 3 --json
+fi
