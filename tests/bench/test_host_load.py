@@ -31,9 +31,11 @@ def _alive(pid: int) -> bool:
 @linux_only
 def test_spinners_burn_cpu_and_are_reaped():
     with host_load(2) as procs:
-        time.sleep(1.0)
         pids = [p.pid for p in procs]
-        assert all(_cpu_s(pid) > 0.2 for pid in pids), [_cpu_s(pid) for pid in pids]
+        deadline = time.monotonic() + 20  # a loaded machine gives them their time slices late, not never
+        while min(_cpu_s(pid) for pid in pids) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_cpu_s(pid) >= 0.2 for pid in pids), [_cpu_s(pid) for pid in pids]
     assert all(p.returncode is not None for p in procs) and not any(_alive(pid) for pid in pids)
 
 
