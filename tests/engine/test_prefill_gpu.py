@@ -123,6 +123,24 @@ def test_batches_at_cp2_run_without_a_host_sync():
         assert torch.equal(a.logits, b.logits), a.id
 
 
+def test_shared_indexer_and_moe_layers_run_without_a_host_sync():
+    """GLM-5's first 4 layers (full, full, shared, full; dense x 3 then MoE) at cp 2 on one GPU under symm: the
+    shared layer's reused top-k and the MoE layer's routing and grouped expert GEMMs add no device->host
+    synchronisation either (about 26 GB of weights per rank)."""
+    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.engine import run_jobs
+    from cpkv.model.config import load_model_config
+
+    cfg_m = load_model_config("glm5", 4)
+    assert cfg_m.indexer_types == ("full", "full", "shared", "full") and cfg_m.mlp_layer_types[3] == "sparse"
+    cfg = EngineConfig(model="glm5", num_layers=4, cp=2, device="cuda", page_size=64, pages_per_rank=200,
+                       chunk_size=4096, max_requests=1, warmup=True, sync_check=True)
+    (res,) = run_jobs([(cfg, _trace())], timeout_s=500)
+    assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0"] and not res.rejected
+    assert res.stats["attention"]["sparse"] > 0
+    assert all(bool(torch.isfinite(r.logits).all()) for r in res.requests)
+
+
 def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
     from cpkv.upload import staging, upload, upload_list
 
