@@ -1,5 +1,6 @@
 """Host ms of one batch's plan on the CPU (2026-12-01, issue 14): the 90 %-cached 32K batch of ``cpkv bench
-engine`` (29,440 cached + 3,328 new tokens, page 64, GLM-5 shapes), per rank 0 of cp 1 and 2, median of N.
+engine`` (29,440 cached + 3,328 new tokens, page 64, GLM-5 shapes), per rank 0 of cp 1 and 2, and the last
+32K chunk of its cold 128K prompt (98,304 cached + 32,768 new) at cp 1, median of N.
 
     PYTHONPATH=src python3 benchmarks/plan_host.py [N]
 
@@ -25,6 +26,7 @@ from cpkv.layout import build_layout
 from cpkv.model.ops import Rotary
 
 P, CACHED, NEW = 64, 29440, 3328
+LONG_CHUNK = (98304, 32768)
 SHAPE = WorkShape(rows=4, tile=64, span=64, slots=132 * 4, split=4)
 
 
@@ -44,10 +46,10 @@ def main(n: int) -> None:
     model = SimpleNamespace(cfg=cfg, device=torch.device("cpu"),
                             rotary=lambda pos: Rotary.build(pos, cfg.qk_rope_head_dim, cfg.rope))
     page_bytes = {k: P * cfg.row_bytes(k) for k in ("token", "index")}
-    for cp in (1, 2):
-        lay = build_layout([(CACHED, NEW)], page_size=P, cp=cp)
+    for cp, (cached, new) in ((1, (CACHED, NEW)), (2, (CACHED, NEW)), (1, LONG_CHUNK)):
+        lay = build_layout([(cached, new)], page_size=P, cp=cp)
         ids = list(range(1, lay.num_current + 1))
-        spec = BatchSpec(lay, (tuple(range(CACHED + NEW)),), tuple(ids))
+        spec = BatchSpec(lay, (tuple(range(cached + new)),), tuple(ids))
         ip = rank_plan(spec, 0, model).attn.indexer
 
         def items() -> None:
@@ -55,12 +57,12 @@ def main(n: int) -> None:
                 r = slice(c.row_start, c.row_end)
                 logits_work_items(ip.host_ks[r], ip.host_ke[r], c.key_start, c.width, SHAPE)
 
-        parts = {"layout": lambda: build_layout([(CACHED, NEW)], page_size=P, cp=cp),
+        parts = {"layout": lambda: build_layout([(cached, new)], page_size=P, cp=cp),
                  "compose plan": lambda: ComposePlan(lay, 0, 200, page_bytes, torch.device("cpu"), ids),
                  "rank plan": lambda: rank_plan(spec, 0, model),
                  "work items": items}
         res = {k: median_ms(f, n) for k, f in parts.items()}
-        print(f"cp {cp} rank 0 ({ip.num_tokens} query rows, {len(ip.chunks)} chunk(s)): "
+        print(f"{cached} cached + {new} new, cp {cp} rank 0 ({ip.num_tokens} query rows, {len(ip.chunks)} chunk(s)): "
               + ", ".join(f"{k} {v:.3f} ms" for k, v in res.items()))
 
 

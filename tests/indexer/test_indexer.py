@@ -279,6 +279,50 @@ def test_logits_work_items_cover_exactly(n_rows, seed, rows, span, slots, split,
     _check_items(ks, ke, key_start, n_cols, shape, logits_work_items(ks, ke, key_start, n_cols, shape))
 
 
+def _work_items_ref(ks, ke, key_start, n_cols, shape):
+    """The work items written out item by item (an independent form of the numpy build): per token group, one
+    item per span of tiles it touches; span-major order, groups ascending; the items that lie within the last
+    slots x span tiles cut into pieces of span // split tiles."""
+    r, tile, span = shape.rows, shape.tile, shape.span
+    items = []
+    for g in range(-(-len(ks) // r)):
+        rows = [(max(ks[i] - key_start, 0), min(ke[i] - key_start, n_cols)) for i in range(g * r, min(len(ks), g * r + r))]
+        rows = [(lo, hi) for lo, hi in rows if hi > lo]
+        if rows:
+            t_lo, t_hi = min(lo for lo, _ in rows) // tile, -(-max(hi for _, hi in rows) // tile)
+            for s in range(t_lo // span, (t_hi - 1) // span + 1):
+                a = max(s * span, t_lo)
+                items.append((s, g, a, min((s + 1) * span, t_hi) - a))
+    out = [(g, a, n) for _, g, a, n in sorted(items, key=lambda x: (x[0], x[1]))]
+    piece = max(span // shape.split, 1)
+    if piece < span:
+        start, total = len(out), 0
+        for i in range(len(out) - 1, -1, -1):
+            total += out[i][2]
+            if total > shape.slots * span:
+                break
+            start = i
+        out = out[:start] + [(g, a + k, min(piece, n - k)) for g, a, n in out[start:] for k in range(0, n, piece)]
+    return [[g * r, a * tile, n, 0] for g, a, n in out]
+
+
+@settings(max_examples=150, deadline=None)
+@given(n_rows=st.integers(1, 120), seed=st.integers(0, 10**6), rows=st.sampled_from([1, 2, 4, 8, 16]),
+       span=st.integers(1, 12), slots=st.integers(1, 60), split=st.integers(1, 6), tile=st.sampled_from([4, 16, 64]),
+       reach=st.sampled_from([50, 400, 5000]))
+def test_logits_work_items_equal_the_item_by_item_form(n_rows, seed, rows, span, slots, split, tile, reach):
+    from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
+
+    g = torch.Generator().manual_seed(seed)
+    ks = torch.randint(0, reach, (n_rows,), generator=g)
+    ke = (ks + torch.randint(-reach // 10, reach, (n_rows,), generator=g)).clamp(min=0)
+    ks, ke = ks.tolist(), ke.tolist()
+    key_start, n_cols = reach // 8, reach
+    shape = WorkShape(rows=rows, tile=tile, span=span, slots=slots, split=split)
+    got = logits_work_items(ks, ke, key_start, n_cols, shape)
+    assert got.dtype == torch.int32 and got.tolist() == _work_items_ref(ks, ke, key_start, n_cols, shape)
+
+
 def test_logits_work_items_skip_empty_programs_and_cut_the_last_wave():
     from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
 

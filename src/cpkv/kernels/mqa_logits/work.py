@@ -66,28 +66,34 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     t_lo, t_hi = glo // tile, (ghi + tile - 1) // tile
     s_lo = t_lo // span
     count = np.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
-    g = np.repeat(np.arange(groups, dtype=np.int64), count)
-    first = np.repeat(np.cumsum(count) - count, count)
-    s = s_lo[g] + np.arange(g.size, dtype=np.int64) - first
-    a = np.maximum(s * span, t_lo[g])
-    b = np.minimum((s + 1) * span, t_hi[g])
-    order = np.argsort(s * groups + g, kind="stable")
+    # one item per (group, span it touches), group after group; int32 from here (tiles and rows < 2^31)
+    g = np.repeat(np.arange(groups, dtype=np.int32), count)
+    s = np.arange(g.size, dtype=np.int32) - np.repeat((np.cumsum(count) - count - s_lo).astype(np.int32), count)
+    a = np.maximum(s * span, np.repeat(t_lo.astype(np.int32), count))
+    b = np.minimum((s + 1) * span, np.repeat(t_hi.astype(np.int32), count))
+    # span-major order, groups ascending within a span: g is already ascending, so a stable sort on the span
+    # alone gives it (a radix sort when the span index fits 16 bits)
+    order = np.argsort(s.astype(np.uint16) if s.size and s.max() < 1 << 16 else s, kind="stable")
     g, a, n = g[order], a[order], (b - a)[order]
     g, a, n = _split_tail(g, a, n, shape)
-    return torch.from_numpy(np.stack([g * r, a * tile, n, np.zeros_like(n)], 1).astype(np.int32))
+    out = np.empty((g.size, 4), np.int32)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = g * r, a * tile, n, 0
+    return torch.from_numpy(out)
 
 
 def _split_tail(g: np.ndarray, a: np.ndarray, n: np.ndarray, shape: WorkShape):
-    """Cut the items that lie entirely within the last slots x span tiles into pieces of span // split."""
+    """Cut the items that lie entirely within the last slots x span tiles into pieces of span // split (only
+    that tail is rebuilt: the items before it stay as they are)."""
     piece = max(shape.span // shape.split, 1)
     if piece >= shape.span or not n.size:
         return g, a, n
-    suffix = np.cumsum(n[::-1])[::-1]
-    cut = suffix <= shape.slots * shape.span
-    parts = np.where(cut, (n + piece - 1) // piece, 1)
-    idx = np.repeat(np.arange(n.size, dtype=np.int64), parts)
-    k = np.arange(idx.size, dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
-    step = np.where(cut, piece, n)[idx]
-    a2 = a[idx] + k * step
-    n2 = np.minimum(step, a[idx] + n[idx] - a2)
-    return g[idx], a2, n2
+    suffix = np.cumsum(n[::-1])[::-1]  # non-increasing: the cut items are a tail
+    start = int(np.searchsorted(-suffix, -shape.slots * shape.span))  # first item with suffix <= slots x span
+    tg, ta, tn = g[start:], a[start:], n[start:]
+    parts = (tn + piece - 1) // piece
+    idx = np.repeat(np.arange(tn.size, dtype=np.int64), parts)
+    k = np.arange(idx.size, dtype=tn.dtype) - np.repeat((np.cumsum(parts) - parts).astype(tn.dtype), parts)
+    a2 = ta[idx] + k * piece
+    n2 = np.minimum(piece, ta[idx] + tn[idx] - a2)
+    return (np.concatenate((g[:start], tg[idx])), np.concatenate((a[:start], a2)),
+            np.concatenate((n[:start], n2)))
