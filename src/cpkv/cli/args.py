@@ -127,4 +127,4 @@ def require_cuda(device: str, command: str) -> None:
 
     if not torch.cuda.is_available():
         raise ConfigError(f"{command} runs on --device cuda (the default), but torch sees no CUDA device on this "
-                          "machine")
+                          "machine; --device cpu runs it on the CPU")
