@@ -137,6 +137,8 @@ CASES = [
     (["bench", "engine", "--cp", "0"], "cp must be an integer >= 1, got 0"),
     (["bench", "engine", "--cached", "1.5"], "--cached: expected a share in [0, 1), got 1.5"),
     (["bench", "engine", "--layers", "0"], "--layers: expected an integer >= 1, got 0"),
+    (["bench", "engine", "--host-load", "0"], "argument --host-load: expected an integer >= 1, got 0"),
+    (["bench", "engine", "--host-load", "x"], "argument --host-load: expected an integer >= 1, got 'x'"),
     (["bench", "attention", "--tokens", "a,b"], "--tokens: expected comma-separated integers >= 1"),
     (["bench", "attention", "--topk", "10", "--kv-rows", "5"], "expected at most --kv-rows (5)"),
     (["bench", "indexer", "--scenarios", "nope"], "--scenarios: expected some of cold, tail, warm, warm_long"),
@@ -164,6 +166,8 @@ def test_cuda_on_a_cpu_machine_says_so(argv, capsys):
     code, out, err = _call(argv + ["--json"] if argv[0] == "bench" else argv, capsys)
     assert code == 2 and out == "" and "Traceback" not in err
     assert "CUDA" in err
+    if argv == ["bench", "engine"]:
+        assert "--device cpu runs it on the CPU" in err
 
 
 def test_failed_replay_leaves_no_partial_output(tmp_path, capsys, monkeypatch):

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, cfg_m, full_layers, trace = _setup(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
-    jobs = [(_replace(cfg, warmup=True), trace)] + [(cfg, trace)] * (args.runs - 1)
+    jobs = _timed_jobs(cfg, trace, args.runs)
     if not args.no_profile:
         jobs.append((_replace(cfg, profile=True), trace))
     results = run_jobs(jobs, timeout_s=590)
@@ -73,7 +73,7 @@ def _loaded(args, cfg, cfg_m, trace, ceiling: float, report: dict) -> dict:
 
     procs = default_procs() if args.host_load < 0 else args.host_load  # -1: the flag without a count
     with host_load(procs):
-        loaded = run_jobs([(_replace(cfg, warmup=True), trace)] + [(cfg, trace)] * (args.runs - 1), timeout_s=590)
+        loaded = run_jobs(_timed_jobs(cfg, trace, args.runs), timeout_s=590)
     quiet = {r["case"]: r for r in report["cases"]}
     cases = []
     for name, rid in CASES:
@@ -83,6 +83,11 @@ def _loaded(args, cfg, cfg_m, trace, ceiling: float, report: dict) -> dict:
             cases.append({"case": name, "quiet_s": q, "loaded_s": row["batch_s"], "loaded_s_runs": row["batch_s_runs"],
                           "slowdown": round(row["batch_s"] / q - 1, 4), "ratio_to_gemm": row["ratio_to_gemm"]})
     return {"procs": procs, "cases": cases}
+
+
+def _timed_jobs(cfg, trace, runs: int) -> list:
+    """``runs`` timed passes of the trace, the first after one untimed pass (JIT, autotuning)."""
+    return [(_replace(cfg, warmup=True), trace)] + [(cfg, trace)] * (runs - 1)
 
 
 def _replace(cfg, **kw):
