@@ -8,6 +8,7 @@ from cpkv.errors import ConfigError
 
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
+WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
 
 
 def is_preset(model: str) -> bool:
@@ -40,6 +41,7 @@ class EngineConfig:
     max_requests: int = 8
     full_hit: str = "page"
     precision: str = "fp8"  # fp8 KV rows, or exact: rows, indexer keys and queries in the model dtype
+    weights: str = "auto"  # linear weights kept fp8 (block-scaled GEMMs) or widened to the compute dtype (WEIGHTS)
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
     sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         cfg = load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json

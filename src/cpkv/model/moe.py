@@ -7,11 +7,11 @@
         * routed_scaling_factor
     experts(x, idx, w, gate_up [E, 2I, D], down [E, D, I]) -> [T, D]: sum_k w_k SwiGLU_{idx_k}(x)
 
-``experts`` runs one grouped GEMM per projection over the (token, expert) pairs sorted by expert
-(``torch._grouped_mm``: offsets stay on the device, no host sync) where the dtype and strides allow it,
-and a loop over the experts hit otherwise (``experts_loop``, also the reference in tests). The grouped
-path applies each routing weight to the expert's activation before its down projection (the same sum,
-rounded at another point: within the test tolerance of the loop) and sums a token's k outputs per token.
+``experts`` sorts the (token, expert) pairs by expert (``sort_pairs``: offsets stay on the device, no host
+sync), runs the experts as one grouped SwiGLU (``cpkv.model.experts.grouped_swiglu``: each routing weight
+applied to the expert's activation before its down projection, the same sum rounded at another point:
+within the test tolerance of ``experts_loop``, the reference in tests) and sums each token's k outputs
+(``combine_pairs``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
+from cpkv.model.experts import ExpertWeights, grouped_swiglu
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,47 +38,34 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
     return idx, w * cfg.routed_scaling_factor
 
 
-_GROUPED_FAILED: set[str] = set()  # device types where torch._grouped_mm raised once (then: the loop)
-
-
-def _grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.device.type in _GROUPED_FAILED:
-        return False
-    dtype_ok = x.dtype == (torch.bfloat16 if x.is_cuda else torch.float32)
-    es = x.element_size()
-    return dtype_ok and all((n * es) % 16 == 0 for n in (x.shape[1], gate_up.shape[1], down.shape[2]))
-
-
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor) -> torch.Tensor:
-    """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] -> [T, D] (x's dtype)."""
-    if _grouped_ok(x, gate_up, down):
-        try:
-            return _experts_grouped(x, idx, w, gate_up, down)
-        except RuntimeError:  # a build or device without this grouped GEMM layout: remember, use the loop
-            _GROUPED_FAILED.add(x.device.type)
-    return experts_loop(x, idx, w, gate_up, down)
+    """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] -> [T, D] (x's dtype).
 
-
-def _experts_grouped(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor) -> torch.Tensor:
+    Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
+    one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs."""
     t, k = idx.shape
+    order, offs = sort_pairs(idx, gate_up.shape[0])
+    xs = x.index_select(0, order // k)
+    y = grouped_swiglu(xs, offs, w.reshape(-1)[order], ExpertWeights(gate_up, down))
+    return combine_pairs(y, order, t, k)
+
+
+def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx int64 [T, k] -> (order int64 [T*k]: flat pair ids sorted by expert (stable), offs int32 [E]: the
+    cumulative row end of each expert), both on the device."""
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    token = order // k
-    xs = x.index_select(0, token)
-    gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
-    g, u = gu.chunk(2, dim=-1)
-    # the routing weight scales the activation (down is linear), so the expert outputs come out weighted in
-    # x's dtype and each token's k outputs are summed in one reduction (float32 accumulation, one rounding)
-    # instead of float32 [pairs, D] copies, products and an atomic scatter
-    act = F.silu(g).mul_(u).mul_(w.reshape(-1)[order, None])
-    y = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return y.index_select(0, inv).view(t, k, x.shape[1]).sum(dim=1)
+    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (one reduction, float32
+    accumulation, one rounding)."""
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=y.device))
+    return y.index_select(0, inv).view(t, k, y.shape[1]).sum(dim=1)
 
 
 def experts_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
