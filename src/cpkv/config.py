@@ -367,3 +367,8 @@ class AdmissionCaps:
     def staging_pages(self, page_size: int) -> int:
         """Current pages one round can hold: extend cap in pages + one slack page per request."""
         return self.effective_extend(page_size) // page_size + self.max_requests
+
+    def max_slots(self, page_size: int) -> int:
+        """Logical pages of the largest batch the caps admit: every cached page, one partial page per
+        request, one round of current pages (the dense-buffer arena is sized for it)."""
+        return self.cached_tokens // page_size + self.max_requests + self.staging_pages(page_size)

@@ -25,6 +25,7 @@ from cpkv.errors import CpkvError
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cpkv.cli.run_cmd", "CP prefill of a trace on rank processes, verified against one rank"),
     "replay": ("cpkv.cli.replay_cmd", "replay a trace through the prefix cache and admission; TTFT"),
+    "plan": ("cpkv.cli.plan_cmd", "memory per rank (weights, expert shard, KV, buffers) and the KV tokens that fit"),
     "layout": ("cpkv.cli.layout_cmd", "how a batch's pages split over the CP ranks"),
     "env": ("cpkv.cli.env_cmd", "the CPKV_* environment variables: defaults, values, problems"),
 }

@@ -124,15 +124,16 @@ def rejection_error(rejected: list, total: int, cfg, before: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, check_output, flags_of
+    from cpkv.cli.plan_cmd import check_run
     from cpkv.engine.engine import run_engine, run_under_torchrun, verify_run
-    from cpkv.model.config import load_model_config
 
     check_output(args.logits_out, "--logits-out")
     t0 = time.monotonic()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     with as_flags(flags_of(FLAGS)):  # every option checked before the trace is read or a rank starts
         cfg = engine_config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.cp)
-    model_cfg = load_model_config(args.model, args.num_layers)
+    model_cfg = cfg.model_config()  # the config the ranks run (precision applied)
+    check_run(cfg, model_cfg, torchrun)  # does not fit its GPUs (on CPU the host): one line naming the option
     trace = load_requests(args, model_cfg.vocab_size)
     never = never_runs(trace, cfg, model_cfg)
     gone = [{"id": r.id, "prompt_len": r.prompt_len, "reason": never[r.id]} for r in trace if r.id in never]

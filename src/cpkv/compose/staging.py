@@ -95,6 +95,4 @@ def arena_bytes(page_bytes: dict[str, int], slots: int, compact: int) -> int:
 
 def caps_arena_bytes(page_bytes: dict[str, int], page_size: int, caps: AdmissionCaps) -> int:
     """Arena half size implied by the caps: cached pages + one partial page per request + staging pages."""
-    staging = caps.staging_pages(page_size)
-    slots = caps.cached_tokens // page_size + caps.max_requests + staging
-    return arena_bytes(page_bytes, slots, staging)
+    return arena_bytes(page_bytes, caps.max_slots(page_size), caps.staging_pages(page_size))

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheConfig, CPConfig
 from cpkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cpkv.config import ModelConfig
 
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
@@ -50,7 +54,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
-        from cpkv.model.config import load_model_config
         from cpkv.scheduler.admission import POLICIES
 
         if self.mode not in MODES:
@@ -72,12 +75,19 @@ class EngineConfig:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        cfg = load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json
-        if self.precision == "fp8":
-            cfg.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
+        cfg = self.model_config()  # a preset, or a directory with a valid config.json
+        cfg.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         if not is_preset(self.model):
             from cpkv.model.checkpoint import check_checkpoint
             check_checkpoint(self.model, cfg)  # every header, name and shape, before any rank starts
+
+    def model_config(self) -> "ModelConfig":
+        """The model config every rank runs: the preset or config.json, cut to ``num_layers``, with the KV dtype
+        of ``precision`` on ``device``. The parent process uses this one (never a config without the precision)."""
+        from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
+
+        return with_precision(load_model_config(self.model, self.num_layers), self.precision,
+                              COMPUTE_DTYPES[self.device])
 
     @property
     def cp_config(self) -> CPConfig:

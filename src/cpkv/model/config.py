@@ -14,6 +14,7 @@ and rotates its rope dims in halves; GLM-5 rotates them interleaved.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from cpkv.config import PRESETS, ModelConfig, RopeConfig, preset
 from cpkv.errors import CheckpointError, ConfigError
 
+PRECISIONS = ("fp8", "exact")
+COMPUTE_DTYPES = {"cuda": "bfloat16", "cpu": "float32"}  # the model dtype per device (cpkv.model.model.default_dtype)
 MODEL_TYPES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 # ModelConfig field <- config.json key (required)
@@ -162,3 +165,11 @@ def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     return cfg
+
+
+def with_precision(cfg: ModelConfig, precision: str, compute_dtype: str) -> ModelConfig:
+    """``cfg`` with the KV dtype of ``precision``: fp8 rows, or (``exact``) rows in the compute dtype
+    (``COMPUTE_DTYPES``: float32 on CPU, bfloat16 on CUDA). The ranks run this config; so must the parent."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return dataclasses.replace(cfg, kv_dtype="fp8" if precision == "fp8" else compute_dtype)

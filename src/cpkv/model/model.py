@@ -6,7 +6,6 @@ engine must reproduce its first tokens and, within tolerance, its last-token log
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -14,12 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
-from cpkv.errors import ConfigError
+from cpkv.model.config import PRECISIONS, with_precision  # noqa: F401  (PRECISIONS re-exported)
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
 from cpkv.model.weights import Weights, check_weights, load_weights, random_weights
-
-PRECISIONS = ("fp8", "exact")
 
 
 FLOAT32_WEIGHTS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # kept in float32, as transformers
@@ -35,11 +32,9 @@ def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> ModelConfig:
-    """``cfg`` with the KV dtype of ``precision``: fp8 rows, or (``exact``) rows in the compute dtype."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    kv = "fp8" if precision == "fp8" else {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return dataclasses.replace(cfg, kv_dtype=kv)
+    """``cfg`` with the KV dtype of ``precision``: fp8 rows, or (``exact``) rows in the compute dtype
+    (``cpkv.model.config.with_precision``, which the parent process calls through ``EngineConfig.model_config``)."""
+    return with_precision(cfg, precision, {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype])
 
 
 class DSAModel:

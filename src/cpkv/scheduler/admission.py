@@ -111,17 +111,22 @@ class Admission:
         return 2 * (self.staging_pages + 1) * self.page_size * self.row_bytes
 
     def buffer_bytes(self, slots: int, rows: int) -> int:
-        """Per-rank bytes of a batch of ``slots`` logical pages whose busiest rank has ``rows`` queries.
+        """Per-rank bytes of a batch of ``slots`` logical pages whose busiest rank has ``rows`` queries:
+        its dense buffers, the staging and one indexer logits chunk (the memory plan, ``cpkv.memplan``,
+        counts the same parts)."""
+        return self.dense_bytes(slots) + self.staging_bytes + self.logits_bytes(slots * self.page_size, rows)
 
-        dense: 2 parity halves × keys × row_bytes; staging; logits: the rows of one chunk × keys × 4 B,
-        the chunk as large as the logits budget allows. A key row that alone exceeds the budget: no fit.
-        """
-        keys = slots * self.page_size
+    def dense_bytes(self, slots: int) -> int:
+        """Dense buffers of ``slots`` pages: 2 parity halves × keys × row_bytes (both kinds)."""
+        return 2 * slots * self.page_size * self.row_bytes
+
+    def logits_bytes(self, keys: int, rows: int) -> int:
+        """One indexer logits chunk over ``keys`` keys: the rows that fit the logits budget (at most ``rows``)
+        × keys × 4 B. A key row that alone exceeds the budget: no fit (1 << 62)."""
         per_row = 4 * keys
         if per_row > self.logits_budget:
             return 1 << 62
-        logits = min(rows, self.logits_budget // per_row) * per_row
-        return 2 * keys * self.row_bytes + self.staging_bytes + logits
+        return min(rows, self.logits_budget // per_row) * per_row
 
     def last_prefix(self, prompt_len: int, cached: int) -> int:
         """Carried prefix of the last chunk when the first chunk starts at ``cached``."""

@@ -1,0 +1,155 @@
+"""``cpkv plan``: the memory plan of a run, per rank and for the node, before anything loads.
+
+    cpkv plan --model glm5 --cp 8                      # GLM-5-FP8 on 8 GPUs: what fits, KV tokens left
+    cpkv plan --model ~/GLM-5-FP8 --cp 8 --json        # a checkpoint dir's config.json
+
+Exit status 0 when it fits, 1 when not (the text names the largest item). ``check_run`` is ``cpkv run``'s
+pre-check: a configuration that does not fit its GPUs (on CPU, the host's available memory) is one line
+``cpkv run: error: ...`` naming the option to change, before any rank starts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from cpkv.errors import ConfigError
+
+HELP = "The memory plan of a run per rank (weights, expert shard, KV pool, buffers) and the KV tokens that fit."
+DEFAULT_GPU_GB = 141.0  # an H200, when no GPU is visible
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli.args import positive_float, positive_int
+    from cpkv.config import DEFAULT_PAGE_SIZE
+    from cpkv.memplan import WEIGHTS
+
+    p.add_argument("--model", required=True, help="preset (glm5, deepseek-v32, tiny) or checkpoint dir (config.json)")
+    p.add_argument("--cp", type=positive_int, required=True, help="ranks (one GPU each); the experts split over them")
+    p.add_argument("--gpu-memory", type=positive_float, metavar="GB",
+                   help=f"memory of one GPU in GB of 10^9 bytes (default: the visible GPU's, else {DEFAULT_GPU_GB:g})")
+    p.add_argument("--weights", choices=WEIGHTS,
+                   help="linear weights kept fp8 (block scales) or in bf16 (default: as the checkpoint ships them; "
+                        "fp8 for the glm5 and deepseek-v32 presets)")
+    p.add_argument("--precision", choices=("fp8", "exact"), default="fp8", help="KV rows fp8 (default) or exact (bf16)")
+    p.add_argument("--num-layers", type=positive_int, help="the first N layers only")
+    p.add_argument("--chunk-size", type=positive_int, default=16384, help="new tokens per batch (default 16384)")
+    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--max-requests", type=positive_int, default=8, help="requests per batch (default 8)")
+    p.add_argument("--pages-per-rank", type=positive_int,
+                   help="plan this pool (page 0 reserved) instead of the largest that fits")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.memplan import GB, Setup, default_weights, plan_memory
+    from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
+
+    budget = int(args.gpu_memory * GB) if args.gpu_memory else gpu_memory() or int(DEFAULT_GPU_GB * GB)
+    with as_flags(flags_of(("cp", "page_size", "chunk_size", "pages_per_rank", "num_layers", "weights"))):
+        model = with_precision(load_model_config(args.model, args.num_layers), args.precision, COMPUTE_DTYPES["cuda"])
+        if args.chunk_size % args.page_size:
+            raise ConfigError(f"chunk_size {args.chunk_size} must be a multiple of page_size {args.page_size}")
+        model.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
+        setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
+                      page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,
+                      pages_per_rank=args.pages_per_rank)
+    plan = plan_memory(setup)
+    if args.json:
+        from cpkv.cli.fmt import emit_json
+        emit_json(plan.to_json(args.model))
+    else:
+        show(plan, args)
+    return 0 if plan.fits else 1
+
+
+def show(plan, args: argparse.Namespace) -> None:
+    from cpkv.cli.fmt import table
+    from cpkv.memplan import GB, ITEMS
+
+    s, m = plan.setup, plan.setup.model
+    print(f"{m.name}: {plan.params / 1e9:.1f} B parameters, {m.num_layers} layers "
+          f"({m.mlp_layer_types.count('sparse')} MoE), weights {plan.weights_dtype()}, KV {m.kv_dtype}; cp {s.cp}, "
+          f"{s.budget / GB:.1f} GB per GPU, chunk {s.chunk_size}, page {s.page_size}\n")
+    rows = [(label, f"{plan.items[key] / GB:.2f}", _what(plan, key)) for key, label, _ in ITEMS]
+    rows.append(("total", f"{plan.total / GB:.2f}", f"of {s.budget / GB:.2f} GB"))
+    table(("per rank", "GB", ""), rows)
+    tokens = plan.kv_tokens
+    print(f"\nKV tokens per rank: {tokens:,} ({plan.pages} pages of {s.page_size}, page 0 reserved)")
+    print(f"node of {s.cp}: shared KV (cpkv) caches {s.cp * tokens:,} tokens; replicated KV caches {tokens:,}")
+    if plan.fits:
+        print(f"fits: cpkv run --model {args.model} --cp {s.cp} --device cuda --chunk-size {s.chunk_size} "
+              f"--page-size {s.page_size} --pages-per-rank {plan.pages} ...")
+        return
+    key, size = plan.largest()
+    label, option = next((lbl, opt) for k, lbl, opt in ITEMS if k == key)
+    print(f"does not fit: {plan.total / GB:.1f} GB per rank needed, {s.budget / GB:.1f} GB available; the largest "
+          f"item is the {label} ({size / GB:.1f} GB): change {option}")
+
+
+def _what(plan, key: str) -> str:
+    """The table's note on one item."""
+    s, m = plan.setup, plan.setup.model
+    if key == "weights_bytes":
+        return "attention, indexer, dense MLPs, shared experts, router, embeddings, head; W_UK/W_UV copies"
+    if key == "expert_bytes":
+        return f"{s.experts_per_rank} of {m.n_routed_experts} routed experts x {m.mlp_layer_types.count('sparse')} layers"
+    if key == "kv_bytes":
+        return f"{plan.pages} pages x {s.page_size} tokens x {m.kv_bytes_per_token():,} B"
+    if key == "compose_bytes":
+        return "dense buffers for a batch over every cached token, both kinds, two halves"
+    if key == "logits_bytes":
+        return "one chunk, CPKV_MQA_LOGITS_CHUNK_MAX_GB at most"
+    if key == "activation_bytes":
+        return f"MoE dispatch of chunk x {m.num_experts_per_tok} rows" if m.n_routed_experts else ""
+    if key == "workspace_bytes":
+        return "CUDA context, libraries, NCCL; allocator slack"
+    return ""
+
+
+def gpu_memory() -> int | None:
+    """Bytes of the first visible GPU, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def host_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (os.sysconf's free pages where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_run(cfg, model, torchrun: bool = False) -> None:
+    """``cpkv run``'s pre-check: ConfigError (one line, the option to change) unless ``cfg`` (EngineConfig) with
+    ``model`` (its ``model_config()``) fits each rank's share of its GPU, or on CPU of the host's memory."""
+    from cpkv.memplan import Setup, engine_weights, plan_memory, refusal
+    from cpkv.model.config import COMPUTE_DTYPES
+
+    if cfg.device == "cuda":
+        import torch
+
+        total = gpu_memory()
+        if total is None:
+            return  # the launcher names the missing GPU
+        sharing = 1 if torchrun or torch.cuda.device_count() >= cfg.cp else cfg.cp
+        where = "one GPU" if sharing == 1 else f"a rank's share of the one GPU {sharing} ranks share"
+    else:
+        total, sharing = host_available(), cfg.cp
+        where = f"a rank's share of the host's available memory ({cfg.cp} ranks)"
+    setup = Setup(model, cfg.cp, total // sharing, weights=engine_weights(cfg.weights, cfg.model, cfg.device,
+                  cfg.precision), compute=COMPUTE_DTYPES[cfg.device], device=cfg.device, page_size=cfg.page_size,
+                  chunk_size=cfg.chunk_size, max_requests=cfg.caps().max_requests, pages_per_rank=cfg.pages_per_rank,
+                  host_pages=cfg.host_pages)
+    why = refusal(plan_memory(setup), where)
+    if why is not None:
+        raise ConfigError(f"{why} (cpkv plan shows every item)")

@@ -1,0 +1,345 @@
+"""The memory plan: how many bytes each thing of a cpkv run takes on one rank, and how many KV tokens the
+rest holds (docs/design.md §10). No torch import: ``cpkv plan`` and ``cpkv run``'s pre-check run it before
+anything loads.
+
+    setup = Setup(model, cp=8, weights="fp8", budget=141 * GB)     # model: precision applied
+    plan = plan_memory(setup)           # pages_per_rank None: the largest pool that fits the budget
+    plan.items                          # per rank: weights, experts, kv, staging, compose, logits, activations, workspace
+    plan.kv_tokens, plan.fits, plan.largest()
+
+Per rank (one GPU per rank; ranks sharing a device divide its budget):
+
+- ``weights``: everything but the routed experts, replicated on every rank: attention, indexer, dense MLPs,
+  shared experts, router, norms, embeddings and head. Linear weights (``is_fp8_linear``) take 1 B per value
+  plus a float32 scale per 128 x 128 block when kept fp8, else the compute dtype (bf16 on CUDA, float32 on
+  CPU); the rest the compute dtype, the two kept float32 (``FLOAT32_WEIGHTS``) 4 B. Plus the absorbed MLA
+  copies W_UK / W_UV every layer keeps in the compute dtype beside kv_b_proj.
+- ``experts``: ceil(n_routed / shards) experts of every MoE layer (shards = cp when cp divides the expert
+  count: expert parallelism; else every rank holds them all).
+- ``kv``: the pool, pages x page_size x ``ModelConfig.kv_bytes_per_token`` (page 0 reserved).
+- ``staging``, ``compose`` (the dense-buffer arena: dense buffers and compact scratch, both kinds, two
+  parity halves, for the largest batch the caps admit) and ``logits`` (one indexer logits chunk): the
+  admission's byte model (``scheduler.admission.Admission``), so the plan and admission agree.
+- ``activations``: the tensors live at a layer's peak on the busiest rank (``activation_parts``).
+- ``workspace``: CUDA context and libraries + allocator slack (``WORKSPACE``), or a CPU process's share.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from cpkv import envs
+from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
+from cpkv.errors import ConfigError
+from cpkv.model.checkpoint import expected_shapes, fp8_scale_shape
+from cpkv.scheduler.admission import Admission
+
+GB = 10**9  # --gpu-memory and the tables count decimal GB, as GPU memory is sold (an H200: 141 GB)
+GIB = 1 << 30
+DTYPE_BYTES = {"fp8": 1, "bfloat16": 2, "float32": 4}
+WEIGHTS = ("fp8", "bf16")  # linear weights kept fp8, or widened to the compute dtype ("bf16": bf16 on CUDA)
+FLOAT32_WEIGHTS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # = cpkv.model.model's
+ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's 256-byte alignment
+# Other workspace per rank, beside what the plan counts tensor by tensor:
+# CUDA: 2 GiB for the CUDA context (~0.6 GiB with lazy module loading), cuBLAS / cuBLASLt workspaces, NCCL's
+# channel buffers for up to 7 peers (~0.5 GiB), the loaded Triton / Gluon kernel images and the small per-batch
+# plans; plus 10 % of the transient tensors (activations, logits chunk) for the caching allocator's rounding and
+# fragmentation (weights, pool, staging and arena are single allocations made once, which do not fragment).
+# CPU: 256 MiB per rank process (the interpreter, libtorch's private pages, gloo).
+WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (256 << 20, 0.0)}
+
+# (key, label, the option that shrinks it) in table order; the JSON's per_rank keys are these names
+ITEMS = (
+    ("weights_bytes", "replicated weights", "--num-layers"),
+    ("expert_bytes", "expert shard", "--cp (more ranks, fewer experts each) or --num-layers"),
+    ("kv_bytes", "KV pool", "--pages-per-rank"),
+    ("staging_bytes", "staging", "--chunk-size or --max-requests"),
+    ("compose_bytes", "dense compose buffers", "--pages-per-rank or --chunk-size"),
+    ("logits_bytes", "indexer logits chunk", "CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
+    ("activation_bytes", "activations at the chunk size", "--chunk-size"),
+    ("workspace_bytes", "other workspace", "--gpu-memory (nothing else shrinks it)"),
+)
+
+
+def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """A linear weight that fp8 checkpoints store as float8 + 128 x 128 block scales: every 2-D projection of
+    attention, indexer and MLPs (dense, shared, routed); not embeddings, head, router or indexer head weights."""
+    if len(shape) != 2 or not name.endswith(".weight") or name.endswith(FLOAT32_WEIGHTS):
+        return False
+    return ".self_attn." in name or name.endswith("_proj.weight") and ".mlp." in name
+
+
+def tensor_bytes(name: str, shape: tuple[int, ...], weights: str, compute: str) -> int:
+    """Bytes one weight takes on the device (``weights``: WEIGHTS; ``compute``: the model dtype)."""
+    n = math.prod(shape)
+    if weights == "fp8" and is_fp8_linear(name, shape):
+        return n + 4 * math.prod(fp8_scale_shape(shape))
+    return n * (4 if name.endswith(FLOAT32_WEIGHTS) else DTYPE_BYTES[compute])
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights on one device: ``params`` (values), ``replicated`` bytes (everything but the routed
+    experts, absorbed copies included), ``expert`` bytes of one routed expert in one MoE layer, ``moe_layers``."""
+
+    params: int
+    replicated: int
+    expert: int
+    moe_layers: int
+
+
+@lru_cache(maxsize=64)
+def weight_bytes(model: ModelConfig, weights: str, compute: str) -> WeightBytes:
+    """Bytes of ``model``'s tensors (``model.checkpoint.expected_shapes``) stored as ``weights`` / ``compute``."""
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    params = replicated = expert = 0
+    for name, shape in expected_shapes(model).items():
+        params += math.prod(shape)
+        if ".mlp.experts." not in name:
+            replicated += tensor_bytes(name, shape, weights, compute)
+        elif ".mlp.experts.0." in name and name.startswith(f"model.layers.{_first_moe(model)}."):
+            expert += tensor_bytes(name, shape, weights, compute)
+    h, nope, v, kr = model.num_heads, model.qk_nope_head_dim, model.v_head_dim, model.kv_lora_rank
+    replicated += model.num_layers * h * (nope + v) * kr * DTYPE_BYTES[compute]  # W_UK, W_UV (layer.py)
+    return WeightBytes(params, replicated, expert, model.mlp_layer_types.count("sparse"))
+
+
+def _first_moe(model: ModelConfig) -> int:
+    return model.mlp_layer_types.index("sparse") if "sparse" in model.mlp_layer_types else -1
+
+
+SHIPPED_FP8 = ("glm5", "deepseek-v32")  # presets whose public checkpoints ship fp8 block-scaled weights
+
+
+def ships_fp8(spec: str) -> bool:
+    """Whether the model ``spec`` names ships fp8 block-scaled linear weights: the glm5 / deepseek-v32
+    presets (GLM-5-FP8, DeepSeek-V3.2 as published), or a checkpoint dir whose config.json has an fp8
+    ``quantization_config`` with 128 x 128 ``weight_block_size``."""
+    import json
+    from pathlib import Path
+
+    if spec in SHIPPED_FP8 or not (Path(spec) / "config.json").is_file():
+        return spec in SHIPPED_FP8
+    try:
+        q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(q, dict) and q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+
+
+def default_weights(spec: str) -> str:
+    """``cpkv plan``'s weights: as the model ships them."""
+    return "fp8" if ships_fp8(spec) else "bf16"
+
+
+def engine_weights(choice: str, spec: str, device: str, precision: str) -> str:
+    """How a run keeps its linear weights (EngineConfig.weights ``choice``): ``auto`` keeps them fp8 when a
+    checkpoint dir ships them so and the run is on CUDA at fp8 precision, else widens them (``bf16``)."""
+    if choice != "auto":
+        return choice
+    fp8 = spec not in SHIPPED_FP8 and ships_fp8(spec)  # a preset's weights are random, made in the compute dtype
+    return "fp8" if fp8 and device == "cuda" and precision == "fp8" else "bf16"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is planned: ``model`` with its precision applied (its row formats are the pool's), the CP group,
+    how weights are kept (``weights``: WEIGHTS; ``compute``: the model dtype), the engine's admission options,
+    the pool (``pages_per_rank`` None: the largest that fits) and the ``budget`` in bytes per rank.
+    ``host_pages`` counts only on CPU, where the host tier shares the budget."""
+
+    model: ModelConfig
+    cp: int
+    budget: int
+    weights: str = "fp8"
+    compute: str = "bfloat16"
+    device: str = "cuda"
+    page_size: int = 64
+    chunk_size: int = 16384
+    max_requests: int = 8
+    pages_per_rank: int | None = None
+    host_pages: int = 0
+    logits_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        CPConfig(self.cp, self.page_size)  # validates
+        if self.device not in WORKSPACE or self.compute not in ("bfloat16", "float32"):
+            raise ConfigError(f"device must be cuda or cpu and compute bfloat16 or float32, got {self.device!r} "
+                              f"and {self.compute!r}")
+        if self.pages_per_rank is not None and self.pages_per_rank < 2:
+            raise ConfigError(f"pages_per_rank must be >= 2 (page 0 is reserved), got {self.pages_per_rank}")
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks the routed experts split over: cp when it divides the expert count, else 1 (all on every rank)."""
+        e = self.model.n_routed_experts
+        return self.cp if e and e % self.cp == 0 else 1
+
+    @property
+    def experts_per_rank(self) -> int:
+        return -(-self.model.n_routed_experts // self.expert_shards)
+
+    def caps(self, pages: int) -> AdmissionCaps:
+        """The engine's caps for a pool of ``pages`` per rank (as ``EngineConfig.caps``: the cached cap is
+        every pool's pages)."""
+        return AdmissionCaps(chunk_size=self.chunk_size, cached_tokens=max(1, (pages - 1) * self.cp * self.page_size),
+                             buffer_bytes=64 << 30, max_requests=self.max_requests)
+
+    def admission(self, pages: int) -> Admission:
+        return Admission.build(self.caps(pages), self.model, CPConfig(self.cp, self.page_size),
+                               logits_budget=self.logits_budget)
+
+
+def busiest_rows(adm: Admission) -> int:
+    """Query rows of the busiest rank in a full batch: its share of the chunk's pages rounded up, plus two
+    pages per request (each request's pages split in runs over the ranks), at most the chunk."""
+    pages = adm.extend_cap // adm.page_size
+    return min(adm.extend_cap, (-(-pages // adm.cp) + 2 * adm.caps.max_requests) * adm.page_size)
+
+
+def activation_parts(s: Setup, rows: int, keys: int) -> dict[str, int]:
+    """Bytes of the tensors live at each phase of a layer on a rank with ``rows`` query tokens over ``keys``
+    dense keys (``c``: the compute dtype's bytes): {"persistent", "attention", "mlp", "moe"}; the peak is
+    persistent + the largest phase.
+
+    persistent: h and the layer's output [T, d]. attention: x, q_a, kv_a, q_b's output, the absorbed query
+    [T, H, 576] (bf16 under fp8 precision), the latent output [T, H, kv_lora] and o [T, H, v], the indexer's
+    float32 q (twice: rope, Hadamard) and head weights, the top-k [T, topk] int32 (twice: relative and
+    slots), the dense keys dequantised to bf16 [K, 576] (fp8 rows; exact rows are read in place). mlp: the
+    dense SwiGLU's [T, 2I] and [T, I]. moe: float32 router scores [T, E] (three), routing [T, k], dispatch
+    receive and return buffers of static capacity chunk x k rows [., d] each, the grouped SwiGLU's [., 2I]
+    and [., I] over them, the combine's [T k, d], and the shared experts' [T, 3 I_shared].
+    """
+    m, t, c = s.model, rows, DTYPE_BYTES[s.compute]
+    d, h, kr = m.hidden_size, m.num_heads, m.kv_lora_rank
+    fp8 = m.kv_dtype == "fp8"
+    q_bytes = 2 if fp8 else DTYPE_BYTES[m.kv_dtype]
+    attention = t * c * (d + m.q_lora_rank + kr + m.qk_rope_head_dim + h * (m.qk_nope_head_dim + m.qk_rope_head_dim))
+    attention += t * h * m.d_qk * q_bytes + t * h * (kr + m.v_head_dim) * c
+    attention += t * m.index_n_heads * (2 * m.index_head_dim + 1) * 4 + 2 * t * m.index_topk * 4
+    attention += keys * (m.d_qk * 2 + 4) if fp8 else 0
+    parts = {"persistent": 2 * t * d * c, "attention": attention, "mlp": 0, "moe": 0}
+    if "dense" in m.mlp_layer_types:
+        parts["mlp"] = 3 * t * m.intermediate_size * c
+    if "sparse" in m.mlp_layer_types:
+        k, mi = m.num_experts_per_tok, m.moe_intermediate_size
+        capacity = s.caps(2).effective_extend(s.page_size) * k  # static: every token of the chunk, k times
+        parts["moe"] = 3 * t * m.n_routed_experts * 4 + t * k * 12 + capacity * (2 * d + 3 * mi) * c
+        parts["moe"] += t * k * d * c + 3 * t * mi * m.n_shared_experts * c
+    return parts
+
+
+def items_at(s: Setup, pages: int) -> dict[str, int]:
+    """Bytes per rank of every item (ITEMS) with a pool of ``pages`` pages per rank."""
+    w = weight_bytes(s.model, s.weights, s.compute)
+    adm = s.admission(pages)
+    slots = adm.caps.max_slots(s.page_size)  # the largest batch: every cached page + request slack + a chunk
+    rows, keys = busiest_rows(adm), slots * s.page_size
+    acts = activation_parts(s, rows, keys)
+    activations = acts["persistent"] + max(acts["attention"], acts["mlp"], acts["moe"])
+    logits = min(adm.logits_bytes(keys, rows), adm.logits_budget)
+    fixed, share = WORKSPACE[s.device]
+    kv_page = s.page_size * s.model.kv_bytes_per_token()
+    return {
+        "weights_bytes": w.replicated,
+        "expert_bytes": w.expert * w.moe_layers * s.experts_per_rank,
+        "kv_bytes": pages * kv_page + (s.host_pages * kv_page if s.device == "cpu" else 0),
+        "staging_bytes": adm.staging_bytes,
+        "compose_bytes": adm.dense_bytes(slots + adm.staging_pages) + ARENA_SLACK,
+        "logits_bytes": logits,
+        "activation_bytes": activations,
+        "workspace_bytes": fixed + int(share * (activations + logits)),
+    }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A plan's result: ``items`` per rank at ``pages`` pool pages; ``fits`` the budget with at least
+    ``min_tokens`` KV tokens per rank (one full chunk's share of the busiest rank)."""
+
+    setup: Setup
+    pages: int
+    items: dict[str, int] = field(default_factory=dict)
+    min_tokens: int = 0
+
+    @property
+    def params(self) -> int:
+        return weight_bytes(self.setup.model, self.setup.weights, self.setup.compute).params
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cacheable tokens per rank: the pool's pages less the reserved page 0."""
+        return (self.pages - 1) * self.setup.page_size
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.setup.budget and self.kv_tokens >= self.min_tokens
+
+    def largest(self) -> tuple[str, int]:
+        """(key, bytes) of the largest item."""
+        return max(self.items.items(), key=lambda kv: kv[1])
+
+    def weights_dtype(self) -> str:
+        return "fp8" if self.setup.weights == "fp8" else {"bfloat16": "bf16", "float32": "float32"}[self.setup.compute]
+
+    def to_json(self, model: str) -> dict:
+        s = self.setup
+        per_rank = {**self.items, "kv_tokens": self.kv_tokens, "kv_pages": self.pages, "total_bytes": self.total,
+                    "budget_bytes": s.budget, "experts": s.experts_per_rank}
+        return {"model": model, "cp": s.cp, "params": self.params, "weights_dtype": self.weights_dtype(),
+                "fits": self.fits, "per_rank": per_rank,
+                "node": {"kv_tokens_shared": s.cp * self.kv_tokens, "kv_tokens_replicated": self.kv_tokens}}
+
+
+def plan_memory(s: Setup) -> MemoryPlan:
+    """The plan of ``s``: at its pool, or (``pages_per_rank`` None) at the largest pool within the budget; a
+    budget that holds no useful pool plans the smallest one (one chunk's share), which then does not fit."""
+    rows = busiest_rows(s.admission(2))
+    min_pages = 1 + -(-rows // s.page_size)
+    if s.pages_per_rank is not None:  # the pool asked for: the engine's admission judges its size
+        return MemoryPlan(s, s.pages_per_rank, items_at(s, s.pages_per_rank))
+    pages = _largest_pool(s, min_pages)
+    return MemoryPlan(s, pages or min_pages, items_at(s, pages or min_pages), rows)
+
+
+def _largest_pool(s: Setup, low: int) -> int:
+    """The most pages with every item within the budget (items grow with pages), or 0 when ``low`` does not fit."""
+    def fits(p: int) -> bool:
+        return sum(items_at(s, p).values()) <= s.budget
+
+    if not fits(low):
+        return 0
+    high = low + max(1, s.budget // (s.page_size * s.model.kv_bytes_per_token()))
+    while low < high:  # invariant: fits(low); the answer is in [low, high]
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def refusal(plan: MemoryPlan, where: str) -> str | None:
+    """None when ``plan`` (of a given pool) fits, else one line: what it needs, what ``where`` has, and the
+    option to change: --pages-per-rank when a smaller pool would fit, else the largest item's option."""
+    if plan.fits:
+        return None
+    s = plan.setup
+    need = f"the configuration needs {_gb(plan.total)} GB per rank, {where} has {_gb(s.budget)} GB"
+    room = plan_memory(replace(s, pages_per_rank=None))
+    if room.fits:
+        return f"{need}: lower --pages-per-rank (now {s.pages_per_rank}; at most {room.pages} fit)"
+    key, size = plan.largest()
+    label, option = next((lbl, opt) for k, lbl, opt in ITEMS if k == key)
+    return f"{need}, even with the smallest pool; the largest item is the {label} ({_gb(size)} GB): change {option}"
+
+
+def label_of(key: str) -> str:
+    return next(lbl for k, lbl, _ in ITEMS if k == key)
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f}"
