@@ -15,7 +15,8 @@ import cpkv
 ROOT = Path(cpkv.__file__).parent
 HARNESS = ("cpkv.cli", "cpkv.bench", "cpkv.__main__")
 TORCH_FREE = ("cpkv.layout", "cpkv.config", "cpkv.envs", "cpkv.errors", "cpkv.files", "cpkv.scheduler",
-              "cpkv.kvcache.allocator", "cpkv.kvcache.prefix_cache", "cpkv.kvcache.manager")
+              "cpkv.kvcache.allocator", "cpkv.kvcache.prefix_cache", "cpkv.kvcache.manager", "cpkv.memplan",
+              "cpkv.model.config", "cpkv.model.checkpoint")
 
 
 def _name(path: Path) -> str:
