@@ -337,6 +337,13 @@ def refusal(plan: MemoryPlan, where: str) -> str | None:
     return f"{need}, even with the smallest pool; the largest item is the {label} ({_gb(size)} GB): change {option}"
 
 
+def reference_bytes(model: ModelConfig, weights: str, compute: str, device: str) -> int:
+    """Bytes the single-rank reference (``cpkv run --verify``) needs before any activation: the whole model,
+    every expert, on one device, plus the fixed workspace."""
+    w = weight_bytes(model, weights, compute)
+    return w.replicated + w.expert * w.moe_layers * model.n_routed_experts + WORKSPACE[device][0]
+
+
 def label_of(key: str) -> str:
     return next(lbl for k, lbl, _ in ITEMS if k == key)
 

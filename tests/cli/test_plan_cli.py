@@ -101,6 +101,9 @@ def test_run_check_on_gpus(monkeypatch):
     cfg = EngineConfig(model="glm5", cp=8, device="cuda", pages_per_rank=3000, chunk_size=16384, weights="fp8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     plan_cli.check_run(cfg, cfg.model_config())
+    with pytest.raises(ConfigError, match="--verify reruns every request on one GPU, whose whole model needs 7.*: "
+                                          "pass --no-verify"):
+        plan_cli.check_run(cfg, cfg.model_config(), verify=True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="the one GPU 8 ranks share has 17.6 GB"):
         plan_cli.check_run(cfg, cfg.model_config())

@@ -76,11 +76,19 @@ def show(plan, args: argparse.Namespace) -> None:
     rows.append(("total", f"{plan.total / GB:.2f}", f"of {s.budget / GB:.2f} GB"))
     table(("per rank", "GB", ""), rows)
     tokens = plan.kv_tokens
-    print(f"\nKV tokens per rank: {tokens:,} ({plan.pages} pages of {s.page_size}, page 0 reserved)")
-    print(f"node of {s.cp}: shared KV (cpkv) caches {s.cp * tokens:,} tokens; replicated KV caches {tokens:,}")
+    if plan.fits or s.pages_per_rank is not None:
+        print(f"\nKV tokens per rank: {tokens:,} ({plan.pages} pages of {s.page_size}, page 0 reserved)")
+        print(f"node of {s.cp}: shared KV (cpkv) caches {s.cp * tokens:,} tokens; replicated KV caches {tokens:,}")
+    else:
+        print(f"\nKV tokens per rank: none fit (the KV pool above is the smallest useful one: {tokens:,} tokens, "
+              "the busiest rank's share of one chunk)")
     if plan.fits:
-        print(f"fits: cpkv run --model {args.model} --cp {s.cp} --device cuda --chunk-size {s.chunk_size} "
-              f"--page-size {s.page_size} --pages-per-rank {plan.pages} ...")
+        from cpkv.memplan import reference_bytes
+
+        alone = reference_bytes(m, s.weights, s.compute, s.device) > s.budget  # --verify's single-rank model
+        print(f"fits: cpkv run --model {args.model} --cp {s.cp} --device cuda --weights {s.weights} --chunk-size "
+              f"{s.chunk_size} --page-size {s.page_size} --pages-per-rank {plan.pages}"
+              f"{' --no-verify' if alone else ''} ...")
         return
     key, size = plan.largest()
     label, option = next((lbl, opt) for k, lbl, opt in ITEMS if k == key)
@@ -129,10 +137,11 @@ def host_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_run(cfg, model, torchrun: bool = False) -> None:
+def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
     """``cpkv run``'s pre-check: ConfigError (one line, the option to change) unless ``cfg`` (EngineConfig) with
-    ``model`` (its ``model_config()``) fits each rank's share of its GPU, or on CPU of the host's memory."""
-    from cpkv.memplan import Setup, engine_weights, plan_memory, refusal
+    ``model`` (its ``model_config()``) fits each rank's share of its GPU, or on CPU of the host's memory, and
+    (``verify``) the single-rank reference's whole model fits one GPU (the host)."""
+    from cpkv.memplan import GB, Setup, engine_weights, plan_memory, reference_bytes, refusal
     from cpkv.model.config import COMPUTE_DTYPES
 
     if cfg.device == "cuda":
@@ -153,3 +162,8 @@ def check_run(cfg, model, torchrun: bool = False) -> None:
     why = refusal(plan_memory(setup), where)
     if why is not None:
         raise ConfigError(f"{why} (cpkv plan shows every item)")
+    need = reference_bytes(model, setup.weights, setup.compute, cfg.device)
+    if verify and need > total:
+        raise ConfigError(f"--verify reruns every request on one {'GPU' if cfg.device == 'cuda' else 'host'}, whose "
+                          f"whole model needs {need / GB:.1f} GB, more than its {total / GB:.1f} GB: pass --no-verify "
+                          "(or --num-layers)")

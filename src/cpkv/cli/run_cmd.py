@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     with as_flags(flags_of(FLAGS)):  # every option checked before the trace is read or a rank starts
         cfg = engine_config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.cp)
     model_cfg = cfg.model_config()  # the config the ranks run (precision applied)
-    check_run(cfg, model_cfg, torchrun)  # does not fit its GPUs (on CPU the host): one line naming the option
+    check_run(cfg, model_cfg, torchrun, args.verify)  # does not fit its GPUs (CPU: the host): one line, the option
     trace = load_requests(args, model_cfg.vocab_size)
     never = never_runs(trace, cfg, model_cfg)
     gone = [{"id": r.id, "prompt_len": r.prompt_len, "reason": never[r.id]} for r in trace if r.id in never]
