@@ -3,8 +3,9 @@
 Defaults: CPU, cp 2, the tiny model, a built-in multi-turn trace (prefix hits and a chunked prompt
 included), verification on. ``torchrun --nproc-per-node N -m cpkv run ...`` runs one rank per process.
 
-Before any rank starts: every option, the trace (token ids within the model's vocabulary) and the requests
-that can never run under these options (too long for the model, more pages than every pool holds, ...).
+Before any rank starts: every option, the memory plan (``cpkv plan``: a configuration that does not fit its
+GPUs is refused, naming the option to change), the trace (token ids within the model's vocabulary) and the
+requests that can never run under these options (too long for the model, more pages than every pool holds, ...).
 A run in which a request was rejected neither passes nor exits 0 unless ``--allow-rejected`` is given;
 the error names the option to change.
 """
