@@ -25,12 +25,13 @@ Per rank (one GPU per rank; ranks sharing a device divide its budget):
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from pathlib import Path
 
-from cpkv import envs
-from cpkv.config import AdmissionCaps, CPConfig, ModelConfig
+from cpkv.config import DEFAULT_PAGE_SIZE, AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import ConfigError
 from cpkv.model.checkpoint import expected_shapes, fp8_scale_shape
 from cpkv.scheduler.admission import Admission
@@ -58,7 +59,7 @@ ITEMS = (
     ("compose_bytes", "dense compose buffers", "--pages-per-rank or --chunk-size"),
     ("logits_bytes", "indexer logits chunk", "CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
     ("activation_bytes", "activations at the chunk size", "--chunk-size"),
-    ("workspace_bytes", "other workspace", "--gpu-memory (nothing else shrinks it)"),
+    ("workspace_bytes", "other workspace", "--num-layers (the workspace itself is fixed)"),
 )
 
 
@@ -95,11 +96,12 @@ def weight_bytes(model: ModelConfig, weights: str, compute: str) -> WeightBytes:
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     params = replicated = expert = 0
+    first = f"model.layers.{_first_moe(model)}.mlp.experts.0."  # one expert: every expert has its shapes
     for name, shape in expected_shapes(model).items():
         params += math.prod(shape)
         if ".mlp.experts." not in name:
             replicated += tensor_bytes(name, shape, weights, compute)
-        elif ".mlp.experts.0." in name and name.startswith(f"model.layers.{_first_moe(model)}."):
+        elif name.startswith(first):
             expert += tensor_bytes(name, shape, weights, compute)
     h, nope, v, kr = model.num_heads, model.qk_nope_head_dim, model.v_head_dim, model.kv_lora_rank
     replicated += model.num_layers * h * (nope + v) * kr * DTYPE_BYTES[compute]  # W_UK, W_UV (layer.py)
@@ -117,9 +119,6 @@ def ships_fp8(spec: str) -> bool:
     """Whether the model ``spec`` names ships fp8 block-scaled linear weights: the glm5 / deepseek-v32
     presets (GLM-5-FP8, DeepSeek-V3.2 as published), or a checkpoint dir whose config.json has an fp8
     ``quantization_config`` with 128 x 128 ``weight_block_size``."""
-    import json
-    from pathlib import Path
-
     if spec in SHIPPED_FP8 or not (Path(spec) / "config.json").is_file():
         return spec in SHIPPED_FP8
     try:
@@ -156,7 +155,7 @@ class Setup:
     weights: str = "fp8"
     compute: str = "bfloat16"
     device: str = "cuda"
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     chunk_size: int = 16384
     max_requests: int = 8
     pages_per_rank: int | None = None
