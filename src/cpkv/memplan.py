@@ -50,16 +50,16 @@ ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's
 # CPU: 256 MiB per rank process (the interpreter, libtorch's private pages, gloo).
 WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (256 << 20, 0.0)}
 
-# (key, label, the option that shrinks it) in table order; the JSON's per_rank keys are these names
+# (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
 ITEMS = (
-    ("weights_bytes", "replicated weights", "--num-layers"),
-    ("expert_bytes", "expert shard", "--cp (more ranks, fewer experts each) or --num-layers"),
-    ("kv_bytes", "KV pool", "--pages-per-rank"),
-    ("staging_bytes", "staging", "--chunk-size or --max-requests"),
-    ("compose_bytes", "dense compose buffers", "--pages-per-rank or --chunk-size"),
-    ("logits_bytes", "indexer logits chunk", "CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
-    ("activation_bytes", "activations at the chunk size", "--chunk-size"),
-    ("workspace_bytes", "other workspace", "--num-layers (the workspace itself is fixed)"),
+    ("weights_bytes", "replicated weights", "lower --num-layers"),
+    ("expert_bytes", "expert shard", "change --cp (more ranks, fewer experts each) or --num-layers"),
+    ("kv_bytes", "KV pool", "lower --pages-per-rank"),
+    ("staging_bytes", "staging", "lower --chunk-size or --max-requests"),
+    ("compose_bytes", "dense compose buffers", "lower --pages-per-rank or --chunk-size"),
+    ("logits_bytes", "indexer logits chunk", "lower CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
+    ("activation_bytes", "activations at the chunk size", "lower --chunk-size"),
+    ("workspace_bytes", "other workspace", "a fixed cost per rank: give each rank more memory"),
 )
 
 
@@ -331,9 +331,14 @@ def refusal(plan: MemoryPlan, where: str) -> str | None:
     room = plan_memory(replace(s, pages_per_rank=None))
     if room.fits:
         return f"{need}: lower --pages-per-rank (now {s.pages_per_rank}; at most {room.pages} fit)"
+    return f"{need}, even with the smallest pool; {largest_text(plan)}"
+
+
+def largest_text(plan: MemoryPlan) -> str:
+    """'the largest item is the expert shard (181.2 GB): change --cp ...'"""
     key, size = plan.largest()
-    label, option = next((lbl, opt) for k, lbl, opt in ITEMS if k == key)
-    return f"{need}, even with the smallest pool; the largest item is the {label} ({_gb(size)} GB): change {option}"
+    label, advice = next((lbl, adv) for k, lbl, adv in ITEMS if k == key)
+    return f"the largest item is the {label} ({_gb(size)} GB): {advice}"
 
 
 def reference_bytes(model: ModelConfig, weights: str, compute: str, device: str) -> int:
@@ -341,10 +346,6 @@ def reference_bytes(model: ModelConfig, weights: str, compute: str, device: str)
     every expert, on one device, plus the fixed workspace."""
     w = weight_bytes(model, weights, compute)
     return w.replicated + w.expert * w.moe_layers * model.n_routed_experts + WORKSPACE[device][0]
-
-
-def label_of(key: str) -> str:
-    return next(lbl for k, lbl, _ in ITEMS if k == key)
 
 
 def _gb(n: int) -> str:

@@ -43,11 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
+    from cpkv.config import CPConfig
     from cpkv.memplan import GB, Setup, default_weights, plan_memory
     from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
 
     budget = int(args.gpu_memory * GB) if args.gpu_memory else gpu_memory() or int(DEFAULT_GPU_GB * GB)
     with as_flags(flags_of(("cp", "page_size", "chunk_size", "pages_per_rank", "num_layers", "weights"))):
+        CPConfig(args.cp, args.page_size)  # validates
         model = with_precision(load_model_config(args.model, args.num_layers), args.precision, COMPUTE_DTYPES["cuda"])
         if args.chunk_size % args.page_size:
             raise ConfigError(f"chunk_size {args.chunk_size} must be a multiple of page_size {args.page_size}")
@@ -66,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 def show(plan, args: argparse.Namespace) -> None:
     from cpkv.cli.fmt import table
-    from cpkv.memplan import GB, ITEMS
+    from cpkv.memplan import GB, ITEMS, largest_text
 
     s, m = plan.setup, plan.setup.model
-    print(f"{m.name}: {plan.params / 1e9:.1f} B parameters, {m.num_layers} layers "
+    print(f"{m.name}: {_count(plan.params)} parameters, {m.num_layers} layers "
           f"({m.mlp_layer_types.count('sparse')} MoE), weights {plan.weights_dtype()}, KV {m.kv_dtype}; cp {s.cp}, "
           f"{s.budget / GB:.1f} GB per GPU, chunk {s.chunk_size}, page {s.page_size}\n")
     rows = [(label, f"{plan.items[key] / GB:.2f}", _what(plan, key)) for key, label, _ in ITEMS]
@@ -90,10 +92,12 @@ def show(plan, args: argparse.Namespace) -> None:
               f"{s.chunk_size} --page-size {s.page_size} --pages-per-rank {plan.pages}"
               f"{' --no-verify' if alone else ''} ...")
         return
-    key, size = plan.largest()
-    label, option = next((lbl, opt) for k, lbl, opt in ITEMS if k == key)
-    print(f"does not fit: {plan.total / GB:.1f} GB per rank needed, {s.budget / GB:.1f} GB available; the largest "
-          f"item is the {label} ({size / GB:.1f} GB): change {option}")
+    print(f"does not fit: {plan.total / GB:.1f} GB per rank needed, {s.budget / GB:.1f} GB available; "
+          f"{largest_text(plan)}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
 def _what(plan, key: str) -> str:
