@@ -131,11 +131,14 @@ def request_body(endpoint: str, model: str, prompt: Sequence[int], max_tokens: i
 
 
 async def send_one(client: Any, url: str, endpoint: str, model: str, prompt: list[int], max_tokens: int,
-                   rec: Record, clock: Clock) -> None:
-    """Send one request and fill ``rec`` (status ok or error); never raises for a failed request."""
+                   rec: Record, clock: Clock, started: asyncio.Event | None = None) -> None:
+    """Send one request and fill ``rec`` (status ok or error); never raises for a failed request.
+    ``started`` is set as soon as the send time is taken."""
     import httpx
 
     rec.prompt_tokens, rec.sent_s = len(prompt), clock.now()
+    if started is not None:
+        started.set()
     try:
         async with client.stream("POST", url + PATHS[endpoint],
                                  json=request_body(endpoint, model, prompt, max_tokens)) as resp:
@@ -258,7 +261,7 @@ async def run_load(plan: Sequence[Planned], cfg: LoadConfig, clock: Clock | None
         client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits)
     try:
         if cfg.concurrency is None:
-            await asyncio.gather(*(_open_one(p, cfg, st, clock, client, on_done) for p in plan))
+            await _open_loop(plan, cfg, st, clock, client, on_done)
         else:
             await _closed_loop(plan, cfg, st, clock, client, on_done)
     finally:
@@ -267,11 +270,23 @@ async def run_load(plan: Sequence[Planned], cfg: LoadConfig, clock: Clock | None
     return [st.records[p.id] for p in plan]
 
 
-async def _open_one(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: Any, on_done) -> None:
-    """One request of the open loop: wait for its parent, then its due time, then send (or give up)."""
+async def _open_loop(plan: Sequence[Planned], cfg: LoadConfig, st: _State, clock: Clock, client: Any,
+                     on_done) -> None:
+    """First requests (no parent) sent by one dispatcher in due order, each send started before the clock
+    moves on; a follow-up waits for its parent, then for its due time, in a task of its own."""
+    tasks = [asyncio.ensure_future(_follow_up(p, cfg, st, clock, client, on_done)) for p in plan if p.parent is not None]
+    for p in sorted((p for p in plan if p.parent is None), key=lambda p: p.due or 0.0):
+        if not _past_duration(p.due or 0.0, cfg):
+            await clock.sleep_until(p.due or 0.0)
+        started = asyncio.Event()
+        tasks.append(asyncio.ensure_future(_send(p, cfg, st, clock, client, on_done, started)))
+        await started.wait()
+    await asyncio.gather(*tasks)
+
+
+async def _follow_up(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: Any, on_done) -> None:
     if not _past_duration(p.due or 0.0, cfg):  # due after --duration: marked not sent at once
-        if p.parent is not None:
-            await st.done[p.parent].wait()
+        await st.done[p.parent].wait()
         await clock.sleep_until(p.due or 0.0)
     await _send(p, cfg, st, clock, client, on_done)
 
@@ -301,15 +316,19 @@ async def _closed_loop(plan: Sequence[Planned], cfg: LoadConfig, st: _State, clo
     await asyncio.gather(*tasks)
 
 
-async def _send(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: Any, on_done) -> None:
+async def _send(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: Any, on_done,
+                started: asyncio.Event | None = None) -> None:
+    """Send ``p`` (or record why not); ``started`` is set once its send time is taken."""
     rec = st.records[p.id]
     try:
         rec.status = _blocked(p, cfg, st, clock)
         if rec.status == "ready":
             prompt = _prompt(p, st, rec)
-            await send_one(client, cfg.url, cfg.endpoint, cfg.model, prompt, cfg.max_tokens, rec, clock)
             st.prompts[p.id] = prompt
+            await send_one(client, cfg.url, cfg.endpoint, cfg.model, prompt, cfg.max_tokens, rec, clock, started)
     finally:
+        if started is not None:
+            started.set()
         st.done[p.id].set()
         if on_done is not None:
             on_done(rec)
