@@ -363,6 +363,8 @@ def test_command_json_jsonl_plot_and_prediction(tmp_path, capsys):
     assert rep["calibration"]["requests_used"] == 8 and set(COST_FIELDS) <= set(rep["costs"])
     assert rep["prediction"]["costs_from"] == "this run" and rep["prediction"]["requests"] == 8
     assert rep["prediction"]["ttft_s"]["p90"] is not None
+    assert rep["prediction"]["ratio_to_measured"]["p90"] == pytest.approx(
+        rep["prediction"]["ttft_s"]["p90"] / s["ttft_s"]["p90"])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines] == list(range(8)) and all(x["status"] == "ok" for x in lines)
     assert {"ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "completion_tokens", "sent_s"} <= set(lines[0])

@@ -18,6 +18,7 @@ report of an earlier ``--closed-loop`` run; default: the costs fitted on this ru
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         _write(args.make_trace, "--make-trace", lambda path: _write_trace(trace, path))
         print(f"wrote {len(trace)} requests ({source}) to {args.make_trace}", file=sys.stderr)
         return 0
+    if importlib.util.find_spec("httpx") is None:
+        raise ConfigError("needs httpx, which is not installed: pip install 'cpkv[serve]' (or pip install httpx)")
     if not args.url:
         raise ConfigError("--url: required (the server to load, e.g. http://127.0.0.1:30000), or --make-trace FILE")
     url = check_url(args.url)
@@ -180,13 +183,18 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
     geometry = Geometry(args.cp, args.chunk_size, args.page_size, model.index_topk)
     fitted = fit_costs(records, geometry)
     use = costs if costs is not None else (CostModel().updated(fitted["costs"]) if fitted["costs"] else None)
+    summ = summary(records)
+    pred = predict(records, use, rcfg) if use is not None else None
+    if pred is not None:
+        pred["costs_from"] = "--costs" if costs is not None else "this run"
+        pred["ratio_to_measured"] = {q: (pred["ttft_s"][q] / summ["ttft_s"][q]
+                                         if pred["ttft_s"][q] is not None and summ["ttft_s"][q] else None)
+                                     for q in ("p50", "p90", "p99")}
     report = {
         "url": url, "endpoint": args.endpoint, "served_model": served, "max_tokens": args.max_tokens,
         "load": _load(args), "trace": {"source": source, "file": args.trace, "requests": len(trace)},
         "server": {"model": args.model, "policy": args.policy, **{k: getattr(args, k) for k in GEOMETRY}},
-        "summary": summary(records), "costs": fitted["costs"], "calibration": fitted["calibration"],
-        "prediction": (predict(records, use, rcfg) | {"costs_from": "--costs" if costs is not None else "this run"})
-        if use is not None else None,
+        "summary": summ, "costs": fitted["costs"], "calibration": fitted["calibration"], "prediction": pred,
     }
     return report, records
 
@@ -262,6 +270,10 @@ def _print(report: dict[str, Any]) -> None:
     if pred:
         rows.append([f"replay TTFT ({pred['costs_from']})", *(pred["ttft_s"][q] for q in ("p50", "p90", "p99", "mean", "max"))])
     table(["seconds", "p50", "p90", "p99", "mean", "max"], [[("-" if v is None else v) for v in r] for r in rows])
+    if pred:
+        ratio = pred["ratio_to_measured"]
+        print("replay / measured TTFT: " + ", ".join(f"{q} {'-' if v is None else f'{v:.3f}'}" for q, v in ratio.items())
+              + (f"; replay rejected {pred['rejected']} of {pred['requests']}" if pred["rejected"] else ""))
     hit = "-" if s["cache_hit_ratio"] is None else f"{s['cache_hit_ratio']:.3f}"
     tput = "-" if s["request_throughput"] is None else f"{s['request_throughput']:.3g} req/s, " \
         f"{s['input_token_throughput']:.4g} prompt tok/s, {s['output_token_throughput']:.3g} output tok/s"
