@@ -352,10 +352,12 @@ def test_command_json_jsonl_plot_and_prediction(tmp_path, capsys):
     out, plot, sent = tmp_path / "r.jsonl", tmp_path / "ttft.png", tmp_path / "sent.jsonl"
     with ServerThread(FakeServer()) as url:
         rc = main(["bench", "serve", "--url", url + "/", "--trace", str(trace), "--closed-loop", "--max-tokens", "2",
+                   "--warmup", "2",
                    "--json", "--out-jsonl", str(out), "--plot", str(plot), "--sent-trace", str(sent)])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["url"] == url and rep["served_model"] == "fake-model" and rep["load"]["mode"] == "closed-loop"
+    assert rep["warmup"] == {"requests": 2, "failed": 0}
     s = rep["summary"]
     assert (s["requests"], s["completed"], s["failed"], s["completion_tokens"]) == (8, 8, 0, 16)
     assert set(s["ttft_s"]) == {"p50", "p90", "p99", "mean", "max"} and s["ttft_s"]["p50"] > 0

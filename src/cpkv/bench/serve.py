@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
-from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+from cpkv.scheduler.trace import TraceRequest, materialize_tokens, synth_tokens
 
 ENDPOINTS = ("completions", "generate")
 PATHS = {"completions": "/v1/completions", "generate": "/generate"}
@@ -88,6 +88,13 @@ def plan_requests(trace: Sequence[TraceRequest], vocab_size: int, due: Sequence[
         start = len(toks[r.parent]) if r.parent is not None else 0
         out.append(Planned(r.id, None if due is None else due[i], tuple(toks[r.id][start:]), r.parent))
     return out
+
+
+def warmup_plan(trace: Sequence[TraceRequest], n: int, vocab_size: int) -> list[Planned]:
+    """``n`` requests of fresh tokens (ids ``warmup.i``), as long as the trace's first ``n`` prompts: they take
+    the server's first-call costs (kernel compilation, autotuning) and share no prefix with the trace."""
+    lens = [r.prompt_len for r in trace[:n]]
+    return [Planned(f"warmup.{i}", None, tuple(synth_tokens(f"warmup.{i}", k, vocab_size))) for i, k in enumerate(lens)]
 
 
 def trace_due(trace: Sequence[TraceRequest]) -> list[float]:

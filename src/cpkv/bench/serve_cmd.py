@@ -31,7 +31,7 @@ BUILTIN = {"requests": 200, "seed": 0, "scale": 1.0}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.bench.serve import ENDPOINTS
-    from cpkv.cli.args import positive_float, positive_int
+    from cpkv.cli.args import nonneg_int, positive_float, positive_int
     from cpkv.scheduler.admission import POLICIES
 
     p.add_argument("--url", help="the server, e.g. http://127.0.0.1:30000")
@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
                    help="completions: streamed /v1/completions, TTFT measured here (default); generate: /generate")
     p.add_argument("--max-tokens", type=positive_int, default=1, help="tokens to generate per request (default 1)")
+    p.add_argument("--warmup", type=nonneg_int, default=0, metavar="N",
+                   help="first send N unrecorded requests of fresh tokens, one at a time (kernel compilation)")
     p.add_argument("--served-model", help="the 'model' field sent (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--model", default="tiny", help="the server's model preset: vocabulary, top-k (default tiny)")
@@ -163,7 +165,9 @@ def _prepare(args: argparse.Namespace):
 def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[dict[str, Any], list]:
     import asyncio
 
-    from cpkv.bench.serve import LoadConfig, plan_requests, poisson_due, run_load, trace_due
+    from dataclasses import replace
+
+    from cpkv.bench.serve import LoadConfig, plan_requests, poisson_due, run_load, trace_due, warmup_plan
     from cpkv.bench.serve_report import Geometry, fit_costs, predict, summary
     from cpkv.cli.fmt import Progress
     from cpkv.scheduler.costs import CostModel
@@ -175,9 +179,15 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
     cfg = LoadConfig(url=url, endpoint=args.endpoint, model=served, max_tokens=args.max_tokens,
                      duration_s=args.duration, concurrency=(args.concurrency or 1) if args.closed_loop else None,
                      timeout_s=args.timeout)
-    bar = Progress(len(plan), "cpkv bench serve")
+    warm = warmup_plan(trace, args.warmup, model.vocab_size)
+    bar = Progress(len(warm) + len(plan), "cpkv bench serve")
+
+    async def both():
+        w = await run_load(warm, replace(cfg, concurrency=1, duration_s=None), on_done=lambda r: bar.update(1, "warm-up"))
+        return w, await run_load(plan, cfg, on_done=lambda r: bar.update(1, _note(r)))
+
     try:
-        records = asyncio.run(run_load(plan, cfg, on_done=lambda r: bar.update(1, _note(r))))
+        warmed, records = asyncio.run(both())
     finally:
         bar.close()
     geometry = Geometry(args.cp, args.chunk_size, args.page_size, model.index_topk)
@@ -192,6 +202,7 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
                                      for q in ("p50", "p90", "p99")}
     report = {
         "url": url, "endpoint": args.endpoint, "served_model": served, "max_tokens": args.max_tokens,
+        "warmup": {"requests": len(warmed), "failed": sum(r.status != "ok" for r in warmed)},
         "load": _load(args), "trace": {"source": source, "file": args.trace, "requests": len(trace)},
         "server": {"model": args.model, "policy": args.policy, **{k: getattr(args, k) for k in GEOMETRY}},
         "summary": summ, "costs": fitted["costs"], "calibration": fitted["calibration"], "prediction": pred,
