@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=nonneg_int, default=0, metavar="N",
                    help="first send N unrecorded requests of fresh tokens, one at a time (kernel compilation)")
     p.add_argument("--served-model", help="the 'model' field sent (default: the first of GET /v1/models)")
-    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds a request may wait for its next answer byte before it fails (default 600)")
     p.add_argument("--model", default="tiny", help="the server's model preset: vocabulary, top-k (default tiny)")
     for k, v in GEOMETRY.items():
         p.add_argument("--" + k.replace("_", "-"), type=positive_int, default=v,
