@@ -407,7 +407,8 @@ def test_bad_options_are_one_line_exit_2(argv, needle, capsys):
 
 def test_make_trace_writes_the_seed_shaped_trace(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
-    assert main(["bench", "serve", "--make-trace", str(path), "--requests", "50", "--seed", "3", "--scale", "0.01"]) == 0
+    argv = ["--make-trace", str(path), "--requests", "50", "--seed", "3", "--scale", "0.01"]
+    assert main(["bench", "serve", *argv]) == 0
     lines = path.read_text().splitlines()
     assert len(lines) == 50 and lines == [json.dumps(r.to_json()) for r in
                                           builtin_trace(50, seed=3, scale=0.01, shape=SERVE_SHAPE)]
@@ -425,3 +426,13 @@ def test_seed_shaped_trace():
     assert len(new) > 0.8 * len(a) and max(new) <= 3072
     small = builtin_trace(200, seed=5, scale=1 / 128, shape=SERVE_SHAPE)
     assert max(r.prompt_len for r in small) <= 1024 and min(r.prompt_len for r in small if r.parent is None) >= 128
+
+
+def test_text_report_names_the_failures(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest("a", 0.0, 80), TraceRequest("b", 0.0, 120, parent="a")], trace)
+    with ServerThread(FakeServer(fail=lambda prompt: 429)) as url:
+        rc = main(["bench", "serve", "--url", url, "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "0 of 2 completed, 1 failed, 0 not sent, 1 skipped (parent failed)" in out
+    assert "1 x HTTP 429: refused by the test (429)" in out and "no calibration" in out

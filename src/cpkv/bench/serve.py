@@ -281,7 +281,8 @@ async def _open_loop(plan: Sequence[Planned], cfg: LoadConfig, st: _State, clock
                      on_done) -> None:
     """First requests (no parent) sent by one dispatcher in due order, each send started before the clock
     moves on; a follow-up waits for its parent, then for its due time, in a task of its own."""
-    tasks = [asyncio.ensure_future(_follow_up(p, cfg, st, clock, client, on_done)) for p in plan if p.parent is not None]
+    tasks = [asyncio.ensure_future(_follow_up(p, cfg, st, clock, client, on_done))
+             for p in plan if p.parent is not None]
     for p in sorted((p for p in plan if p.parent is None), key=lambda p: p.due or 0.0):
         if not _past_duration(p.due or 0.0, cfg):
             await clock.sleep_until(p.due or 0.0)

@@ -184,7 +184,8 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
     bar = Progress(len(warm) + len(plan), "cpkv bench serve")
 
     async def both():
-        w = await run_load(warm, replace(cfg, concurrency=1, duration_s=None), on_done=lambda r: bar.update(1, "warm-up"))
+        warm_cfg = replace(cfg, concurrency=1, duration_s=None)
+        w = await run_load(warm, warm_cfg, on_done=lambda r: bar.update(1, "warm-up"))
         return w, await run_load(plan, cfg, on_done=lambda r: bar.update(1, _note(r)))
 
     try:
@@ -277,14 +278,15 @@ def _print(report: dict[str, Any]) -> None:
     from cpkv.cli.fmt import table
 
     s, pred = report["summary"], report["prediction"]
-    rows = [["measured TTFT", *(s["ttft_s"][q] for q in ("p50", "p90", "p99", "mean", "max"))],
-            ["measured e2e", *(s["e2e_s"][q] for q in ("p50", "p90", "p99", "mean", "max"))]]
+    cols = ("p50", "p90", "p99", "mean", "max")
+    rows = [["measured TTFT", *(s["ttft_s"][q] for q in cols)], ["measured e2e", *(s["e2e_s"][q] for q in cols)]]
     if pred:
-        rows.append([f"replay TTFT ({pred['costs_from']})", *(pred["ttft_s"][q] for q in ("p50", "p90", "p99", "mean", "max"))])
+        rows.append([f"replay TTFT ({pred['costs_from']})", *(pred["ttft_s"][q] for q in cols)])
     table(["seconds", "p50", "p90", "p99", "mean", "max"], [[("-" if v is None else v) for v in r] for r in rows])
     if pred:
         ratio = pred["ratio_to_measured"]
-        print("replay / measured TTFT: " + ", ".join(f"{q} {'-' if v is None else f'{v:.3f}'}" for q, v in ratio.items())
+        print("replay / measured TTFT: "
+              + ", ".join(f"{q} {'-' if v is None else f'{v:.3f}'}" for q, v in ratio.items())
               + (f"; replay rejected {pred['rejected']} of {pred['requests']}" if pred["rejected"] else ""))
     hit = "-" if s["cache_hit_ratio"] is None else f"{s['cache_hit_ratio']:.3f}"
     tput = "-" if s["request_throughput"] is None else f"{s['request_throughput']:.3g} req/s, " \
