@@ -346,36 +346,39 @@ class ServerThread:
         self.thread.join(SLACK_S)
 
 
-def test_command_json_jsonl_plot_and_prediction(tmp_path, capsys):
+def test_command_calibrates_closed_loop_then_predicts_open_loop(tmp_path, capsys):
+    """The two-command flow: a closed-loop run's --json report (its costs) is the --costs of an open-loop run."""
     trace = tmp_path / "t.jsonl"
     write_trace([TraceRequest(i, 0.0, 64 + 40 * i) for i in range(8)], trace)
-    out, plot, sent = tmp_path / "r.jsonl", tmp_path / "ttft.png", tmp_path / "sent.jsonl"
+    out, plot, sent, calib = (tmp_path / n for n in ("r.jsonl", "ttft.png", "sent.jsonl", "calib.json"))
     with ServerThread(FakeServer()) as url:
-        rc = main(["bench", "serve", "--url", url + "/", "--trace", str(trace), "--closed-loop", "--max-tokens", "2",
-                   "--warmup", "2",
-                   "--json", "--out-jsonl", str(out), "--plot", str(plot), "--sent-trace", str(sent)])
+        base = ["bench", "serve", "--url", url + "/", "--trace", str(trace), "--max-tokens", "2", "--json"]
+        assert main([*base, "--closed-loop", "--warmup", "2"]) == 0
+        calib.write_text(capsys.readouterr().out)
+        rc = main([*base, "--rate", "50", "--costs", str(calib), "--out-jsonl", str(out), "--plot", str(plot),
+                   "--sent-trace", str(sent)])
+    cal = json.loads(calib.read_text())
+    assert cal["url"] == url and cal["served_model"] == "fake-model" and cal["load"]["mode"] == "closed-loop"
+    assert cal["warmup"] == {"requests": 2, "failed": 0} and cal["prediction"] is None  # a closed loop: not replayed
+    assert cal["calibration"]["requests_used"] == 8 and set(COST_FIELDS) <= set(cal["costs"])
+    assert set(cal["calibration"]["fitted_ttft_s"]) == {"p50", "p90", "p99", "mean", "max"}
+    assert CostModel.from_json(calib).topk == 64  # the report is a cost file for cpkv replay
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["url"] == url and rep["served_model"] == "fake-model" and rep["load"]["mode"] == "closed-loop"
-    assert rep["warmup"] == {"requests": 2, "failed": 0}
+    assert rep["load"]["mode"] == "poisson" and rep["warmup"] == {"requests": 0, "failed": 0}
     s = rep["summary"]
     assert (s["requests"], s["completed"], s["failed"], s["completion_tokens"]) == (8, 8, 0, 16)
     assert set(s["ttft_s"]) == {"p50", "p90", "p99", "mean", "max"} and s["ttft_s"]["p50"] > 0
-    assert s["cache_hit_ratio"] == 0.0 and s["request_throughput"] > 0
-    assert rep["calibration"]["requests_used"] == 8 and set(COST_FIELDS) <= set(rep["costs"])
-    assert rep["prediction"]["costs_from"] == "this run" and rep["prediction"]["requests"] == 8
-    assert rep["prediction"]["ttft_s"]["p90"] is not None
-    assert rep["prediction"]["ratio_to_measured"]["p90"] == pytest.approx(
-        rep["prediction"]["ttft_s"]["p90"] / s["ttft_s"]["p90"])
+    assert cal["summary"]["cache_hit_ratio"] == 0.0 < s["cache_hit_ratio"]  # the server kept the first run's pages
+    assert s["request_throughput"] > 0
+    pred = rep["prediction"]
+    assert pred["costs_from"] == "--costs" and pred["requests"] == 8 and pred["ttft_s"]["p90"] > 0
+    assert pred["ratio_to_measured"]["p90"] == pytest.approx(pred["ttft_s"]["p90"] / s["ttft_s"]["p90"])
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines] == list(range(8)) and all(x["status"] == "ok" for x in lines)
     assert {"ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "completion_tokens", "sent_s"} <= set(lines[0])
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert len(sent.read_text().splitlines()) == 8
-    # the report is a cost file for cpkv replay
-    costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps(rep))
-    assert CostModel.from_json(costs).topk == 64
 
 
 def test_command_reports_a_dead_server_without_crashing(tmp_path, capsys):

@@ -12,8 +12,10 @@ for the CPU tiny model); ``--make-trace FILE`` only writes that trace.
 The engine options (``--cp``, ``--chunk-size``, ``--page-size``, ``--max-requests``, ``--pages-per-rank``,
 ``--policy``, ``--model``) describe the server as it was started: they set the synthetic tokens'
 vocabulary, the calibration's batch geometry and ``cpkv replay``'s prediction for the same requests,
-reported beside the measured TTFT (``--costs FILE``: the unit costs to predict with, e.g. the ``--json``
-report of an earlier ``--closed-loop`` run; default: the costs fitted on this run's requests that ran alone).
+reported beside the measured TTFT of an open-loop run (``--costs FILE``: the unit costs to predict with,
+e.g. the ``--json`` report of an earlier ``--closed-loop`` run; default: the costs fitted on this run's
+requests that ran alone). A closed-loop run is not replayed (its send times hang on its own answers, so
+any error of the model would pile up); its report gives the fitted TTFT of its requests instead.
 """
 from __future__ import annotations
 
@@ -196,7 +198,8 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
     fitted = fit_costs(records, geometry)
     use = costs if costs is not None else (CostModel().updated(fitted["costs"]) if fitted["costs"] else None)
     summ = summary(records)
-    pred = predict(records, use, rcfg) if use is not None else None
+    # replay models arrivals: a closed loop's send times hang on its own answers, so any error would pile up
+    pred = predict(records, use, rcfg) if use is not None and not args.closed_loop else None
     if pred is not None:
         pred["costs_from"] = "--costs" if costs is not None else "this run"
         pred["ratio_to_measured"] = {q: (pred["ttft_s"][q] / summ["ttft_s"][q]
@@ -299,8 +302,9 @@ def _print(report: dict[str, Any]) -> None:
         print(f"  {n} x {err}")
     cal = report["calibration"]
     if report["costs"]:
-        print(f"calibrated costs ({cal['requests_used']} requests ran alone, rmse {cal['rmse_s']:.3g} s): "
-              + ", ".join(f"{k} {v:.3g}" for k, v in report["costs"].items()))
+        fit = " / ".join(f"{cal['fitted_ttft_s'][q]:.3g}" for q in ("p50", "p90", "p99"))
+        print(f"calibrated costs ({cal['requests_used']} requests ran alone, rmse {cal['rmse_s']:.3g} s, their TTFT "
+              f"p50/p90/p99 as fitted {fit} s): " + ", ".join(f"{k} {v:.3g}" for k, v in report["costs"].items()))
     else:
         print(f"no calibration: {cal['reason']}")
     if s["follow_ups_without_parent_output"]:

@@ -140,6 +140,7 @@ def fit_costs(records: Sequence[Record], g: Geometry) -> dict[str, Any]:
         "requests_used": len(alone), "rmse_s": float(np.sqrt(((y - pred) ** 2).mean())),
         "r2": 1.0 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else None,
         "max_rel_error": float(np.max(np.abs(pred - y) / np.maximum(y, 1e-9))),
+        "measured_ttft_s": dist(y.tolist()), "fitted_ttft_s": dist(pred.tolist()),
         "geometry": vars(g)}}
 
 
