@@ -32,7 +32,8 @@ start() {  # start a server with the given policy; wait until /health answers 20
     $cpkv serve --port "$port" --policy "$1" $GEOM $SERVE_EXTRA >"$out/serve_$2.log" 2>&1 &
     pid=$!
     for _ in $(seq "${BOOT_S:-600}"); do
-        if curl -sf "$url/health" >/dev/null; then return 0; fi
+        if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$url/health" \
+            2>/dev/null; then return 0; fi
         if ! kill -0 "$pid" 2>/dev/null; then echo "server ($2) exited:"; tail -5 "$out/serve_$2.log"; exit 1; fi
         sleep 1
     done
@@ -54,8 +55,10 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 s, p = r["summary"], r["prediction"]
 f = lambda d: " / ".join("-" if d[q] is None else f"{d[q]:.3g}" for q in ("p50", "p90", "p99"))
+fit = r["calibration"].get("fitted_ttft_s")
+model = f"replay {f(p['ttft_s'])}" if p else f"fitted {f(fit)}" if fit else "no model"
 print(f"{sys.argv[1]}: {s['completed']}/{s['requests']} ok, {s['failed']} failed, hit {s['cache_hit_ratio']}, "
-      f"TTFT p50/p90/p99 {f(s['ttft_s'])} s; replay {f(p['ttft_s']) if p else '-'} s")
+      f"TTFT p50/p90/p99 {f(s['ttft_s'])} s; {model} s")
 EOF
 }
 
