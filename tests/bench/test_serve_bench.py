@@ -379,6 +379,11 @@ def test_command_calibrates_closed_loop_then_predicts_open_loop(tmp_path, capsys
     assert {"ttft_s", "e2e_s", "prompt_tokens", "cached_tokens", "completion_tokens", "sent_s"} <= set(lines[0])
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
     assert len(sent.read_text().splitlines()) == 8
+    # the documented second command: cpkv replay of the sent requests with the calibrated costs
+    assert main(["replay", str(sent), "--costs", str(calib), "--cp", "2", "--chunk-size", "512",
+                 "--kv-tokens-per-rank", str(255 * 64), "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert runs[0]["completed"] == 8 and runs[0]["ttft_s"]["p90"] > 0
 
 
 def test_command_reports_a_dead_server_without_crashing(tmp_path, capsys):
