@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "indexer": ("cpkv.bench.indexer", "indexer logits and top-k against an fp8 GEMM and torch.topk"),
     "attention": ("cpkv.bench.attention", "sparse MLA attention against a bf16 GEMM"),
     "engine": ("cpkv.bench.engine", "the CP engine's prefill per part"),
+    "serve": ("cpkv.bench.serve_cmd", "HTTP load generator for cpkv serve: TTFT percentiles, replay prediction"),
 }
 GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "check": ("correctness checks across real rank processes", CHECKS),

@@ -343,6 +343,14 @@ class BuiltinShape:
     max_len: int = 196608
 
 
+# The serving benchmark's trace (``cpkv bench serve``): the built-in workload's shape with conversations of
+# 16K-128K tokens: a 16K-96K first prompt (every first prompt needs chunked prefill at chunk sizes <= 16K),
+# short cache-hit continuations that resend the history, a few fresh 16K-128K prompts, nothing over 128K.
+SERVE_SHAPE = BuiltinShape(rate=4.0, fresh_share=0.06, fresh_len=(16384, 131072), root_len=(16384, 98304),
+                           turn_len=(256, 3072), mean_turns=16.0, think_s=(2.0, 12.0), branch_p=0.05,
+                           max_len=131072)
+
+
 def builtin_trace(n: int = 2000, seed: int = 0, scale: float = 1.0,
                   shape: BuiltinShape = BuiltinShape()) -> list[TraceRequest]:
     """A deterministic multi-turn long-context trace of ``n`` requests (prefix-cache hit ratio ≈ 0.9).
