@@ -73,6 +73,9 @@ class EngineConfig:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         cfg = load_model_config(self.model, self.num_layers)  # a preset, or a directory with a valid config.json
+        if "sparse" in cfg.mlp_layer_types and cfg.n_routed_experts % self.cp:
+            raise ConfigError(f"cp {self.cp} must divide the model's {cfg.n_routed_experts} routed experts (each "
+                              f"rank holds n_routed_experts / cp of them)")
         if self.precision == "fp8":
             cfg.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         if not is_preset(self.model):
