@@ -97,8 +97,9 @@ class ExpertExchange:
 
     def prepare(self, counts: Sequence[int]) -> "EPBatch":
         """The batch's exchange: ``counts[s]`` query tokens on rank s (host ints, the same on every rank)."""
-        if len(counts) != self.cp or any(c < 0 or c > self.t_cap for c in counts):
-            raise ValueError(f"expected {self.cp} token counts in [0, {self.t_cap}] (the extend cap), got {list(counts)}")
+        if len(counts) != self.cp or min(counts) < 0 or sum(counts) > self.t_cap:
+            raise ValueError(f"expected {self.cp} token counts >= 0 summing to at most {self.t_cap} (the extend cap), "
+                             f"got {list(counts)}")
         return EPBatch(self, [int(c) for c in counts])
 
     def gather_rows(self, name: str, src: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
