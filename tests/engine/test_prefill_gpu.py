@@ -145,8 +145,8 @@ def test_shared_indexer_and_moe_layers_run_without_a_host_sync():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_expert_parallel_moe_layers_run_without_a_host_sync_and_match_one_rank(cp):
-    """The tiny model's two MoE layers (8 routed experts) at cp 2 and 4 on one GPU under symm and the sync check:
-    each rank holds 8 / cp experts, every MoE layer dispatches and combines through CUDA IPC peer memory and
+    """The tiny model's two MoE layers (24 routed experts) at cp 2 and 4 on one GPU under symm and the sync check:
+    each rank holds 24 / cp experts, every MoE layer dispatches and combines through CUDA IPC peer memory and
     GPU barrier rounds (batches in which some ranks hold no tokens included: the 30-token prompt is one page),
     with no device->host synchronisation; logits verified against one process holding every expert."""
     from cpkv.engine.config import EngineConfig
@@ -158,7 +158,7 @@ def test_expert_parallel_moe_layers_run_without_a_host_sync_and_match_one_rank(c
     trace = _trace() + [TraceRequest("d0", 0.0, 30)]
     (res,) = run_jobs([(cfg, trace)], timeout_s=500)
     assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0", "d0"] and not res.rejected
-    assert res.stats["experts_per_rank"] == [8 // cp] * cp and res.stats["barrier"] == "DeviceBarrier"
+    assert res.stats["experts_per_rank"] == [24 // cp] * cp and res.stats["barrier"] == "DeviceBarrier"
     report = verify_run(res, trace)
     assert report.ok, report
 

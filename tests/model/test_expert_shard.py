@@ -14,31 +14,31 @@ from cpkv.model.checkpoint import routed_expert
 from cpkv.model.moe import expert_block
 from cpkv.model.weights import expected_shapes, random_weights, save_checkpoint
 
-TINY = preset("tiny")  # 8 routed experts, MoE on layers 1 and 2
+TINY = preset("tiny")  # 24 routed experts, MoE on layers 1 and 2
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 6, 8])
 def test_expert_blocks_split_the_experts_contiguously(cp):
-    blocks = [expert_block(r, cp, 8) for r in range(cp)]
-    assert [e for b in blocks for e in b] == list(range(8)) and {len(b) for b in blocks} == {8 // cp}
+    blocks = [expert_block(r, cp, 24) for r in range(cp)]
+    assert [e for b in blocks for e in b] == list(range(24)) and {len(b) for b in blocks} == {24 // cp}
 
 
-@pytest.mark.parametrize("cp", [3, 5, 16])
+@pytest.mark.parametrize("cp", [5, 7, 16])
 def test_cp_must_divide_the_experts(cp):
-    with pytest.raises(ConfigError, match=f"cp {cp} must divide the model's n_routed_experts 8"):
-        expert_block(0, cp, 8)
+    with pytest.raises(ConfigError, match=f"cp {cp} must divide the model's n_routed_experts 24"):
+        expert_block(0, cp, 24)
 
 
 def test_engine_config_and_cli_name_cp(capsys):
     from cpkv.cli import main
     from cpkv.engine.config import EngineConfig
 
-    with pytest.raises(ConfigError, match="cp 3 must divide the model's 8 routed experts"):
-        EngineConfig(cp=3)
-    assert main(["run", "--cp", "3"]) == 2  # before any rank starts
+    with pytest.raises(ConfigError, match="cp 5 must divide the model's 24 routed experts"):
+        EngineConfig(cp=5)
+    assert main(["run", "--cp", "5"]) == 2  # before any rank starts
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("cpkv run: error: --cp 3 must divide the model's 8 routed experts"), err
-    EngineConfig(cp=3, model="tiny", num_layers=1)  # a dense-only cut has no experts to split
+    assert err[-1].startswith("cpkv run: error: --cp 5 must divide the model's 24 routed experts"), err
+    EngineConfig(cp=5, model="tiny", num_layers=1)  # a dense-only cut has no experts to split
 
 
 def test_random_weights_of_a_block_equal_the_full_models():
@@ -59,7 +59,7 @@ def test_a_rank_model_stacks_its_block_and_refuses_to_run_alone():
         assert (a.moe is None) == (b.moe is None)
         if a.moe is not None:
             assert b.moe[0].shape[0] == 2 and torch.equal(b.moe[0], a.moe[0][4:6]) and torch.equal(b.moe[1], a.moe[1][4:6])
-    with pytest.raises(ValueError, match="holds routed experts 4..5 of 8: its MoE needs the expert-parallel exchange"):
+    with pytest.raises(ValueError, match="holds routed experts 4..5 of 24: its MoE needs the expert-parallel exchange"):
         part.reference_prefill([1, 2, 3])
 
 
@@ -88,7 +88,8 @@ def test_a_checkpoint_rank_reads_only_its_experts(tmp_path, monkeypatch):
             return self.inner.get_tensor(name)
 
     monkeypatch.setattr(safetensors, "safe_open", Recording)
-    m = load_model(str(tmp_path), ep=(3, 4))  # experts 6 and 7
-    assert {routed_expert(n) for n in read} == {None, 6, 7}
-    assert len(read) == sum(1 for n in expected_shapes(cfg) if routed_expert(n) in (None, 6, 7))
-    assert torch.equal(m.layers[1].moe[1][0], weights["model.layers.1.mlp.experts.6.down_proj.weight"])
+    m = load_model(str(tmp_path), ep=(3, 4))  # experts 18 .. 23
+    held = (None, *range(18, 24))
+    assert {routed_expert(n) for n in read} == set(held)
+    assert len(read) == sum(1 for n in expected_shapes(cfg) if routed_expert(n) in held)
+    assert torch.equal(m.layers[1].moe[1][0], weights["model.layers.1.mlp.experts.18.down_proj.weight"])
