@@ -207,6 +207,9 @@ def show(result, report, args, times) -> None:
           f"{s['pages_reloaded']} reloaded")
     att = s["attention_calls"]
     print(f"attention calls: {att['sparse']} sparse (indexer top-k), {att['dense']} dense (short rows)")
+    experts = result.stats.get("experts_per_rank") or []
+    if any(experts):
+        print(f"routed experts per rank {experts}" + (" (expert parallelism)" if cfg.cp > 1 else ""))
     if report is None:
         print("verification: off")
         return
