@@ -58,7 +58,8 @@ def test_a_rank_model_stacks_its_block_and_refuses_to_run_alone():
     for a, b in zip(full.layers, part.layers):
         assert (a.moe is None) == (b.moe is None)
         if a.moe is not None:
-            assert b.moe[0].shape[0] == 2 and torch.equal(b.moe[0], a.moe[0][4:6]) and torch.equal(b.moe[1], a.moe[1][4:6])
+            assert b.moe[0].shape[0] == 2
+            assert torch.equal(b.moe[0], a.moe[0][4:6]) and torch.equal(b.moe[1], a.moe[1][4:6])
     with pytest.raises(ValueError, match="holds routed experts 4..5 of 24: its MoE needs the expert-parallel exchange"):
         part.reference_prefill([1, 2, 3])
 
