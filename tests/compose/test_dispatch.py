@@ -42,6 +42,8 @@ def all_to_all_reference(ctx, x, idx, w, gate_up, down, local: range) -> torch.T
     import torch.distributed as dist
 
     cp, (t, k) = ctx.world_size, idx.shape
+    home, dev = x.device, ctx.collective_device  # gloo collectives take CPU tensors, NCCL CUDA ones
+    x, idx, w, gate_up, down = (v.to(dev) for v in (x, idx, w, gate_up, down))
     flat = idx.reshape(-1)
     owner = flat // len(local)
     order = torch.argsort(owner, stable=True)
@@ -51,7 +53,7 @@ def all_to_all_reference(ctx, x, idx, w, gate_up, down, local: range) -> torch.T
     send_n, recv_n = send.tolist(), recv.tolist()
 
     def a2a(v: torch.Tensor, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
-        out = torch.empty(sum(out_rows), *v.shape[1:], dtype=v.dtype)
+        out = torch.empty(sum(out_rows), *v.shape[1:], dtype=v.dtype, device=v.device)
         dist.all_to_all_single(out, v.contiguous(), out_rows, in_rows, group=ctx.group)
         return out
 
@@ -60,7 +62,7 @@ def all_to_all_reference(ctx, x, idx, w, gate_up, down, local: range) -> torch.T
     rw = a2a(w.reshape(-1)[order], recv_n, send_n)
     y = experts_loop(rx, re[:, None], rw[:, None], gate_up, down)  # one pair per row
     back = a2a(y, send_n, recv_n)
-    return torch.zeros(t, D).index_add_(0, order // k, back)
+    return torch.zeros(t, D, device=dev).index_add_(0, order // k, back).to(home)
 
 
 def _expected_rows(x, idx, w, local: range):
@@ -87,11 +89,12 @@ def _run_cases(ctx, cases, k: int, peer: bool) -> list[dict]:
     ex = ExpertExchange(rt, hidden=D, top_k=k, num_experts=E, dtype=torch.float32)
     assert ex.peer == peer
     local = expert_block(ctx.rank, ctx.world_size, E)
-    gate_up, down = _weights()
+    dev = ctx.device
+    gate_up, down = (v.to(dev) for v in _weights())
     ew = ExpertWeights(gate_up[local.start:local.stop].contiguous(), down[local.start:local.stop].contiguous())
     out = []
     for counts, route, seed in cases:
-        x, idx, w = _batch(counts, k, route, seed)
+        x, idx, w = (v.to(dev) for v in _batch(counts, k, route, seed))
         o = sum(counts[: ctx.rank])
         mine = slice(o, o + counts[ctx.rank])
         ep = ex.prepare(counts)
@@ -99,6 +102,7 @@ def _run_cases(ctx, cases, k: int, peer: bool) -> list[dict]:
         got = ep.combine(grouped_swiglu(xs, offs, rw, ew))
         ref = all_to_all_reference(ctx, x[mine], idx[mine], w[mine], ew.gate_up, ew.down, local)
         whole = experts_loop(x, idx, w, gate_up, down)[mine]
+        got, xs, offs, rw, ref, whole, x, idx, w = (v.cpu() for v in (got, xs, offs, rw, ref, whole, x, idx, w))
         want_xs, want_rw, want_offs = _expected_rows(x, idx, w, local)
         n = want_xs.shape[0]
         out.append({
@@ -110,7 +114,7 @@ def _run_cases(ctx, cases, k: int, peer: bool) -> list[dict]:
             "vs_all_to_all": float((got - ref).abs().max()) if got.numel() else 0.0,
             "vs_one_process": float((got - whole).abs().max()) if got.numel() else 0.0,
             "scale": float(whole.abs().max()) if whole.numel() else 0.0,
-            "rows_here": n,
+            "rows_here": n, "gather": "triton" if ex.bases is not None else "torch",
         })
     ctx.barrier()
     rt.close()
@@ -125,7 +129,20 @@ CP, K = 4, 3
 
 
 def test_dispatch_combine_equal_all_to_all():
-    both = launch(_run_both, CP, args=(CASES, K), timeout_s=240)
+    _check(launch(_run_both, CP, args=(CASES, K), timeout_s=240))
+
+
+@pytest.mark.cuda
+@pytest.mark.triton
+def test_dispatch_combine_on_the_gpu():
+    """The same on CUDA: with peer memory the rows move through CUDA IPC, the page-gather kernel and GPU
+    barrier rounds (ranks sharing one GPU, or one GPU each where there are 4)."""
+    both = launch(_run_both, CP, device="cuda", args=(CASES, K), timeout_s=400)
+    _check(both)
+    assert {res["gather"] for b in both for res in b["peer"]} == {"triton"}
+
+
+def _check(both: list[dict]) -> None:
     for transport in ("peer", "all_reduce"):
         empty_expert_ranks = 0
         for r, results in enumerate(b[transport] for b in both):
