@@ -284,13 +284,14 @@ PRESETS: dict[str, ModelConfig] = {
         rope=RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096,
                         mscale=1.0, mscale_all_dim=1.0),
     ),
-    # GLM-5's structure at toy sizes: full / shared / full indexer layers, a dense layer then MoE layers
+    # GLM-5's structure at toy sizes: full / shared / full indexer layers, a dense layer then MoE layers; 24
+    # routed experts, so that expert parallelism runs at cp 1, 2, 3, 4, 6 and 8
     "tiny": ModelConfig(
         name="tiny", num_layers=3, hidden_size=128, num_heads=4, q_lora_rank=64, kv_lora_rank=128,
         qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, index_n_heads=4, index_head_dim=64,
         index_topk=64, intermediate_size=256, vocab_size=512, max_context=65536, model_type="glm_moe_dsa",
         indexer_rope="interleaved", index_topk_freq=2, index_skip_topk_offset=1, first_k_dense_replace=1,
-        moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        moe_intermediate_size=64, n_routed_experts=24, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
         topk_group=1, routed_scaling_factor=2.5,
     ),
 }

@@ -4,8 +4,14 @@ Tiny random ``GlmMoeDsaForCausalLM`` and ``DeepseekV32ForCausalLM`` (a dense lay
 grouped routing and a correction bias, YaRN with mscale != mscale_all_dim, GLM-5's full/shared indexer
 pattern, prompts longer than index_topk so selection is sparse) are saved with ``save_pretrained`` (sharded,
 with an index json) and loaded by ``cpkv run --model DIR``. Last-token logits must equal transformers' to
-within 1e-3 of the largest |logit| at cp 1 and cp 2 under ``--precision exact``; under fp8 the test reports
-and bounds the top-k overlap and the logit difference.
+within 1e-3 of the largest |logit| at cp 1, 2 and 4 under ``--precision exact`` (cp 2 and 4 split the 8
+routed experts over the ranks: expert parallelism, also equal to cp 1); under fp8 the test reports and
+bounds the top-k overlap and the logit difference.
+
+Ties: with few indexer heads many index scores are exactly 0 (relu) and tie at the top-k cut; cpkv breaks
+ties toward the lower key index, torch.topk (transformers) in no specified order, so a comparison could
+pass or fail by chance. The models here use 16 index heads and ``test_no_index_score_ties_at_the_cut``
+proves that no selection of these prompts depends on a tie.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ COMMON = dict(
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
                      "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1},
 )
+assert COMMON["index_n_heads"] >= 8 and COMMON["n_routed_experts"] >= 8  # see the module docstring (ties; cp 4)
 # prompts of 75 and 130 tokens (index_topk 24: every layer selects sparsely); page 16, chunks of 64 tokens
 TRACE = [TraceRequest("a", 0.0, 130), TraceRequest("b", 0.0, 75)]
 
@@ -75,12 +82,15 @@ def engine_config(path, cp: int, precision: str) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def runs(checkpoint):
-    """{(cp, precision): {request id: RequestResult}}: cp 1 exact, and cp 2 exact + fp8 in one set of ranks."""
+    """{(cp, precision): {request id: RequestResult}}: cp 1 exact, cp 2 exact + fp8 in one set of ranks, cp 4
+    exact; and {(cp, precision): experts_per_rank}."""
     path, _ = checkpoint
-    out = {}
-    for cp, precisions in ((1, ("exact",)), (2, ("exact", "fp8"))):
+    out, experts = {}, {}
+    for cp, precisions in ((1, ("exact",)), (2, ("exact", "fp8")), (4, ("exact",))):
         results = run_jobs([(engine_config(path, cp, p), TRACE) for p in precisions], timeout_s=300)
         out.update({(cp, p): {r.id: r for r in res.requests} for p, res in zip(precisions, results)})
+        experts.update({(cp, p): res.stats["experts_per_rank"] for p, res in zip(precisions, results)})
+    out["experts"] = experts
     return out
 
 
@@ -96,7 +106,7 @@ def test_config_read_as_transformers(checkpoint):
     assert (cfg.rope.type, cfg.rope.factor, cfg.rope.mscale_all_dim) == ("yarn", 4.0, 0.7)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_exact_logits_equal_transformers(checkpoint, runs, cp):
     _, ref = checkpoint
     got = runs[(cp, "exact")]
@@ -105,6 +115,48 @@ def test_exact_logits_equal_transformers(checkpoint, runs, cp):
         diff = float((got[rid].logits - want).abs().max())
         assert diff <= 1e-3 * float(want.abs().max()), (rid, diff)
         assert got[rid].first_token == int(want.argmax())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_expert_parallel_equals_cp1(runs, cp):
+    """cp 2 / 4 hold 4 / 2 of the 8 routed experts per rank; their logits equal cp 1's (every expert on one
+    rank) to within 1e-3 of the largest |logit| (only summation order differs)."""
+    n = COMMON["n_routed_experts"]
+    assert runs["experts"][(cp, "exact")] == [n // cp] * cp and runs["experts"][(1, "exact")] == [n]
+    one, ep = runs[(1, "exact")], runs[(cp, "exact")]
+    assert set(one) == set(ep)
+    for rid, want in one.items():
+        diff = float((ep[rid].logits - want.logits).abs().max())
+        assert diff <= 1e-3 * float(want.logits.abs().max()), (rid, diff)
+        assert ep[rid].first_token == want.first_token
+
+
+def test_no_index_score_ties_at_the_cut(checkpoint, monkeypatch):
+    """Every indexer selection of the test prompts (cpkv's exact reference, the formula transformers uses) has
+    a clear gap between its k-th and (k+1)-th best score (relative to the row's best): the lower-index tie
+    rule never decides one, so equality with transformers is not luck of torch.topk's order."""
+    from cpkv.indexer import ref as indexer_ref
+    from cpkv.model.model import load_model
+
+    path, _ = checkpoint
+    gaps = []
+    topk_ref = indexer_ref.topk_ref
+
+    def recording(logits, ks, ke, k):
+        for row, lo, hi in zip(logits, ks.tolist(), ke.tolist()):
+            if hi - lo > k:
+                best = row[lo:hi].float().topk(k + 1).values
+                gaps.append(float(best[k - 1] - best[k]) / max(float(best[0].abs()), 1e-30))
+        return topk_ref(logits, ks, ke, k)
+
+    monkeypatch.setattr(indexer_ref, "topk_ref", recording)
+    model = load_model(str(path), precision="exact")
+    tokens = materialize_tokens(TRACE, vocab_size=COMMON["vocab_size"])
+    for r in TRACE:
+        model.reference_prefill(tokens[r.id])
+    print(f"{len(gaps)} selections, smallest gap at the cut / best score {min(gaps):.3g}")  # -s shows it
+    # far above float32 rounding (~1e-7): the CP ranks' and transformers' sums select the same keys
+    assert gaps and min(gaps) > 1e-6, (len(gaps), min(gaps))
 
 
 def test_fp8_close_to_transformers(checkpoint, runs):

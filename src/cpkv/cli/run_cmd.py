@@ -182,7 +182,8 @@ def emit(result, report, args, trace, times, ok) -> None:
     from cpkv.cli.fmt import emit_json
 
     cfg = result.cfg
-    emit_json({"ok": ok, "cp": cfg.cp, "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
+    emit_json({"ok": ok, "cp": cfg.cp, "experts_per_rank": result.stats.get("experts_per_rank"),
+               "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
                "mode": result.summary["mode"],
                "policy": cfg.policy, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
                "pages_per_rank": cfg.pages_per_rank, "allow_rejected": args.allow_rejected,
@@ -208,6 +209,9 @@ def show(result, report, args, times) -> None:
           f"{s['pages_reloaded']} reloaded")
     att = s["attention_calls"]
     print(f"attention calls: {att['sparse']} sparse (indexer top-k), {att['dense']} dense (short rows)")
+    experts = result.stats.get("experts_per_rank") or []
+    if any(experts):
+        print(f"routed experts per rank {experts}" + (" (expert parallelism)" if cfg.cp > 1 else ""))
     if report is None:
         print("verification: off")
         return

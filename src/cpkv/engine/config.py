@@ -75,7 +75,10 @@ class EngineConfig:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        cfg = self.model_config()  # a preset, or a directory with a valid config.json
+        cfg = self.model_config()  # a preset, or a directory with a valid config.json (the ranks' config)
+        if "sparse" in cfg.mlp_layer_types and cfg.n_routed_experts % self.cp:
+            raise ConfigError(f"cp {self.cp} must divide the model's {cfg.n_routed_experts} routed experts (each "
+                              f"rank holds n_routed_experts / cp of them)")
         cfg.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         if not is_preset(self.model):
             from cpkv.model.checkpoint import check_checkpoint

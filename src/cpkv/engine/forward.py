@@ -9,12 +9,13 @@
     plan nor the forward pass waits on the device (``cpkv.upload``).
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
-sparse MLA, MLP). A rank with no query tokens still takes part in every compose.
+sparse MLA, MLP; a MoE layer under expert parallelism dispatches to and combines from the experts' ranks).
+A rank with no query tokens still takes part in every compose and every expert exchange.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,15 +48,17 @@ class RankPlan:
     attn: AttnPlan
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
     last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
+    ep: Any = None               # the batch's expert-parallel exchange (cpkv.compose.dispatch.EPBatch), or None
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
 
 
-def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
+def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> RankPlan:
     """Rank ``rank``'s RankPlan for ``spec``, built once per batch (every layer reuses it): host arrays per
-    query-token run (numpy, no per-token Python), uploaded once."""
+    query-token run (numpy, no per-token Python), uploaded once. ``ep``: the rank's ExpertExchange (expert
+    parallelism), prepared here with every rank's query-token count."""
     lay, P = spec.layout, spec.layout.page_size
     ids, pos, base = [], [], []
     last: list[tuple[int, int]] = []
@@ -74,8 +77,10 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel) -> RankPlan:
     dev = model.device
     attn = AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev)
     attn.indexer.prepare_items(_logits_work_shape(model), model.cfg.index_topk)  # no first-use host work later
+    counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
     return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
-                    attn, last, upload_list([row for _, row in last], torch.int64, dev))
+                    attn, last, upload_list([row for _, row in last], torch.int64, dev),
+                    ep.prepare(counts) if ep is not None else None)
 
 
 def _logits_work_shape(model: DSAModel):
@@ -106,7 +111,9 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", pla
                 rows.index_copy_(0, rows_at, getattr(p, kind))
         dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
         if p is not None:
-            h, topk = layer.attend(h, p, dense, plan.attn, topk)
+            h, topk = layer.attend(h, p, dense, plan.attn, topk, plan.ep)
+        elif plan.ep is not None and layer.is_moe:
+            layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
     if not plan.last:
         return {}
     logits = model.logits(h.index_select(0, plan.last_rows))

@@ -61,6 +61,7 @@ class RankEngine:
         caps = cfg.caps()
         self.rt = ComposeRuntime.create(ctx, model.cfg, num_pages=cfg.pages_per_rank, page_size=cfg.page_size,
                                         caps=caps, mode=cfg.mode)
+        self.ep = self._expert_exchange()
         self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
         self.kv = KVCacheManager(cfg.page_size, allocators, cfg.host_pages,
@@ -76,6 +77,17 @@ class RankEngine:
         #                                                           end us) of every kernel, from the batch start
         self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
         #                                                           (name, self ms, calls)
+
+    def _expert_exchange(self):
+        """The expert-parallel regions beside the compose runtime (collective), when this rank holds only a
+        block of the routed experts; else None."""
+        if not self.model.expert_parallel:
+            return None
+        from cpkv.compose.dispatch import ExpertExchange
+
+        m = self.model.cfg
+        return ExpertExchange(self.rt, hidden=m.hidden_size, top_k=m.num_experts_per_tok,
+                              num_experts=m.n_routed_experts, dtype=self.model.dtype)
 
     # -- host tier ---------------------------------------------------------------------------------
     def _spill(self, owner: int, page_id: int, slot: int) -> None:
@@ -178,7 +190,7 @@ class RankEngine:
             with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
                 with _mark("cpkv.batch", prof):
                     compose = self.rt.prepare(layout, page_ids)
-                    out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model))
+                    out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model, self.ep))
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
@@ -220,8 +232,12 @@ class RankEngine:
             "barrier": type(self.rt.barrier).__name__ if self.rt.barrier is not None else None,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
-            "host_ops": self.host_ops,
+            "host_ops": self.host_ops, "experts": self._experts_held(),
         }
+
+    def _experts_held(self) -> int:
+        """Routed experts this rank holds (0 for a model without MoE layers)."""
+        return len(self.model.experts) if "sparse" in self.model.cfg.mlp_layer_types else 0
 
     def close(self) -> None:
         self.rt.close()
@@ -235,9 +251,10 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
     outputs = []
     for cfg, trace in jobs:
         key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision)
-        if key not in models:
+        if key not in models:  # cp > 1: this rank's block of the routed experts only (expert parallelism)
+            ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
             models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                                     precision=cfg.precision)
+                                     precision=cfg.precision, ep=ep)
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +187,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (cfg.hidden_size,)
     out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     return out
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def routed_expert(name: str) -> int | None:
+    """The routed expert a tensor belongs to (``model.layers.N.mlp.experts.E....`` -> E), else None."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_local(name: str, experts: range | None) -> bool:
+    """True when a rank holding the routed experts ``experts`` (None: all of them) needs tensor ``name``
+    (every tensor but the other ranks' routed experts: attention, router, shared experts are replicated)."""
+    e = routed_expert(name) if experts is not None else None
+    return e is None or e in experts

@@ -80,8 +80,10 @@ class AttnPlan:
 class DSALayer:
     """Weights of layer ``n`` (public names under ``model.layers.n.``) and its two halves."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], n: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], n: int,
+                 experts: range | None = None) -> None:
         self.cfg, self.n = cfg, n
+        self.experts = range(cfg.n_routed_experts) if experts is None else experts  # the routed experts held here
         w = {k[len(f"model.layers.{n}."):]: v for k, v in weights.items() if k.startswith(f"model.layers.{n}.")}
         self.w = w
         self.full = cfg.indexer_types[n] == "full"
@@ -95,9 +97,10 @@ class DSALayer:
         self.stats = {"dense": 0, "sparse": 0}
 
     def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed experts as gate_up [E, 2I, D] and down [E, D, I] (the per-expert tensors are dropped)."""
-        w, e = self.w, self.cfg.n_routed_experts
-        p = [f"mlp.experts.{x}." for x in range(e)]
+        """The routed experts held here (``self.experts``: all, or this rank's block under expert parallelism)
+        as gate_up [E, 2I, D] and down [E, D, I] (the per-expert tensors are dropped)."""
+        w = self.w
+        p = [f"mlp.experts.{x}." for x in self.experts]
         gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight"], w[q + "up_proj.weight"])) for q in p])
         down = torch.stack([w[q + "down_proj.weight"] for q in p])
         for q in p:
@@ -185,15 +188,16 @@ class DSALayer:
 
     # -- half 2: over the composed dense buffers ---------------------------------------------------
     def attend(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
-               topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               topk: torch.Tensor | None = None, ep: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [T, hidden]; dense {"token": uint8 [S, token row], "index": uint8 [S, index row] (full layers)};
-        ``topk``: the previous full layer's selection (shared layers) -> (h' [T, hidden], this layer's topk)."""
+        ``topk``: the previous full layer's selection (shared layers) -> (h' [T, hidden], this layer's topk).
+        ``ep``: the batch's expert-parallel exchange (``mlp``)."""
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
         h = h + F.linear(self._latent_out(latent.to(h.dtype)), self.w["self_attn.o_proj.weight"])
-        return h + self._mlp(h), topk
+        return h + self.mlp(h, ep), topk
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
@@ -236,15 +240,28 @@ class DSALayer:
         rel = index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk, plan=plan.indexer)
         return topk_to_slots(rel, plan.ks)
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        from cpkv.model.moe import experts, route
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def mlp(self, h: torch.Tensor, ep: Any = None) -> torch.Tensor:
+        """h [T, hidden] -> the MLP's output [T, hidden] (RMSNorm, then dense SwiGLU or MoE). With ``ep`` (the
+        batch's ``cpkv.compose.dispatch.EPBatch``) the routed experts run where they live: every rank of the
+        group must call it for every MoE layer, also with T = 0 (it serves its experts to the others)."""
+        from cpkv.model.moe import experts, experts_ep, route
 
         w = self.w
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         if self.moe is None:
             return swiglu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
-        out = experts(x, idx, weights, *self.moe)
+        if ep is not None:
+            out = experts_ep(x, idx, weights, *self.moe, ep)
+        elif len(self.experts) == self.cfg.n_routed_experts:
+            out = experts(x, idx, weights, *self.moe)
+        else:
+            raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
+                             f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
         if self.cfg.n_shared_experts:
             s = "mlp.shared_experts."
             out = out + swiglu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])

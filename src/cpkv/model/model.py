@@ -41,26 +41,35 @@ class DSAModel:
     """A DSA model on one device. ``dtype`` is the dtype of weights, hidden states and matmuls."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
-        check_weights(weights, cfg)
+                 dtype: torch.dtype | None = None, experts: range | None = None) -> None:
+        """``experts``: the routed experts this process holds (expert parallelism: one rank's block,
+        ``cpkv.model.moe.expert_block``); None: all of them (the single-process model)."""
+        check_weights(weights, cfg, experts=experts)
         self.cfg, self.device = cfg, torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
+        self.experts = range(cfg.n_routed_experts) if experts is None else experts
         self.weights = {k: v.to(device=self.device, dtype=_dtype_of(k, self.dtype)) for k, v in weights.items()}
-        self.layers = [DSALayer(cfg, self.weights, n) for n in range(cfg.num_layers)]
+        self.layers = [DSALayer(cfg, self.weights, n, self.experts) for n in range(cfg.num_layers)]
         # routed experts live stacked in their layers now
         self.weights = {k: v for k, v in self.weights.items() if ".mlp.experts." not in k}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> "DSAModel":
+               dtype: torch.dtype | None = None, experts: range | None = None) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device), device, dtype)
+        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> "DSAModel":
+                        dtype: torch.dtype | None = None, experts: range | None = None) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, load_weights(path, cfg, dtype, device), device, dtype)
+        return cls(cfg, load_weights(path, cfg, dtype, device, experts), device, dtype, experts)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """True when this process holds only a block of the routed experts (MoE layers need the exchange)."""
+        moe = "sparse" in self.cfg.mlp_layer_types
+        return moe and len(self.experts) < self.cfg.n_routed_experts
 
     # -- pieces the engine calls -------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -94,13 +103,16 @@ class DSAModel:
 
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               num_layers: int | None = None, precision: str = "fp8") -> DSAModel:
+               num_layers: int | None = None, precision: str = "fp8", ep: tuple[int, int] | None = None) -> DSAModel:
     """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
-    ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype)."""
+    ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype).
+    ``ep``: (rank, cp): hold (and read) only that rank's block of the routed experts."""
     from cpkv.model.config import load_model_config
+    from cpkv.model.moe import expert_block
 
     dtype = dtype or default_dtype(device)
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
+    experts = expert_block(ep[0], ep[1], cfg.n_routed_experts) if ep is not None else None
     if Path(spec).is_dir():
-        return DSAModel.from_pretrained(spec, cfg, device, dtype)
-    return DSAModel.random(cfg, seed, device, dtype)
+        return DSAModel.from_pretrained(spec, cfg, device, dtype, experts)
+    return DSAModel.random(cfg, seed, device, dtype, experts)

@@ -12,6 +12,11 @@ sync), runs the experts as one grouped SwiGLU (``cpkv.model.experts.grouped_swig
 applied to the expert's activation before its down projection, the same sum rounded at another point:
 within the test tolerance of ``experts_loop``, the reference in tests) and sums each token's k outputs
 (``combine_pairs``).
+
+Expert parallelism (cp > 1): rank r holds the routed experts ``expert_block(r, cp, E)``; ``experts_ep``
+reads like ``experts`` with two extra verbs of the batch's exchange (``cpkv.compose.dispatch``): dispatch
+(every token's x to the ranks holding its k experts, sorted by local expert), the same grouped SwiGLU over
+the local experts, combine (the weighted outputs back on the token's rank, its k summed).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
+from cpkv.errors import ConfigError
 from cpkv.model.experts import ExpertWeights, grouped_swiglu
 
 
@@ -49,6 +55,25 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
     xs = x.index_select(0, order // k)
     y = grouped_swiglu(xs, offs, w.reshape(-1)[order], ExpertWeights(gate_up, down))
     return combine_pairs(y, order, t, k)
+
+
+def expert_block(rank: int, cp: int, num_experts: int) -> range:
+    """The routed experts rank ``rank`` of ``cp`` holds: [rank E/cp, (rank + 1) E/cp). ConfigError unless cp
+    divides E."""
+    if cp < 1 or num_experts % cp:
+        raise ConfigError(f"cp {cp} must divide the model's n_routed_experts {num_experts} (expert parallelism "
+                          f"splits the routed experts evenly over the CP group)")
+    per = num_experts // cp
+    return range(rank * per, (rank + 1) * per)
+
+
+def experts_ep(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               ep) -> torch.Tensor:
+    """``experts`` under expert parallelism: x [T, D] (this rank's tokens, T may be 0), idx int64 [T, k], w
+    float32 [T, k]; gate_up [El, 2I, D], down [El, D, I] this rank's experts; ``ep`` the batch's exchange
+    (``cpkv.compose.dispatch.EPBatch``) -> [T, D]. Every rank calls it for every MoE layer."""
+    xs, offs, rw = ep.dispatch(x, idx, w)
+    return ep.combine(grouped_swiglu(xs, offs, rw, ExpertWeights(gate_up, down)))
 
 
 def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,8 @@ Names and shapes (``[out, in]`` for linear layers), as in the GLM-5 / DeepSeek-V
     lm_head.weight                                          [vocab, hidden]
 
 Checkpoints: ``*.safetensors`` files, or the shards a ``model.safetensors.index.json`` lists; tensors of
-layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` cut) are not read.
+layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` cut) are not read, nor
+(expert parallelism, ``experts=``) the routed experts other ranks hold.
 Block-quantised fp8 weights (a float8 ``.weight`` beside ``.weight_scale_inv``, one float32 scale per
 128 x 128 block) are **dequantised at load** into the compute dtype; the engine never runs fp8 GEMMs.
 ``cpkv.model.checkpoint.check_checkpoint`` validates every file header, name and shape without reading
@@ -46,7 +47,7 @@ import torch
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
-from cpkv.model.checkpoint import expected_shapes, layer_shapes  # noqa: F401  (the public names live there)
+from cpkv.model.checkpoint import expected_shapes, is_local, layer_shapes  # noqa: F401  (the public names live there)
 
 Weights = dict[str, torch.Tensor]
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
@@ -54,16 +55,25 @@ FP8_BLOCK = 128
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str = "cpu") -> Weights:
+                   device: torch.device | str = "cpu", experts: range | None = None) -> Weights:
     """Seeded random weights: linear ~ N(0, 1/in), norms ~ 1 + N(0, 0.1), biases ~ N(0, 0.1).
 
     Drawn on ``device`` with a generator seeded per tensor (same seed, same device type -> same weights).
+    ``experts``: only these routed experts (expert parallelism; None: all); the seed of a tensor is its index
+    in the full model's list, so a rank's experts equal the full model's.
     """
     out: Weights = {}
     for i, (name, shape) in enumerate(expected_shapes(cfg).items()):
+        if not is_local(name, experts):
+            continue
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
         out[name] = _random_tensor(name, shape, gen, device).to(dtype)
     return out
+
+
+def local_shapes(cfg: ModelConfig, experts: range | None = None) -> dict[str, tuple[int, ...]]:
+    """``expected_shapes(cfg)`` without the routed experts outside ``experts`` (None: every tensor)."""
+    return {k: v for k, v in expected_shapes(cfg).items() if is_local(k, experts)}
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
@@ -77,10 +87,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devi
     return x / shape[-1] ** 0.5
 
 
-def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights") -> None:
-    """CheckpointError naming every missing or mis-shaped tensor."""
+def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights", experts: range | None = None) -> None:
+    """CheckpointError naming every missing or mis-shaped tensor (of the routed ``experts`` only, when given)."""
     problems = []
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in local_shapes(cfg, experts).items():
         t = weights.get(name)
         if t is None:
             problems.append(f"missing {name} (expected shape {list(shape)})")
@@ -92,15 +102,16 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights") -
 
 
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> Weights:
+                 device: torch.device | str = "cpu", experts: range | None = None) -> Weights:
     """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; fp8 block-scaled
-    weights dequantised; tensors of other layers not read)."""
+    weights dequantised; tensors of other layers not read). ``experts``: read only these routed experts
+    (expert parallelism: a rank's block; None: all)."""
     from safetensors import SafetensorError, safe_open
 
     from cpkv.model.checkpoint import check_checkpoint
 
     index = check_checkpoint(path, cfg)
-    wanted = set(expected_shapes(cfg))
+    wanted = set(local_shapes(cfg, experts))
     by_file: dict[Path, list[str]] = {}
     for name in wanted | {n + "_scale_inv" for n in wanted if n + "_scale_inv" in index}:
         by_file.setdefault(index[name].file, []).append(name)
@@ -112,7 +123,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{f}: cannot read tensors ({exc})") from None
     out = {name: _dequant(raw, name).to(device=device, dtype=dtype, copy=True) for name in wanted}
-    check_weights(out, cfg, str(path))
+    check_weights(out, cfg, str(path), experts)
     return out
 
 
