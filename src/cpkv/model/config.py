@@ -162,3 +162,29 @@ def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     return cfg
+
+
+WEIGHTS_MODES = ("auto", "fp8", "bf16")
+
+
+def fp8_block_checkpoint(spec: str) -> bool:
+    """True when ``spec`` is a checkpoint directory whose config.json declares DeepSeek's fp8 block format
+    (``quantization_config``: quant_method fp8, weight_block_size [128, 128]); False for a preset."""
+    if spec in PRESETS:
+        return False
+    try:
+        q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(q, dict) and q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+
+
+def resolve_weights(weights: str, spec: str, device: str, precision: str) -> str:
+    """``--weights`` -> "fp8" (linear weights kept block-scaled fp8) or "bf16" (widened to the compute dtype).
+    ``auto``: fp8 for an fp8 block checkpoint on CUDA at fp8 precision, else bf16; fp8 / bf16 as asked (fp8 on
+    CPU runs the dequantising reference path)."""
+    if weights not in WEIGHTS_MODES:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+    if weights != "auto":
+        return weights
+    return "fp8" if device == "cuda" and precision == "fp8" and fp8_block_checkpoint(spec) else "bf16"

@@ -17,7 +17,7 @@ from cpkv.config import ModelConfig
 from cpkv.errors import ConfigError
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
-from cpkv.model.weights import Weights, check_weights, load_weights, random_weights
+from cpkv.model.weights import Weights, check_weights, is_fp8, load_weights, random_weights, to_dense, to_fp8
 
 PRECISIONS = ("fp8", "exact")
 
@@ -31,7 +31,12 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype
+    return torch.float32 if name.endswith(FLOAT32_WEIGHTS + ("_scale_inv",)) else dtype
+
+
+def _place(name: str, w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """On ``device``; fp8 weights stay fp8, block scales float32, the rest in their compute dtype."""
+    return w.to(device) if is_fp8(w) else w.to(device=device, dtype=_dtype_of(name, dtype))
 
 
 def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> ModelConfig:
@@ -43,29 +48,39 @@ def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> Mo
 
 
 class DSAModel:
-    """A DSA model on one device. ``dtype`` is the dtype of weights, hidden states and matmuls."""
+    """A DSA model on one device. ``dtype`` is the dtype of hidden states, matmuls and dense weights.
+
+    ``fp8``: the linear weights ``weights.fp8_kept`` names stay (or are quantised to) float8_e4m3fn with
+    128 x 128 block scales and run block-scaled fp8 GEMMs (``model.linear``); else every weight is widened
+    to ``dtype`` (fp8 ones dequantised)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, fp8: bool = False) -> None:
         check_weights(weights, cfg)
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
         self.dtype = dtype or default_dtype(self.device)
-        self.weights = {k: v.to(device=self.device, dtype=_dtype_of(k, self.dtype)) for k, v in weights.items()}
+        weights = to_fp8(weights) if fp8 else to_dense(weights, self.dtype)
+        self.weights = {k: _place(k, v, self.device, self.dtype) for k, v in weights.items()}
         self.layers = [DSALayer(cfg, self.weights, n) for n in range(cfg.num_layers)]
         # routed experts live stacked in their layers now
         self.weights = {k: v for k, v in self.weights.items() if ".mlp.experts." not in k}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> "DSAModel":
+               dtype: torch.dtype | None = None, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device), device, dtype)
+        return cls(cfg, random_weights(cfg, seed, dtype, device), device, dtype, fp8)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None) -> "DSAModel":
+                        dtype: torch.dtype | None = None, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, load_weights(path, cfg, dtype, device), device, dtype)
+        return cls(cfg, load_weights(path, cfg, dtype, device, fp8=fp8), device, dtype, fp8)
+
+    @property
+    def weights_dtype(self) -> str:
+        """What the linear weights are kept in: "fp8", or the compute dtype ("bf16", "float32")."""
+        return "fp8" if self.fp8 else {torch.bfloat16: "bf16", torch.float32: "float32"}.get(self.dtype, str(self.dtype))
 
     # -- pieces the engine calls -------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -99,13 +114,16 @@ class DSAModel:
 
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               num_layers: int | None = None, precision: str = "fp8") -> DSAModel:
+               num_layers: int | None = None, precision: str = "fp8", weights: str = "bf16") -> DSAModel:
     """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
-    ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype)."""
-    from cpkv.model.config import load_model_config
+    ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype).
+    ``weights``: fp8 (linear weights block-scaled fp8), bf16 (widened to the compute dtype) or auto
+    (``model.config.resolve_weights``)."""
+    from cpkv.model.config import load_model_config, resolve_weights
 
     dtype = dtype or default_dtype(device)
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
+    fp8 = resolve_weights(weights, spec, torch.device(device).type, precision) == "fp8"
     if Path(spec).is_dir():
-        return DSAModel.from_pretrained(spec, cfg, device, dtype)
-    return DSAModel.random(cfg, seed, device, dtype)
+        return DSAModel.from_pretrained(spec, cfg, device, dtype, fp8)
+    return DSAModel.random(cfg, seed, device, dtype, fp8)
