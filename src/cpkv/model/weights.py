@@ -34,8 +34,8 @@ Checkpoints: ``*.safetensors`` files, or the shards a ``model.safetensors.index.
 layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` cut) are not read.
 Block-quantised fp8 weights (a float8 ``.weight`` beside ``.weight_scale_inv``, one float32 scale per
 128 x 128 block): with ``fp8=True`` the linear weights the model runs as block-scaled fp8 GEMMs
-(``fp8_kept``: every ``*proj.weight`` of a layer but ``kv_b_proj``, split into W_UK / W_UV, and the
-indexer's ``weights_proj``, bf16 in the public files) stay fp8 beside their scales, and a dense checkpoint's
+(``fp8_kept``: ``FP8_LINEARS``, every linear weight of a layer but ``kv_b_proj``, split into W_UK / W_UV,
+the indexer's ``weights_proj`` and the router, bf16 in the public files) stay fp8 beside their scales, and a dense checkpoint's
 are quantised to that format (``quant_fp8_blocks``); every other fp8 tensor, and all of them without
 ``fp8``, is **dequantised at load** into the compute dtype.
 ``cpkv.model.checkpoint.check_checkpoint`` validates every file header, name and shape without reading
@@ -55,6 +55,9 @@ from cpkv.model.checkpoint import expected_shapes, layer_shapes  # noqa: F401  (
 Weights = dict[str, torch.Tensor]
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 FP8_BLOCK = 128
+# the linear weights kept fp8 (those the FP8 releases store fp8, but kv_b_proj: W_UK / W_UV are dense)
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+               "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                            "weight_block_size": [128, 128]}  # as GLM-5-FP8 / DeepSeek-V3.2 ship it
 
@@ -99,8 +102,7 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights") -
 
 def fp8_kept(name: str) -> bool:
     """True for the linear weights the model can run as block-scaled fp8 GEMMs (module docstring)."""
-    return (name.startswith("model.layers.") and name.endswith("proj.weight")
-            and not name.endswith(("kv_b_proj.weight", "weights_proj.weight")))
+    return name.startswith("model.layers.") and name.endswith(FP8_LINEARS)
 
 
 def is_fp8(t: torch.Tensor) -> bool:
