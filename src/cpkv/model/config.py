@@ -176,7 +176,9 @@ def fp8_block_checkpoint(spec: str) -> bool:
         q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return False
-    return isinstance(q, dict) and q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+    if not isinstance(q, dict):
+        return False
+    return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
 
 
 def resolve_weights(weights: str, spec: str, device: str, precision: str) -> str:

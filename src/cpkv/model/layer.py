@@ -306,7 +306,8 @@ class DSALayer:
 def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts under ``prefixes``: (gate | up stacked [E, 2I, ...], down [E, ...]) of the tensors named
     ``<prefix>{gate,up,down}_proj.weight<sfx>``."""
-    gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight" + sfx], w[q + "up_proj.weight" + sfx])) for q in prefixes])
+    gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight" + sfx], w[q + "up_proj.weight" + sfx]))
+                           for q in prefixes])
     return gate_up, torch.stack([w[q + "down_proj.weight" + sfx] for q in prefixes])
 
 

@@ -80,7 +80,9 @@ class DSAModel:
     @property
     def weights_dtype(self) -> str:
         """What the linear weights are kept in: "fp8", or the compute dtype ("bf16", "float32")."""
-        return "fp8" if self.fp8 else {torch.bfloat16: "bf16", torch.float32: "float32"}.get(self.dtype, str(self.dtype))
+        if self.fp8:
+            return "fp8"
+        return {torch.bfloat16: "bf16", torch.float32: "float32"}.get(self.dtype, str(self.dtype))
 
     # -- pieces the engine calls -------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,9 @@ layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` 
 Block-quantised fp8 weights (a float8 ``.weight`` beside ``.weight_scale_inv``, one float32 scale per
 128 x 128 block): with ``fp8=True`` the linear weights the model runs as block-scaled fp8 GEMMs
 (``fp8_kept``: ``FP8_LINEARS``, every linear weight of a layer but ``kv_b_proj``, split into W_UK / W_UV,
-the indexer's ``weights_proj`` and the router, bf16 in the public files) stay fp8 beside their scales, and a dense checkpoint's
-are quantised to that format (``quant_fp8_blocks``); every other fp8 tensor, and all of them without
-``fp8``, is **dequantised at load** into the compute dtype.
+the indexer's ``weights_proj`` and the router, bf16 in the public files) stay fp8 beside their scales,
+and a dense checkpoint's are quantised to that format (``quant_fp8_blocks``); every other fp8 tensor,
+and all of them without ``fp8``, is **dequantised at load** into the compute dtype.
 ``cpkv.model.checkpoint.check_checkpoint`` validates every file header, name and shape without reading
 tensor data (the parent process runs it before any rank starts).
 """

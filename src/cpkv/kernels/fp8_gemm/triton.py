@@ -36,7 +36,7 @@ def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stri
     safe = tl.where(scale > 0, scale, 1.0)
     q = tl.clamp(tl.div_rn(x, safe[:, None]), -448.0, 448.0)
     r64 = rows.to(tl.int64)
-    tl.store(Q + r64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty),
+    tl.store(Q + r64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=rmask[:, None] & cmask[None, :])
     tl.store(S + r64 * stride_sm + g * stride_sg, scale, mask=rmask)
 
