@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "indexer": ("cpkv.bench.indexer", "indexer logits and top-k against an fp8 GEMM and torch.topk"),
     "attention": ("cpkv.bench.attention", "sparse MLA attention against a bf16 GEMM"),
     "engine": ("cpkv.bench.engine", "the CP engine's prefill per part"),
+    "moe": ("cpkv.bench.moe", "routed-expert GEMMs: grouped fp8 against the dense block-scaled GEMM and bf16"),
 }
 GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "check": ("correctness checks across real rank processes", CHECKS),
