@@ -66,7 +66,7 @@ def test_block_scaled_linear_equals_float32_reference(m, n, k):
     x = _x(m, k, 3)
     assert scaled_mm_ok(x, w)
     got = fp8_linear(x, w, ws)
-    assert not linear_mod._SCALED_MM_FAILED, "torch._scaled_mm refused the block-scaled layout"
+    assert not linear_mod._SCALED_MM_FAILED, f"torch._scaled_mm refused weight shapes {linear_mod._SCALED_MM_FAILED}"
     qa = quant_act(x)
     want = fp8_linear_quant_ref(qa.q, qa.s, w, ws)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)

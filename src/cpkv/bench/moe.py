@@ -99,11 +99,12 @@ def gemm_row(counts: list[int], n: int, k: int, rounds: int) -> dict:
     from cpkv.kernels.fp8_gemm import triton as kern
 
     w, ws, a, a_s, a_col, offs = _operands(counts, n, k)
+    tiles = kern.tile_ends(offs)  # built once per set of offsets (grouped_swiglu shares it by two GEMMs)
     r = a.shape[0]
     c = torch.empty(r, n, dtype=torch.bfloat16, device="cuda")
     wb, ab = w.to(torch.bfloat16), a.to(torch.bfloat16)
     fns = {
-        "grouped_fp8": lambda: kern.grouped_gemm(a, a_s, offs, w, ws, c),
+        "grouped_fp8": lambda: kern.grouped_gemm(a, a_s, offs, w, ws, c, tiles),
         "dense_fp8": lambda: torch._scaled_mm(a, w[0].t(), scale_a=a_col, scale_b=ws[0].t(), out_dtype=torch.bfloat16),
         "grouped_bf16": lambda: torch._grouped_mm(ab, wb.transpose(1, 2), offs=offs),
         "dense_bf16": lambda: torch.mm(ab, wb[0].t()),

@@ -85,20 +85,22 @@ def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertW
 
 
 def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
-    """``grouped_swiglu`` with fp8 block-scaled experts through the Triton kernels (CUDA): four launches,
-    no host sync; rows at or past offs[-1] come out unspecified."""
+    """``grouped_swiglu`` with fp8 block-scaled experts through the Triton kernels (CUDA): the tile map, the
+    quantisation, gate_up, SwiGLU x routing weight + quantisation, down; no host sync; rows at or past
+    offs[-1] come out unspecified."""
     from cpkv.kernels.fp8_gemm import triton as kern
 
     r, d = xs.shape
     i = ew.down.shape[2]
+    tiles = kern.tile_ends(offs)  # the tile map of both GEMMs
     q, s = _quant_buffers(r, d, xs.device)
     kern.act_quant(xs.contiguous(), q, s)
     gu = torch.empty(r, 2 * i, dtype=xs.dtype, device=xs.device)
-    kern.grouped_gemm(q, s, offs, ew.gate_up, ew.gate_up_scale, gu)
+    kern.grouped_gemm(q, s, offs, ew.gate_up, ew.gate_up_scale, gu, tiles)
     q, s = _quant_buffers(r, i, xs.device)
     kern.swiglu_quant(gu, rw.float().contiguous(), q, s)
     out = torch.empty(r, d, dtype=xs.dtype, device=xs.device)
-    kern.grouped_gemm(q, s, offs, ew.down, ew.down_scale, out)
+    kern.grouped_gemm(q, s, offs, ew.down, ew.down_scale, out, tiles)
     return out
 
 

@@ -11,9 +11,9 @@
 Path: ``torch._scaled_mm`` with DeepSeek block scales (1 x 128 activation groups, 128 x 128 weight blocks;
 cuBLAS, sm90+) when the tensors are on CUDA, the output dtype is bfloat16, K is a multiple of 512 (whole
 128-groups, in the multiple of 4 cuBLAS wants for the scale rows) and N of 16. Elsewhere (CPU, other
-shapes, or a build whose ``_scaled_mm`` refuses the layout, remembered after one try): the reference
-``kernels.fp8_gemm.ref.fp8_linear_ref``, the fp8 weight dequantised per call in float32 and the activation
-not quantised. Neither path reads anything back to the host.
+shapes, or a weight shape this build's ``_scaled_mm`` refused once: remembered, one line on stderr) the
+reference ``kernels.fp8_gemm.ref.fp8_linear_ref``: the fp8 weight dequantised per call in float32, the
+activation not quantised. Neither path reads anything back to the host.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from cpkv.kernels.fp8_gemm.ref import BLOCK, act_dequant_ref, act_quant_ref, dequant_blocks, fp8_linear_ref
 
 FP8 = torch.float8_e4m3fn
-_SCALED_MM_FAILED: set[str] = set()  # device types where torch._scaled_mm refused the block layout once
+_SCALED_MM_FAILED: set[tuple[int, int]] = set()  # weight shapes (N, K) torch._scaled_mm refused once
 
 
 @dataclass
@@ -85,7 +85,7 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when ``torch._scaled_mm``'s block-scaled path takes x [M, K] and w fp8 [N, K] (module docstring)."""
     n, k = w.shape
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == FP8 and k % (4 * BLOCK) == 0 and n % 16 == 0
-            and hasattr(torch, "_scaled_mm") and x.device.type not in _SCALED_MM_FAILED)
+            and hasattr(torch, "_scaled_mm") and (n, k) not in _SCALED_MM_FAILED)
 
 
 def quant_act(x: torch.Tensor) -> QuantAct:
@@ -121,14 +121,15 @@ def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tenso
 
 
 def _scaled_mm(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    if x.q.shape[0] == 0 or x.q.device.type in _SCALED_MM_FAILED:
+    shape = tuple(w.shape)
+    if x.q.shape[0] == 0 or shape in _SCALED_MM_FAILED:
         return fp8_linear_ref(x.dequant(), w, w_scale)
     try:
         return torch._scaled_mm(x.q, w.t(), scale_a=x.s, scale_b=w_scale.t(), out_dtype=x.dtype)
-    except (RuntimeError, NotImplementedError) as exc:  # a build / GPU without the block layout: remember
-        _SCALED_MM_FAILED.add(x.q.device.type)
-        print(f"cpkv: torch._scaled_mm refused the 1x128 / 128x128 block-scaled layout ({exc}); fp8 linear "
-              "layers run dequantised", file=sys.stderr)
+    except (RuntimeError, NotImplementedError) as exc:  # a build / GPU without this block layout: remember
+        _SCALED_MM_FAILED.add(shape)
+        print(f"cpkv: torch._scaled_mm refused the 1x128 / 128x128 block-scaled layout for a weight of shape "
+              f"{list(shape)} ({exc}); that layer runs dequantised", file=sys.stderr)
         return fp8_linear_ref(x.dequant(), w, w_scale)
 
 

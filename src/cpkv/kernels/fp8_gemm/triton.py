@@ -5,15 +5,16 @@
         strides are the caller's (``torch._scaled_mm`` wants them outer-dim-major: strides (1, M))
     swiglu_quant(gu [M, 2I], rw float32 [M] | None, q fp8 [M, I], s float32 [M, ceil(I/128)])
         a = silu(g) * u (* rw), g = gu[:, :I], u = gu[:, I:], quantised as act_quant
-    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)], offs int32 [E], b fp8 [E, N, K],
+    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (row-major), offs int32 [E], b fp8 [E, N, K],
                  b_s float32 [E, ceil(N/128), ceil(K/128)], c bf16 [R, N])
         rows sorted by expert: row i of expert e (offs[e-1] <= i < offs[e]) gets
         c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for every group g of 128 along K.
         Rows at or past offs[-1] are not written.
 
-The grouped GEMM never reads the offsets on the host: it launches cdiv(R, BLOCK_M) + E row tiles (each
-expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles; a program walks the offsets to
-find its expert and tile, and a program past the last expert's tiles returns. Any R (0 included), any
+The grouped GEMM never reads the offsets on the host: it launches cdiv(R, 128) + E row tiles of 128 rows
+(each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles; ``tile_ends`` (three
+small torch ops on the device) counts each expert's tiles cumulatively, a program finds its expert by a
+binary search over those counts, and a program past the last expert's tiles returns. Any R (0 included), any
 expert loads (empty experts included), any K and N (masked). This module imports Triton: only the
 dispatch points import it, after ``cpkv.kernels.platform.use_triton``.
 """
@@ -72,30 +73,33 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
     _store_quant(a, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg)
 
 
-CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-           for bm, bn, w, s in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 3), (128, 64, 4, 4))]
+TILE_M = 128  # rows per tile of the grouped GEMM (its tile map, ``tile_ends``, is built for this size)
+CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+           for bn, w, st in ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 4), (64, 4, 4))]
+
 
 @triton.jit
-def _grouped_gemm(A, AS, OFFS, B, BS, C, E, N, K, stride_a, stride_as, stride_be, stride_bn,
+def _grouped_gemm(A, AS, OFFS, TILE_END, B, BS, C, E, N, K, stride_a, stride_as, stride_be, stride_bn,
                   stride_bse, stride_bsn, stride_c,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_n, pid_m = pid % n_tiles, pid // n_tiles
-    # find this program's expert and row tile by walking the cumulative row ends (no host offsets)
-    expert, row0, row_end = -1, 0, 0
-    tiles, prev = 0, 0
-    for e in range(0, E):
-        end = tl.load(OFFS + e)
-        t = tl.cdiv(end - prev, BLOCK_M)
-        hit = (pid_m >= tiles) & (pid_m < tiles + t)
-        expert = tl.where(hit, e, expert)
-        row0 = tl.where(hit, prev + (pid_m - tiles) * BLOCK_M, row0)
-        row_end = tl.where(hit, end, row_end)
-        tiles += t
-        prev = end
-    if expert >= 0:
-        rows = row0 + tl.arange(0, BLOCK_M)
+    # this program's expert: the first whose cumulative tile count passes pid_m (binary search, device data)
+    lo = pid_m * 0
+    hi = lo + E
+    for _ in tl.static_range(LOG_E):
+        mid = (lo + hi) // 2
+        v = tl.load(TILE_END + mid, mask=mid < E, other=2147483647)
+        right = v <= pid_m
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    expert = lo
+    if expert < E:
+        first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
+        row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
+        row_end = tl.load(OFFS + expert)
+        rows = row_start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < row_end, cols < N
         r64, c64, e64 = rows.to(tl.int64), cols.to(tl.int64), expert.to(tl.int64)
@@ -142,22 +146,30 @@ def swiglu_quant(gu: torch.Tensor, rw: torch.Tensor | None, q: torch.Tensor, s: 
         HAS_RW=rw is not None, BLOCK_M=QUANT_ROWS, num_warps=4)
 
 
+def tile_ends(offs: torch.Tensor) -> torch.Tensor:
+    """offs int32 [E] cumulative row ends -> int32 [E] cumulative TILE_M-row tile counts (on the device)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.cumsum(torch.div(counts + (TILE_M - 1), TILE_M, rounding_mode="floor"), 0, dtype=torch.int32)
+
+
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-                 c: torch.Tensor, config: dict | None = None) -> None:
+                 c: torch.Tensor, tiles: torch.Tensor | None = None, config: dict | None = None) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled product of each expert's rows (module docstring).
-    ``config``: {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} instead of autotuning (the interpreter)."""
+    ``tiles``: ``tile_ends(offs)`` when the caller has it (one per set of offsets); ``config``:
+    {"BLOCK_N", "num_warps", "num_stages"} instead of autotuning (the interpreter)."""
     r, k = a.shape
     e, n, _ = b.shape
     if r == 0 or e == 0:
         return
+    tiles = tile_ends(offs) if tiles is None else tiles
 
     def grid(meta: dict) -> tuple[int]:
-        n_tiles = cdiv(n, meta["BLOCK_N"])
-        return check_grid(flat_grid(n_tiles, cdiv(r, meta["BLOCK_M"]) + e))
+        return check_grid(flat_grid(cdiv(n, meta["BLOCK_N"]), cdiv(r, TILE_M) + e))
 
-    args = (a, a_s, offs, b, b_s, c, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1), b_s.stride(0),
-            b_s.stride(1), c.stride(0))
+    args = (a, a_s, offs, tiles, b, b_s, c, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
+            b_s.stride(0), b_s.stride(1), c.stride(0))
+    meta = {"LOG_E": e.bit_length(), "BLOCK_M": TILE_M}
     if config is None:
-        _grouped_tuned[grid](*args)
+        _grouped_tuned[grid](*args, **meta)
     else:
-        _grouped_gemm[grid](*args, **config)
+        _grouped_gemm[grid](*args, **meta, **config)
