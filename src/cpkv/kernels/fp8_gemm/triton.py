@@ -33,7 +33,7 @@ QUANT_ROWS = 16  # rows per program of the quantisation kernels (one 128-wide gr
 @triton.jit
 def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg):
     amax = tl.max(tl.abs(x), axis=1)
-    scale = amax / 448.0
+    scale = tl.div_rn(amax, 448.0)  # IEEE division, as the reference (a plain / is approximate on the GPU)
     safe = tl.where(scale > 0, scale, 1.0)
     q = tl.clamp(tl.div_rn(x, safe[:, None]), -448.0, 448.0)
     r64 = rows.to(tl.int64)
