@@ -159,7 +159,7 @@ def test_grouped_swiglu_fp8_equals_float32_loop_without_host_sync(load):
 def test_glm5_layers_with_fp8_weights_run_without_a_host_sync():
     """GLM-5's first 4 layers (dense x 3 then MoE) at cp 2 on one GPU, weights quantised to fp8 blocks at load:
     every linear layer on torch._scaled_mm, the routed experts on the grouped Triton kernel, no device->host
-    synchronisation in a batch; the logits stay close to the same run with bf16 weights."""
+    synchronisation in a batch; the logits stay close to the same run with bf16 weights (cosine >= 0.98)."""
     import dataclasses
 
     from cpkv.engine.config import EngineConfig
@@ -174,5 +174,7 @@ def test_glm5_layers_with_fp8_weights_run_without_a_host_sync():
     assert res.stats["weights_dtype"] == "fp8" and ref.stats["weights_dtype"] == "bf16"
     for a, b in zip(res.requests, ref.requests):
         assert bool(torch.isfinite(a.logits).all())
+        # fp8 weights and activations round each GEMM's operands by up to 2^-4: the logits move a few percent
+        cos = float(torch.nn.functional.cosine_similarity(a.logits.double(), b.logits.double(), dim=0))
         top_a, top_b = set(a.logits.topk(10).indices.tolist()), set(b.logits.topk(10).indices.tolist())
-        assert len(top_a & top_b) >= 5, (a.id, top_a, top_b)
+        assert cos >= 0.98 and len(top_a & top_b) >= 3, (a.id, cos, top_a, top_b)
