@@ -238,3 +238,38 @@ def test_run_with_fp8_weights_on_cpu(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["run", "--model", "tiny", "--weights", "int4"])
     assert exc.value.code == 2 and "--weights" in capsys.readouterr().err
+
+
+def _scaled_mm_as_torch_checks_it(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's block-scaled route, emulated: the layout checks of ATen's ScaledBlas.cpp
+    (is_blockwise_1x128_scaling on a, is_blockwise_128x128_scaling on b^T with scale_b^T), then the math."""
+    m, k = a.shape
+    n, g = b.shape[1], -(-k // 128)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(0) == 1  # A row-, B col-major
+    assert scale_a.dtype == torch.float32 and scale_a.shape == (m, g) and scale_a.stride() == (1, m)
+    sb = scale_b.t()
+    assert sb.dtype == torch.float32 and sb.shape == (-(-n // 128), g) and sb.stride() == (g, 1)
+    return (act_dequant_ref(a, scale_a) @ dequant_blocks(b.t(), sb).t()).to(out_dtype)
+
+
+@pytest.mark.parametrize("m", [1, 77, 256])
+def test_scaled_mm_call_meets_the_block_layout_checks(monkeypatch, m):
+    """The ``_scaled_mm`` path run on the CPU with torch's kernel replaced by its checks and math: the
+    operands, strides and scale layouts it passes are the ones the block-scaled route accepts, and the
+    result is the block-scaled product (dense layer and the fused MLP)."""
+    from cpkv.model import linear as lin
+
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_as_torch_checks_it, raising=False)
+    monkeypatch.setattr(lin, "scaled_mm_ok", lambda x, w: x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn)
+    w, s = _fp8(576, 1024, 10)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    got = Linear(w, s)(x)
+    q, xs = act_quant_ref(x)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), fp8_linear_quant_ref(q, xs, w, s), rtol=1e-2,
+                                                          atol=1e-2)
+    gu, gus = _fp8(512, 1024, 12)
+    dn, dns = _fp8(1024, 256, 13)
+    out = lin.swiglu(x, Linear(gu, gus), Linear(dn, dns))
+    g, u = fp8_linear_quant_ref(q, xs, gu, gus).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(g) * u) @ dequant_blocks(dn, dns).t()
+    assert (out.float() - want).abs().max() <= 0.05 * want.abs().max()

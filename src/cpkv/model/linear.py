@@ -100,7 +100,9 @@ def quant_act(x: torch.Tensor) -> QuantAct:
         kern.act_quant(x.contiguous(), q, s)
         return QuantAct(q, s, x.dtype)
     q, s = act_quant_ref(x)
-    return QuantAct(q, s.t().contiguous().t(), x.dtype)
+    s_col = empty_quant(m, k, x.device)[1]
+    s_col.copy_(s)  # strides (1, M) for any M (a (1, G) tensor's .contiguous() would keep strides (G, 1))
+    return QuantAct(q, s_col, x.dtype)
 
 
 def empty_quant(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
