@@ -39,7 +39,7 @@ def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stri
     r64 = rows.to(tl.int64)
     tl.store(Q + r64[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"),
              mask=rmask[:, None] & cmask[None, :])
-    tl.store(S + r64 * stride_sm + g * stride_sg, scale, mask=rmask)
+    tl.store(S + r64 * stride_sm + g.to(tl.int64) * stride_sg, scale, mask=rmask)
 
 
 @triton.jit
