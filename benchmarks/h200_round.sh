@@ -41,8 +41,8 @@ if want compose; then
     step check 250 python3 -m cpkv check compose --device cuda --cp 2 --modes all --batches 3 --json
 fi
 if want fp8; then  # issue 22 item 1: block-scaled fp8 linear / grouped expert GEMM tests, the grouped GEMM's rate
-    step fp8_tests 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm_gpu.py
-    step moe 220 python3 -m cpkv bench moe --json
+    step fp8_tests 390 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm_gpu.py
+    step moe 180 python3 -m cpkv bench moe --json
 fi
 if want fp8_engine; then  # GLM-5 shapes, 4 layers: fp8 vs bf16 weights in one run, TTFT weighted by layer kind
     step engine_fp8 560 python3 -m cpkv bench engine --weights fp8,bf16 --json
