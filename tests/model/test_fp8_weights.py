@@ -67,6 +67,8 @@ def test_activation_quantisation_groups():
     assert (err <= s.repeat_interleave(128, 1)[:, :300] * 448 * 2 ** -4 + 1e-7).all()  # e4m3: 3 mantissa bits
     qa = quant_act(x)  # CPU: the reference, scales laid out outer-dim-major as torch._scaled_mm wants
     assert torch.equal(qa.q.float(), q.float()) and torch.equal(qa.s, s) and qa.s.stride() == (1, 6)
+    dense = torch.randn(5, 300, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(Linear(dense)(qa), torch.nn.functional.linear(x, dense))  # a dense layer reads x itself
 
 
 def test_linear_cat_keeps_whole_blocks():
@@ -173,7 +175,9 @@ def fp8_checkpoint(tmp_path_factory):
 
 
 def _fp8_file(name: str) -> bool:
-    return fp8_kept(name) or name.endswith("kv_b_proj.weight")
+    """Stored fp8 in the test's checkpoint: every fp8_kept weight and kv_b_proj, but the indexer's wk, which
+    this checkpoint keeps dense (a weight the release leaves in bf16 stays dense when loaded)."""
+    return (fp8_kept(name) or name.endswith("kv_b_proj.weight")) and not name.endswith("indexer.wk.weight")
 
 
 def _quantise_files(path, deq) -> None:
@@ -205,9 +209,12 @@ def test_fp8_checkpoint_equals_transformers_on_dequantised_weights(fp8_checkpoin
     path, ref, tokens = fp8_checkpoint
     m = load_model(str(path), precision="exact", weights=weights)
     layer = m.layers[1]  # a MoE layer
-    if weights == "fp8":  # kept fp8: attention, dense MLP, shared and routed experts; kv_b_proj dense
+    if weights == "fp8":  # kept fp8: attention, dense MLP, shared and routed experts; kv_b_proj and wk dense
         assert m.weights_dtype == "fp8"
-        assert all(lin.fp8 for lin in layer.lin.values()) and layer.moe.fp8 and layer.shared[0].fp8
+        full = next(x for x in m.layers if x.full)
+        assert {k for k, lin in full.lin.items() if not lin.fp8} == {"self_attn.indexer.wk"}
+        assert all(lin.fp8 for lin in layer.lin.values())
+        assert layer.moe.fp8 and layer.shared[0].fp8
         assert m.layers[0].mlp[0].fp8 and m.layers[0].mlp[0].weight.shape == (2 * HF["intermediate_size"], 256)
         assert layer.w_uk.dtype == torch.float32
     else:

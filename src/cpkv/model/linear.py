@@ -32,15 +32,17 @@ _SCALED_MM_FAILED: set[tuple[int, int]] = set()  # weight shapes (N, K) torch._s
 @dataclass
 class QuantAct:
     """An activation quantised per token per 1 x 128 group: q fp8 [M, K], s float32 (M, ceil(K/128)) with
-    strides (1, M) (outer-dim-major, as ``torch._scaled_mm`` wants); ``dtype``: the output dtype."""
+    strides (1, M) (outer-dim-major, as ``torch._scaled_mm`` wants); ``dtype``: the output dtype; ``x``: the
+    unquantised input when the caller has it (a dense layer reading the same input takes it)."""
 
     q: torch.Tensor
     s: torch.Tensor
     dtype: torch.dtype = torch.bfloat16
+    x: torch.Tensor | None = None
 
     def dequant(self) -> torch.Tensor:
-        """[M, K] in ``dtype``."""
-        return act_dequant_ref(self.q, self.s).to(self.dtype)
+        """[M, K] in ``dtype``: the input itself when kept, else the dequantised values."""
+        return self.x if self.x is not None else act_dequant_ref(self.q, self.s).to(self.dtype)
 
 
 @dataclass
@@ -98,11 +100,11 @@ def quant_act(x: torch.Tensor) -> QuantAct:
 
         q, s = empty_quant(m, k, x.device)
         kern.act_quant(x.contiguous(), q, s)
-        return QuantAct(q, s, x.dtype)
+        return QuantAct(q, s, x.dtype, x)
     q, s = act_quant_ref(x)
     s_col = empty_quant(m, k, x.device)[1]
     s_col.copy_(s)  # strides (1, M) for any M (a (1, G) tensor's .contiguous() would keep strides (G, 1))
-    return QuantAct(q, s_col, x.dtype)
+    return QuantAct(q, s_col, x.dtype, x)
 
 
 def empty_quant(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,8 +112,9 @@ def is_fp8(t: torch.Tensor) -> bool:
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", fp8: bool = False) -> Weights:
     """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; tensors of other
-    layers not read). ``fp8``: the ``fp8_kept`` linear weights as float8_e4m3fn + ``<name>_scale_inv``
-    (quantised here when the checkpoint has them dense); every other fp8 tensor dequantised."""
+    layers not read). ``fp8``: the ``fp8_kept`` linear weights as float8_e4m3fn + ``<name>_scale_inv``: the
+    ones an fp8 checkpoint stores fp8 (those it keeps dense stay dense), or all of them quantised here when
+    the checkpoint has no fp8 tensor; every other fp8 tensor is dequantised."""
     from safetensors import SafetensorError, safe_open
 
     from cpkv.model.checkpoint import check_checkpoint
@@ -131,8 +132,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{f}: cannot read tensors ({exc})") from None
     out: Weights = {}
+    quantise = not any(is_fp8(t) for t in raw.values())  # a dense checkpoint: quantised at load
     for name in wanted:
-        if fp8 and fp8_kept(name):
+        if fp8 and fp8_kept(name) and (quantise or is_fp8(raw[name])):
             out.update(_fp8_pair(raw, name, device))
         else:
             out[name] = _dequant(raw, name).to(device=device, dtype=dtype, copy=True)
@@ -151,8 +153,11 @@ def _fp8_pair(raw: Weights, name: str, device: torch.device | str) -> Weights:
 
 
 def to_fp8(weights: Weights) -> Weights:
-    """``weights`` with every dense ``fp8_kept`` weight quantised to 128 x 128 blocks (fp8 ones kept)."""
+    """``weights`` with every ``fp8_kept`` weight quantised to 128 x 128 blocks, when none is fp8 yet (a dense
+    checkpoint or random weights); weights already holding fp8 tensors (an fp8 checkpoint) as they are."""
     out = dict(weights)
+    if any(is_fp8(w) for w in weights.values()):
+        return out
     for name, w in weights.items():
         if fp8_kept(name) and not is_fp8(w):
             out[name], out[name + "_scale_inv"] = quant_fp8_blocks(w)
