@@ -214,8 +214,9 @@ def test_fp8_checkpoint_equals_transformers_on_dequantised_weights(fp8_checkpoin
         full = next(x for x in m.layers if x.full)
         assert {k for k, lin in full.lin.items() if not lin.fp8} == {"self_attn.indexer.wk"}
         assert all(lin.fp8 for lin in layer.lin.values())
-        assert layer.moe.fp8 and layer.shared[0].fp8
-        assert m.layers[0].mlp[0].fp8 and m.layers[0].mlp[0].weight.shape == (2 * HF["intermediate_size"], 256)
+        assert layer.moe.fp8 and layer.shared_mlp[0].fp8
+        gate_up = m.layers[0].dense_mlp[0]
+        assert gate_up.fp8 and gate_up.weight.shape == (2 * HF["intermediate_size"], 256)
         assert layer.w_uk.dtype == torch.float32
     else:
         assert m.weights_dtype == "float32" and not layer.moe.fp8

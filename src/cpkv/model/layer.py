@@ -104,8 +104,8 @@ class DSALayer:
         sparse = cfg.mlp_layer_types[n] == "sparse"
         self.moe = self._stack_experts() if sparse else None
         # (gate_up, down) of the dense MLP / the shared experts
-        self.mlp = self._swiglu(weights, "mlp.") if not sparse else None
-        self.shared = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
+        self.dense_mlp = self._swiglu(weights, "mlp.") if not sparse else None
+        self.shared_mlp = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
         self.stats = {"dense": 0, "sparse": 0}
 
     def _linear(self, name: str) -> Linear:
@@ -295,11 +295,11 @@ class DSALayer:
         w = self.w
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         if self.moe is None:
-            return swiglu(x, *self.mlp)
+            return swiglu(x, *self.dense_mlp)
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
         out = experts(x, idx, weights, self.moe)
-        if self.shared is not None:
-            out = out + swiglu(x, *self.shared)
+        if self.shared_mlp is not None:
+            out = out + swiglu(x, *self.shared_mlp)
         return out
 
 

@@ -55,7 +55,7 @@ class DSAModel:
     to ``dtype`` (fp8 ones dequantised)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, fp8: bool = False) -> None:
+                 dtype: torch.dtype | None = None, *, fp8: bool = False) -> None:
         check_weights(weights, cfg)
         self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
         self.dtype = dtype or default_dtype(self.device)
@@ -67,15 +67,15 @@ class DSAModel:
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None, fp8: bool = False) -> "DSAModel":
+               dtype: torch.dtype | None = None, *, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device), device, dtype, fp8)
+        return cls(cfg, random_weights(cfg, seed, dtype, device), device, dtype, fp8=fp8)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None, fp8: bool = False) -> "DSAModel":
+                        dtype: torch.dtype | None = None, *, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, load_weights(path, cfg, dtype, device, fp8=fp8), device, dtype, fp8)
+        return cls(cfg, load_weights(path, cfg, dtype, device, fp8=fp8), device, dtype, fp8=fp8)
 
     @property
     def weights_dtype(self) -> str:
@@ -127,5 +127,5 @@ def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", 
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
     fp8 = resolve_weights(weights, spec, torch.device(device).type, precision) == "fp8"
     if Path(spec).is_dir():
-        return DSAModel.from_pretrained(spec, cfg, device, dtype, fp8)
-    return DSAModel.random(cfg, seed, device, dtype, fp8)
+        return DSAModel.from_pretrained(spec, cfg, device, dtype, fp8=fp8)
+    return DSAModel.random(cfg, seed, device, dtype, fp8=fp8)

@@ -110,7 +110,7 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", fp8: bool = False) -> Weights:
+                 device: torch.device | str = "cpu", *, fp8: bool = False) -> Weights:
     """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; tensors of other
     layers not read). ``fp8``: the ``fp8_kept`` linear weights as float8_e4m3fn + ``<name>_scale_inv``: the
     ones an fp8 checkpoint stores fp8 (those it keeps dense stay dense), or all of them quantised here when
