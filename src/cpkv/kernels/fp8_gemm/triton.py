@@ -74,8 +74,11 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
 
 
 TILE_M = 128  # rows per tile of the grouped GEMM (its tile map, ``tile_ends``, is built for this size)
+# autotuned per (N, K) on first use (the engine's untimed warm-up pass); shared memory per stage:
+# (128 + BLOCK_N) x 128 B of fp8 operands, within the H200's 227 KB up to 5 stages at BLOCK_N 128
 CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-           for bn, w, st in ((128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 4), (64, 4, 4))]
+           for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128, 4, 4),
+                             (64, 4, 4))]
 
 
 @triton.jit
