@@ -3,7 +3,7 @@
 # time spends it measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call
 # (at most 10 minutes); run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|attention|compose ...
+#     bash benchmarks/h200_round.sh tests|engine|attention|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers (an ignored folder) and carry it;
 # it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -22,7 +22,8 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt, exit status a
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 if want tests; then
     step tests 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_gpu.py tests/model/test_model_fused.py \
-        tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py
+        tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py \
+        --ignore=tests/kernels/test_fp8_gemm_gpu.py  # group fp8 runs it
 fi
 if want engine; then
     step engine 420 python3 -m cpkv bench engine --json --host-load
@@ -38,4 +39,11 @@ fi
 if want compose; then
     step compose 300 python3 -m cpkv bench compose --device cuda --cp 2 --json
     step check 250 python3 -m cpkv check compose --device cuda --cp 2 --modes all --batches 3 --json
+fi
+if want fp8; then  # issue 22 item 1: block-scaled fp8 linear / grouped expert GEMM tests, the grouped GEMM's rate
+    step fp8_tests 390 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm_gpu.py
+    step moe 180 python3 -m cpkv bench moe --json
+fi
+if want fp8_engine; then  # GLM-5 shapes, 4 layers: fp8 vs bf16 weights in one run, TTFT weighted by layer kind
+    step engine_fp8 560 python3 -m cpkv bench engine --weights fp8,bf16 --json
 fi

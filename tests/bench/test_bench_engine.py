@@ -14,6 +14,9 @@ from cpkv.bench.breakdown import PARTS, busy_us, classify, parts
     ("mqa_logits_gluon_kernel", "indexer_logits"), ("topk_stream_kernel", "topk"),
     ("_sparse_mla_ws", "attention"), ("_sparse_mla_fwd", "attention"),
     ("_page_gather_pair", "compose"), ("_barrier", "compose"), ("_dequant", "quant"), ("_quant", "quant"),
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"), ("_grouped_gemm", "gemm"),
+    ("_act_quant", "quant"), ("_swiglu_quant", "quant"),
+    ("void at::native::unrolled_elementwise_kernel<c10::Float8_e4m3fn>", "quant"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<OpaqueType<4u>>", "elementwise"),
 ])
@@ -59,3 +62,32 @@ def test_idle_gaps_from_the_batch_start():
 
     k = [("a", 2000, 3000), ("b", 2500, 4000), ("c", 4100, 5000), ("d", 9000, 9500)]
     assert idle_gaps(k) == [(5.0, 4.0), (0.0, 2.0), (4.0, 0.1)]
+
+
+def test_ttft_weights_dense_and_moe_layers_by_their_own_times():
+    """4 layers measured (3 dense + 1 MoE) = 1.0 s, the 3 dense layers alone = 0.6 s: per dense layer 0.2 s,
+    per MoE layer 0.4 s; a 78-layer model with 3 dense layers -> 3 x 0.2 + 75 x 0.4 = 30.6 s (scaling the
+    4 layers by 78 / 4 would say 19.5 s)."""
+    from cpkv.bench.engine import ttft
+
+    rows = {"cold": {"prompt": 32768, "batch_s": 1.0},
+            "long": {"prompt": 65536, "chunk_s": [1.0, 2.0]}}
+    dense = {"cold": {"prompt": 32768, "batch_s": 0.6}, "long": {"prompt": 65536, "chunk_s": [0.6, 1.0]}}
+    t = ttft(rows, 4, 78, dense, (3, 3))
+    assert t["32768"] == pytest.approx(30.6) and t["per_layer_s"] == {"dense": 0.2, "moe": 0.4, "dense_layers": 3,
+                                                                       "moe_layers": 75}
+    assert t["65536"] == pytest.approx(30.6 + (1.0 / 3 * 3 + 1.0 * 75))
+    assert ttft(rows, 4, 78)["32768"] == pytest.approx(19.5)
+
+
+def test_weights_modes_and_dense_split():
+    from cpkv.bench.engine import dense_split, weights_modes
+    from cpkv.errors import ConfigError
+    from cpkv.model.config import load_model_config
+
+    assert weights_modes("fp8,bf16") == ["fp8", "bf16"] and weights_modes("auto") == ["auto"]
+    for bad in ("fp4", "fp8,fp8", ""):
+        with pytest.raises(ConfigError, match="--weights"):
+            weights_modes(bad)
+    assert dense_split(load_model_config("glm5", 4)) == 3
+    assert dense_split(load_model_config("glm5", 3)) is None and dense_split(load_model_config("tiny", 1)) is None

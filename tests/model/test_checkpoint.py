@@ -95,7 +95,7 @@ def test_fp8_block_scaled_weights_dequantised_at_load(tmp_path, weights):
     q, s = quant_fp8_blocks(weights[name])
     assert s.shape == (1, 1)
     want = q.float() * s  # one 128 x 128 block covers the whole [64, 128] weight
-    assert torch.equal(m.layers[1].moe[0][3, 64:], want)  # gate_up stacks gate then up
+    assert torch.equal(m.layers[1].moe.gate_up[3, 64:], want)  # gate_up stacks gate then up
     assert (want - weights[name]).abs().max() <= 0.07 * weights[name].abs().max()
 
 

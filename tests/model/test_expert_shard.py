@@ -58,8 +58,8 @@ def test_a_rank_model_stacks_its_block_and_refuses_to_run_alone():
     for a, b in zip(full.layers, part.layers):
         assert (a.moe is None) == (b.moe is None)
         if a.moe is not None:
-            assert b.moe[0].shape[0] == 2
-            assert torch.equal(b.moe[0], a.moe[0][4:6]) and torch.equal(b.moe[1], a.moe[1][4:6])
+            assert b.moe.gate_up.shape[0] == 2
+            assert torch.equal(b.moe.gate_up, a.moe.gate_up[4:6]) and torch.equal(b.moe.down, a.moe.down[4:6])
     with pytest.raises(ValueError, match="holds routed experts 4..5 of 24: its MoE needs the expert-parallel exchange"):
         part.reference_prefill([1, 2, 3])
 
@@ -93,4 +93,4 @@ def test_a_checkpoint_rank_reads_only_its_experts(tmp_path, monkeypatch):
     held = (None, *range(18, 24))
     assert {routed_expert(n) for n in read} == set(held)
     assert len(read) == sum(1 for n in expected_shapes(cfg) if routed_expert(n) in held)
-    assert torch.equal(m.layers[1].moe[1][0], weights["model.layers.1.mlp.experts.18.down_proj.weight"])
+    assert torch.equal(m.layers[1].moe.down[0], weights["model.layers.1.mlp.experts.18.down_proj.weight"])

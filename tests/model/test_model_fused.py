@@ -134,7 +134,7 @@ def _experts(layer: DSALayer) -> dict[str, torch.Tensor]:
     """The routed experts a built layer stacked (and dropped from the weights), as per-expert weights again."""
     if layer.moe is None:
         return {}
-    gate_up, down = layer.moe
+    gate_up, down = layer.moe.gate_up, layer.moe.down
     i, p = gate_up.shape[1] // 2, f"model.layers.{layer.n}.mlp.experts."
     out = {}
     for e in range(gate_up.shape[0]):

@@ -6,6 +6,7 @@
     attention.py                  ``cpkv bench attention``: sparse MLA against the bf16 GEMM
     engine.py                     ``cpkv bench engine``: prefill tokens/s through the whole CP engine
     serve.py / serve_report.py / serve_cmd.py   ``cpkv bench serve``: HTTP load generator, report, cost calibration
+    moe.py                        ``cpkv bench moe``: grouped fp8 expert GEMM vs the dense block-scaled GEMM
     timing.py                     shared timing and ceiling helpers (CUDA-event medians, GEMM rates)
 
 Each command module exposes ``HELP``, ``add_arguments(parser)`` and ``run(args)`` (see ``cpkv.cli``).

@@ -4,8 +4,10 @@
     kernels: [(name, start us, end us)] of one or more batches (``RankEngine`` with ``cfg.profile``)
 
 Parts are read off kernel names (cuBLAS/CUTLASS GEMMs, the Triton/Gluon kernels by function name, torch's
-own kernels as elementwise); ``quant`` holds the token-KV quant/dequant kernels and every torch kernel
-converting to or from fp8 (the indexer's key and query quantisation run as torch elementwise ops).
+own kernels as elementwise; block-scaled fp8 GEMMs, cuBLAS's e4m3 ones and the grouped Triton kernel, are
+GEMMs); ``quant`` holds the token-KV quant/dequant kernels, the fp8 linear layers' activation quantisation
+(``_act_quant``, ``_swiglu_quant``) and every torch kernel converting to or from fp8 (the indexer's key and
+query quantisation run as torch elementwise ops).
 ``host_gap`` = wall time - GPU busy time (the union of kernel intervals): time the GPU waited for the host.
 Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
 than the busy time. No torch import.
@@ -27,8 +29,8 @@ _RULES = (  # first match wins
     ("topk", re.compile(r"topk")),
     ("attention", re.compile(r"sparse_mla")),
     ("compose", re.compile(r"page_gather|_barrier")),
-    ("quant", re.compile(r"^_?(de)?quant\b|float8|fp8|e4m3", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk", re.I)),  # fp8 GEMMs (e4m3 names) too
+    ("quant", re.compile(r"^_?(de)?quant\b|_act_quant|_swiglu_quant|float8|fp8|e4m3", re.I)),
 )
 
 

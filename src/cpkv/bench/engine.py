@@ -9,9 +9,13 @@ as ``cpkv run`` chunks it; its batches add up). In one set of rank processes the
 torch's profiler (CUDA kernel activity), whose kernels give each case's breakdown by part
 (``cpkv.bench.breakdown``) against the median timed wall time. Ceiling, measured in the same run: the bf16
 GEMM rate of this GPU; the ratio is the model FLOPs of a case / its time against it. TTFT of 32K / 64K /
-128K prompts through every layer of the model is the measured time per layer times the model's layer count
-(extrapolated when fewer layers ran, and from the measured layers' mix of kinds; 64K is the long prompt's
-first two chunks). ``--host-load [N]`` then repeats the timed runs in fresh rank processes with N busy-loop
+128K prompts through every layer of the model (64K is the long prompt's first two chunks): when the measured
+layers hold both dense and MoE layers, the cold and long prompts also run through the dense layers alone,
+and the model's dense and MoE layers are each weighted by their own measured time (per dense layer: the
+dense-only time / its layers, which carries the batch's fixed cost; per MoE layer: the difference / the MoE
+layers measured); else the measured time is scaled by the layer count. ``--weights fp8,bf16`` runs the whole
+measurement with each kind of linear weights in the same rank processes (fp8: block-scaled GEMMs, the
+presets' weights quantised at load) and reports each case's speed-up of fp8 over bf16. ``--host-load [N]`` then repeats the timed runs in fresh rank processes with N busy-loop
 processes holding the host's cores (``cpkv.bench.host_load``) and reports each case's slowdown: a forward
 pass bound by the host shows it at once.
 """
@@ -40,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
+    p.add_argument("--weights", default="auto", metavar="W[,W]",
+                   help="linear weights, comma-separated to compare in one run: fp8, bf16, auto (default auto)")
     p.add_argument("--host-load", type=positive_int, nargs="?", const=-1, default=0, metavar="N",
                    help="then run the timed runs again with N busy-loop processes on the host (no N: one per "
                         "core) and report each case's slowdown under that load")
@@ -50,19 +56,76 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import require_cuda
     from cpkv.engine.engine import run_jobs
 
-    cfg, cfg_m, full_layers, trace = _setup(args)
+    cfg, cfg_m, cfg_full, trace = _setup(args)
+    modes = weights_modes(args.weights)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
-    jobs = _timed_jobs(cfg, trace, args.runs)
-    if not args.no_profile:
-        jobs.append((_replace(cfg, profile=True), trace))
+    dense = dense_split(cfg_m)
+    slices, jobs = [], []
+    for mode in modes:  # every mode's jobs in one set of rank processes, one model in memory at a time
+        sl = {}
+        for key, js in _mode_jobs(args, _replace(cfg, weights=mode), trace, dense).items():
+            sl[key] = slice(len(jobs), len(jobs) + len(js))
+            jobs += js
+        slices.append(sl)
     results = run_jobs(jobs, timeout_s=590)
-    timed, prof = results[: args.runs], (None if args.no_profile else results[-1])
-    report = _report(args, cfg_m, full_layers, ceiling, timed, prof)
+    reports = []
+    for sl in slices:
+        got = {k: results[s] for k, s in sl.items()}
+        reports.append(_report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
+                               got.get("dense"), dense))
+    report = reports[0]
+    if len(reports) > 1:
+        report["other_weights"] = reports[1:]
+        report["speedup"] = speedups(reports)
     if args.host_load:
-        report["host_load"] = _loaded(args, cfg, cfg_m, trace, ceiling, report)
+        report["host_load"] = _loaded(args, _replace(cfg, weights=modes[0]), cfg_m, trace, ceiling, report)
     _print(report, args.json)
     return 0
+
+
+def weights_modes(spec: str) -> list[str]:
+    """``--weights`` -> the modes to run, in order (ConfigError naming the flag on a bad value)."""
+    from cpkv.errors import ConfigError
+    from cpkv.model.config import WEIGHTS_MODES
+
+    modes = [m for m in spec.split(",") if m]
+    if not modes or any(m not in WEIGHTS_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ConfigError(f"--weights: expected distinct values of {', '.join(WEIGHTS_MODES)}, comma-separated; "
+                          f"got {spec!r}")
+    return modes
+
+
+def dense_split(cfg_m) -> int | None:
+    """The number of leading dense layers when the measured layers hold dense and MoE layers, else None."""
+    kinds = cfg_m.mlp_layer_types
+    d = kinds.index("sparse") if "sparse" in kinds else len(kinds)
+    return d if 0 < d < len(kinds) and "dense" not in kinds[d:] else None
+
+
+def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
+    """One weights mode's jobs: timed runs, the profiled run, timed runs through the dense layers alone."""
+    jobs = {"timed": _timed_jobs(cfg, trace, args.runs)}
+    if not args.no_profile:
+        jobs["prof"] = [(_replace(cfg, profile=True), trace)]
+    if dense:
+        fresh = [r for r in trace if r.id in ("cold", "long")]
+        jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)
+    return jobs
+
+
+def speedups(reports: list[dict]) -> dict:
+    """Each case's batch time and TTFT under the other weights / under the first (> 1: the first is faster)."""
+    first, out = reports[0], {}
+    for other in reports[1:]:
+        key = f"{first['weights_dtype']}_over_{other['weights_dtype']}"
+        a = {r["case"]: r["batch_s"] for r in first["cases"]}
+        b = {r["case"]: r["batch_s"] for r in other["cases"]}
+        row = {case: round(b[case] / a[case], 4) for case in a if case in b}
+        row.update({f"ttft_{k}": round(other["ttft_s"][k] / first["ttft_s"][k], 4)
+                    for k in first["ttft_s"] if k.isdigit() and k in other["ttft_s"]})
+        out[key] = row
+    return out
 
 
 def _loaded(args, cfg, cfg_m, trace, ceiling: float, report: dict) -> dict:
@@ -118,7 +181,7 @@ def _setup(args: argparse.Namespace):
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
                        page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1)
-    return cfg, cfg_m, load_model_config(args.model).num_layers, trace
+    return cfg, cfg_m, load_model_config(args.model), trace
 
 
 def bench_trace(prompt: int, prefix: int, long: int = 0):
@@ -164,44 +227,105 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None) -> dict 
     return row
 
 
-def ttft(rows: dict, layers: int, full_layers: int) -> dict:
-    """TTFT of 32K / 64K / 128K prompts through ``full_layers`` layers, from the cold and long cases."""
-    scale = full_layers / layers
+def ttft(rows: dict, layers: int, full_layers: int, dense_rows: dict | None = None,
+         split: tuple[int, int] | None = None) -> dict:
+    """TTFT of 32K / 64K / 128K prompts through ``full_layers`` layers, from the cold and long cases.
+
+    ``dense_rows`` (the same cases through the first ``split[0]`` layers, all dense, alone) and ``split`` =
+    (dense layers measured alone, dense layers of the full model): each kind of layer weighted by its own
+    measured time (module docstring); without them the measured time is scaled by the layer count."""
     out = {"layers_measured": layers, "layers": full_layers, "extrapolated": layers != full_layers}
-    if "cold" in rows:
-        out[str(rows["cold"]["prompt"])] = round(rows["cold"]["batch_s"] * scale, 3)
-    if "long" in rows:
+    weighted = dense_rows is not None and split is not None
+
+    def total(case: str, k: int | None) -> float:
+        t = _secs(rows[case], k)
+        if not weighted:
+            return t * full_layers / layers
+        (d, full_d), t_d = split, _secs(dense_rows[case], k)
+        return t_d / d * full_d + max(t - t_d, 0.0) / (layers - d) * (full_layers - full_d)
+
+    if weighted:
+        d, full_d = split
+        out["weighting"] = (f"dense and MoE layers by their own measured times ({d} dense layer{'s' * (d != 1)} "
+                            "also run alone)")
+        if "cold" in rows and "cold" in dense_rows:
+            t, t_d = rows["cold"]["batch_s"], dense_rows["cold"]["batch_s"]
+            out["per_layer_s"] = {"dense": round(t_d / d, 5), "moe": round(max(t - t_d, 0.0) / (layers - d), 5),
+                                  "dense_layers": full_d, "moe_layers": full_layers - full_d}
+    else:
+        out["weighting"] = "measured layers scaled by the layer count"
+    have = (lambda case: case in rows and (not weighted or case in dense_rows))
+    if have("cold"):
+        out[str(rows["cold"]["prompt"])] = round(total("cold", None), 3)
+    if have("long"):
         c = rows["long"]["chunk_s"]
         per_chunk = rows["long"]["prompt"] // len(c)
         for n in range(2, len(c) + 1, 2):
-            out[str(n * per_chunk)] = round(sum(c[:n]) * scale, 3)
+            out[str(n * per_chunk)] = round(sum(total("long", k) for k in range(n)), 3)
     return out
 
 
-def _report(args, cfg_m, full_layers: int, ceiling: float, timed, prof) -> dict:
+def _secs(row: dict, chunk: int | None) -> float:
+    """A case's median batch time, or one chunk's."""
+    return row["batch_s"] if chunk is None else row["chunk_s"][chunk]
+
+
+def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None, dense: int | None = None) -> dict:
     import torch
+
+    from cpkv.model.config import load_model_config
 
     rows = {}
     for name, rid in CASES:
         row = case_row(name, timed, rid, cfg_m, ceiling, prof)
         if row is not None:
             rows[name] = row
+    dense_rows, split = None, None
+    if dense_runs and dense:
+        cfg_d = load_model_config(args.model, dense)
+        dense_rows = {name: r for name, rid in CASES
+                      if (r := case_row(name, dense_runs, rid, cfg_d, ceiling)) is not None}
+        split = (dense, cfg_full.mlp_layer_types.count("dense"))
+    full_layers = cfg_full.num_layers
     st = timed[0].stats
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     return {"model": cfg_m.name, "layers": args.layers, "indexer_layers": list(cfg_m.full_layers),
             "moe_layers": cfg_m.mlp_layer_types.count("sparse"), "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
-            "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers),
+            "weights_dtype": st.get("weights_dtype"),
+            "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
 
 
 def _print(rep: dict, as_json: bool) -> None:
-    from cpkv.cli.fmt import emit_json, table
-    from cpkv.bench.breakdown import LABELS, PARTS
+    from cpkv.cli.fmt import emit_json
 
     if as_json:
         emit_json(rep)
         return
+    for r in [rep] + rep.get("other_weights", []):
+        if "other_weights" in rep:
+            print(f"\n== {r['weights_dtype']} weights")
+        _print_mode(r)
+    for key, row in rep.get("speedup", {}).items():
+        a, b = key.split("_over_")
+        print(f"\n{a} weights over {b} (time with {b} / time with {a}): "
+              + ", ".join(f"{k.replace('ttft_', 'TTFT ')} {v:.2f}x" for k, v in row.items()))
+    load = rep.get("host_load")
+    if load:
+        print(f"\nwith {load['procs']} busy-loop processes on the host: "
+              + ", ".join(f"{c['case']} {c['loaded_s']} s ({c['slowdown']:+.1%}, {c['ratio_to_gemm']:.1%} of GEMM)"
+                          for c in load["cases"]))
+    print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
+          f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
+          f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
+
+
+def _print_mode(rep: dict) -> None:
+    """One weights mode's tables and TTFT line."""
+    from cpkv.cli.fmt import table
+    from cpkv.bench.breakdown import LABELS, PARTS
+
     rows = rep["cases"]
     table(("case", "prompt", "cached", "batches", "batch s", "runs s", "prompt tok/s", "TFLOP/s", "of GEMM", "spread"),
           [(r["case"], r["prompt"], r["cached"], r["batches"], r["batch_s"], " ".join(map(str, r["batch_s_runs"])),
@@ -217,16 +341,11 @@ def _print(rep: dict, as_json: bool) -> None:
     t = rep["ttft_s"]
     sizes = [k for k in t if k.isdigit()]
     how = f"extrapolated from {t['layers_measured']} layers" if t["extrapolated"] else "measured"
-    print(f"\nTTFT through {t['layers']} layers on this device ({how}): "
+    per = t.get("per_layer_s")
+    weighting = (f"; per layer: dense {per['dense'] * 1e3:.1f} ms x {per['dense_layers']}, MoE {per['moe'] * 1e3:.1f} ms "
+                 f"x {per['moe_layers']}" if per else "")
+    print(f"\nTTFT through {t['layers']} layers on this device ({how}, {t['weighting']}{weighting}): "
           + ", ".join(f"{int(k) / 1024:g}K {t[k]} s" for k in sizes))
-    load = rep.get("host_load")
-    if load:
-        print(f"\nwith {load['procs']} busy-loop processes on the host: "
-              + ", ".join(f"{c['case']} {c['loaded_s']} s ({c['slowdown']:+.1%}, {c['ratio_to_gemm']:.1%} of GEMM)"
-                          for c in load["cases"]))
-    print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
-          f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
-          f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
 
 
 def prefill_flops(cfg, prefix: int, extend: int) -> float:

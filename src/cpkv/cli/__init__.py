@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "attention": ("cpkv.bench.attention", "sparse MLA attention against a bf16 GEMM"),
     "engine": ("cpkv.bench.engine", "the CP engine's prefill per part"),
     "serve": ("cpkv.bench.serve_cmd", "HTTP load generator for cpkv serve: TTFT percentiles, replay prediction"),
+    "moe": ("cpkv.bench.moe", "routed-expert GEMMs: grouped fp8 against the dense block-scaled GEMM and bf16"),
 }
 GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "check": ("correctness checks across real rank processes", CHECKS),

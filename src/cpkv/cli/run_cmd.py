@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are ended")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
                    help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--weights", choices=("auto", "fp8", "bf16"), default="auto",
+                   help="linear weights: fp8 (kept / quantised to 128x128 block-scaled fp8, block-scaled GEMMs), bf16 "
+                        "(widened to the compute dtype), auto (default: fp8 for an fp8 checkpoint on CUDA at fp8 "
+                        "precision, else bf16)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id)")
     p.add_argument("--allow-rejected", action="store_true",
@@ -80,7 +84,7 @@ def engine_config(args: argparse.Namespace, cp: int):
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
-                        warmup=args.device == "cuda" if args.warmup is None else args.warmup)
+                        weights=args.weights, warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 
 def load_requests(args: argparse.Namespace, vocab_size: int):
@@ -184,7 +188,7 @@ def emit(result, report, args, trace, times, ok) -> None:
     cfg = result.cfg
     emit_json({"ok": ok, "cp": cfg.cp, "experts_per_rank": result.stats.get("experts_per_rank"),
                "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
-               "mode": result.summary["mode"],
+               "weights_dtype": result.summary["weights_dtype"], "mode": result.summary["mode"],
                "policy": cfg.policy, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
                "pages_per_rank": cfg.pages_per_rank, "allow_rejected": args.allow_rejected,
                "trace": {"file": args.trace, "requests": len(trace)},
@@ -199,8 +203,9 @@ def show(result, report, args, times) -> None:
     rows += [(x["id"], x["prompt_len"], "-", "rejected", _clip(x["reason"])) for x in result.rejected]
     table(("id", "prompt", "cached", "ttft", "first token"), rows)
     s, cfg = result.summary, result.cfg
-    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model} ({cfg.precision}): "
-          f"{s['batches']} batches, {len(result.requests)} requests done, {len(result.rejected)} rejected")
+    print(f"\ncp {cfg.cp} ({cfg.device}, mode {s['mode']}, policy {cfg.policy}), model {cfg.model} ({cfg.precision}, "
+          f"{s['weights_dtype']} weights): {s['batches']} batches, {len(result.requests)} requests done, "
+          f"{len(result.rejected)} rejected")
     print(f"wall {s['wall_s']:.3f} s in rank 0's batch loop, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit "
           f"ratio {s['cache_hit_ratio']:.3f}; the command took {times['command_s']:.1f} s ({times['ranks_s']:.1f} s "
           f"with rank processes: start-up, model load, warm-up and batches; {times['verify_s']:.1f} s verification)")

@@ -93,6 +93,12 @@ class EngineConfig:
                               COMPUTE_DTYPES[self.device])
 
     @property
+    def weights_dtype(self) -> str:
+        """``weights`` resolved: "fp8" (linear weights kept block-scaled fp8) or "bf16" (the compute dtype)."""
+        from cpkv.model.config import resolve_weights
+        return resolve_weights(self.weights, self.model, self.device, self.precision)
+
+    @property
     def cp_config(self) -> CPConfig:
         return CPConfig(self.cp, self.page_size, self.strategy)
 

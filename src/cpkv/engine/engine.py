@@ -65,6 +65,7 @@ class RunResult:
             "batches": self.stats.get("batches", 0),
             "rejected": len(self.rejected),
             "mode": self.stats.get("mode"),
+            "weights_dtype": self.stats.get("weights_dtype"),
             "attention_calls": self.stats.get("attention"),
         }
 
@@ -157,7 +158,7 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_
     cfg = result.cfg
     device = "cuda" if cfg.device == "cuda" else "cpu"
     model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers,
-                                precision=cfg.precision)
+                                precision=cfg.precision, weights=cfg.weights_dtype)
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
     atol, rtol = TOLERANCE[device]
     equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol

@@ -231,6 +231,7 @@ class RankEngine:
             "mode": self.rt.effective_mode(), "peer_memory": self.rt.mem.kind,
             "barrier": type(self.rt.barrier).__name__ if self.rt.barrier is not None else None,
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
+            "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "experts": self._experts_held(),
         }
@@ -250,11 +251,13 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace in jobs:
-        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision)
+        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision, cfg.weights_dtype)
         if key not in models:  # cp > 1: this rank's block of the routed experts only (expert parallelism)
+            models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
+            model = None
             ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
             models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                                     precision=cfg.precision, ep=ep)
+                                     precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)

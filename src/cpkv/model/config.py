@@ -173,3 +173,29 @@ def with_precision(cfg: ModelConfig, precision: str, compute_dtype: str) -> Mode
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return dataclasses.replace(cfg, kv_dtype="fp8" if precision == "fp8" else compute_dtype)
+WEIGHTS_MODES = ("auto", "fp8", "bf16")
+
+
+def fp8_block_checkpoint(spec: str) -> bool:
+    """True when ``spec`` is a checkpoint directory whose config.json declares DeepSeek's fp8 block format
+    (``quantization_config``: quant_method fp8, weight_block_size [128, 128]); False for a preset."""
+    if spec in PRESETS:
+        return False
+    try:
+        q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(q, dict):
+        return False
+    return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+
+
+def resolve_weights(weights: str, spec: str, device: str, precision: str) -> str:
+    """``--weights`` -> "fp8" (linear weights kept block-scaled fp8) or "bf16" (widened to the compute dtype).
+    ``auto``: fp8 for an fp8 block checkpoint on CUDA at fp8 precision, else bf16; fp8 / bf16 as asked (fp8 on
+    CPU runs the dequantising reference path)."""
+    if weights not in WEIGHTS_MODES:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+    if weights != "auto":
+        return weights
+    return "fp8" if device == "cuda" and precision == "fp8" and fp8_block_checkpoint(spec) else "bf16"

@@ -1,14 +1,19 @@
 """A rank's routed experts over rows already sorted by expert: the compute half of a MoE layer.
 
-    ExpertWeights: gate_up [E, 2I, D], down [E, D, I] (the rank's E local experts, stacked; compute dtype)
+    ExpertWeights: gate_up [E, 2I, D], down [E, D, I] (the rank's E local experts, stacked): the compute
+        dtype, or float8_e4m3fn with 128 x 128 block scales gate_up_scale float32 [E, 2I/128, ceil(D/128)]
+        and down_scale float32 [E, ceil(D/128), ceil(I/128)] (I a multiple of 128: gate and up blocks whole)
     grouped_swiglu(xs [N, D], offs int32 [E], rw float32 [N], ew) -> [N, D] (xs' dtype)
         row i belongs to local expert e when offs[e-1] <= i < offs[e] (offs: cumulative row ends, on the
         device: no host sync); out[i] = rw[i] * down_e(silu(gate_e xs[i]) * up_e xs[i]). Rows at or past
         offs[-1] are padding: their output is unspecified (callers ignore them).
 
 Routing, the sort by expert and (expert parallelism) moving rows between ranks live in ``cpkv.model.moe``;
-this module only multiplies. ``torch._grouped_mm`` where the dtype and strides allow it, else one expert
-at a time (``grouped_swiglu_loop``, also the reference in tests).
+this module only multiplies. Dense weights: ``torch._grouped_mm`` where the dtype and strides allow it, else
+one expert at a time (``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
+Triton: the block-scaled grouped GEMM of ``kernels/fp8_gemm`` (rows quantised per 1 x 128 group, gate_up
+GEMM, SiLU x up x routing weight quantised again in one kernel, down GEMM; offsets stay on the device);
+elsewhere the loop over dequantised experts.
 """
 from __future__ import annotations
 
@@ -20,21 +25,37 @@ import torch.nn.functional as F
 
 @dataclass
 class ExpertWeights:
-    """The local experts of one MoE layer, stacked: gate_up [E, 2I, D] (gate rows first), down [E, D, I]."""
+    """The local experts of one MoE layer, stacked: gate_up [E, 2I, D] (gate rows first), down [E, D, I];
+    fp8 with their block scales when ``gate_up_scale`` / ``down_scale`` are set (module docstring)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
         return int(self.gate_up.shape[0])
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_scale is not None
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, D], down [D, I]) in ``dtype`` (fp8 dequantised)."""
+        if not self.fp8:
+            return self.gate_up[e], self.down[e]
+        from cpkv.kernels.fp8_gemm.ref import dequant_blocks
+
+        return (dequant_blocks(self.gate_up[e], self.gate_up_scale[e], dtype),
+                dequant_blocks(self.down[e], self.down_scale[e], dtype))
 
 
 _GROUPED_FAILED: set[str] = set()  # device types where torch._grouped_mm raised once (then: the loop)
 
 
 def _grouped_ok(xs: torch.Tensor, ew: ExpertWeights) -> bool:
-    if not hasattr(torch, "_grouped_mm") or xs.device.type in _GROUPED_FAILED:
+    if ew.fp8 or not hasattr(torch, "_grouped_mm") or xs.device.type in _GROUPED_FAILED:
         return False
     dtype_ok = xs.dtype == (torch.bfloat16 if xs.is_cuda else torch.float32)
     es = xs.element_size()
@@ -43,6 +64,10 @@ def _grouped_ok(xs: torch.Tensor, ew: ExpertWeights) -> bool:
 
 def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
     """xs [N, D] sorted by local expert, offs int32 [E] row ends, rw float32 [N] -> weighted outputs [N, D]."""
+    from cpkv.kernels import platform
+
+    if ew.fp8 and platform.use_triton(xs):
+        return grouped_swiglu_fp8(xs, offs, rw, ew)
     if _grouped_ok(xs, ew):
         try:
             return _grouped(xs, offs, rw, ew)
@@ -59,13 +84,41 @@ def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertW
     return torch._grouped_mm(act, ew.down.transpose(1, 2), offs=offs)
 
 
+def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
+    """``grouped_swiglu`` with fp8 block-scaled experts through the Triton kernels (CUDA): the tile map, the
+    quantisation, gate_up, SwiGLU x routing weight + quantisation, down; no host sync; rows at or past
+    offs[-1] come out unspecified."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    r, d = xs.shape
+    i = ew.down.shape[2]
+    tiles = kern.tile_ends(offs)  # the tile map of both GEMMs
+    q, s = _quant_buffers(r, d, xs.device)
+    kern.act_quant(xs.contiguous(), q, s)
+    gu = torch.empty(r, 2 * i, dtype=xs.dtype, device=xs.device)
+    kern.grouped_gemm(q, s, offs, ew.gate_up, ew.gate_up_scale, gu, tiles)
+    q, s = _quant_buffers(r, i, xs.device)
+    kern.swiglu_quant(gu, rw.float().contiguous(), q, s)
+    out = torch.empty(r, d, dtype=xs.dtype, device=xs.device)
+    kern.grouped_gemm(q, s, offs, ew.down, ew.down_scale, out, tiles)
+    return out
+
+
+def _quant_buffers(r: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [r, k], float32 [r, ceil(k/128)] row-major): the grouped kernel's activation layout."""
+    return (torch.empty(r, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(r, -(-k // 128), dtype=torch.float32, device=device))
+
+
 def grouped_swiglu_loop(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
-    """``grouped_swiglu`` one expert at a time (reads the offsets back to the host); padding rows give 0."""
+    """``grouped_swiglu`` one expert at a time (reads the offsets back to the host; fp8 experts dequantised
+    into xs' dtype); padding rows give 0."""
     out = torch.zeros_like(xs)
     ends = offs.tolist()
     for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
         if t > s:
-            g, u = F.linear(xs[s:t], ew.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, ew.down[e])
+            gate_up, down = ew.expert(e, xs.dtype)
+            g, u = F.linear(xs[s:t], gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, down)
             out[s:t] = (y.float() * rw[s:t, None]).to(xs.dtype)
     return out

@@ -21,6 +21,11 @@ k = LayerNorm(wk x), RoPE on the first rope dims (interleaved on GLM-5, halves o
 weights weights_proj(x) * Hi^-1/2, logits sum_h w_h relu(q_h . k * Di^-1/2). q_a / kv_a RMSNorms use
 eps 1e-6 (transformers hard-codes it), the layer norms ``rms_norm_eps``.
 
+Linear weights are ``cpkv.model.linear.Linear``: the compute dtype, or fp8 with 128 x 128 block scales
+(block-scaled fp8 GEMMs; each input quantised once for the layers that read it). kv_b_proj is always dense
+(W_UK / W_UV); gate and up projections are stacked into one [2I, D] weight (views of it replace the dict's
+entries), the routed experts into ``ExpertWeights``.
+
 Precision (``cfg.kv_dtype``): fp8 rows (656 / 132 B for GLM-5; Hadamard-rotated indexer q/k, as the
 DeepSeek reference, for the fp8 quantisation) or exact rows in the model dtype (``cpkv.model.exact``).
 """
@@ -33,9 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
-from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, softmax_scale, swiglu_mlp
+from cpkv.model.experts import ExpertWeights
+from cpkv.model.linear import Linear, swiglu
+from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, softmax_scale
 
 LATENT_NORM_EPS = 1e-6
+LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
+           "self_attn.indexer.wq_b", "self_attn.indexer.wk")  # the attention's Linear sites (MLPs: _swiglu)
 
 
 @dataclass
@@ -89,38 +98,79 @@ class DSALayer:
         self.full = cfg.indexer_types[n] == "full"
         self.exact = cfg.kv_dtype != "fp8"
         h, nope, v, kr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.lin = {k: self._linear(k) for k in LINEARS if k + ".weight" in w}
         kv_b = w["self_attn.kv_b_proj.weight"].view(h, nope + v, kr)
         self.w_uk = kv_b[:, :nope].contiguous()  # [H, nope, kv_lora]
         self.w_uv = kv_b[:, nope:].contiguous()  # [H, v, kv_lora]
         self.sm_scale = softmax_scale(cfg.rope, nope + cfg.qk_rope_head_dim)
-        self.moe = self._stack_experts() if cfg.mlp_layer_types[n] == "sparse" else None
+        sparse = cfg.mlp_layer_types[n] == "sparse"
+        self.moe = self._stack_experts() if sparse else None
+        # (gate_up, down) of the dense MLP / the shared experts
+        self.dense_mlp = self._swiglu(weights, "mlp.") if not sparse else None
+        self.shared_mlp = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
         self.stats = {"dense": 0, "sparse": 0}
 
-    def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed experts held here (``self.experts``: all, or this rank's block under expert parallelism)
-        as gate_up [E, 2I, D] and down [E, D, I] (the per-expert tensors are dropped)."""
-        w = self.w
+    def _linear(self, name: str) -> Linear:
+        """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
+        return Linear(self.w[name + ".weight"], self.w.get(name + ".weight_scale_inv"))
+
+    def _swiglu(self, weights: dict[str, torch.Tensor], prefix: str) -> tuple[Linear, Linear]:
+        """(gate_up [2I, D], down [D, I]) of the MLP under ``prefix``: gate and up stacked once, and the dict
+        entries (this layer's and the model's) replaced by views of the stacked tensors (no second copy)."""
+        gate, up = self._linear(prefix + "gate_proj"), self._linear(prefix + "up_proj")
+        gate_up = Linear.cat([gate, up]) or Linear(torch.cat((gate.dense(self.dtype), up.dense(self.dtype))))
+        i = gate.weight.shape[0]
+        pre = f"model.layers.{self.n}."
+        for k, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+            if gate_up.fp8 != gate.fp8:  # fp8 gate / up whose blocks do not stack: kept as they are
+                break
+            views = {k + ".weight": gate_up.weight[part]}
+            if gate_up.fp8:
+                views[k + ".weight_scale_inv"] = gate_up.scale[part.start // 128: -(-part.stop // 128)]
+            for name, t in views.items():
+                self.w[prefix + name] = weights[pre + prefix + name] = t
+        return gate_up, self._linear(prefix + "down_proj")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (the dtype of the layer's norm weights)."""
+        return self.w["input_layernorm.weight"].dtype
+
+    def _stack_experts(self) -> ExpertWeights:
+        """Routed experts as gate_up [E, 2I, D] and down [E, D, I], fp8 with their block scales when the
+        experts are fp8 and I a multiple of 128 (else dequantised); the per-expert tensors are dropped."""
+        w = self.w  # the routed experts held here: all, or this rank's block under expert parallelism
         p = [f"mlp.experts.{x}." for x in self.experts]
-        gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight"], w[q + "up_proj.weight"])) for q in p])
-        down = torch.stack([w[q + "down_proj.weight"] for q in p])
+        names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        fp8 = all(q + k + "_scale_inv" in w for q in p for k in names)
+        if fp8 and w[p[0] + names[0]].shape[0] % 128 == 0:
+            ew = ExpertWeights(*_stack(w, p, ""), *_stack(w, p, "_scale_inv"))
+        elif fp8:
+            ew = ExpertWeights(*_stack({q + k: self._linear(q + k[:-7]).dense(self.dtype) for q in p for k in names},
+                                       p, ""))
+        else:
+            ew = ExpertWeights(*_stack(w, p, ""))
         for q in p:
-            for k in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
-                del w[q + k]
-        return gate_up, down
+            for k in names:
+                w.pop(q + k)
+                w.pop(q + k + "_scale_inv", None)
+        return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
     def project(self, h: torch.Tensor, rot: Rotary) -> Projected:
         """h [T, hidden] (compute dtype) -> Projected (module docstring)."""
         cfg, w = self.cfg, self.w
         x = rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
-        qr = rms_norm(F.linear(x, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"],
-                      LATENT_NORM_EPS)
-        kv = F.linear(x, w["self_attn.kv_a_proj_with_mqa.weight"])
+        lin = self.lin
+        xa = lin["self_attn.q_a_proj"].prepare(x)  # quantised once (fp8) for q_a, kv_a and the indexer's wk
+        qr = rms_norm(lin["self_attn.q_a_proj"](xa), w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
+        kv = lin["self_attn.kv_a_proj_with_mqa"](xa)
         token = self._token_rows(self._token_kv(kv, rot))
+        qa = lin["self_attn.q_b_proj"].prepare(qr)  # for q_b and the indexer's wq_b
         if not self.full:
-            return Projected(self._query(qr, rot), token, None, None, None)
-        iq, iw, index = self._indexer_inputs(x, qr, rot)
-        return Projected(self._query(qr, rot), token, index, iq, iw)
+            return Projected(self._query(qa, rot), token, None, None, None)
+        iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
+        return Projected(self._query(qa, rot), token, index, iq, iw)
 
     def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent |
@@ -141,17 +191,18 @@ class DSALayer:
         from cpkv.attention import quant_token_kv
         return quant_token_kv(kv, self.cfg.token_format)
 
-    def _query(self, qr: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """qr [T, q_lora] -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or the KV dtype."""
+    def _query(self, qr, rot: Rotary) -> torch.Tensor:
+        """qr [T, q_lora] (or its QuantAct) -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or
+        the KV dtype."""
         cfg = self.cfg
-        q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(
-            qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        q = self.lin["self_attn.q_b_proj"](qr)
+        q = q.view(q.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         # out = cat((q_nope W_UK, rope(q_rope)), -1) in the query dtype, each part written into its slice:
         # the absorbed product straight from the batched GEMM (when dtypes match), the rotation rounded once
         kr = cfg.kv_lora_rank
         dtype = _kv_torch_dtype(cfg) if self.exact else torch.bfloat16
-        out = torch.empty(qr.shape[0], cfg.num_heads, kr + cfg.qk_rope_head_dim, dtype=dtype, device=qr.device)
+        out = torch.empty(q.shape[0], cfg.num_heads, kr + cfg.qk_rope_head_dim, dtype=dtype, device=q.device)
         lat = out[..., :kr]
         if dtype == q.dtype:
             torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
@@ -160,12 +211,13 @@ class DSALayer:
         rot.interleaved(q_rope, out=out[..., kr:])
         return out
 
-    def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, rot: Rotary):
-        """-> (iq [T, Hi, Di], iw float32 [T, Hi], index rows uint8 [T, index row_bytes])."""
-        cfg, w = self.cfg, self.w
+    def _indexer_inputs(self, x: torch.Tensor, xa, qa, rot: Rotary):
+        """x [T, hidden] (xa: x or its QuantAct), qa: the query latent or its QuantAct -> (iq [T, Hi, Di],
+        iw float32 [T, Hi], index rows uint8 [T, index row_bytes])."""
+        cfg, w, lin = self.cfg, self.w, self.lin
         t, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
-        q = F.linear(qr, w["self_attn.indexer.wq_b.weight"]).view(t, hi, di)
-        k = layer_norm(F.linear(x, w["self_attn.indexer.wk.weight"]), w["self_attn.indexer.k_norm.weight"],
+        q = lin["self_attn.indexer.wq_b"](qa).view(t, hi, di)
+        k = layer_norm(lin["self_attn.indexer.wk"](xa), w["self_attn.indexer.k_norm.weight"],
                        w["self_attn.indexer.k_norm.bias"])
         q, k = self._rope_first(q, rot), self._rope_first(k, rot)
         weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
@@ -196,7 +248,7 @@ class DSALayer:
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
-        h = h + F.linear(self._latent_out(latent.to(h.dtype)), self.w["self_attn.o_proj.weight"])
+        h = h + self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
         return h + self.mlp(h, ep), topk
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
@@ -253,19 +305,26 @@ class DSALayer:
         w = self.w
         x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         if self.moe is None:
-            return swiglu_mlp(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+            return swiglu(x, *self.dense_mlp)
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
         if ep is not None:
-            out = experts_ep(x, idx, weights, *self.moe, ep)
+            out = experts_ep(x, idx, weights, self.moe, ep)
         elif len(self.experts) == self.cfg.n_routed_experts:
-            out = experts(x, idx, weights, *self.moe)
+            out = experts(x, idx, weights, self.moe)
         else:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
-        if self.cfg.n_shared_experts:
-            s = "mlp.shared_experts."
-            out = out + swiglu_mlp(x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+        if self.shared_mlp is not None:
+            out = out + swiglu(x, *self.shared_mlp)
         return out
+
+
+def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts under ``prefixes``: (gate | up stacked [E, 2I, ...], down [E, ...]) of the tensors named
+    ``<prefix>{gate,up,down}_proj.weight<sfx>``."""
+    gate_up = torch.stack([torch.cat((w[q + "gate_proj.weight" + sfx], w[q + "up_proj.weight" + sfx]))
+                           for q in prefixes])
+    return gate_up, torch.stack([w[q + "down_proj.weight" + sfx] for q in prefixes])
 
 
 def _kv_torch_dtype(cfg: ModelConfig) -> torch.dtype:

@@ -16,7 +16,7 @@ from cpkv.config import ModelConfig
 from cpkv.model.config import PRECISIONS, with_precision  # noqa: F401  (PRECISIONS re-exported)
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
-from cpkv.model.weights import Weights, check_weights, load_weights, random_weights
+from cpkv.model.weights import Weights, check_weights, is_fp8, load_weights, random_weights, to_dense, to_fp8
 
 
 FLOAT32_WEIGHTS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # kept in float32, as transformers
@@ -28,7 +28,12 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def _dtype_of(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith(FLOAT32_WEIGHTS) else dtype
+    return torch.float32 if name.endswith(FLOAT32_WEIGHTS + ("_scale_inv",)) else dtype
+
+
+def _place(name: str, w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """On ``device``; fp8 weights stay fp8, block scales float32, the rest in their compute dtype."""
+    return w.to(device) if is_fp8(w) else w.to(device=device, dtype=_dtype_of(name, dtype))
 
 
 def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> ModelConfig:
@@ -38,38 +43,51 @@ def precision_config(cfg: ModelConfig, precision: str, dtype: torch.dtype) -> Mo
 
 
 class DSAModel:
-    """A DSA model on one device. ``dtype`` is the dtype of weights, hidden states and matmuls."""
+    """A DSA model on one device. ``dtype`` is the dtype of hidden states, matmuls and dense weights.
+
+    ``fp8``: the linear weights ``weights.fp8_kept`` names stay (or are quantised to) float8_e4m3fn with
+    128 x 128 block scales and run block-scaled fp8 GEMMs (``model.linear``); else every weight is widened
+    to ``dtype`` (fp8 ones dequantised)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, experts: range | None = None) -> None:
+                 dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False) -> None:
         """``experts``: the routed experts this process holds (expert parallelism: one rank's block,
         ``cpkv.model.moe.expert_block``); None: all of them (the single-process model)."""
         check_weights(weights, cfg, experts=experts)
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
         self.dtype = dtype or default_dtype(self.device)
         self.experts = range(cfg.n_routed_experts) if experts is None else experts
-        self.weights = {k: v.to(device=self.device, dtype=_dtype_of(k, self.dtype)) for k, v in weights.items()}
+        weights = to_fp8(weights) if fp8 else to_dense(weights, self.dtype)
+        self.weights = {k: _place(k, v, self.device, self.dtype) for k, v in weights.items()}
         self.layers = [DSALayer(cfg, self.weights, n, self.experts) for n in range(cfg.num_layers)]
         # routed experts live stacked in their layers now
         self.weights = {k: v for k, v in self.weights.items() if ".mlp.experts." not in k}
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None, experts: range | None = None) -> "DSAModel":
+               dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts)
+        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts, fp8=fp8)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
-                        dtype: torch.dtype | None = None, experts: range | None = None) -> "DSAModel":
+                        dtype: torch.dtype | None = None, experts: range | None = None, *,
+                        fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, load_weights(path, cfg, dtype, device, experts), device, dtype, experts)
+        return cls(cfg, load_weights(path, cfg, dtype, device, experts, fp8=fp8), device, dtype, experts, fp8=fp8)
 
     @property
     def expert_parallel(self) -> bool:
         """True when this process holds only a block of the routed experts (MoE layers need the exchange)."""
         moe = "sparse" in self.cfg.mlp_layer_types
         return moe and len(self.experts) < self.cfg.n_routed_experts
+
+    @property
+    def weights_dtype(self) -> str:
+        """What the linear weights are kept in: "fp8", or the compute dtype ("bf16", "float32")."""
+        if self.fp8:
+            return "fp8"
+        return {torch.bfloat16: "bf16", torch.float32: "float32"}.get(self.dtype, str(self.dtype))
 
     # -- pieces the engine calls -------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -103,16 +121,20 @@ class DSAModel:
 
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               num_layers: int | None = None, precision: str = "fp8", ep: tuple[int, int] | None = None) -> DSAModel:
+               num_layers: int | None = None, precision: str = "fp8", weights: str = "bf16",
+               ep: tuple[int, int] | None = None) -> DSAModel:
     """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
     ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype).
-    ``ep``: (rank, cp): hold (and read) only that rank's block of the routed experts."""
-    from cpkv.model.config import load_model_config
+    ``weights``: fp8 (linear weights block-scaled fp8), bf16 (widened to the compute dtype) or auto
+    (``model.config.resolve_weights``). ``ep``: (rank, cp): hold (and read) only that rank's block of the
+    routed experts."""
+    from cpkv.model.config import load_model_config, resolve_weights
     from cpkv.model.moe import expert_block
 
     dtype = dtype or default_dtype(device)
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
+    fp8 = resolve_weights(weights, spec, torch.device(device).type, precision) == "fp8"
     experts = expert_block(ep[0], ep[1], cfg.n_routed_experts) if ep is not None else None
     if Path(spec).is_dir():
-        return DSAModel.from_pretrained(spec, cfg, device, dtype, experts)
-    return DSAModel.random(cfg, seed, device, dtype, experts)
+        return DSAModel.from_pretrained(spec, cfg, device, dtype, experts, fp8=fp8)
+    return DSAModel.random(cfg, seed, device, dtype, experts, fp8=fp8)

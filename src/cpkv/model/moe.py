@@ -44,16 +44,18 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
     return idx, w * cfg.routed_scaling_factor
 
 
-def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] -> [T, D] (x's dtype).
+def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor | ExpertWeights,
+            down: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] (or ExpertWeights as
+    ``gate_up``, fp8 ones included) -> [T, D] (x's dtype).
 
     Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
     one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs."""
+    ew = gate_up if isinstance(gate_up, ExpertWeights) else ExpertWeights(gate_up, down)
     t, k = idx.shape
-    order, offs = sort_pairs(idx, gate_up.shape[0])
+    order, offs = sort_pairs(idx, ew.num_experts)
     xs = x.index_select(0, order // k)
-    y = grouped_swiglu(xs, offs, w.reshape(-1)[order], ExpertWeights(gate_up, down))
+    y = grouped_swiglu(xs, offs, w.reshape(-1)[order], ew)
     return combine_pairs(y, order, t, k)
 
 
@@ -67,13 +69,13 @@ def expert_block(rank: int, cp: int, num_experts: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def experts_ep(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def experts_ep(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWeights,
                ep) -> torch.Tensor:
     """``experts`` under expert parallelism: x [T, D] (this rank's tokens, T may be 0), idx int64 [T, k], w
-    float32 [T, k]; gate_up [El, 2I, D], down [El, D, I] this rank's experts; ``ep`` the batch's exchange
+    float32 [T, k]; ``ew`` this rank's experts (gate_up [El, 2I, D], down [El, D, I]); ``ep`` the batch's exchange
     (``cpkv.compose.dispatch.EPBatch``) -> [T, D]. Every rank calls it for every MoE layer."""
     xs, offs, rw = ep.dispatch(x, idx, w)
-    return ep.combine(grouped_swiglu(xs, offs, rw, ExpertWeights(gate_up, down)))
+    return ep.combine(grouped_swiglu(xs, offs, rw, ew))
 
 
 def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,11 @@ Checkpoints: ``*.safetensors`` files, or the shards a ``model.safetensors.index.
 layers beyond the model's depth (DeepSeek's MTP layer 61, or a ``--num-layers`` cut) are not read, nor
 (expert parallelism, ``experts=``) the routed experts other ranks hold.
 Block-quantised fp8 weights (a float8 ``.weight`` beside ``.weight_scale_inv``, one float32 scale per
-128 x 128 block) are **dequantised at load** into the compute dtype; the engine never runs fp8 GEMMs.
+128 x 128 block): with ``fp8=True`` the linear weights the model runs as block-scaled fp8 GEMMs
+(``fp8_kept``: ``FP8_LINEARS``, every linear weight of a layer but ``kv_b_proj``, split into W_UK / W_UV,
+the indexer's ``weights_proj`` and the router, bf16 in the public files) stay fp8 beside their scales,
+and a dense checkpoint's are quantised to that format (``quant_fp8_blocks``); every other fp8 tensor,
+and all of them without ``fp8``, is **dequantised at load** into the compute dtype.
 ``cpkv.model.checkpoint.check_checkpoint`` validates every file header, name and shape without reading
 tensor data (the parent process runs it before any rank starts).
 """
@@ -52,6 +56,11 @@ from cpkv.model.checkpoint import expected_shapes, is_local, layer_shapes  # noq
 Weights = dict[str, torch.Tensor]
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 FP8_BLOCK = 128
+# the linear weights kept fp8 (those the FP8 releases store fp8, but kv_b_proj: W_UK / W_UV are dense)
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+               "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [128, 128]}  # as GLM-5-FP8 / DeepSeek-V3.2 ship it
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -101,11 +110,22 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights", e
         raise CheckpointError(f"{source}: {shown}")
 
 
+def fp8_kept(name: str) -> bool:
+    """True for the linear weights the model can run as block-scaled fp8 GEMMs (module docstring)."""
+    return name.startswith("model.layers.") and name.endswith(FP8_LINEARS)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", experts: range | None = None) -> Weights:
-    """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; fp8 block-scaled
-    weights dequantised; tensors of other layers not read). ``experts``: read only these routed experts
-    (expert parallelism: a rank's block; None: all)."""
+                 device: torch.device | str = "cpu", experts: range | None = None, *, fp8: bool = False) -> Weights:
+    """Read the tensors ``cfg`` needs from the checkpoint at ``path`` (headers checked first; tensors of other
+    layers not read). ``experts``: read only these routed experts (expert parallelism: a rank's block; None:
+    all). ``fp8``: the ``fp8_kept`` linear weights as float8_e4m3fn + ``<name>_scale_inv``: the
+    ones an fp8 checkpoint stores fp8 (those it keeps dense stay dense), or all of them quantised here when
+    the checkpoint has no fp8 tensor; every other fp8 tensor is dequantised."""
     from safetensors import SafetensorError, safe_open
 
     from cpkv.model.checkpoint import check_checkpoint
@@ -122,8 +142,46 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.
                 raw.update({name: st.get_tensor(name) for name in sorted(names)})
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{f}: cannot read tensors ({exc})") from None
-    out = {name: _dequant(raw, name).to(device=device, dtype=dtype, copy=True) for name in wanted}
+    out: Weights = {}
+    quantise = not any(is_fp8(t) for t in raw.values())  # a dense checkpoint: quantised at load
+    for name in wanted:
+        if fp8 and fp8_kept(name) and (quantise or is_fp8(raw[name])):
+            out.update(_fp8_pair(raw, name, device))
+        else:
+            out[name] = _dequant(raw, name).to(device=device, dtype=dtype, copy=True)
     check_weights(out, cfg, str(path), experts)
+    return out
+
+
+def _fp8_pair(raw: Weights, name: str, device: torch.device | str) -> Weights:
+    """{name: float8_e4m3fn [R, C], name_scale_inv: float32 [R/128, C/128]} on ``device`` (as stored, or
+    quantised from a dense weight)."""
+    w, scale = raw[name], raw.get(name + "_scale_inv")
+    if scale is None or w.dtype != torch.float8_e4m3fn:
+        q, s = quant_fp8_blocks(_dequant(raw, name).to(device))
+        return {name: q, name + "_scale_inv": s}
+    return {name: w.to(device, copy=True), name + "_scale_inv": scale.to(device=device, dtype=torch.float32, copy=True)}
+
+
+def to_fp8(weights: Weights) -> Weights:
+    """``weights`` with every ``fp8_kept`` weight quantised to 128 x 128 blocks, when none is fp8 yet (a dense
+    checkpoint or random weights); weights already holding fp8 tensors (an fp8 checkpoint) as they are."""
+    out = dict(weights)
+    if any(is_fp8(w) for w in weights.values()):
+        return out
+    for name, w in weights.items():
+        if fp8_kept(name) and not is_fp8(w):
+            out[name], out[name + "_scale_inv"] = quant_fp8_blocks(w)
+    return out
+
+
+def to_dense(weights: Weights, dtype: torch.dtype) -> Weights:
+    """``weights`` with every fp8 tensor that has a ``_scale_inv`` dequantised into ``dtype`` (scales dropped)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in weights:
+            continue
+        out[name] = _dequant(weights, name).to(dtype) if is_fp8(w) else w
     return out
 
 
@@ -132,25 +190,29 @@ def _dequant(raw: Weights, name: str) -> torch.Tensor:
     w, scale = raw[name], raw.get(name + "_scale_inv")
     if scale is None or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return w
-    rows, cols = w.shape
-    s = scale.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return w.float() * s
+    from cpkv.kernels.fp8_gemm.ref import dequant_blocks
+
+    return dequant_blocks(w, scale)
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, weights: Weights, shards: int = 2, fp8: bool = False) -> None:
     """Write ``config.json``, ``weights`` split over ``shards`` safetensors files and their
-    ``model.safetensors.index.json`` (tests, examples). ``fp8``: 2-D linear weights stored as DeepSeek ships
-    them, float8_e4m3fn with 128 x 128 block ``weight_scale_inv``."""
+    ``model.safetensors.index.json`` (tests, examples). ``fp8``: the ``fp8_kept`` linear weights and
+    ``kv_b_proj`` stored as DeepSeek ships them, float8_e4m3fn with 128 x 128 block ``weight_scale_inv``, and
+    config.json says so (``quantization_config``)."""
     from safetensors.torch import save_file
 
     from cpkv.model.config import config_to_dict
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    raw = config_to_dict(cfg)
+    if fp8:
+        raw["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     stored: Weights = {}
     for k, w in weights.items():
-        if fp8 and w.dim() == 2 and k.endswith("proj.weight"):
+        if fp8 and w.dim() == 2 and (fp8_kept(k) or k.endswith("kv_b_proj.weight")) and not is_fp8(w):
             stored[k], stored[k + "_scale_inv"] = quant_fp8_blocks(w)
         else:
             stored[k] = w

@@ -1,0 +1,154 @@
+"""A linear layer's weight as the model keeps it: the compute dtype, or fp8 with 128 x 128 block scales.
+
+    Linear(weight [N, K])                         y = x W^T (F.linear)
+    Linear(weight fp8 [N, K], scale f32 [N/128, K/128])
+                                                  y = quant(x) dequant(W)^T: the block-scaled fp8 GEMM
+    quant_act(x [M, K]) -> QuantAct(q fp8 [M, K], s float32 (M, K/128) strides (1, M))
+        per token per 1 x 128 group (one Triton kernel on CUDA); a QuantAct feeds every fp8 Linear reading
+        the same input (quantised once)
+    fp8_linear(x | QuantAct, w, w_scale) -> [M, N] bf16        (the dispatch point of kernels/fp8_gemm)
+
+Path: ``torch._scaled_mm`` with DeepSeek block scales (1 x 128 activation groups, 128 x 128 weight blocks;
+cuBLAS, sm90+) when the tensors are on CUDA, the output dtype is bfloat16, K is a multiple of 512 (whole
+128-groups, in the multiple of 4 cuBLAS wants for the scale rows) and N of 16. Elsewhere (CPU, other
+shapes, or a weight shape this build's ``_scaled_mm`` refused once: remembered, one line on stderr) the
+reference ``kernels.fp8_gemm.ref.fp8_linear_ref``: the fp8 weight dequantised per call in float32, the
+activation not quantised. Neither path reads anything back to the host.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cpkv.kernels.fp8_gemm.ref import BLOCK, act_dequant_ref, act_quant_ref, dequant_blocks, fp8_linear_ref
+
+FP8 = torch.float8_e4m3fn
+_SCALED_MM_FAILED: set[tuple[int, int]] = set()  # weight shapes (N, K) torch._scaled_mm refused once
+
+
+@dataclass
+class QuantAct:
+    """An activation quantised per token per 1 x 128 group: q fp8 [M, K], s float32 (M, ceil(K/128)) with
+    strides (1, M) (outer-dim-major, as ``torch._scaled_mm`` wants); ``dtype``: the output dtype; ``x``: the
+    unquantised input when the caller has it (a dense layer reading the same input takes it)."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    dtype: torch.dtype = torch.bfloat16
+    x: torch.Tensor | None = None
+
+    def dequant(self) -> torch.Tensor:
+        """[M, K] in ``dtype``: the input itself when kept, else the dequantised values."""
+        return self.x if self.x is not None else act_dequant_ref(self.q, self.s).to(self.dtype)
+
+
+@dataclass
+class Linear:
+    """One linear layer's weight [N, K]: the compute dtype (``scale`` None) or float8_e4m3fn with float32
+    ``scale`` [ceil(N/128), ceil(K/128)] (the checkpoint's ``weight_scale_inv``)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.scale is not None
+
+    def __call__(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
+        """x [M, K] (or its QuantAct) -> [M, N] in x's dtype."""
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale)
+        return F.linear(x.dequant() if isinstance(x, QuantAct) else x, self.weight)
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor | QuantAct:
+        """x itself, or (an fp8 weight on the ``_scaled_mm`` path) x quantised, to be shared by every fp8
+        layer reading x."""
+        return quant_act(x) if self.fp8 and scaled_mm_ok(x, self.weight) else x
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype`` (fp8 dequantised)."""
+        return self.weight.to(dtype) if self.scale is None else dequant_blocks(self.weight, self.scale, dtype)
+
+    @classmethod
+    def cat(cls, parts: list["Linear"]) -> "Linear | None":
+        """The parts' rows stacked into one Linear [sum N, K], or None when fp8 block rows would not stay
+        whole (an fp8 part but the last whose N is not a multiple of 128) or the parts mix kinds."""
+        if all(p.scale is None for p in parts):
+            return cls(torch.cat([p.weight for p in parts]))
+        if not all(p.fp8 for p in parts) or any(p.weight.shape[0] % BLOCK for p in parts[:-1]):
+            return None
+        return cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when ``torch._scaled_mm``'s block-scaled path takes x [M, K] and w fp8 [N, K] (module docstring)."""
+    n, k = w.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == FP8 and k % (4 * BLOCK) == 0 and n % 16 == 0
+            and hasattr(torch, "_scaled_mm") and (n, k) not in _SCALED_MM_FAILED)
+
+
+def quant_act(x: torch.Tensor) -> QuantAct:
+    """x [M, K] -> QuantAct (the Triton kernel on CUDA with Triton; else ``act_quant_ref``, relaid out)."""
+    from cpkv.kernels import platform
+
+    m, k = x.shape
+    if platform.use_triton(x):
+        from cpkv.kernels.fp8_gemm import triton as kern
+
+        q, s = empty_quant(m, k, x.device)
+        kern.act_quant(x.contiguous(), q, s)
+        return QuantAct(q, s, x.dtype, x)
+    q, s = act_quant_ref(x)
+    s_col = empty_quant(m, k, x.device)[1]
+    s_col.copy_(s)  # strides (1, M) for any M (a (1, G) tensor's .contiguous() would keep strides (G, 1))
+    return QuantAct(q, s_col, x.dtype, x)
+
+
+def empty_quant(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [m, k], float32 (m, ceil(k/128)) with strides (1, m)), uninitialised."""
+    g = -(-k // BLOCK)
+    return (torch.empty(m, k, dtype=FP8, device=device),
+            torch.empty(g, m, dtype=torch.float32, device=device).t())
+
+
+def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (or its QuantAct), w fp8 [N, K], w_scale float32 [ceil(N/128), ceil(K/128)] -> [M, N] in
+    x's dtype (module docstring: the path)."""
+    if isinstance(x, QuantAct):
+        return _scaled_mm(x, w, w_scale)
+    if scaled_mm_ok(x, w):
+        return _scaled_mm(quant_act(x), w, w_scale)
+    return fp8_linear_ref(x, w, w_scale)
+
+
+def _scaled_mm(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    shape = tuple(w.shape)
+    if x.q.shape[0] == 0 or shape in _SCALED_MM_FAILED:
+        return fp8_linear_ref(x.dequant(), w, w_scale)
+    try:
+        return torch._scaled_mm(x.q, w.t(), scale_a=x.s, scale_b=w_scale.t(), out_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError) as exc:  # a build / GPU without this block layout: remember
+        _SCALED_MM_FAILED.add(shape)
+        print(f"cpkv: torch._scaled_mm refused the 1x128 / 128x128 block-scaled layout for a weight of shape "
+              f"{list(shape)} ({exc}); that layer runs dequantised", file=sys.stderr)
+        return fp8_linear_ref(x.dequant(), w, w_scale)
+
+
+def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
+    """x [T, D] -> down(silu(g) * u) [T, D], (g | u) = gate_up(x) [T, 2I]. fp8 ``down`` on the ``_scaled_mm``
+    path: SiLU, product and the 1 x 128 quantisation in one Triton kernel."""
+    from cpkv.kernels import platform
+
+    gu = gate_up(gate_up.prepare(x))
+    m, i = gu.shape[0], gu.shape[1] // 2
+    if down.fp8 and scaled_mm_ok(gu, down.weight) and platform.use_triton(gu):
+        from cpkv.kernels.fp8_gemm import triton as kern
+
+        q, s = empty_quant(m, i, gu.device)
+        kern.swiglu_quant(gu, None, q, s)
+        return down(QuantAct(q, s, gu.dtype))
+    g, u = gu.chunk(2, dim=-1)
+    return down(F.silu(g) * u)
