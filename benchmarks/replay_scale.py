@@ -1,10 +1,13 @@
 """Replay at scale with a full KV cache (issue 25): wall time of a 100K-request built-in trace on the CPU.
 
-    PYTHONPATH=src python3 benchmarks/replay_scale.py [--requests 100000] [--scale 0.01]
-        [--kv-tokens-per-rank 65536] [--scan] [--max-seconds S] [--json]
+    PYTHONPATH=src python3 benchmarks/replay_scale.py [--trace fresh|conversations] [--requests 100000]
+        [--scale 0.01] [--kv-tokens-per-rank N] [--scan] [--max-seconds S] [--json]
 
-The built-in trace (seed 0) through ``cpkv.scheduler.replay`` (solo policy, shared KV, cp 8, page 64), with a
-KV budget small enough that the cache is full for most of the run, so that nearly every admission evicts. It
+A 100K-request trace (seed 0) through ``cpkv.scheduler.replay`` (solo policy, shared KV, cp 8, page 64, the
+default KV budget of ``cpkv replay``), the cache full for most of the run, so that nearly every admission evicts.
+``conversations``: the built-in multi-turn trace (lengths x ``--scale``; chains share prefixes, so the cache
+holds few leaves); ``fresh``: every request a fresh prompt of 1-5 pages (the cache is mostly leaves, the
+worst case for an eviction that scans them; ``--scale`` is ignored). It
 prints the seconds per 10,000 requests (stderr), then the total wall time, the requests replayed, the pages
 evicted and when the first eviction happened. ``--scan`` puts back the eviction of before issue 25 (every
 eviction call heapifies every unlocked device leaf) for comparison; ``--max-seconds`` stops a run early (the
@@ -21,7 +24,9 @@ import time
 
 from cpkv.kvcache.prefix_cache import PrefixCache
 from cpkv.scheduler.replay import ReplayConfig, replay
-from cpkv.scheduler.trace import builtin_trace
+from cpkv.scheduler.trace import BuiltinShape, builtin_trace
+
+FRESH = BuiltinShape(fresh_share=1.0, fresh_len=(64, 320))  # every request a fresh prompt of 1-5 pages
 
 
 class _Stop(Exception):
@@ -47,18 +52,21 @@ def scan_evict(self: PrefixCache, num_pages: int, owner: int | None = None, on_s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trace", choices=("conversations", "fresh"), default="fresh")
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--scale", type=float, default=0.01, help="built-in trace length multiplier (default 0.01)")
-    p.add_argument("--kv-tokens-per-rank", type=int, default=65536, help="KV budget of one rank (default 65536)")
+    p.add_argument("--kv-tokens-per-rank", type=int, default=None,
+                   help="KV budget of one rank (default: the cost model's, as `cpkv replay`: 423,398 at cp 8)")
     p.add_argument("--scan", action="store_true", help="the former eviction (scan every leaf), for comparison")
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this many seconds (0: never)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    trace = builtin_trace(args.requests, seed=0, scale=args.scale)
+    trace = (builtin_trace(args.requests, seed=0, scale=args.scale) if args.trace == "conversations"
+             else builtin_trace(args.requests, seed=0, shape=FRESH))
     cfg = ReplayConfig(kv_tokens_per_rank=args.kv_tokens_per_rank)
     if args.scan:
         PrefixCache.evict = scan_evict  # type: ignore[method-assign]
-    state = {"done": 0, "first_evict_at": None, "marks": [], "evicted": 0}
+    state = {"done": 0, "first_evict_at": None, "marks": [], "evicted": 0, "leaves": 0}
     original = PrefixCache._evict_device
     t0 = time.perf_counter()
 
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if state["first_evict_at"] is None:
             state["first_evict_at"] = (state["done"], round(time.perf_counter() - t0, 2))
         state["evicted"] += 1
+        state["leaves"] = max(state["leaves"], len(self._device_leaves))
         return original(self, node, on_spill)
 
     PrefixCache._evict_device = evict_device  # type: ignore[method-assign]
@@ -87,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         finished = False
     wall = time.perf_counter() - t0
     signal.setitimer(signal.ITIMER_REAL, 0)
-    report = {"requests": args.requests, "scale": args.scale, "kv_tokens_per_rank": args.kv_tokens_per_rank,
+    report = {"trace": args.trace, "requests": args.requests, "scale": args.scale, "kv_tokens_per_rank": args.kv_tokens_per_rank,
               "eviction": "scan" if args.scan else "heap", "finished": finished, "done": state["done"],
               "wall_s": round(wall, 2), "first_eviction": state["first_evict_at"],
-              "evicted_pages": state["evicted"], "completed": None, "marks": state["marks"]}
+              "evicted_pages": state["evicted"], "max_leaves_at_eviction": state["leaves"], "completed": None, "marks": state["marks"]}
     if result is not None:
         s = result.summary()
         report.update(completed=s["completed"], rejected=s["rejected"], cache_hit_ratio=round(s["cache_hit_ratio"], 4))
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fill = state["first_evict_at"]
         print(f"{report['eviction']} eviction: {state['done']} of {args.requests} requests in {wall:.1f} s"
-              + ("" if finished else " (stopped by --max-seconds)") + f", {state['evicted']} pages evicted"
+              + ("" if finished else " (stopped by --max-seconds)") + f", {state['evicted']} pages evicted (up to {state['leaves']} device leaves)"
               + (f"; cache full from request {fill[0]} ({fill[1]} s)" if fill else "; the cache never filled"))
     return 0
 
