@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,21 @@ def test_cli_refuses_a_nan_weight_in_one_line(tmp_path, weights):
     assert out.stderr == f"cpkv run: error: {file}: tensor {LATE}: non-finite weight (NaN) at [1, 2]: expected " \
                          f"finite values (a corrupt or diverged checkpoint)\n"
     assert "rank" not in out.stderr
+
+
+def test_a_clean_tensor_is_scanned_once_per_process(tmp_path, weights, monkeypatch):
+    """A second check of an unchanged checkpoint reads no value again (a rank's load after its config check)."""
+    save_checkpoint(tmp_path, TINY, weights, shards=2)
+    check_checkpoint(tmp_path, TINY)
+    scans = []
+    monkeypatch.setattr(checkpoint, "_scan", lambda name, t: scans.append(name))
+    check_checkpoint(tmp_path, TINY)
+    assert scans == []
+    w = weights[LATE].clone()
+    w[0, 1] = math.nan
+    file = rewrite(tmp_path, LATE, w)  # a changed file is scanned again
+    st = file.stat()  # its mtime moved on for sure (a coarse clock could give the rewrite the same stamp)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(CheckpointError, match=f"tensor {LATE}: non-finite weight"):
+        monkeypatch.undo()
+        check_checkpoint(tmp_path, TINY)

@@ -20,7 +20,8 @@ a 1 GiB BF16 shard in the page cache: 0.5-0.65 s per GiB on a loaded 2-core Xeon
 (2026-12-01, ``benchmarks/checkpoint_scan.py``; BENCHMARKS.md), plus the disk read of a cold file; GLM-5's
 ~700 GB fp8 checkpoint: minutes, dominated by the disk. The parent
 process runs ``check_checkpoint`` before any rank starts, so a bad checkpoint costs no rank a traceback;
-``load_weights`` runs it again in each process that loads (a library user gets the same checks).
+``load_weights`` runs it again in each process that loads (a library user gets the same checks; within one
+process a clean tensor of an unchanged file is scanned once).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ NONFINITE = {"F64": ("<u8", 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000), "F32"
              "F8_E5M2": ("u1", 0x7F, 0x7C)}
 SCAN_CHUNK = 1 << 22  # values per step of the scan (<= 32 MB of buffer per thread)
 SCAN_THREADS = 8
+_SCANNED: set[tuple] = set()  # tensors found clean in this process: (file identity, name)
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 FP8_BLOCK = 128
 
@@ -196,13 +198,24 @@ def _check_scale(index: dict[str, TensorInfo], name: str, shape: tuple[int, ...]
 # -- values ----------------------------------------------------------------------------------------
 def check_values(index: dict[str, TensorInfo], names: list[str]) -> None:
     """CheckpointError for the first of ``names`` (in order) holding a NaN or an Inf, or, for a
-    ``*_scale_inv``, a block scale that is not a positive finite number. Every value is read (full scan)."""
-    todo = [(n, index[n]) for n in names]
+    ``*_scale_inv``, a block scale that is not a positive finite number. Every value is read (full scan);
+    a tensor found clean is not scanned again by this process while its file is unchanged (same inode, size
+    and modification time), so checking a config twice costs one scan."""
+    todo = [(n, index[n], _identity(index[n].file, n)) for n in names]
+    todo = [x for x in todo if x[2] not in _SCANNED]
+    if not todo:
+        return
     with ThreadPoolExecutor(max_workers=max(1, min(SCAN_THREADS, os.cpu_count() or 1, len(todo)))) as pool:
-        for (name, t), problem in zip(todo, pool.map(lambda nt: _scan(*nt), todo)):
+        for (name, t, key), problem in zip(todo, pool.map(lambda x: _scan(x[0], x[1]), todo)):
             if problem is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise CheckpointError(f"{t.file}: tensor {name}: {problem}")
+            _SCANNED.add(key)
+
+
+def _identity(file: Path, name: str) -> tuple:
+    st = os.stat(file)
+    return (str(Path(file).resolve()), st.st_ino, st.st_size, st.st_mtime_ns, name)
 
 
 def _scan(name: str, t: TensorInfo) -> str | None:
