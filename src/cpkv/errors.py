@@ -56,3 +56,7 @@ class RankFailure(CpkvError, RuntimeError):
 
 class PageError(CpkvError, ValueError):
     """A page id that is reserved, out of range, or not held (double free)."""
+
+
+class NonFiniteError(CpkvError, ArithmeticError):
+    """A run produced NaN or Inf logits; the message names the request and where the values first went bad."""

@@ -7,7 +7,8 @@ Before any rank starts: every option, the memory plan (``cpkv plan``: a configur
 GPUs is refused, naming the option to change), the trace (token ids within the model's vocabulary) and the
 requests that can never run under these options (too long for the model, more pages than every pool holds, ...).
 A run in which a request was rejected neither passes nor exits 0 unless ``--allow-rejected`` is given;
-the error names the option to change.
+the error names the option to change. A run with NaN/Inf logits is an error, verified or not (``--no-verify``):
+it names the first such request and the layer where its values first went non-finite (engine.nonfinite_failure).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def rejection_error(rejected: list, total: int, cfg, before: bool) -> str:
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, check_output, flags_of
     from cpkv.cli.plan_cmd import check_run
-    from cpkv.engine.engine import run_engine, run_under_torchrun, verify_run
+    from cpkv.engine.engine import nonfinite_failure, run_engine, run_under_torchrun, verify_run
 
     check_output(args.logits_out, "--logits-out")
     t0 = time.monotonic()
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
             bar.set(bar.done, f"verified {n} of {len(result.requests)} on one rank")
 
         report = verify_run(result, runnable, on_request=checked) if args.verify else None
+        nonfinite = nonfinite_failure(result, runnable, report)  # NaN/Inf logits fail a run, verified or not
     finally:
         bar.close()
     if args.logits_out:
@@ -172,11 +174,13 @@ def run(args: argparse.Namespace) -> int:
     result.rejected = sorted(result.rejected + gone, key=lambda x: order[(type(x["id"]).__name__, x["id"])])
     times = {"command_s": round(time.monotonic() - t0, 3), "ranks_s": round(t_ranks - t0, 3),
              "verify_s": round(time.monotonic() - t_ranks, 3)}
-    ok = (report is None or report.ok) and (not result.rejected or args.allow_rejected)
+    ok = (report is None or report.ok) and (not result.rejected or args.allow_rejected) and nonfinite is None
     if args.json:
         emit(result, report, args, trace, times, ok)
     else:
         show(result, report, args, times)
+    if nonfinite is not None:
+        raise nonfinite
     if result.rejected and not args.allow_rejected:
         raise ConfigError(rejection_error(result.rejected, len(trace), cfg, before=False))
     return 1 if report is not None and not report.ok else 0
@@ -219,6 +223,11 @@ def show(result, report, args, times) -> None:
         print(f"routed experts per rank {experts}" + (" (expert parallelism)" if cfg.cp > 1 else ""))
     if report is None:
         print("verification: off")
+        return
+    if report.nonfinite:
+        print(f"verification against a single rank: FAILED ({len(report.nonfinite)} of {report.checked} requests "
+              f"with non-finite logits: see the error below; max |logit diff| of the finite ones "
+              f"{report.max_logit_diff:.3g})")
         return
     verdict = "PASSED" if report.ok else "FAILED"
     if report.ok and result.rejected:

@@ -7,6 +7,14 @@
 A run's outcome per request: prompt and cached lengths, TTFT (time from its release into the queue to
 the end of the batch that computed its last token; a conversation's next turn is released when the
 previous one finishes), the first token (argmax of the last-token logits) and the logits themselves.
+
+Non-finite logits (NaN or Inf) are a failed run, verified or not: ``check_finite(result, trace)`` raises
+NonFiniteError naming the first such request and the first layer after which its hidden states stop being
+finite. The layer is found by rerunning that one request on the single-process reference with a check after
+each layer (``first_nonfinite``): the engine's forward pays nothing (no extra reduction, no host sync) for
+the check; the rerun happens only when a run already failed. If the reference stays finite, the message says
+that the non-finite values arose in the CP path itself. ``verify_run`` never passes a request whose logits
+(the run's or the reference's) are not finite, and its ``max_logit_diff`` covers finite requests only.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from cpkv.engine.config import EngineConfig
+from cpkv.errors import NonFiniteError
 from cpkv.engine.rank import RankOutput, rank_main
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
 
@@ -36,6 +45,10 @@ class RequestResult:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "prompt_len": self.prompt_len, "cached_len": self.cached_len,
                 "ttft_s": round(self.ttft_s, 6), "first_token": self.first_token}
+
+    @property
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.logits).all())
 
 
 @dataclass
@@ -125,14 +138,94 @@ def run_under_torchrun(cfg: EngineConfig, trace: Sequence[TraceRequest]) -> RunR
 class VerifyReport:
     ok: bool
     tokens_equal: bool
-    max_logit_diff: float
+    max_logit_diff: float  # over the requests whose logits are finite on both sides
     tolerance: float
     worst: Hashable | None
     checked: int
+    # requests with NaN/Inf logits: {"id", "run" / "reference": what is non-finite (None: finite), "where": the
+    # reference's first non-finite layer (None: the reference stays finite)}
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "tokens_equal": self.tokens_equal, "max_logit_diff": self.max_logit_diff,
-                "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked}
+                "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked,
+                "nonfinite": self.nonfinite}
+
+
+def describe_nonfinite(logits: torch.Tensor) -> str:
+    """'3 NaN and 1 Inf of 512 logits' for a float [vocab] tensor."""
+    nan, inf = int(torch.isnan(logits).sum()), int(torch.isinf(logits).sum())
+    parts = [f"{n} {k}" for n, k in ((nan, "NaN"), (inf, "Inf")) if n]
+    return f"{' and '.join(parts)} of {logits.numel()} logits"
+
+
+class FirstNonFinite:
+    """An ``after_layer`` callback for ``reference_prefill``: the first layer (-1: the embeddings) whose hidden
+    states hold a NaN or an Inf (a host check per layer: reference path only, never the engine's forward)."""
+
+    def __init__(self) -> None:
+        self.layer: int | None = None
+
+    def __call__(self, n: int, h: torch.Tensor) -> None:
+        if self.layer is None and not bool(torch.isfinite(h).all()):
+            self.layer = n
+
+    def where(self, logits: torch.Tensor, num_layers: int) -> str | None:
+        """Where the reference's values first went non-finite; None when its logits are finite too."""
+        if self.layer is not None:
+            return "in the embeddings" if self.layer < 0 else f"after layer {self.layer} (of {num_layers})"
+        if not bool(torch.isfinite(logits).all()):
+            return "in the final norm / LM head (every layer's hidden states finite)"
+        return None
+
+
+def first_nonfinite(model, tokens: Sequence[int]) -> str | None:
+    """Rerun one request on the single-process reference: where its values first stop being finite (None:
+    nowhere, its logits are finite)."""
+    probe = FirstNonFinite()
+    logits = model.reference_prefill(tokens, after_layer=probe)
+    return probe.where(logits, len(model.layers))
+
+
+def nonfinite_failure(result: RunResult, trace: Sequence[TraceRequest], report: VerifyReport | None = None,
+                      model=None) -> NonFiniteError | None:
+    """The error of a run with NaN/Inf logits, None when every request's logits are finite. With a verify
+    ``report`` its findings are used; without, the first bad request is rerun on the single-process reference
+    (``model``, loaded here if None) to name the layer."""
+    if report is not None:
+        entries = report.nonfinite
+    else:
+        bad = [r for r in result.requests if not r.finite]
+        if not bad:
+            return None
+        model = model or _reference_model(result.cfg)
+        tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
+        entries = [{"id": bad[0].id, "run": describe_nonfinite(bad[0].logits), "reference": None,
+                    "where": first_nonfinite(model, tokens[bad[0].id])}]
+        entries += [{"id": r.id} for r in bad[1:]]
+    if not entries:
+        return None
+    e = entries[0]
+    what = e["run"] if e["run"] else f"finite logits, but the single-process reference has {e['reference']}"
+    located = (f"first non-finite hidden state {e['where']}, found by rerunning it on the single-process reference"
+               if e["where"] else "its single-process rerun stays finite: the CP path produced them")
+    return NonFiniteError(f"request {e['id']!r}: {what} ({located}); {len(entries)} of {len(result.requests)} "
+                          "requests have non-finite logits")
+
+
+def check_finite(result: RunResult, trace: Sequence[TraceRequest], model=None) -> None:
+    """NonFiniteError unless every request's logits are finite (``nonfinite_failure``)."""
+    err = nonfinite_failure(result, trace, model=model)
+    if err is not None:
+        raise err
+
+
+def _reference_model(cfg: EngineConfig):
+    from cpkv.model.model import load_model
+
+    device = "cuda" if cfg.device == "cuda" else "cpu"
+    return load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers, precision=cfg.precision,
+                      weights=cfg.weights_dtype)
 
 
 def write_logits(path: str, result: RunResult) -> None:
@@ -150,26 +243,35 @@ def write_logits(path: str, result: RunResult) -> None:
 def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_request=None) -> VerifyReport:
     """Rerun every completed request on one process (no CP, no cache) and compare.
 
-    ok = first tokens equal and every |logit difference| <= atol + rtol * max |reference logit|.
+    ok = every logit finite on both sides, first tokens equal and every |logit difference| <= atol + rtol *
+    max |reference logit|. A request with NaN/Inf logits (the run's or the reference's) fails and is listed in
+    ``nonfinite`` with the first layer where its reference values went non-finite (such a request is rerun
+    once with a check after every layer); it takes no part in ``max_logit_diff`` (a NaN would compare as "no
+    difference").
     ``on_request(n)`` is called after the n-th request is compared (progress).
     """
-    from cpkv.model.model import load_model
-
     cfg = result.cfg
     device = "cuda" if cfg.device == "cuda" else "cpu"
-    model = model or load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers,
-                                precision=cfg.precision, weights=cfg.weights_dtype)
+    model = model or _reference_model(cfg)
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
     atol, rtol = TOLERANCE[device]
     equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol
+    nonfinite: list[dict[str, Any]] = []
     for n, r in enumerate(result.requests, start=1):
         ref = model.reference_prefill(tokens[r.id]).cpu()
-        diff = float((ref - r.logits).abs().max())
-        tol = atol + rtol * float(ref.abs().max())
-        equal &= int(ref.argmax()) == r.first_token
-        ok &= diff <= tol
-        if diff >= worst:
-            worst, worst_id, tol_used = diff, r.id, tol
+        ref_finite = bool(torch.isfinite(ref).all())
+        if not (ref_finite and r.finite):  # rerun once, checking each layer, to say where it went non-finite
+            nonfinite.append({"id": r.id, "run": None if r.finite else describe_nonfinite(r.logits),
+                              "reference": None if ref_finite else describe_nonfinite(ref),
+                              "where": first_nonfinite(model, tokens[r.id])})
+            equal, ok = False, False
+        else:
+            diff = float((ref - r.logits).abs().max())
+            tol = atol + rtol * float(ref.abs().max())
+            equal &= int(ref.argmax()) == r.first_token
+            ok &= diff <= tol
+            if diff >= worst:
+                worst, worst_id, tol_used = diff, r.id, tol
         if on_request is not None:
             on_request(n)
-    return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests))
+    return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests), nonfinite)

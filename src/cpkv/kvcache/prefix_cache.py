@@ -10,6 +10,12 @@ in the same order, so every rank takes the same decisions (matches, evictions, s
 Ownership: an inserted page's reference passes to the tree; eviction gives it back to its owner's
 allocator. Requests in flight lock the nodes they use (a node and its ancestors), so those are never
 evicted. LRU order uses a logical clock (no wall time), ties broken by node creation order.
+
+Victims come from two heaps keyed (last use, creation order), one over unlocked device leaves and one over
+unlocked host leaves, kept up to date lazily: a node is pushed whenever it becomes a candidate or its stamp
+changes, and entries that no longer hold (the node left the set, was locked, or was stamped again) are
+skipped when they reach the top. Each eviction costs O(log n) amortised instead of a scan of every leaf, and
+the victims are exactly those of that scan (tests/kvcache/test_prefix_cache_heap.py compares both).
 """
 from __future__ import annotations
 
@@ -71,6 +77,8 @@ class PrefixCache:
         self._next_id = 1
         self._device_leaves: set[Node] = set()
         self._host_leaves: set[Node] = set()
+        self._device_heap = _LeafHeap(self._device_leaves)  # LRU candidates among device leaves
+        self._host_heap = _LeafHeap(self._host_leaves)  # LRU candidates among host-tier leaves
         self.host = PageAllocator(host_pages + 1, "host tier") if host_pages > 0 else None
         self.device_pages = [0] * len(self.allocators)
         self.stats = {"spilled": 0, "reloaded": 0, "evicted": 0}
@@ -88,7 +96,7 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 break
-            child.last_use = self._clock
+            self._stamp(child)
             nodes.append(child)
             node = child
         return Match(len(nodes) * self.page_size, tuple(nodes))
@@ -115,7 +123,7 @@ class PrefixCache:
                 self.stats["reloaded"] -= 1
             else:
                 rejected.append((owner, page_id))
-            child.last_use = self._clock
+            self._stamp(child)
             node = child
         return rejected
 
@@ -145,6 +153,8 @@ class PrefixCache:
             if node.lock + delta < 0:
                 raise PageError("unlock of a node that is not locked")
             node.lock += delta
+            if node.lock == 0:
+                self._offer(node)
             node = node.parent
 
     # -- eviction and the host tier ----------------------------------------------------------------
@@ -155,18 +165,14 @@ class PrefixCache:
         node stays in the tree on the host; otherwise, or when no host slot can be freed, the node is dropped. Returns the
         number of device pages freed that count toward the target.
         """
-        heap = [(n.last_use, n.nid, n) for n in self._device_leaves if n.lock == 0]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self._device_leaves or node.lock:
-                continue
+        while freed < num_pages:
+            node = self._device_heap.pop()
+            if node is None:
+                break
             counts = owner is None or node.owner == owner
-            parent = self._evict_device(node, on_spill)
+            self._evict_device(node, on_spill)  # a parent left without device children joins the heap
             freed += int(counts)
-            if parent is not None and parent in self._device_leaves and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_use, parent.nid, parent))
         return freed
 
     def _evict_device(self, node: Node, on_spill: SpillHook | None) -> Node | None:
@@ -182,7 +188,7 @@ class PrefixCache:
             node.host_slot = slot
             self.stats["spilled"] += 1
             if not node.children:
-                self._host_leaves.add(node)
+                self._add_host_leaf(node)
         else:
             self._drop(node)
         self.stats["evicted"] += 1
@@ -191,11 +197,10 @@ class PrefixCache:
     def _host_slot(self) -> int:
         assert self.host is not None
         if self.host.num_free == 0:
-            victims = sorted(self._host_leaves, key=lambda n: (n.last_use, n.nid))
-            victims = [n for n in victims if n.lock == 0]
-            if not victims:
+            victim = self._host_heap.pop()
+            if victim is None:
                 return -1
-            self._drop_host(victims[0])
+            self._drop_host(victim)
         return self.host.allocate(1)[0]
 
     def _drop_host(self, node: Node) -> None:
@@ -210,7 +215,7 @@ class PrefixCache:
         assert parent is not None and not node.children
         del parent.children[node.key]
         if parent is not self.root and not parent.children and not parent.on_device:
-            self._host_leaves.add(parent)
+            self._add_host_leaf(parent)
 
     def reload(self, node: Node, page_id: int) -> int:
         """A spilled node's bytes were copied back into ``page_id`` of its owner; returns its host slot."""
@@ -232,6 +237,27 @@ class PrefixCache:
         node.owner = owner
 
     # -- bookkeeping -------------------------------------------------------------------------------
+    def _stamp(self, node: Node) -> None:
+        """Mark ``node`` used now; a leaf candidate is re-pushed under its new stamp."""
+        node.last_use = self._clock
+        self._offer(node)
+
+    def _offer(self, node: Node) -> None:
+        """Push ``node`` on the heap of its leaf set, if it is an unlocked leaf (no-op otherwise)."""
+        if node.lock == 0:
+            if node in self._device_leaves:
+                self._device_heap.push(node)
+            elif node in self._host_leaves:
+                self._host_heap.push(node)
+
+    def _add_device_leaf(self, node: Node) -> None:
+        self._device_leaves.add(node)
+        self._offer(node)
+
+    def _add_host_leaf(self, node: Node) -> None:
+        self._host_leaves.add(node)
+        self._offer(node)
+
     def _on_device_added(self, node: Node) -> None:
         self.device_pages[node.owner] += 1
         parent = node.parent
@@ -239,7 +265,7 @@ class PrefixCache:
             parent.device_children += 1
             self._device_leaves.discard(parent)
         if node.device_children == 0:
-            self._device_leaves.add(node)
+            self._add_device_leaf(node)
 
     def _on_device_removed(self, node: Node) -> None:
         self.device_pages[node.owner] -= 1
@@ -248,7 +274,7 @@ class PrefixCache:
         if parent is not None and parent is not self.root:
             parent.device_children -= 1
             if parent.device_children == 0 and parent.on_device:
-                self._device_leaves.add(parent)
+                self._add_device_leaf(parent)
 
     @property
     def num_device_pages(self) -> int:
@@ -265,3 +291,37 @@ class PrefixCache:
                     count += 1
                 stack.append(child)
         return count
+
+
+class _LeafHeap:
+    """Lazy min-heap of the unlocked nodes of ``members``, ordered by (last use, creation order).
+
+    ``push`` adds an entry for a node's current stamp; ``pop`` returns the least recently used node that is
+    still an unlocked member under the stamp it was pushed with (stale entries are dropped on the way). A
+    node may sit in the heap several times; stale entries are dropped when they reach the top and, once the
+    heap holds over twice as many entries as there are members, by a rebuild from the members (amortised
+    O(1) per push).
+    """
+
+    def __init__(self, members: set[Node]) -> None:
+        self.members = members
+        self._heap: list[tuple[int, int, int, Node]] = []  # (last_use, nid, push counter, node)
+        self._pushes = 0
+
+    def push(self, node: Node) -> None:
+        self._pushes += 1
+        heapq.heappush(self._heap, (node.last_use, node.nid, self._pushes, node))
+        if len(self._heap) > 2 * len(self.members) + 64:  # mostly stale: rebuild from the members
+            self._heap = [(n.last_use, n.nid, self._pushes, n) for n in self.members if n.lock == 0]
+            heapq.heapify(self._heap)
+
+    def pop(self) -> Node | None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._valid(entry):
+                return entry[3]
+        return None
+
+    def _valid(self, entry: tuple[int, int, int, Node]) -> bool:
+        node = entry[3]
+        return node.lock == 0 and node.last_use == entry[0] and node in self.members

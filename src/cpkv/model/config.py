@@ -11,11 +11,19 @@ or the older ``rope_scaling`` + ``rope_theta``, plain or YaRN) and, for GLM-5, t
 of its three forms: ``indexer_types`` (a list of "full"/"shared"), ``index_topk_pattern`` ("FSSF..." or a
 list), or ``index_topk_freq`` + ``index_skip_topk_offset``. DeepSeek-V3.2 runs the indexer on every layer
 and rotates its rope dims in halves; GLM-5 rotates them interleaved.
+
+Every field is checked for its JSON type and range before use, each problem one CheckpointError naming the
+key: ``model_type`` is required; the shape keys and the MoE counts are integers >= 1
+(``first_k_dense_replace``, ``n_shared_experts``, ``index_skip_topk_offset`` >= 0); ``rms_norm_eps``,
+``routed_scaling_factor`` and ``rope_theta`` finite numbers > 0 (no NaN, no Infinity); ``norm_topk_prob``
+a JSON boolean (``"false"``, a string, is refused: it would read as true); the per-layer patterns lists
+naming every layer with the allowed values.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +54,8 @@ HF_KEYS: dict[str, str] = {
 # optional keys and their defaults when absent (transformers' config defaults)
 INT_KEYS = {"first_k_dense_replace": 3, "moe_intermediate_size": 2048, "n_routed_experts": 256,
             "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1}
-FLOAT_KEYS = {"rms_norm_eps": 1e-6, "routed_scaling_factor": 2.5}
+ZERO_OK = ("first_k_dense_replace", "n_shared_experts")  # integer keys that may be 0; the others must be >= 1
+FLOAT_KEYS = {"rms_norm_eps": 1e-6, "routed_scaling_factor": 2.5}  # finite and > 0
 YARN_KEYS = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
@@ -54,18 +63,20 @@ def config_from_dict(raw: dict[str, Any], name: str = "checkpoint") -> ModelConf
     """A ModelConfig from a parsed ``config.json`` (problems named in a CheckpointError)."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{name}: config.json must hold a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type", "deepseek_v32")
-    if model_type not in MODEL_TYPES:
+    if "model_type" not in raw:
+        raise CheckpointError(f"{name}: config.json lacks model_type (expected one of {', '.join(MODEL_TYPES)})")
+    model_type = raw["model_type"]
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise CheckpointError(f"{name}: config.json model_type {model_type!r} is not supported; expected one of "
                               f"{', '.join(MODEL_TYPES)}")
     missing = [key for key in HF_KEYS.values() if key not in raw]
     if missing:
         raise CheckpointError(f"{name}: config.json lacks {', '.join(missing)}")
     try:
-        values: dict[str, Any] = {field: _int(raw[key]) for field, key in HF_KEYS.items()}
-        values.update({k: _int(raw.get(k, d)) for k, d in INT_KEYS.items()})
-        values.update({k: float(raw.get(k, d)) for k, d in FLOAT_KEYS.items()})
-        values["norm_topk_prob"] = bool(raw.get("norm_topk_prob", True))
+        values: dict[str, Any] = {field: _int(raw[key], key, 1) for field, key in HF_KEYS.items()}
+        values.update({k: _int(raw.get(k, d), k, 0 if k in ZERO_OK else 1) for k, d in INT_KEYS.items()})
+        values.update({k: _positive(raw.get(k, d), k) for k, d in FLOAT_KEYS.items()})
+        values["norm_topk_prob"] = _bool(raw.get("norm_topk_prob", True), "norm_topk_prob")
         values["rope"] = rope_from_dict(raw, values["max_context"])
         values.update(_patterns(raw, model_type, values["num_layers"]))
         return ModelConfig(name=name, model_type=model_type,
@@ -74,10 +85,32 @@ def config_from_dict(raw: dict[str, Any], name: str = "checkpoint") -> ModelConf
         raise CheckpointError(f"{name}: config.json: {exc}") from None
 
 
-def _int(x: Any) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or int(x) != x:
-        raise ValueError(f"expected an integer, got {x!r}")
+def _int(x: Any, key: str = "value", low: int | None = None) -> int:
+    """A JSON integer (an integral float such as 4.0 too; not a bool, not a string), >= ``low`` if given."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or int(x) != x:
+        raise ValueError(f"{key}: expected an integer{'' if low is None else f' >= {low}'}, got {x!r}")
+    if low is not None and x < low:
+        raise ValueError(f"{key}: expected an integer >= {low}, got {int(x)}")
     return int(x)
+
+
+def _number(x: Any, key: str) -> float:
+    """A finite JSON number (not a bool, not a string, not NaN or Infinity)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{key}: expected a finite number, got {x!r}")
+    return float(x)
+
+
+def _positive(x: Any, key: str) -> float:
+    if _number(x, key) <= 0:
+        raise ValueError(f"{key}: expected a finite number > 0, got {x!r}")
+    return float(x)
+
+
+def _bool(x: Any, key: str) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"{key}: expected true or false (a JSON boolean), got {x!r}")
+    return x
 
 
 def rope_from_dict(raw: dict[str, Any], max_positions: int) -> RopeConfig:
@@ -86,38 +119,55 @@ def rope_from_dict(raw: dict[str, Any], max_positions: int) -> RopeConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope_parameters must be an object, got {params!r}")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _positive(params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return RopeConfig(theta=theta)
     original = _int(params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings",
-                                                                             max_positions)))
-    extra = {k: float(params[k]) for k in YARN_KEYS if params.get(k) is not None}
+                                                                             max_positions)),
+                    "original_max_position_embeddings", 1)
+    extra = {k: _number(params[k], k) for k in YARN_KEYS if params.get(k) is not None}
     if "factor" not in extra:
         extra["factor"] = max_positions / original
     return RopeConfig(theta=theta, type=kind, original_max_position_embeddings=original,
-                      truncate=bool(params.get("truncate", True)), **extra)
+                      truncate=_bool(params.get("truncate", True), "truncate"), **extra)
 
 
 def _patterns(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
     """Indexer and MLP per-layer patterns from whichever form the config uses."""
     out: dict[str, Any] = {}
     if raw.get("mlp_layer_types") is not None:
-        out["mlp_pattern"] = tuple(raw["mlp_layer_types"])
+        out["mlp_pattern"] = _layer_list(raw["mlp_layer_types"], "mlp_layer_types", ("dense", "sparse"), layers)
     if model_type != "glm_moe_dsa":
         return out  # DeepSeek-V3.2: every layer runs its indexer
     types, pattern = raw.get("indexer_types"), raw.get("index_topk_pattern")
     if types is not None:
-        out["indexer_pattern"] = tuple(types)
+        out["indexer_pattern"] = _layer_list(types, "indexer_types", ("full", "shared"), layers)
     elif pattern is not None:
         letters = {"F": "full", "S": "shared"}
-        if isinstance(pattern, str) and set(pattern) - set(letters):
-            raise ValueError(f"index_topk_pattern must hold only F and S, got {pattern!r}")
-        out["indexer_pattern"] = tuple(letters[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+        if isinstance(pattern, str):
+            if set(pattern) - set(letters):
+                raise ValueError(f"index_topk_pattern must hold only F and S, got {pattern!r}")
+            pattern = [letters[c] for c in pattern]
+        out["indexer_pattern"] = _layer_list(pattern, "index_topk_pattern", ("full", "shared"), layers,
+                                             "a string of F/S, one letter per layer, or ")
     else:
-        out["index_topk_freq"] = max(_int(raw.get("index_topk_freq", 1)), 1)
-        out["index_skip_topk_offset"] = _int(raw.get("index_skip_topk_offset", 2))
+        out["index_topk_freq"] = max(_int(raw.get("index_topk_freq", 1), "index_topk_freq", 0), 1)  # 0 reads as 1
+        out["index_skip_topk_offset"] = _int(raw.get("index_skip_topk_offset", 2), "index_skip_topk_offset", 0)
     return out
+
+
+def _layer_list(value: Any, key: str, allowed: tuple[str, ...], layers: int, other: str = "") -> tuple[str, ...]:
+    """A per-layer pattern: a JSON list of ``layers`` strings, each one of ``allowed``."""
+    want = f"{other}a list of {layers} strings, one per layer, each {' or '.join(map(repr, allowed))}"
+    if not isinstance(value, list):
+        raise ValueError(f"{key}: expected {want}; got {value!r}")
+    bad = sorted({repr(x) for x in value if x not in allowed})
+    if bad:
+        raise ValueError(f"{key}: expected {want}; got {', '.join(bad)}")
+    if len(value) != layers:
+        raise ValueError(f"{key} must name all {layers} layers (num_hidden_layers), got {len(value)}: expected {want}")
+    return tuple(value)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:

@@ -7,7 +7,7 @@ engine must reproduce its first tokens and, within tolerance, its last-token log
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +107,22 @@ class DSAModel:
         return {k: sum(layer.stats[k] for layer in self.layers) for k in ("dense", "sparse")}
 
     # -- the single-process reference ---------------------------------------------------------------
-    def reference_prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        """One request from scratch on one process -> float32 [vocab] logits of its last token."""
+    def reference_prefill(self, tokens: Sequence[int],
+                          after_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One request from scratch on one process -> float32 [vocab] logits of its last token.
+        ``after_layer(n, h)`` sees the hidden states [T, hidden] after layer n (n = -1: the embeddings)."""
         n = len(tokens)
         ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
         rot = self.rotary(torch.arange(n, device=self.device))
         plan = AttnPlan.build([0] * n, list(range(1, n + 1)), self.cfg.index_topk, self.device)
         h, topk = self.embed(ids), None
-        for layer in self.layers:
+        if after_layer is not None:
+            after_layer(-1, h)
+        for i, layer in enumerate(self.layers):
             p = layer.project(h, rot)
             h, topk = layer.attend(h, p, {"token": p.token, "index": p.index}, plan, topk)
+            if after_layer is not None:
+                after_layer(i, h)
         return self.logits(h[-1:])[0]
 
 
