@@ -66,7 +66,7 @@ def test_activation_quantisation_groups():
     err = (act_dequant_ref(q, s) - x).abs()
     assert (err <= s.repeat_interleave(128, 1)[:, :300] * 448 * 2 ** -4 + 1e-7).all()  # e4m3: 3 mantissa bits
     qa = quant_act(x)  # CPU: the reference, scales laid out outer-dim-major as torch._scaled_mm wants
-    assert torch.equal(qa.q.float(), q.float()) and torch.equal(qa.s, s) and qa.s.stride() == (1, 6)
+    assert torch.equal(qa.q.float(), q.float()) and torch.equal(qa.s, s) and qa.s.stride() == (1, 8)  # rows padded to 4s
     dense = torch.randn(5, 300, generator=torch.Generator().manual_seed(6))
     assert torch.equal(Linear(dense)(qa), torch.nn.functional.linear(x, dense))  # a dense layer reads x itself
 
@@ -281,3 +281,23 @@ def test_scaled_mm_call_meets_the_block_layout_checks(monkeypatch, m):
     g, u = fp8_linear_quant_ref(q, xs, gu, gus).chunk(2, dim=-1)
     want = (torch.nn.functional.silu(g) * u) @ dequant_blocks(dn, dns).t()
     assert (out.float() - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+def test_scaled_mm_operands_padded_to_four_rows(m):
+    """cuBLAS refuses a block-scale matrix whose leading dimension is not a multiple of 4 (one decode token):
+    ``_padded`` hands it the quantised buffers' own padding rows (no copy), else a zero-padded copy; the first
+    m rows are the activation's either way."""
+    from cpkv.model.linear import _padded, empty_quant
+
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    q, s = act_quant_ref(x)
+    m4 = max(4, -(-m // 4) * 4)
+    bq, bs = empty_quant(m, 256, torch.device("cpu"))
+    bq.copy_(q)
+    bs.copy_(s)
+    for src_q, src_s in ((bq, bs), (q, s.t().contiguous().t())):
+        pq, ps = _padded(src_q, src_s)
+        assert pq.shape == (m4, 256) and ps.shape == (m4, 2) and ps.stride() == (1, m4)
+        assert torch.equal(pq[:m].float(), q.float()) and torch.equal(ps[:m], s)
+    assert _padded(bq, bs)[0].data_ptr() == bq.data_ptr()  # the buffer's own rows: no copy

@@ -108,10 +108,16 @@ def quant_act(x: torch.Tensor) -> QuantAct:
 
 
 def empty_quant(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [m, k], float32 (m, ceil(k/128)) with strides (1, m)), uninitialised."""
-    g = -(-k // BLOCK)
-    return (torch.empty(m, k, dtype=FP8, device=device),
-            torch.empty(g, m, dtype=torch.float32, device=device).t())
+    """(fp8 [m, k], float32 (m, ceil(k/128)) with strides (1, m4)), uninitialised; m4 = m rounded up to a
+    multiple of 4: both are views of buffers of m4 rows, so ``_scaled_mm`` can hand cuBLAS a scale matrix
+    whose leading dimension is a multiple of 4 (it refuses others, e.g. one decode token) without a copy."""
+    g, m4 = -(-k // BLOCK), _round4(m)
+    q = torch.empty(m4, k, dtype=FP8, device=device)
+    return q[:m], torch.empty(g, m4, dtype=torch.float32, device=device).t()[:m]
+
+
+def _round4(m: int) -> int:
+    return max(4, -(-m // 4) * 4)
 
 
 def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -128,13 +134,38 @@ def _scaled_mm(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
     shape = tuple(w.shape)
     if x.q.shape[0] == 0 or shape in _SCALED_MM_FAILED:
         return fp8_linear_ref(x.dequant(), w, w_scale)
+    m = x.q.shape[0]
+    q, s = _padded(x.q, x.s)
     try:
-        return torch._scaled_mm(x.q, w.t(), scale_a=x.s, scale_b=w_scale.t(), out_dtype=x.dtype)
+        out = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale.t(), out_dtype=x.dtype)
     except (RuntimeError, NotImplementedError) as exc:  # a build / GPU without this block layout: remember
         _SCALED_MM_FAILED.add(shape)
         print(f"cpkv: torch._scaled_mm refused the 1x128 / 128x128 block-scaled layout for a weight of shape "
               f"{list(shape)} ({exc}); that layer runs dequantised", file=sys.stderr)
         return fp8_linear_ref(x.dequant(), w, w_scale)
+    return out if out.shape[0] == m else out[:m]
+
+
+def _padded(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q fp8 [M, K], s (M, G) outer-dim-major -> the same with a multiple of 4 rows (cuBLAS's scale leading
+    dimension): the ``empty_quant`` buffers' own padding rows when present (their values only reach output
+    rows that are dropped: GEMM rows are independent), else a zero-padded copy."""
+    m, k = q.shape
+    m4 = _round4(m)
+    if m4 == m and s.stride() == (1, m):
+        return q, s
+    if s.stride() == (1, m4) and q.stride() == (k, 1) and _room(q, m4 * k) and _room(s, s.shape[1] * m4):
+        return q.as_strided((m4, k), (k, 1)), s.as_strided((m4, s.shape[1]), (1, m4))
+    qp = torch.zeros(m4, k, dtype=q.dtype, device=q.device)
+    qp[:m] = q
+    sp = torch.zeros(s.shape[1], m4, dtype=s.dtype, device=s.device).t()
+    sp[:m] = s
+    return qp, sp
+
+
+def _room(t: torch.Tensor, elements: int) -> bool:
+    """True when ``t``'s storage holds ``elements`` elements from its offset."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + elements) * t.element_size()
 
 
 def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
