@@ -10,19 +10,19 @@ HELP = "Compose dense KV in N real rank processes with every mode; compare byte 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import positive_float
+    from cpkv.cli import args as a
 
-    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
-    p.add_argument("--batches", type=int, default=6, help="random batches (default 6)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", type=a.bounded_int(1, 100_000), default=6, help="random batches (default 6)")
+    p.add_argument("--seed", type=a.seed, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per page (power of two, default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
+    p.add_argument("--layers", type=a.layers, default=3, help="layers composed per batch (default 3)")
     p.add_argument("--model", default="tiny",
                    help="preset whose KV row sizes are composed (tiny, glm5, deepseek-v32; default tiny)")
-    p.add_argument("--timeout", type=positive_float, default=600.0,
+    p.add_argument("--timeout", type=a.timeout_s, default=600.0,
                    help="seconds before the ranks are ended (default 600; raise it for long soaks)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -10,17 +10,19 @@ HELP = "Time every compose mode at the traced-batch shape, and the page gather a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli import args as a
+
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--model", default="glm5", help="row sizes and layer count from this preset (default glm5)")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--extend-tokens", type=int, default=44_600, help="query tokens of the batch (default 44600)")
-    p.add_argument("--prefix-tokens", type=int, default=500_000, help="cached prefix tokens (default 500000)")
-    p.add_argument("--layers", type=int, default=4,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--requests", type=a.batch_requests, default=12)
+    p.add_argument("--extend-tokens", type=a.tokens, default=44_600, help="query tokens of the batch (default 44600)")
+    p.add_argument("--prefix-tokens", type=a.bounded_int(0, 1 << 30), default=500_000, help="cached prefix tokens (default 500000)")
+    p.add_argument("--layers", type=a.layers, default=4,
                    help="layers timed per iteration; the per-batch figure is scaled to the model's layers")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=a.bounded_int(1, 100_000), default=3)
     p.add_argument("--no-kernel", action="store_true", help="skip the gather-kernel bandwidth bench")
     p.add_argument("--json", action="store_true")
 

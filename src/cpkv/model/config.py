@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cpkv.config import PRESETS, ModelConfig, RopeConfig, preset
+from cpkv.config import PRESET_PREFIX, PRESETS, ModelConfig, RopeConfig, model_source, preset
 from cpkv.errors import CheckpointError, ConfigError
 
 MODEL_TYPES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
@@ -142,18 +142,20 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
-    """``spec``: a preset name (tiny, glm5, deepseek-v32) or a directory holding config.json.
+    """``spec``: a preset (``preset:glm5``, or plain ``glm5`` while no such directory exists: ``model_source``)
+    or a directory holding config.json.
 
     ``num_layers`` keeps the first layers only (benchmarks run a few layers at real shapes; the
     per-layer patterns are cut to match).
     """
-    if spec in PRESETS:
-        cfg = preset(spec)
+    kind, where = model_source(spec)
+    if kind == "preset":
+        cfg = preset(where)
     else:
         path = Path(spec)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}) or a directory "
-                              f"holding config.json")
+            raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}; or "
+                              f"{PRESET_PREFIX}NAME) or a directory holding config.json")
         try:
             raw = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes

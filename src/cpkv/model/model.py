@@ -106,6 +106,8 @@ def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", 
 
     dtype = dtype or default_dtype(device)
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
-    if Path(spec).is_dir():
+    from cpkv.config import model_source
+
+    if model_source(spec)[0] == "dir":  # the same decision as load_model_config's
         return DSAModel.from_pretrained(spec, cfg, device, dtype)
     return DSAModel.random(cfg, seed, device, dtype)
