@@ -50,6 +50,23 @@ def destination(path: str | Path) -> Path:
         return Path(os.path.realpath(path))
 
 
+def absent(path: str | Path) -> str:
+    """Why a folder does not hold ``path`` as a readable file, as a verb phrase for "<folder> ...":
+    'lacks', 'holds only as a symlink loop', 'holds only as a dangling symlink (to ...)', 'holds as a directory'."""
+    if os.path.islink(path):
+        try:
+            destination(path)
+        except ConfigError:
+            return "holds only as a symlink loop"
+        if not os.path.exists(path):
+            return f"holds only as a dangling symlink (to {os.readlink(path)!r})"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "lacks"
+    return f"holds as {kind(st)}, not a file" if kind(st) else "holds, but cannot read it"
+
+
 def kind(st: os.stat_result) -> str | None:
     """'a directory', 'a FIFO', ... for anything but a regular file; None for a regular file."""
     return next((what for test, what in _KINDS if test(st.st_mode)), None)

@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         fmt.table(("name", "default", "set to", "description"),
                   [(n, d, c + ("  <- INVALID" if p else ""), h) for n, d, c, p, h in rows])
-    bad = [p for *_, p, _ in rows if p]
+    bad = [p for *_, p, _ in rows if p] + envs.unknown()
+    if envs.unknown() and not args.json:
+        print("\n" + "\n".join(envs.unknown()))
     if bad:
         raise ConfigError("; ".join(bad))
     return 0

@@ -29,6 +29,8 @@ HINTS = {
     "cached_tokens": "raise --pages-per-rank (now {pages_per_rank}) or --cp (now {cp})",
     "pages": "raise --pages-per-rank (now {pages_per_rank})",
     "buffer_bytes": "lower --chunk-size (now {chunk_size})",
+    "logits_budget": "raise CPKV_MQA_LOGITS_CHUNK_MAX_GB (one indexer logits row of the prompt exceeds it; "
+                     "--chunk-size does not change it)",
     "chunk_size": "raise --chunk-size (now {chunk_size})",
     "parent": "their parent requests were rejected",
 }

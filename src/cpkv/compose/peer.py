@@ -35,7 +35,7 @@ import torch
 
 from cpkv import envs
 from cpkv.dist import RankContext
-from cpkv.errors import ComposeError
+from cpkv.errors import ComposeError, PoolExhausted
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -138,10 +138,19 @@ class PeerMemory:
             raise ComposeError(f"peer buffer {name!r} is already allocated on rank {self.ctx.rank}")
 
     def _shm(self, shape: tuple[int, ...], name: str, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+        """A zeroed buffer backed by a new /dev/shm file. The file is removed on every exit path: after the
+        exchange, at exit, and at once when creating, sizing or mapping it fails (a failed ftruncate/mmap of a
+        huge size must not leave a sparse file of that size behind)."""
         path = os.path.join(SHM_DIR, f"cpkv-{self.token}-r{self.ctx.rank}-{name}")
         nbytes = max(1, _numel(shape) * torch.empty((), dtype=dtype).element_size())
-        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        self._files.append(path)
+        _check_shm_room(nbytes, name)
+        self._files.append(path)  # before the file exists: _unlink removes it whatever happens next
+        try:
+            flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except BaseException:
+            _remove(path)
+            self._files.remove(path)
+            raise
         return flat[: _numel(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape), path
 
     # exchange -------------------------------------------------------------------------------------
@@ -197,10 +206,7 @@ class PeerMemory:
 
     def _unlink(self) -> None:
         for path in self._files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _remove(path)
         self._files.clear()
 
     def close(self) -> None:
@@ -208,6 +214,25 @@ class PeerMemory:
         self._peers.clear()
         self._own.clear()
         self._handles.clear()
+
+
+def _check_shm_room(nbytes: int, name: str) -> None:
+    """PoolExhausted when /dev/shm cannot hold ``nbytes`` more (checked before the file is created)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise PoolExhausted(f"peer buffer {name!r}: needs {nbytes} bytes of {SHM_DIR}, which has {free} free; "
+                            "lower --pages-per-rank / --host-pages or --cp")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _numel(shape: tuple[int, ...]) -> int:

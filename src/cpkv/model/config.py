@@ -20,6 +20,7 @@ from typing import Any
 
 from cpkv.config import PRESET_PREFIX, PRESETS, ModelConfig, RopeConfig, model_source, preset
 from cpkv.errors import CheckpointError, ConfigError
+from cpkv.files import absent
 
 MODEL_TYPES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
@@ -100,21 +101,41 @@ def _patterns(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, An
     """Indexer and MLP per-layer patterns from whichever form the config uses."""
     out: dict[str, Any] = {}
     if raw.get("mlp_layer_types") is not None:
-        out["mlp_pattern"] = tuple(raw["mlp_layer_types"])
+        out["mlp_pattern"] = _layer_list(raw["mlp_layer_types"], "mlp_layer_types", ("dense", "sparse"), layers)
     if model_type != "glm_moe_dsa":
         return out  # DeepSeek-V3.2: every layer runs its indexer
     types, pattern = raw.get("indexer_types"), raw.get("index_topk_pattern")
     if types is not None:
-        out["indexer_pattern"] = tuple(types)
+        out["indexer_pattern"] = _layer_list(types, "indexer_types", ("full", "shared"), layers)
     elif pattern is not None:
         letters = {"F": "full", "S": "shared"}
-        if isinstance(pattern, str) and set(pattern) - set(letters):
-            raise ValueError(f"index_topk_pattern must hold only F and S, got {pattern!r}")
-        out["indexer_pattern"] = tuple(letters[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+        if isinstance(pattern, str):
+            bad = next((i for i, c in enumerate(pattern) if c not in letters), None)
+            if bad is not None:
+                raise ValueError(f"index_topk_pattern: expected one letter per layer, F (full) or S (shared), got "
+                                 f"{pattern[bad]!r} at layer {bad} of {pattern[:80]!r}")
+            out["indexer_pattern"] = _layer_list([letters[c] for c in pattern], "index_topk_pattern", ("full", "shared"),
+                                                 layers)
+        else:
+            out["indexer_pattern"] = _layer_list(pattern, "index_topk_pattern", ("full", "shared"), layers)
     else:
         out["index_topk_freq"] = max(_int(raw.get("index_topk_freq", 1)), 1)
         out["index_skip_topk_offset"] = _int(raw.get("index_skip_topk_offset", 2))
     return out
+
+
+def _layer_list(value: Any, key: str, allowed: tuple[str, ...], layers: int) -> tuple[str, ...]:
+    """A per-layer pattern of config.json: a list of ``allowed`` names, one per layer (num_hidden_layers)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{key}: expected a list of {' / '.join(map(repr, allowed))}, one per layer, got "
+                         f"{type(value).__name__} {str(value)[:80]!r}")
+    bad = next((i for i, v in enumerate(value) if v not in allowed), None)
+    if bad is not None:
+        raise ValueError(f"{key}: expected {' or '.join(map(repr, allowed))} for every layer, got {value[bad]!r} at "
+                         f"layer {bad}")
+    if len(value) != layers:
+        raise ValueError(f"{key}: expected one entry per layer (num_hidden_layers = {layers}), got {len(value)}")
+    return tuple(value)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -153,6 +174,8 @@ def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
         cfg = preset(where)
     else:
         path = Path(spec)
+        if path.is_dir() and not (path / "config.json").is_file() and absent(path / "config.json") != "lacks":
+            raise ConfigError(f"--model {spec!r}: config.json: the directory {absent(path / 'config.json')}")
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}; or "
                               f"{PRESET_PREFIX}NAME) or a directory holding config.json")
