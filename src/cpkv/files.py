@@ -81,6 +81,9 @@ def output_problem(path: str | Path) -> str | None:
     except ConfigError as exc:
         return f"expected a file name, got a symlink loop ({exc})"
     via = f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
+    long = _name_problem(dest)
+    if long:
+        return long
     try:
         st = os.stat(dest)
     except FileNotFoundError:
@@ -94,16 +97,20 @@ def output_problem(path: str | Path) -> str | None:
     return _folder_problem(dest)
 
 
-def _folder_problem(dest: Path) -> str | None:
-    parent = dest.parent
-    if not parent.is_dir():
-        return f"the folder {str(parent)!r} does not exist"
+def _name_problem(dest: Path) -> str | None:
     try:
-        limit = os.pathconf(parent, "PC_NAME_MAX")
+        limit = os.pathconf(dest.parent if dest.parent.is_dir() else "/", "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
     if len(os.fsencode(dest.name)) > limit:
         return f"the file name is {len(os.fsencode(dest.name))} bytes, the file system takes at most {limit}"
+    return None
+
+
+def _folder_problem(dest: Path) -> str | None:
+    parent = dest.parent
+    if not parent.is_dir():
+        return f"the folder {str(parent)!r} does not exist"
     probe = parent / f".cpkv-{secrets.token_hex(6)}.probe"  # a short name: any name the folder takes is tried
     try:
         probe.open("x").close()

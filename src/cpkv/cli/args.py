@@ -82,8 +82,8 @@ def document_ranges(parser: argparse.ArgumentParser) -> None:
     """Append each bounded option's range to its --help line (the ranges live in one place: the types)."""
     for action in parser._actions:
         text = getattr(action.type, "range_text", None)
-        if text and action.help and text not in action.help:
-            action.help += f" [{text}]"
+        if text and action.help is not argparse.SUPPRESS and text not in (action.help or ""):
+            action.help = f"{action.help} [{text}]" if action.help else f"[{text}]"
 
 
 # the limits every numeric option of every command is held to (README, "Reliability")
