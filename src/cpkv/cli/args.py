@@ -1,10 +1,11 @@
-"""Argument helpers shared by the commands: numeric argparse types, output files, device checks. No torch import
-at module level.
+"""Argument helpers shared by the commands: bounded numeric argparse types, output files, device checks. No torch
+import at module level.
 
-Numeric types turn a bad value into an argparse usage error (exit 2, one line naming the option, what was
-expected and what came). Output files (``--log-batches``, ``--save-trace``, ``--plot``) are checked before any
-work starts and written through :func:`atomic_output`, so a failed or interrupted run never leaves a partly
-written file behind (an existing file keeps its old contents).
+Numeric types carry their range (``bounds``, ``range_text``; the registry appends it to each option's --help)
+and turn a bad value into an argparse usage error (exit 2, one line naming the option, what was expected and
+what came), before anything is read or allocated. The limits themselves (``MAX_*``) are listed in README,
+"Reliability". Output files (``--logits-out``, ``--log-batches``, ``--save-trace``, ``--plot``) follow the
+output policy of :mod:`cpkv.files`: checked before any work starts, written through :func:`atomic_output`.
 """
 from __future__ import annotations
 

@@ -131,7 +131,8 @@ def check_run_fits(cfg, model_cfg: ModelConfig, verify: bool, free: HostMemory |
     option, bytes_ = max(parts.items(), key=lambda kv: kv[1])
     what = {"--pages-per-rank": "the KV pools", "--host-pages": "the host tiers",
             "--model": "the weights (a copy per rank, and one to verify)", "--cp": "the rank processes"}
-    raise ConfigError(f"{option}: {what[option.split()[0]]} need {size_text(bytes_)} of host memory "
-                      f"({size_text(need.total)} in all, {cfg.cp} ranks), this machine has "
-                      f"{size_text(free.available)} available; lower {option.split()[0]}"
-                      + (" or --cp" if cfg.cp > 1 and not option.startswith("--cp") else ""))
+    flag = option.split()[0]
+    fix = ("give fewer --num-layers or a smaller --model, or run on --device cuda" if flag == "--model"
+           else f"lower {flag}" + (" or --cp" if cfg.cp > 1 and flag != "--cp" else ""))
+    raise ConfigError(f"{option}: {what[flag]} need {size_text(bytes_)} of host memory ({size_text(need.total)} in "
+                      f"all, {cfg.cp} ranks), this machine has {size_text(free.available)} available; {fix}")
