@@ -78,8 +78,8 @@ def output_problem(path: str | Path) -> str | None:
         return "expected a file name, got an empty string"
     try:
         dest = destination(path)
-    except ConfigError as exc:
-        return f"expected a file name, got a symlink loop ({exc})"
+    except ConfigError:
+        return "expected a file name, got a symlink loop (the links point at each other, never at a file)"
     via = f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
     long = _name_problem(dest)
     if long:
