@@ -73,3 +73,22 @@ def test_a_failed_mapping_removes_its_segment(monkeypatch):
     assert t.shape == (16,) and len(_segments(mem)) == 1
     mem.close()
     assert _segments(mem) == []
+
+
+def _die_holding_a_segment(ctx):
+    mem = PeerMemory.create(ctx)
+    mem.alloc_host((16,), "pads", torch.int64)
+    path = os.path.join(peer.SHM_DIR, f"cpkv-{mem.token}-r{ctx.rank}-pads")
+    assert os.path.exists(path) and mem.token.startswith(f"{os.getppid()}x")  # else this rank raises instead
+    ctx.barrier()
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no atexit handler runs: the segment stays, until the parent goes
+    ctx.barrier()
+    return ctx.rank
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_segments_of_a_killed_rank_are_removed_by_the_launcher():
+    with pytest.raises(RankFailure, match=r"^rank 1 was killed by SIGKILL"):
+        launch(_die_holding_a_segment, 2, timeout_s=300, grace_s=0.5)
+    assert [f for f in os.listdir(peer.SHM_DIR) if f.startswith(f"cpkv-{os.getpid()}x")] == []

@@ -9,7 +9,8 @@
 Transports (``mem.kind``):
 
 - ``shm``: CPU tensors backed by ``/dev/shm/cpkv-<token>-r<rank>-<name>`` files, mapped by every rank
-  (``torch.from_file(shared=True)``); files are unlinked once every rank has mapped them.
+  (``torch.from_file(shared=True)``); files are unlinked once every rank has mapped them, at exit, when
+  creating one fails, and by the launching parent after its ranks are gone (the token leads with its pid).
 - ``cuda-ipc``: device memory from torch's allocator, its CUDA IPC handle
   (``torch.multiprocessing.reductions.reduce_tensor``) exchanged once with ``all_gather_object`` and
   opened in the reading rank's own device context (peers' buffers then appear on this rank's device,
@@ -69,7 +70,7 @@ class PeerMemory:
         want peer memory (``CPKV_DISABLE_PEER_MEMORY`` set in its environment only) says so in the probe's
         exchange, and the whole group settles on "none" at once.
         """
-        token = ctx.all_gather_object(uuid.uuid4().hex[:12] if ctx.rank == 0 else None)[0]
+        token = ctx.all_gather_object(segment_token(os.getppid()) if ctx.rank == 0 else None)[0]
         want = (not envs.get("CPKV_DISABLE_PEER_MEMORY")) if enabled is None else enabled
         kind = "shm" if ctx.device.type == "cpu" else "cuda-ipc"
         probe = cls(ctx, kind, token)
@@ -214,6 +215,13 @@ class PeerMemory:
         self._peers.clear()
         self._own.clear()
         self._handles.clear()
+
+
+def segment_token(parent: int) -> str:
+    """A fresh token for one group's segments, led by the launching parent's pid: ``cpkv.dist.launch`` removes
+    ``/dev/shm/cpkv-<parent>x*`` after its ranks are gone, so a rank killed before its exchange (SIGKILL runs
+    no atexit handler) leaves nothing behind."""
+    return f"{parent}x{uuid.uuid4().hex[:8]}"
 
 
 def _check_shm_room(nbytes: int, name: str) -> None:

@@ -233,8 +233,9 @@ def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args
                 send.close()
             procs.append(p)  # only started processes: the clean-up below never joins one that never ran
         watch.run()
-    finally:  # also on an interrupt: no rank outlives the launch
+    finally:  # also on an interrupt: no rank outlives the launch, no segment outlives its rank
         _end(procs, early=len(watch.results) < world_size)
+        _remove_segments(os.getpid())
         for c in conns:
             c.close()
         del store
@@ -345,6 +346,18 @@ def _end(procs: list, early: bool) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _remove_segments(parent: int) -> None:
+    """Remove the /dev/shm segments of this parent's rank groups (``compose.peer.segment_token`` names them
+    ``cpkv-<parent>x...``): a rank killed by a signal runs no clean-up of its own."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/cpkv-{parent}x*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
