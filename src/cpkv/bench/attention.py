@@ -70,6 +70,10 @@ def _shape_list(text: str) -> list[tuple[int, int, int]]:
     return shapes  # type: ignore[return-value]
 
 
+_shape_list.bounds = (1, 1 << 30)  # type: ignore[attr-defined]
+_shape_list.range_text = "each count 1..2^30"  # type: ignore[attr-defined]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 

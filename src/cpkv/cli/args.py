@@ -142,6 +142,10 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+int_list.bounds = (1, MAX_TOKENS)  # type: ignore[attr-defined]
+int_list.range_text = "each 1..2^24"  # type: ignore[attr-defined]
+
+
 def check_distinct(paths: Mapping[str, str | None], inputs: Mapping[str, object] = {}) -> None:
     """Every output path (option -> path) can take a file under the output policy (cpkv.files) and names
     neither an input (label -> path or paths) nor another output; ConfigError naming the option otherwise."""

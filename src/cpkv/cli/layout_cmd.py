@@ -28,7 +28,8 @@ def parse_req(text: str) -> tuple[int, int]:
     return prefix, extend
 
 
-parse_req.range_text = "each of PREFIX, EXTEND in 0..2^24"  # type: ignore[attr-defined]
+parse_req.bounds = (0, 1 << 24)  # type: ignore[attr-defined]
+parse_req.range_text = "PREFIX, EXTEND each up to 2^24"  # type: ignore[attr-defined]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
