@@ -114,6 +114,10 @@ def test_glm5_weights_estimate_is_its_size():
     (["run", "--model", "glm5", "--device", "cpu"], "--model glm5: the weights"),
     (["replay", "--kv-tokens-per-rank", str(1 << 40)], "--kv-tokens-per-rank 1099511627776: the simulated pools hold"),
     (["layout", "--cp", "2", "--page-size", "1", "--req", "0:16777216"], "--req: the batch spans 16777216 pages"),
+    (["check", "compose", "--page-size", "65536", "--layers", "1024", "--model", "glm5"],
+     "--page-size 65536 --layers 1024: the ranks' KV pools and buffers need"),
+    (["bench", "compose", "--device", "cpu", "--prefix-tokens", str(1 << 30), "--layers", "1024"],
+     "--prefix-tokens 1073741824 --extend-tokens 44600: the pools and dense buffers need"),
 ])
 def test_commands_refuse_what_this_machine_cannot_hold(argv, needle, capsys):
     start = time.monotonic()

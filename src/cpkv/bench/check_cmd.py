@@ -27,6 +27,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _check_fits(cfg) -> None:
+    """The ranks' pools (and as much again for dense buffers and staging) must fit this host on the CPU."""
+    from cpkv import envs
+    from cpkv.cli.hostmem import check_ranks_fit
+    from cpkv.config import preset
+
+    if cfg.device != "cpu":
+        return
+    pool = cfg.pages_per_rank * cfg.page_size * preset(cfg.model).with_layers(cfg.layers).kv_bytes_per_token()
+    check_ranks_fit(f"--page-size {cfg.page_size} --layers {cfg.layers}", "the ranks' KV pools and buffers",
+                    2 * pool, cfg.cp, shm=not envs.get("CPKV_DISABLE_PEER_MEMORY"),
+                    fix="lower --page-size, --layers or --cp")
+
+
 def run(args: argparse.Namespace) -> int:
     from cpkv.bench.check import CheckConfig, run_check
     from cpkv.cli.args import as_flags, flags_of
@@ -37,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
                           device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
                           timeout_s=args.timeout)
+    _check_fits(cfg)
     bar = Progress(cfg.batches, "cpkv check compose")
     try:
         out = run_check(cfg, on_progress=lambda done: bar.set(done, f"cp {cfg.cp}"))  # every value validated above

@@ -27,6 +27,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _check_fits(cfg) -> None:
+    """On the CPU: each rank's share of the pool plus the batch's dense buffers (every key, both halves) must fit
+    this host (on CUDA they live on the GPUs)."""
+    from cpkv import envs
+    from cpkv.bench.compose import bench_model
+    from cpkv.cli.hostmem import check_ranks_fit
+
+    if cfg.device != "cpu":
+        return
+    m = bench_model(cfg)
+    keys = cfg.prefix_tokens + cfg.extend_tokens
+    per_rank = keys * m.kv_bytes_per_token() // cfg.cp + 2 * keys * (m.row_bytes("token") + m.row_bytes("index"))
+    check_ranks_fit(f"--prefix-tokens {cfg.prefix_tokens} --extend-tokens {cfg.extend_tokens}",
+                    "the pools and dense buffers", per_rank, cfg.cp, shm=not envs.get("CPKV_DISABLE_PEER_MEMORY"),
+                    fix="lower --prefix-tokens, --extend-tokens or --layers")
+
+
 def run(args: argparse.Namespace) -> int:
     from cpkv.bench.compose import BenchConfig, run_bench
     from cpkv.cli.fmt import Progress, emit_json, table
@@ -36,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
                       requests=args.requests, extend_tokens=args.extend_tokens, prefix_tokens=args.prefix_tokens,
                       layers=args.layers, iters=args.iters, modes=tuple(parse_modes(args.modes)),
                       kernel=not args.no_kernel)
+    _check_fits(cfg)
     bar = Progress(len(cfg.modes) + 1, "cpkv bench compose")
     bar.set(0, f"starting {cfg.cp} rank processes")
     try:

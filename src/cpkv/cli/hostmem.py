@@ -136,3 +136,18 @@ def check_run_fits(cfg, model_cfg: ModelConfig, verify: bool, free: HostMemory |
            else f"lower {flag}" + (" or --cp" if cfg.cp > 1 and flag != "--cp" else ""))
     raise ConfigError(f"{option}: {what[flag]} need {size_text(bytes_)} of host memory ({size_text(need.total)} in "
                       f"all, {cfg.cp} ranks), this machine has {size_text(free.available)} available; {fix}")
+
+
+def check_ranks_fit(option: str, what: str, per_rank: int, ranks: int, shm: bool, fix: str,
+                    free: HostMemory | None = None) -> None:
+    """ConfigError ``"{option}: {what} need ..."`` when ``ranks`` processes holding ``per_rank`` bytes each
+    (in /dev/shm when ``shm``) cannot fit this machine (commands other than ``run``: ``check compose``)."""
+    free = free or host_memory()
+    total = ranks * per_rank
+    if shm and free.shm_free is not None and total > free.shm_free:
+        raise ConfigError(f"{option}: {what} need {size_text(total)} of {SHM_DIR} ({ranks} ranks), which has "
+                          f"{size_text(free.shm_free)} free; {fix}")
+    total += ranks * RANK_BASE_BYTES
+    if free.available is not None and total > free.available:
+        raise ConfigError(f"{option}: {what} need {size_text(total)} of host memory ({ranks} ranks), this machine "
+                          f"has {size_text(free.available)} available; {fix}")
