@@ -131,17 +131,22 @@ def get(name: str):
     return var.get()
 
 
-def unknown() -> list[str]:
-    """One message per ``CPKV_*`` variable set in the environment that is not registered (a misspelt name
-    would otherwise be ignored silently), with the closest registered name."""
+def unknown_names() -> dict[str, str]:
+    """name -> message for each ``CPKV_*`` variable set in the environment that is not registered (a misspelt
+    name would otherwise be ignored silently), the message naming the closest registered name."""
     import difflib
 
-    out = []
+    out = {}
     for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in REGISTRY):
         close = difflib.get_close_matches(name, REGISTRY, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(REGISTRY)}"
-        out.append(f"{name} is not a cpkv environment variable ({hint})")
+        out[name] = f"{name} is not a cpkv environment variable ({hint})"
     return out
+
+
+def unknown() -> list[str]:
+    """The messages of :func:`unknown_names`."""
+    return list(unknown_names().values())
 
 
 def problems() -> list[str]:
