@@ -263,6 +263,7 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+PRESET_PREFIX = "preset:"  # --model preset:glm5 (model_source)
 PRESETS: dict[str, ModelConfig] = {
     # zai-org/GLM-5 config.json: 78 layers, indexer on 40 of them (index_topk_freq 2, offset 2), MoE from layer 3
     "glm5": ModelConfig(
@@ -298,10 +299,31 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
+    """The preset ``name`` (``glm5`` or ``preset:glm5``)."""
     try:
-        return PRESETS[name]
+        return PRESETS[name[len(PRESET_PREFIX):] if name.startswith(PRESET_PREFIX) else name]
     except KeyError:
         raise ConfigError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+
+
+def model_source(spec: str) -> tuple[str, str]:
+    """Where ``--model spec`` comes from: ("preset", name) or ("dir", path). ``preset:NAME`` names a preset;
+    a plain preset name is one only while no directory of that name exists (ConfigError naming both when
+    one does: a folder in the working directory must never silently change what the ranks load); anything
+    else is a checkpoint directory."""
+    if spec.startswith(PRESET_PREFIX):
+        name = spec[len(PRESET_PREFIX):]
+        preset(name)  # ConfigError listing the presets
+        return "preset", name
+    if spec in PRESETS:
+        import os
+
+        if os.path.isdir(spec):
+            raise ConfigError(f"--model {spec!r} names both the preset {spec} and the directory "
+                              f"{os.path.abspath(spec)!r}: write --model {PRESET_PREFIX}{spec} for the preset or "
+                              f"--model ./{spec} for the directory")
+        return "preset", spec
+    return "dir", spec
 
 
 def is_power_of_two(n: int) -> bool:

@@ -2,7 +2,8 @@
 
 Read a value with ``envs.get("CPKV_BARRIER_TIMEOUT_S")``; list them with ``cpkv env``. Every value is parsed
 and range-checked by its variable's parser; :func:`problems` lists the bad ones, and the command line checks
-them before any command starts (a bad value is one error line naming the variable, never a traceback).
+them before any command starts (a bad value is one error line naming the variable, never a traceback; so is
+a ``CPKV_*`` name that is not registered, with the closest registered name: a misspelling is never ignored).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cpkv.errors import ConfigError
 
 T = TypeVar("T")
 
+PREFIX = "CPKV_"
 # the compose modes by name: cpkv.config.COMPOSE_MODES (torch-free), which cpkv.compose.modes implements
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
@@ -129,6 +131,25 @@ def get(name: str):
     return var.get()
 
 
+def unknown_names() -> dict[str, str]:
+    """name -> message for each ``CPKV_*`` variable set in the environment that is not registered (a misspelt
+    name would otherwise be ignored silently), the message naming the closest registered name."""
+    import difflib
+
+    out = {}
+    for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in REGISTRY):
+        close = difflib.get_close_matches(name, REGISTRY, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(REGISTRY)}"
+        out[name] = f"{name} is not a cpkv environment variable ({hint})"
+    return out
+
+
+def unknown() -> list[str]:
+    """The messages of :func:`unknown_names`."""
+    return list(unknown_names().values())
+
+
 def problems() -> list[str]:
-    """One message per registered variable whose current value is invalid (empty when all are fine)."""
-    return [p for p in (v.problem() for v in REGISTRY.values()) if p is not None]
+    """One message per registered variable whose current value is invalid and per unknown ``CPKV_*`` name
+    (empty when all are fine)."""
+    return [p for p in (v.problem() for v in REGISTRY.values()) if p is not None] + unknown()

@@ -49,7 +49,7 @@ def test_layout_json_schema():
     (["--cp", "2", "--page-size", "64", "--req", "0:0"], "extend_len must be an integer >= 1"),
     (["--cp", "2", "--page-size", "64", "--req=-64:3"], "prefix_len must be an integer >= 0"),
     (["--cp", "2", "--page-size", "24", "--req", "0:3"], "power of two"),
-    (["--cp", "0", "--page-size", "64", "--req", "0:3"], "cp must be"),
+    (["--cp", "0", "--page-size", "64", "--req", "0:3"], "--cp: expected an integer in 1..4096, got 0"),
     (["--cp", "2", "--page-size", "64", "--req", "0:9000", "--max-context", "8192"], "maximum context of 8192"),
     (["--cp", "2", "--page-size", "64", "--req", "0:3", "--strategy", "spiral"], "invalid choice"),
 ])

@@ -1,5 +1,10 @@
-"""Stops and failures of rank processes: signals end every rank fast and leave nothing behind, a dead,
-stopped or silent rank is named first, long before the run's limit, a taken port is one error line.
+"""Stops and failures of rank processes: signals end every rank and leave nothing behind, a dead, stopped or
+silent rank is named first, long before the run's limit, a taken port is one error line.
+
+Correct on a loaded machine (CI): every step waits for an event (a rank's line on stdout, a report through
+its pipe, a process state in ``/proc``), never for a fixed time, and every bound is slack (``SLACK_S``):
+the launcher ends its ranks within ``STOP_S`` of a signal (SIGTERM, then SIGKILL) on an idle machine; the
+tests only check that they do end, and that the parent's exit status says why.
 
 Rank functions live at module level (the spawned ranks import this module). Signal tests run a small
 launcher (or ``cpkv run``) in a subprocess and watch its rank processes through ``/proc``.
@@ -23,6 +28,7 @@ from cpkv.errors import ConfigError, RankFailure
 HERE = Path(__file__).resolve().parent
 SRC = str(HERE.parents[1] / "src")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(HERE)])}
+SLACK_S = 60.0  # a bound no healthy run comes near, even with both cores busy
 linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states in /proc")
 
 
@@ -47,30 +53,32 @@ def _kill_self(ctx, sig):
 
 def _silence_heartbeat(ctx):
     if ctx.rank == 1:
-        time.sleep(4 * 0.25)  # a few beats reach the parent first
+        ctx.report("heard")  # the parent hears this rank once (its heartbeat clock starts), then never again
         ctx.channel.lock.acquire()  # the heartbeat thread can no longer send: the rank looks hung
-        time.sleep(60)
+        time.sleep(600)
     dist.barrier()
     return ctx.rank
 
 
 # -- in-process ------------------------------------------------------------------------------------
 @linux_only
-@pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "rank 1 died with exit code -9"),
+@pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "rank 1 was killed by SIGKILL"),
                                      (signal.SIGSTOP, "rank 1 stopped responding: its process is stopped")])
 def test_a_dead_or_stopped_rank_is_named_first(sig, why):
     """Rank 0 waits in a barrier for rank 1, which is killed or stopped: rank 1 is the named cause, and the
     launch ends long before its 120 s limit (rank 0's own error, if any, follows)."""
     with pytest.raises(RankFailure) as info:
-        launch(_kill_self, 2, args=(sig,), timeout_s=120, grace_s=0.5)
+        launch(_kill_self, 2, args=(sig,), timeout_s=300, grace_s=0.5)
     assert str(info.value).startswith(why), str(info.value)
     assert info.value.first == 1 and "did not finish" not in str(info.value).split(";")[0]
     assert "\n" not in str(info.value)  # one line; the tracebacks are in exc.tracebacks
 
 
 def test_a_rank_without_heartbeat_is_named():
+    """heartbeat_s 5: rank 0 beats from a thread every 0.25 s, so only a rank whose beats stopped is named (a
+    starved parent forgives everyone: it was not running)."""
     with pytest.raises(RankFailure, match=r"^rank 1 stopped responding: no heartbeat for"):
-        launch(_silence_heartbeat, 2, timeout_s=120, grace_s=0.5, heartbeat_s=1.0)
+        launch(_silence_heartbeat, 2, timeout_s=300, grace_s=0.5, heartbeat_s=5.0)
 
 
 def test_a_taken_master_port_is_one_config_error(monkeypatch):
@@ -91,13 +99,13 @@ from test_stops import _wait_in_barrier
 _install_stop_handlers()
 print("up", flush=True)
 try:
-    launch(_wait_in_barrier, 2, args=(60,), timeout_s=120)
+    launch(_wait_in_barrier, 2, args=(900,), timeout_s=1200)
 except KeyboardInterrupt as exc:
     sys.exit(130)
 """
 
 
-def _ranks(pid: int, n: int, limit_s: float = 60.0) -> list[int]:
+def _ranks(pid: int, n: int, limit_s: float = 2 * SLACK_S) -> list[int]:
     """The pids of the ``n`` rank processes of ``pid`` (spawned children, the resource tracker left out)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
@@ -129,7 +137,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _gone_within(pids: list[int], seconds: float) -> float:
+def _gone_within(pids: list[int], seconds: float = SLACK_S) -> float:
     start = time.monotonic()
     while any(_alive(p) for p in pids):
         assert time.monotonic() - start < seconds, f"ranks {[p for p in pids if _alive(p)]} still alive"
@@ -139,15 +147,18 @@ def _gone_within(pids: list[int], seconds: float) -> float:
 
 @linux_only
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_to_the_parent_ends_every_rank_within_2_s(sig):
+def test_a_signal_to_the_parent_ends_every_rank(sig):
+    """The ranks are up and waiting in their barrier (their lines on stdout: an event, not a sleep); the signal
+    ends them all (SIGTERM, SIGKILL STOP_S later) and the parent exits saying which signal it got."""
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         ranks = _ranks(proc.pid, 2)
-        time.sleep(0.5)  # the ranks are up and waiting in their barrier
+        ready = {proc.stdout.readline().strip() for _ in range(3)}
+        assert ready == {"up", "rank 0 ready", "rank 1 ready"}, ready
         proc.send_signal(sig)
-        _gone_within(ranks, 2.0)
-        assert proc.wait(timeout=10) in (130, 128 + sig)
+        _gone_within(ranks)
+        assert proc.wait(timeout=SLACK_S) in (130, 128 + sig)
     finally:
         proc.kill()
         proc.communicate()
@@ -162,8 +173,8 @@ def test_a_killed_parent_takes_its_ranks_along():
         ready = {proc.stdout.readline().strip() for _ in range(3)}  # past start-up: the ranks run their function
         assert ready == {"up", "rank 0 ready", "rank 1 ready"}, ready
         proc.kill()
-        proc.wait(timeout=10)
-        _gone_within(ranks, 2.0)  # no orphan re-parented to PID 1
+        proc.wait(timeout=SLACK_S)
+        _gone_within(ranks)  # no orphan re-parented to PID 1 (PR_SET_PDEATHSIG)
     finally:
         proc.communicate()
 
@@ -171,14 +182,14 @@ def test_a_killed_parent_takes_its_ranks_along():
 @linux_only
 @pytest.mark.slow
 def test_sigterm_to_cpkv_run_stops_it_cleanly():
-    """The real command: exit 128 + SIGTERM, one line saying so, every rank gone within 2 s."""
+    """The real command: exit 128 + SIGTERM, one line saying so, every rank gone."""
     proc = subprocess.Popen([sys.executable, "-m", "cpkv", "run"], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         ranks = _ranks(proc.pid, 2)
         proc.send_signal(signal.SIGTERM)
-        _gone_within(ranks, 2.0)
-        out, err = proc.communicate(timeout=10)
+        _gone_within(ranks)
+        out, err = proc.communicate(timeout=SLACK_S)
         assert proc.returncode == 128 + signal.SIGTERM
         assert "cpkv run: stopped by SIGTERM" in err and "Traceback" not in err, err
     finally:
@@ -197,7 +208,7 @@ def test_sigterm_to_replay_leaves_no_partial_output(tmp_path):
     try:
         assert "replay" in proc.stderr.readline()  # the first progress line: it is replaying
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=10)
+        out, err = proc.communicate(timeout=SLACK_S)
         assert proc.returncode == 128 + signal.SIGTERM, err
     finally:
         proc.kill()

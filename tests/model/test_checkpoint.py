@@ -49,8 +49,13 @@ def test_indexer_pattern_forms(form, want):
 
 @pytest.mark.parametrize("edit, needle", [
     ({"index_topk_pattern": "SFFF"}, "layer 0 must be a full"),
-    ({"index_topk_pattern": "FXFF"}, "only F and S"),
-    ({"indexer_types": ["full", "shared"]}, "must name all 4 layers"),
+    ({"index_topk_pattern": "FXFF"}, "index_topk_pattern: expected one letter per layer, F .full. or S .shared., got "
+                                     "'X' at layer 1"),
+    ({"indexer_types": ["full", "shared"]}, r"indexer_types: expected one entry per layer \(num_hidden_layers = 4\), "
+                                            "got 2"),
+    ({"indexer_types": "full"}, "indexer_types: expected a list of 'full' / 'shared', one per layer, got str 'full'"),
+    ({"mlp_layer_types": ["dense", "Sparse", "sparse", "sparse"]}, "mlp_layer_types: expected 'dense' or 'sparse' for "
+                                                                   "every layer, got 'Sparse' at layer 1"),
     ({"model_type": "llama"}, "model_type 'llama' is not supported"),
     ({"n_routed_experts": 7}, "n_group"),
     ({"rope_parameters": {"rope_type": "longrope"}}, "rope type 'longrope'"),

@@ -32,20 +32,21 @@ HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEM
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import int_list, positive_int
+    from cpkv.cli import args as a
+    from cpkv.cli.args import int_list
 
-    parser.add_argument("--heads", type=positive_int, default=64, help="query heads (default 64, GLM-5)")
-    parser.add_argument("--topk", type=positive_int, default=2048, help="selected keys per query (default 2048)")
+    parser.add_argument("--heads", type=a.bounded_int(1, 4096), default=64, help="query heads (default 64, GLM-5)")
+    parser.add_argument("--topk", type=a.bounded_int(1, 1 << 20), default=2048, help="selected keys per query (default 2048)")
     parser.add_argument("--tokens", type=int_list, default="4096,16384", help="comma-separated query-token counts T")
-    parser.add_argument("--kv-rows", type=positive_int, default=65536, help="rows S of the composed KV (default 65536)")
-    parser.add_argument("--rep-ms", type=positive_int, default=200, help="do_bench repetition budget per case (ms)")
+    parser.add_argument("--kv-rows", type=a.bounded_int(1, 1 << 30), default=65536, help="rows S of the composed KV (default 65536)")
+    parser.add_argument("--rep-ms", type=a.bounded_int(1, 3_600_000), default=200, help="do_bench repetition budget per case (ms)")
     parser.add_argument("--pattern", choices=PATTERNS, default="random",
                         help="indices: random (distinct uniform rows of [0, S)), window (a contiguous run of "
                              "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
                              "L2-resident, isolates the compute side)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time every candidate kernel config at the first T, and the token-KV launch shapes")
-    parser.add_argument("--kv-quant-rows", type=positive_int, default=1 << 20,
+    parser.add_argument("--kv-quant-rows", type=a.bounded_int(1, 1 << 30), default=1 << 20,
                         help="token-KV rows of the dequant / quant cases (default 1,048,576)")
     parser.add_argument("--peer", choices=PEERS, default=None,
                         help="also time a peer kernel on the same inputs, alternating rounds: flashmla = FlashMLA's "
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-shapes", type=_shape_list, default=None,
                         help="S_Q:S_KV:H,... shapes of the peer comparison (default: FlashMLA's benchmark shapes "
                              "and GLM-5's h 64)")
-    parser.add_argument("--peer-rounds", type=positive_int, default=7, help="alternating timing rounds per peer shape")
+    parser.add_argument("--peer-rounds", type=a.bounded_int(1, 10_000), default=7, help="alternating timing rounds per peer shape")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -63,9 +64,14 @@ def _shape_list(text: str) -> list[tuple[int, int, int]]:
         shapes = [tuple(int(v) for v in part.split(":")) for part in text.split(",") if part.strip()]
     except ValueError:
         shapes = []
-    if not shapes or any(len(sh) != 3 or min(sh) < 1 for sh in shapes):
-        raise argparse.ArgumentTypeError(f"expected S_Q:S_KV:H[,S_Q:S_KV:H...] (e.g. 4096:65536:64), got {text!r}")
+    if not shapes or any(len(sh) != 3 or min(sh) < 1 or max(sh) > 1 << 30 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"expected S_Q:S_KV:H[,S_Q:S_KV:H...] (e.g. 4096:65536:64), each in "
+                                         f"1..2^30, got {text[:80]!r}")
     return shapes  # type: ignore[return-value]
+
+
+_shape_list.bounds = (1, 1 << 30)  # type: ignore[attr-defined]
+_shape_list.range_text = "each count 1..2^30"  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,21 +10,35 @@ HELP = "Compose dense KV in N real rank processes with every mode; compare byte 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import positive_float
+    from cpkv.cli import args as a
 
-    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
-    p.add_argument("--batches", type=int, default=6, help="random batches (default 6)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batches", type=a.bounded_int(1, 100_000), default=6, help="random batches (default 6)")
+    p.add_argument("--seed", type=a.seed, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per page (power of two, default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--layers", type=int, default=3, help="layers composed per batch (default 3)")
+    p.add_argument("--layers", type=a.layers, default=3, help="layers composed per batch (default 3)")
     p.add_argument("--model", default="tiny",
                    help="preset whose KV row sizes are composed (tiny, glm5, deepseek-v32; default tiny)")
-    p.add_argument("--timeout", type=positive_float, default=600.0,
+    p.add_argument("--timeout", type=a.timeout_s, default=600.0,
                    help="seconds before the ranks are ended (default 600; raise it for long soaks)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _check_fits(cfg) -> None:
+    """The ranks' pools (and as much again for dense buffers and staging) must fit this host on the CPU."""
+    from cpkv import envs
+    from cpkv.cli.hostmem import check_ranks_fit
+    from cpkv.config import preset
+
+    if cfg.device != "cpu":
+        return
+    pool = cfg.pages_per_rank * cfg.page_size * preset(cfg.model).with_layers(cfg.layers).kv_bytes_per_token()
+    check_ranks_fit(f"--page-size {cfg.page_size} --layers {cfg.layers}", "the ranks' KV pools and buffers",
+                    2 * pool, cfg.cp, shm=not envs.get("CPKV_DISABLE_PEER_MEMORY"),
+                    fix="lower --page-size, --layers or --cp")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = CheckConfig(cp=args.cp, modes=tuple(parse_modes(args.modes)), batches=args.batches, seed=args.seed,
                           device=args.device, page_size=args.page_size, layers=args.layers, model=args.model,
                           timeout_s=args.timeout)
+    _check_fits(cfg)
     bar = Progress(cfg.batches, "cpkv check compose")
     try:
         out = run_check(cfg, on_progress=lambda done: bar.set(done, f"cp {cfg.cp}"))  # every value validated above

@@ -10,19 +10,38 @@ HELP = "Time every compose mode at the traced-batch shape, and the page gather a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli import args as a
+
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--model", default="glm5", help="row sizes and layer count from this preset (default glm5)")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--extend-tokens", type=int, default=44_600, help="query tokens of the batch (default 44600)")
-    p.add_argument("--prefix-tokens", type=int, default=500_000, help="cached prefix tokens (default 500000)")
-    p.add_argument("--layers", type=int, default=4,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--requests", type=a.batch_requests, default=12)
+    p.add_argument("--extend-tokens", type=a.tokens, default=44_600, help="query tokens of the batch (default 44600)")
+    p.add_argument("--prefix-tokens", type=a.bounded_int(0, 1 << 30), default=500_000, help="cached prefix tokens (default 500000)")
+    p.add_argument("--layers", type=a.layers, default=4,
                    help="layers timed per iteration; the per-batch figure is scaled to the model's layers")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=a.bounded_int(1, 100_000), default=3)
     p.add_argument("--no-kernel", action="store_true", help="skip the gather-kernel bandwidth bench")
     p.add_argument("--json", action="store_true")
+
+
+def _check_fits(cfg) -> None:
+    """On the CPU: each rank's share of the pool plus the batch's dense buffers (every key, both halves) must fit
+    this host (on CUDA they live on the GPUs)."""
+    from cpkv import envs
+    from cpkv.bench.compose import bench_model
+    from cpkv.cli.hostmem import check_ranks_fit
+
+    if cfg.device != "cpu":
+        return
+    m = bench_model(cfg)
+    keys = cfg.prefix_tokens + cfg.extend_tokens
+    per_rank = keys * m.kv_bytes_per_token() // cfg.cp + 2 * keys * (m.row_bytes("token") + m.row_bytes("index"))
+    check_ranks_fit(f"--prefix-tokens {cfg.prefix_tokens} --extend-tokens {cfg.extend_tokens}",
+                    "the pools and dense buffers", per_rank, cfg.cp, shm=not envs.get("CPKV_DISABLE_PEER_MEMORY"),
+                    fix="lower --prefix-tokens, --extend-tokens or --layers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
                       requests=args.requests, extend_tokens=args.extend_tokens, prefix_tokens=args.prefix_tokens,
                       layers=args.layers, iters=args.iters, modes=tuple(parse_modes(args.modes)),
                       kernel=not args.no_kernel)
+    _check_fits(cfg)
     bar = Progress(len(cfg.modes) + 1, "cpkv bench compose")
     bar.set(0, f"starting {cfg.cp} rank processes")
     try:

@@ -28,25 +28,25 @@ HELP = "Prefill throughput of long prompts through the CP engine, with a per-par
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import positive_int
+    from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE
     from cpkv.engine.config import MODES
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
-    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
-    p.add_argument("--prompt", type=positive_int, default=32768, help="prompt tokens of cold/cached (default 32768)")
-    p.add_argument("--long", type=int, default=131072, help="tokens of the long prompt (default 131072; 0: none)")
-    p.add_argument("--chunk-size", type=positive_int, default=32768, help="chunk size (default 32768)")
-    p.add_argument("--cached", type=float, default=0.9, help="cached share of the warm case (default 0.9)")
-    p.add_argument("--runs", type=positive_int, default=3, help="timed runs (default 3)")
-    p.add_argument("--cp", type=int, default=1, help="rank processes (default 1: the whole GPU)")
+    p.add_argument("--layers", type=a.layers, default=4, help="decoder layers (default 4)")
+    p.add_argument("--prompt", type=a.tokens, default=32768, help="prompt tokens of cold/cached (default 32768)")
+    p.add_argument("--long", type=a.bounded_int(0, a.MAX_TOKENS), default=131072, help="tokens of the long prompt (default 131072; 0: none)")
+    p.add_argument("--chunk-size", type=a.tokens, default=32768, help="chunk size (default 32768)")
+    p.add_argument("--cached", type=a.share, default=0.9, help="cached share of the warm case (default 0.9)")
+    p.add_argument("--runs", type=a.bounded_int(1, 10_000), default=3, help="timed runs (default 3)")
+    p.add_argument("--cp", type=a.ranks, default=1, help="rank processes (default 1: the whole GPU)")
     p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
     p.add_argument("--weights", default="auto", metavar="W[,W]",
                    help="linear weights, comma-separated to compare in one run: fp8, bf16, auto (default auto)")
-    p.add_argument("--host-load", type=positive_int, nargs="?", const=-1, default=0, metavar="N",
+    p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
                    help="then run the timed runs again with N busy-loop processes on the host (no N: one per "
                         "core) and report each case's slowdown under that load")
     p.add_argument("--json", action="store_true")

@@ -40,12 +40,14 @@ SCENARIOS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv.cli.args import bounded_float
+
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
                    help="comma-separated subset of " + ", ".join(s.name for s in SCENARIOS))
     p.add_argument("--tune", action="store_true", help="also time logits tile configs on the first scenario")
     p.add_argument("--no-sweep", action="store_true", help="skip the chunk-size sweep")
-    p.add_argument("--settle-ms", type=float, default=100.0,
+    p.add_argument("--settle-ms", type=bounded_float(0.0, 60_000.0, low_open=False), default=100.0,
                    help="untimed run of the same work before each logits / GEMM timing window (0: none), "
                         "so each is timed at its own steady clock")
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")

@@ -78,6 +78,8 @@ def _add_commands(sub: argparse._SubParsersAction, table: dict[str, tuple[str, s
             p = sub.add_parser(name, help=help, description=mod.HELP, epilog=getattr(mod, "EPILOG", None),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
             mod.add_arguments(p)
+            from cpkv.cli.args import document_ranges
+            document_ranges(p)  # every bounded option's range in its --help line
             p.set_defaults(_run=mod.run)
         else:
             sub.add_parser(name, help=help, description=help)
@@ -145,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(argv).parse_args(argv)
         return int(args._run(args) or 0)
     except CpkvError as exc:
-        print(f"cpkv {name}: error: {exc}", file=sys.stderr)
+        from cpkv.cli.fmt import printable
+        print(f"cpkv {name}: error: {printable(str(exc))}", file=sys.stderr)
         _rank_traceback(exc)
         return 2
     except Stopped as exc:

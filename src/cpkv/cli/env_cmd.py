@@ -3,6 +3,7 @@ any of them (an invalid value also makes the command exit 2, after the listing).
 from __future__ import annotations
 
 import argparse
+import os
 
 from cpkv import envs
 from cpkv.cli import fmt
@@ -18,12 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rows = [(v.name, v.default, v.raw() if v.raw() is not None else "", v.problem(), v.help)
             for v in envs.REGISTRY.values()]
+    rows += [(n, None, os.environ[n], p, "(not a cpkv variable)") for n, p in envs.unknown_names().items()]
     if args.json:
         fmt.emit_json([{"name": n, "default": d, "value": c or None, "valid": p is None, "problem": p, "help": h}
                        for n, d, c, p, h in rows])
     else:
         fmt.table(("name", "default", "set to", "description"),
-                  [(n, d, c + ("  <- INVALID" if p else ""), h) for n, d, c, p, h in rows])
+                  [(n, "" if d is None else d, c + ("  <- INVALID" if p else ""), h) for n, d, c, p, h in rows])
     bad = [p for *_, p, _ in rows if p]
     if bad:
         raise ConfigError("; ".join(bad))

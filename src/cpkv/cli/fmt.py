@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Any, Iterable, Sequence
@@ -23,11 +24,31 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], file=None) -> N
 def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
-    return str(v)
+    return printable(str(v))
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``): a request id from a trace can never move
+    the cursor, clear the screen or break a table's rows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN / infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def emit_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=False))
+    """Print ``obj`` as strict JSON: a non-finite number is null, never NaN / Infinity."""
+    print(json.dumps(finite(obj), indent=2, sort_keys=False, allow_nan=False))
 
 
 class Progress:

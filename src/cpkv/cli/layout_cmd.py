@@ -11,25 +11,52 @@ from cpkv.layout import BatchLayout, build_layout
 HELP = "Lay out a CP batch: per request its pages and writers, per rank its pages and causal work."
 
 
+MAX_LAYOUT_PAGES = 1 << 20  # pages of one batch's layout (each is an object; --json lists every one)
+
+
 def parse_req(text: str) -> tuple[int, int]:
-    """'PREFIX:EXTEND' -> (prefix, extend); argparse turns the ValueError into a usage error (exit 2)."""
+    """'PREFIX:EXTEND' -> (prefix, extend), each 0..MAX_TOKENS; argparse turns the error into a usage error
+    (exit 2)."""
+    from cpkv.cli.args import MAX_TOKENS
+
     parts = text.split(":")
     if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"expected PREFIX:EXTEND with two integers (e.g. 4096:1000), got {text!r}")
-    return int(parts[0]), int(parts[1])
+    prefix, extend = int(parts[0]), int(parts[1])
+    if max(prefix, extend) > MAX_TOKENS:  # the low ends are build_layout's to check (named errors)
+        raise argparse.ArgumentTypeError(f"expected PREFIX:EXTEND with each in 0..2^24 tokens, got {text[:60]!r}")
+    return prefix, extend
+
+
+parse_req.bounds = (0, 1 << 24)  # type: ignore[attr-defined]
+parse_req.range_text = "PREFIX, EXTEND each up to 2^24"  # type: ignore[attr-defined]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cp", type=int, required=True, help="CP group size")
-    p.add_argument("--page-size", type=int, required=True, help="tokens per page (a power of two)")
+    from cpkv.cli import args as a
+
+    p.add_argument("--cp", type=a.sim_ranks, required=True, help="CP group size")
+    p.add_argument("--page-size", type=a.page_size, required=True, help="tokens per page (a power of two)")
     p.add_argument("--strategy", default="zigzag", choices=STRATEGIES, help="how current pages split (default zigzag)")
     p.add_argument("--req", type=parse_req, action="append", required=True, metavar="PREFIX:EXTEND",
-                   help="a request: cached prefix tokens and new tokens (repeat for a batch)")
-    p.add_argument("--max-context", type=int, default=None, help="reject requests longer than this")
+                   help="a request: cached prefix tokens and new tokens (repeat for a batch; at most "
+                        f"{MAX_LAYOUT_PAGES} pages in all)")
+    p.add_argument("--max-context", type=a.tokens, default=None, help="reject requests longer than this")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def check_size(args: argparse.Namespace) -> None:
+    """The layout's pages (one object each) stay within MAX_LAYOUT_PAGES: ConfigError naming --req otherwise."""
+    from cpkv.errors import ConfigError
+
+    pages = sum(-(-(p + e) // args.page_size) for p, e in args.req)
+    if pages > MAX_LAYOUT_PAGES:
+        raise ConfigError(f"--req: the batch spans {pages} pages of --page-size {args.page_size}, expected at most "
+                          f"{MAX_LAYOUT_PAGES}: shorten the requests or raise --page-size")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_size(args)
     with as_flags(flags_of(["cp", "page_size", "max_context"])):
         layout = build_layout(args.req, page_size=args.page_size, cp=args.cp, strategy=args.strategy,
                               max_context=args.max_context)

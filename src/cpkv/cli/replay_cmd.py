@@ -7,9 +7,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
-from cpkv.cli.args import (as_flags, atomic_output, atomic_path, check_distinct, check_output, flags_of,
-                           positive_float, positive_int)
-from cpkv.cli.fmt import Progress, emit_json, table
+from cpkv.cli import args as a
+from cpkv.cli.args import as_flags, atomic_output, atomic_path, flags_of
+from cpkv.files import check_outputs
+from cpkv.cli.fmt import Progress, emit_json, finite, table
 from cpkv.config import DEFAULT_PAGE_SIZE
 from cpkv.errors import ConfigError
 from cpkv.scheduler.admission import POLICIES
@@ -22,6 +23,7 @@ HELP = "Replay a request trace through the real prefix cache and admission code;
 BUILTIN = {"requests": 2000, "seed": 0, "scale": 1.0}  # the built-in trace's options and their defaults
 FLAGS = {**flags_of(["cp", "chunk_size", "page_size", "max_requests", "kv_tokens_per_rank", "policy"]), "kv": "--kv"}
 OUTPUTS = ("save_trace", "log_batches", "plot")
+REPLAY_PAGE_BYTES = 96  # host bytes of one simulated page: its id in the free heap and its reference count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,18 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=(*POLICIES, "both"), default="solo", help="admission policy (default solo)")
     p.add_argument("--kv", choices=(*KV_MODES, "both"), default="shared",
                    help="KV capacity: shared (each page once in the group) or replicated (on every rank)")
-    p.add_argument("--cp", type=int, default=8, help="context-parallel ranks (default 8)")
-    p.add_argument("--chunk-size", type=int, default=16384,
+    p.add_argument("--cp", type=a.sim_ranks, default=8, help="context-parallel ranks (default 8)")
+    p.add_argument("--chunk-size", type=a.tokens, default=16384,
                    help="new tokens per batch, and the chunk a long prompt is cut into (default 16384)")
-    p.add_argument("--kv-tokens-per-rank", type=int, default=None,
+    p.add_argument("--kv-tokens-per-rank", type=a.bounded_int(1, a.MAX_KV_TOKENS), default=None,
                    help="KV budget of one rank in tokens (default: an H200 after GLM-5 weights, per the cost model)")
     p.add_argument("--costs", metavar="COSTS.json", action="append",
                    help="cost-model fields to replace, or a `cpkv bench ... --json` report (repeatable; applied in order)")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--max-requests", type=int, default=16, help="requests per batch cap (default 16)")
-    p.add_argument("--requests", type=positive_int, help="built-in trace: number of requests (default 2000)")
-    p.add_argument("--seed", type=int, help="built-in trace: random seed (default 0)")
-    p.add_argument("--scale", type=positive_float, help="built-in trace: length multiplier (default 1.0)")
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--max-requests", type=a.batch_requests, default=16, help="requests per batch cap (default 16)")
+    p.add_argument("--requests", type=a.trace_requests, help="built-in trace: number of requests (default 2000)")
+    p.add_argument("--seed", type=a.seed, help="built-in trace: random seed (default 0)")
+    p.add_argument("--scale", type=a.bounded_float(0.0, a.MAX_SCALE), help="built-in trace: length multiplier (default 1.0)")
     p.add_argument("--save-trace", metavar="FILE.jsonl", help="write the replayed trace to this file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of the TTFT distribution per run (matplotlib)")
@@ -50,17 +52,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Every option and output path is checked before the trace is read; output files appear whole or not at all."""
+    if args.trace == "":
+        raise ConfigError("TRACE '': expected a trace file name, got an empty string (leave it out to replay the "
+                          "built-in trace)")
     _check_trace_options(args)
     combos = [(p, k) for p in _choices(args.policy, POLICIES) for k in _choices(args.kv, KV_MODES)]
     with as_flags(FLAGS):
         configs = [_config(args, p, k) for p, k in combos]
     outputs = {"--" + o.replace("_", "-"): getattr(args, o) for o in OUTPUTS}
-    check_distinct(outputs, {"TRACE": args.trace})
-    for option, path in outputs.items():
-        check_output(path, option)
+    check_outputs(outputs, {"TRACE": args.trace, "--costs": args.costs})  # the output policy (cpkv.files)
     plt = _pyplot(args.plot) if args.plot else None
     costs = CostModel.from_json(*args.costs) if args.costs else CostModel()
     _check_kv_budget(args, costs)
+    _check_replay_memory(args, costs, len(configs))
     trace, source = _trace(args)
     if args.save_trace:
         try:
@@ -97,6 +101,24 @@ def _check_trace_options(args: argparse.Namespace) -> None:
             setattr(args, k, v)
 
 
+def _check_replay_memory(args: argparse.Namespace, costs: CostModel, runs: int) -> None:
+    """The simulated pools (a page id and a reference count per page, every rank's) must fit this machine:
+    ConfigError naming --kv-tokens-per-rank (or --cp) otherwise."""
+    from cpkv.cli.hostmem import host_memory, size_text
+
+    tokens = args.kv_tokens_per_rank if args.kv_tokens_per_rank is not None else costs.kv_tokens_per_rank(args.cp)
+    pages = args.cp * (tokens // args.page_size + 1)
+    need = pages * REPLAY_PAGE_BYTES
+    free = host_memory().available
+    if free is not None and need > free // 2:
+        option = (f"--kv-tokens-per-rank {args.kv_tokens_per_rank}" if args.kv_tokens_per_rank is not None
+                  else f"--cp {args.cp}")
+        raise ConfigError(f"{option}: the simulated pools hold {pages} pages ({args.cp} ranks x {tokens} tokens / "
+                          f"--page-size {args.page_size}), about {size_text(need)} of host memory; this machine has "
+                          f"{size_text(free)} available (at most half of it is used); lower {option.split()[0]}"
+                          + (" or --cp" if not option.startswith("--cp") else "") + ", or raise --page-size")
+
+
 def _check_kv_budget(args: argparse.Namespace, costs: CostModel) -> None:
     """Without --kv-tokens-per-rank, the cost model's memory budget must leave room for KV at this --cp."""
     if args.kv_tokens_per_rank is None:
@@ -108,7 +130,7 @@ def _check_kv_budget(args: argparse.Namespace, costs: CostModel) -> None:
 
 
 def _trace(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
-    if args.trace:
+    if args.trace is not None:
         return load_trace(args.trace), args.trace
     trace = builtin_trace(args.requests, seed=args.seed, scale=args.scale)
     return trace, f"built-in trace (n={args.requests}, seed={args.seed}, scale={args.scale:g})"
@@ -143,8 +165,8 @@ def _replay_all(trace, configs: list[ReplayConfig], args, costs: CostModel) -> l
 
 def _batch_logger(f, policy: str, kv: str):
     def log(batch: Batch, t_start: float, t_end: float) -> None:
-        f.write(json.dumps({"t_start": t_start, "t_end": t_end, "requests": [e.to_dict() for e in batch.entries],
-                            "policy": policy, "kv": kv}) + "\n")
+        f.write(json.dumps(finite({"t_start": t_start, "t_end": t_end, "requests": [e.to_dict() for e in batch.entries],
+                                   "policy": policy, "kv": kv}), allow_nan=False) + "\n")
     return log
 
 

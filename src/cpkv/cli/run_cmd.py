@@ -31,6 +31,8 @@ HINTS = {
     "cached_tokens": "raise --pages-per-rank (now {pages_per_rank}) or --cp (now {cp})",
     "pages": "raise --pages-per-rank (now {pages_per_rank})",
     "buffer_bytes": "lower --chunk-size (now {chunk_size})",
+    "logits_budget": "raise CPKV_MQA_LOGITS_CHUNK_MAX_GB (one indexer logits row of the prompt exceeds it; "
+                     "--chunk-size does not change it)",
     "chunk_size": "raise --chunk-size (now {chunk_size})",
     "parent": "their parent requests were rejected",
 }
@@ -38,33 +40,39 @@ HINTS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
-    from cpkv.cli.args import nonneg_int, positive_float, positive_int
+    from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
     from cpkv.engine.config import MODES
 
-    p.add_argument("--cp", type=int, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
     p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")
-    p.add_argument("--requests", type=positive_int, default=12, help="requests of the built-in trace (default 12)")
-    p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir")
-    p.add_argument("--num-layers", type=positive_int, help="override the model's depth")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--requests", type=a.trace_requests, default=12, help="requests of the built-in trace (default 12)")
+    p.add_argument("--model", default="tiny",
+                   help="preset:NAME (preset:tiny, preset:glm5, preset:deepseek-v32) or a checkpoint directory; a "
+                        "plain preset name is accepted while no directory of that name exists (default tiny)")
+    p.add_argument("--num-layers", type=a.layers, help="override the model's depth")
+    p.add_argument("--seed", type=a.seed, default=0, help="seed of a preset's random weights")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="rerun on one rank without CP and compare (default on; a failure exits 1)")
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
-    p.add_argument("--host-pages", type=nonneg_int, default=0, help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and reload on a hit")
-    p.add_argument("--chunk-size", type=int, default=512,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per KV page, a power of two (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=256,
+                   help="device pool pages per rank (page 0 reserved; checked against the machine's memory)")
+    p.add_argument("--host-pages", type=a.bounded_int(0, a.MAX_PAGES), default=0,
+                   help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and "
+                        "reload on a hit (checked against the machine's memory)")
+    p.add_argument("--chunk-size", type=a.tokens, default=512,
                    help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
-    p.add_argument("--max-requests", type=int, default=8)
+    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests per batch (default 8)")
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "
                         "autotuning stay out of TTFT)")
-    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before the ranks are ended")
+    p.add_argument("--timeout", type=a.timeout_s, default=600.0, help="seconds before the ranks are ended")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
                    help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
     p.add_argument("--weights", choices=("auto", "fp8", "bf16"), default="auto",
@@ -72,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(widened to the compute dtype), auto (default: fp8 for an fp8 checkpoint on CUDA at fp8 "
                         "precision, else bf16)")
     p.add_argument("--logits-out", metavar="FILE",
-                   help="write each finished request's last-token logits (float32 safetensors, keyed by request id)")
+                   help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
+                        "README, Reliability: the output policy)")
     p.add_argument("--allow-rejected", action="store_true",
                    help="accept a run in which some requests were rejected (default: such a run fails, exit 2)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -93,7 +102,7 @@ def load_requests(args: argparse.Namespace, vocab_size: int):
     from cpkv.cli.traces import default_trace
     from cpkv.scheduler.trace import check_vocab, load_trace
 
-    if not args.trace:
+    if args.trace is None:
         return default_trace(args.requests)
     trace = load_trace(args.trace)
     check_vocab(trace, vocab_size, f"--trace {args.trace}", args.model)
@@ -128,19 +137,59 @@ def rejection_error(rejected: list, total: int, cfg, before: bool) -> str:
             "or pass --allow-rejected to accept a partial run")
 
 
+def check_inputs_and_outputs(args: argparse.Namespace) -> None:
+    """--trace '' is an error (leave it out for the built-in trace); --logits-out follows the output policy
+    (cpkv.files) and names no input: the trace, nor any file of a checkpoint --model."""
+    from cpkv.files import check_outputs
+
+    if args.trace == "":
+        raise ConfigError("--trace '': expected a trace file name, got an empty string (leave --trace out to run "
+                          "the built-in trace)")
+    check_outputs({"--logits-out": args.logits_out}, {"--trace": args.trace, "--model": checkpoint_inputs(args.model)})
+
+
+def checkpoint_inputs(model: str) -> list[str]:
+    """Every file a checkpoint --model is read from (config.json, the index, every shard); [] for a preset."""
+    from cpkv.config import model_source
+
+    try:
+        kind, where = model_source(model)
+    except ConfigError:
+        return []
+    if kind != "dir":
+        return []
+    from pathlib import Path
+
+    from cpkv.errors import CheckpointError
+    from cpkv.model.checkpoint import INDEX_FILE, checkpoint_files
+
+    folder = Path(where)
+    try:
+        shards = [str(f) for f in checkpoint_files(folder)]
+    except (CheckpointError, OSError):
+        shards = []
+    return [str(folder / "config.json"), str(folder / INDEX_FILE), *shards, *map(str, folder.glob("*.safetensors"))]
+
+
 def run(args: argparse.Namespace) -> int:
-    from cpkv.cli.args import as_flags, check_output, flags_of
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.cli.hostmem import check_run_fits
     from cpkv.cli.plan_cmd import check_run
     from cpkv.engine.engine import nonfinite_failure, run_engine, run_under_torchrun, verify_run
+    from cpkv.files import string_keys
 
-    check_output(args.logits_out, "--logits-out")
+    check_inputs_and_outputs(args)
     t0 = time.monotonic()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     with as_flags(flags_of(FLAGS)):  # every option checked before the trace is read or a rank starts
         cfg = engine_config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.cp)
     model_cfg = cfg.model_config()  # the config the ranks run (precision applied)
     check_run(cfg, model_cfg, torchrun, args.verify)  # does not fit its GPUs (CPU: the host): one line, the option
+    if not torchrun:
+        check_run_fits(cfg, model_cfg, args.verify)  # the host: interpreter, weights, pools, /dev/shm
     trace = load_requests(args, model_cfg.vocab_size)
+    if args.logits_out:
+        string_keys([r.id for r in trace], f"--logits-out {args.logits_out!r}")
     never = never_runs(trace, cfg, model_cfg)
     gone = [{"id": r.id, "prompt_len": r.prompt_len, "reason": never[r.id]} for r in trace if r.id in never]
     if gone and not args.allow_rejected:

@@ -9,7 +9,8 @@
 Transports (``mem.kind``):
 
 - ``shm``: CPU tensors backed by ``/dev/shm/cpkv-<token>-r<rank>-<name>`` files, mapped by every rank
-  (``torch.from_file(shared=True)``); files are unlinked once every rank has mapped them.
+  (``torch.from_file(shared=True)``); files are unlinked once every rank has mapped them, at exit, when
+  creating one fails, and by the launching parent after its ranks are gone (the token leads with its pid).
 - ``cuda-ipc``: device memory from torch's allocator, its CUDA IPC handle
   (``torch.multiprocessing.reductions.reduce_tensor``) exchanged once with ``all_gather_object`` and
   opened in the reading rank's own device context (peers' buffers then appear on this rank's device,
@@ -35,7 +36,7 @@ import torch
 
 from cpkv import envs
 from cpkv.dist import RankContext
-from cpkv.errors import ComposeError
+from cpkv.errors import ComposeError, PoolExhausted
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -69,7 +70,7 @@ class PeerMemory:
         want peer memory (``CPKV_DISABLE_PEER_MEMORY`` set in its environment only) says so in the probe's
         exchange, and the whole group settles on "none" at once.
         """
-        token = ctx.all_gather_object(uuid.uuid4().hex[:12] if ctx.rank == 0 else None)[0]
+        token = ctx.all_gather_object(segment_token(os.getppid()) if ctx.rank == 0 else None)[0]
         want = (not envs.get("CPKV_DISABLE_PEER_MEMORY")) if enabled is None else enabled
         kind = "shm" if ctx.device.type == "cpu" else "cuda-ipc"
         probe = cls(ctx, kind, token)
@@ -138,10 +139,19 @@ class PeerMemory:
             raise ComposeError(f"peer buffer {name!r} is already allocated on rank {self.ctx.rank}")
 
     def _shm(self, shape: tuple[int, ...], name: str, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+        """A zeroed buffer backed by a new /dev/shm file. The file is removed on every exit path: after the
+        exchange, at exit, and at once when creating, sizing or mapping it fails (a failed ftruncate/mmap of a
+        huge size must not leave a sparse file of that size behind)."""
         path = os.path.join(SHM_DIR, f"cpkv-{self.token}-r{self.ctx.rank}-{name}")
         nbytes = max(1, _numel(shape) * torch.empty((), dtype=dtype).element_size())
-        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        self._files.append(path)
+        _check_shm_room(nbytes, name)
+        self._files.append(path)  # before the file exists: _unlink removes it whatever happens next
+        try:
+            flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except BaseException:
+            _remove(path)
+            self._files.remove(path)
+            raise
         return flat[: _numel(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape), path
 
     # exchange -------------------------------------------------------------------------------------
@@ -197,10 +207,7 @@ class PeerMemory:
 
     def _unlink(self) -> None:
         for path in self._files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _remove(path)
         self._files.clear()
 
     def close(self) -> None:
@@ -208,6 +215,32 @@ class PeerMemory:
         self._peers.clear()
         self._own.clear()
         self._handles.clear()
+
+
+def segment_token(parent: int) -> str:
+    """A fresh token for one group's segments, led by the launching parent's pid: ``cpkv.dist.launch`` removes
+    ``/dev/shm/cpkv-<parent>x*`` after its ranks are gone, so a rank killed before its exchange (SIGKILL runs
+    no atexit handler) leaves nothing behind."""
+    return f"{parent}x{uuid.uuid4().hex[:8]}"
+
+
+def _check_shm_room(nbytes: int, name: str) -> None:
+    """PoolExhausted when /dev/shm cannot hold ``nbytes`` more (checked before the file is created)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise PoolExhausted(f"peer buffer {name!r}: needs {nbytes} bytes of {SHM_DIR}, which has {free} free; "
+                            "lower --pages-per-rank / --host-pages or --cp")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -14,6 +14,8 @@ Each child talks to the parent through its own pipe: a heartbeat every ``BEAT_S`
 so it keeps beating while the rank waits in a collective), progress reports (``ctx.report(...)``) and at
 the end ``(ok, payload)``. The parent watches the pipes and the processes:
 
+- a rank that cannot start is one ``RankFailure`` (the first cause; the clean-up never joins a process
+  that never started); a rank killed by a signal is named with it ("was killed by SIGSEGV");
 - a rank that raises, dies, is stopped (SIGSTOP, state ``T`` in ``/proc``) or stops beating for
   ``heartbeat_s`` once it started beating is a failure; the others get ``grace_s`` seconds (they may be raising their own error,
   e.g. ``ComposeTimeout``) and are then ended;
@@ -223,12 +225,17 @@ def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args
             conns.append(recv)
             p = ctx.Process(target=_child, args=(fn, rank, world_size, device, backend, shared, store.port,
                                                   tuple(args), send, timeout_s, os.getpid()), name=f"cpkv-rank{rank}")
-            procs.append(p)
-            p.start()
-            send.close()
+            try:
+                p.start()
+            except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:  # fork/spawn or pickling
+                raise RankFailure(f"rank {rank} could not start: {type(exc).__name__}: {exc}") from exc
+            finally:
+                send.close()
+            procs.append(p)  # only started processes: the clean-up below never joins one that never ran
         watch.run()
-    finally:  # also on an interrupt: no rank outlives the launch
+    finally:  # also on an interrupt: no rank outlives the launch, no segment outlives its rank
         _end(procs, early=len(watch.results) < world_size)
+        _remove_segments(os.getpid())
         for c in conns:
             c.close()
         del store
@@ -341,6 +348,18 @@ def _end(procs: list, early: bool) -> None:
             p.join()
 
 
+def _remove_segments(parent: int) -> None:
+    """Remove the /dev/shm segments of this parent's rank groups (``compose.peer.segment_token`` names them
+    ``cpkv-<parent>x...``): a rank killed by a signal runs no clean-up of its own."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/cpkv-{parent}x*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException | None] = {}
@@ -357,7 +376,7 @@ def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
             continue
         order, kind, detail = watch.failures[rank]
         if kind == "dead":
-            lines.append(((0, order), f"rank {rank} died with exit code {detail} before returning"))
+            lines.append(((0, order), f"rank {rank} {death(detail)} before returning"))
         elif kind == "stopped":
             lines.append(((0, order), f"rank {rank} stopped responding: {detail}"))
         else:
@@ -373,6 +392,16 @@ def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
         exc.first = int(lines[0][1].split()[1])  # type: ignore[attr-defined]
         raise exc
     return results
+
+
+def death(exitcode: int | None) -> str:
+    """How a process ended, from its exit code: 'was killed by SIGSEGV', 'died with exit code 3'."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"died with exit code {exitcode}" if exitcode is not None else "died (exit code unknown)"
 
 
 def _unpickle(blob: bytes | None) -> BaseException | None:

@@ -16,8 +16,9 @@ WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 blo
 
 
 def is_preset(model: str) -> bool:
-    from cpkv.config import PRESETS
-    return model in PRESETS
+    """``model`` selects a preset (``preset:NAME``, or a plain preset name no directory shadows)."""
+    from cpkv.config import model_source
+    return model_source(model)[0] == "preset"
 
 
 @dataclass(frozen=True)

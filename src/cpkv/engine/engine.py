@@ -230,12 +230,14 @@ def _reference_model(cfg: EngineConfig):
 
 def write_logits(path: str, result: RunResult) -> None:
     """Each finished request's last-token logits, float32 [vocab], into a safetensors file keyed by request id
-    (``str(id)``; written beside ``path`` and renamed onto it: no partial output)."""
+    (``str(id)``: ids that become one key, ``1`` and ``"1"``, are a ConfigError naming both; written under the
+    output policy of ``cpkv.files``: beside ``path``, renamed onto it, no partial output)."""
     from safetensors.torch import save_file
 
-    from cpkv.files import atomic_path
+    from cpkv.files import atomic_path, string_keys
 
-    tensors = {str(r.id): r.logits.float().contiguous() for r in result.requests}
+    keys = string_keys([r.id for r in result.requests], f"logits file {path!r}")
+    tensors = {k: r.logits.float().contiguous() for k, r in zip(keys, result.requests)}
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata={"model": str(result.cfg.model), "precision": result.cfg.precision})
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
+from cpkv.files import absent
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
@@ -78,7 +79,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         names = sorted({name for _, name in entries})
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            raise CheckpointError(f"{index}: names shard {missing[0]}, which {path} lacks"
+            raise CheckpointError(f"{index}: names shard {missing[0]}, which {path} {absent(path / missing[0])}"
                                   + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))

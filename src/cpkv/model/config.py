@@ -27,8 +27,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cpkv.config import PRESETS, ModelConfig, RopeConfig, preset
+from cpkv.config import PRESET_PREFIX, PRESETS, ModelConfig, RopeConfig, model_source, preset
 from cpkv.errors import CheckpointError, ConfigError
+from cpkv.files import absent
 
 PRECISIONS = ("fp8", "exact")
 COMPUTE_DTYPES = {"cuda": "bfloat16", "cpu": "float32"}  # the model dtype per device (cpkv.model.model.default_dtype)
@@ -146,27 +147,31 @@ def _patterns(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, An
     elif pattern is not None:
         letters = {"F": "full", "S": "shared"}
         if isinstance(pattern, str):
-            if set(pattern) - set(letters):
-                raise ValueError(f"index_topk_pattern must hold only F and S, got {pattern!r}")
-            pattern = [letters[c] for c in pattern]
-        out["indexer_pattern"] = _layer_list(pattern, "index_topk_pattern", ("full", "shared"), layers,
-                                             "a string of F/S, one letter per layer, or ")
+            bad = next((i for i, c in enumerate(pattern) if c not in letters), None)
+            if bad is not None:
+                raise ValueError(f"index_topk_pattern: expected one letter per layer, F (full) or S (shared), got "
+                                 f"{pattern[bad]!r} at layer {bad} of {pattern[:80]!r}")
+            out["indexer_pattern"] = _layer_list([letters[c] for c in pattern], "index_topk_pattern", ("full", "shared"),
+                                                 layers)
+        else:
+            out["indexer_pattern"] = _layer_list(pattern, "index_topk_pattern", ("full", "shared"), layers)
     else:
         out["index_topk_freq"] = max(_int(raw.get("index_topk_freq", 1), "index_topk_freq", 0), 1)  # 0 reads as 1
         out["index_skip_topk_offset"] = _int(raw.get("index_skip_topk_offset", 2), "index_skip_topk_offset", 0)
     return out
 
 
-def _layer_list(value: Any, key: str, allowed: tuple[str, ...], layers: int, other: str = "") -> tuple[str, ...]:
-    """A per-layer pattern: a JSON list of ``layers`` strings, each one of ``allowed``."""
-    want = f"{other}a list of {layers} strings, one per layer, each {' or '.join(map(repr, allowed))}"
+def _layer_list(value: Any, key: str, allowed: tuple[str, ...], layers: int) -> tuple[str, ...]:
+    """A per-layer pattern of config.json: a list of ``allowed`` names, one per layer (num_hidden_layers)."""
     if not isinstance(value, list):
-        raise ValueError(f"{key}: expected {want}; got {value!r}")
-    bad = sorted({repr(x) for x in value if x not in allowed})
-    if bad:
-        raise ValueError(f"{key}: expected {want}; got {', '.join(bad)}")
+        raise ValueError(f"{key}: expected a list of {' / '.join(map(repr, allowed))}, one per layer, got "
+                         f"{type(value).__name__} {str(value)[:80]!r}")
+    bad = next((i for i, v in enumerate(value) if v not in allowed), None)
+    if bad is not None:
+        raise ValueError(f"{key}: expected {' or '.join(map(repr, allowed))} for every layer, got {value[bad]!r} at "
+                         f"layer {bad}")
     if len(value) != layers:
-        raise ValueError(f"{key} must name all {layers} layers (num_hidden_layers), got {len(value)}: expected {want}")
+        raise ValueError(f"{key}: expected one entry per layer (num_hidden_layers = {layers}), got {len(value)}")
     return tuple(value)
 
 
@@ -195,18 +200,22 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
-    """``spec``: a preset name (tiny, glm5, deepseek-v32) or a directory holding config.json.
+    """``spec``: a preset (``preset:glm5``, or plain ``glm5`` while no such directory exists: ``model_source``)
+    or a directory holding config.json.
 
     ``num_layers`` keeps the first layers only (benchmarks run a few layers at real shapes; the
     per-layer patterns are cut to match).
     """
-    if spec in PRESETS:
-        cfg = preset(spec)
+    kind, where = model_source(spec)
+    if kind == "preset":
+        cfg = preset(where)
     else:
         path = Path(spec)
+        if path.is_dir() and not (path / "config.json").is_file() and absent(path / "config.json") != "lacks":
+            raise ConfigError(f"--model {spec!r}: config.json: the directory {absent(path / 'config.json')}")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}) or a directory "
-                              f"holding config.json")
+            raise ConfigError(f"--model {spec!r}: expected a preset ({', '.join(PRESETS)}; or "
+                              f"{PRESET_PREFIX}NAME) or a directory holding config.json")
         try:
             raw = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as exc:  # ValueError: bad JSON or undecodable bytes

@@ -141,6 +141,8 @@ def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", 
     cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
     fp8 = resolve_weights(weights, spec, torch.device(device).type, precision) == "fp8"
     experts = expert_block(ep[0], ep[1], cfg.n_routed_experts) if ep is not None else None
-    if Path(spec).is_dir():
+    from cpkv.config import model_source
+
+    if model_source(spec)[0] == "dir":  # the same decision as load_model_config's
         return DSAModel.from_pretrained(spec, cfg, device, dtype, experts, fp8=fp8)
     return DSAModel.random(cfg, seed, device, dtype, experts, fp8=fp8)

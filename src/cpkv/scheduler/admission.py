@@ -37,7 +37,7 @@ from cpkv.scheduler.request import Request, Status
 POLICIES = ("solo", "mix")
 FULL_HIT = ("page", "token")
 REASONS = ("chunk_size", "cached_tokens", "buffer_bytes", "max_requests", "pages", "solo", "max_context",
-           "pool_pages")
+           "pool_pages", "logits_budget")
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,11 @@ class Admission:
         last = self.last_prefix(prompt_len, 0)
         for start in sorted({max(0, last - self.extend_cap), last}):  # bytes grow with keys and rows
             extend = min(self.extend_cap, prompt_len - start)
+            keys = cdiv(start + extend, P) * P
+            if 4 * keys > self.logits_budget:  # one query's logits row alone: the budget is too small, not the chunk
+                return Rejected("logits_budget", f"its chunk at {start} sees {keys} keys: one indexer logits row "
+                                f"({4 * keys} B) exceeds the logits chunk budget of {self.logits_budget} B "
+                                f"(CPKV_MQA_LOGITS_CHUNK_MAX_GB)", True)
             need = self.buffer_bytes(cdiv(start + extend, P), max(self.chunk_rows(extend, 0)[1]))
             if need > caps.buffer_bytes:
                 return Rejected("buffer_bytes", f"its chunk at {start} needs {need} buffer bytes alone, above the "
