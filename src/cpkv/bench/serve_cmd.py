@@ -33,13 +33,13 @@ BUILTIN = {"requests": 200, "seed": 0, "scale": 1.0}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.bench.serve import ENDPOINTS
-    from cpkv.cli.args import nonneg_int, positive_float, positive_int
+    from cpkv.cli.args import nonneg_int, positive_float, positive_int, seed
     from cpkv.scheduler.admission import POLICIES
 
     p.add_argument("--url", help="the server, e.g. http://127.0.0.1:30000")
     p.add_argument("--trace", help="JSONL trace (docs/trace-format.md); default: the seed-shaped trace")
     p.add_argument("--requests", type=positive_int, help=f"seed-shaped trace: requests (default {BUILTIN['requests']})")
-    p.add_argument("--seed", type=int, help="seed-shaped trace and --rate arrivals: random seed (default 0)")
+    p.add_argument("--seed", type=seed, help="seed-shaped trace and --rate arrivals: random seed (default 0)")
     p.add_argument("--scale", type=positive_float, help="seed-shaped trace: length multiplier (default 1.0)")
     p.add_argument("--make-trace", metavar="FILE.jsonl", help="write the seed-shaped trace to FILE and exit")
     load = p.add_mutually_exclusive_group()
