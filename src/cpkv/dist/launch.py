@@ -158,8 +158,8 @@ def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, 
            args: tuple, conn: connection.Connection, timeout_s: float, parent: int, inbox: Any = None) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, lambda *_: _exit(128 + signal.SIGTERM))  # atexit handlers remove shm files
-    if inbox is not None:  # a long-lived group: Ctrl-C in the terminal reaches the parent, which ends the ranks
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if inbox is not None:  # a long-lived group: signals to the parent's process group (Ctrl-C, ``timeout``) reach
+        os.setpgrp()       # the parent alone, which drains and then ends the ranks itself
     channel = _Channel(conn)
     threading.Thread(target=channel.beat_forever, name="cpkv-heartbeat", daemon=True).start()
     dev = _rank_device(device, rank, shared)
@@ -285,7 +285,8 @@ class RankGroup:
     ``on_message(rank, payload)`` gets every ``ctx.report(payload)`` (on the watch thread). ``on_exit(exc)``
     is called once, on the watch thread, when the group is over: ``exc`` is None when every rank returned,
     else the ``RankFailure`` naming the ranks (as ``launch`` raises it; the other ranks are ended first).
-    ``timeout_s`` bounds each collective (not the group's life); ranks ignore SIGINT (the parent ends them).
+    ``timeout_s`` bounds each collective (not the group's life); ranks run in their own process group, so
+    a signal to the parent's group (Ctrl-C) reaches only the parent, which ends them.
     """
 
     def __init__(self, fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args: Sequence[Any] = (),

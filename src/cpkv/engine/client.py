@@ -8,7 +8,8 @@
 
 Knows nothing of HTTP. ``never_reason(seq_len)`` answers, before any submit, whether a sequence can ever be
 admitted under ``cfg`` (the ranks' own rules). When a rank dies or fails, every pending request gets
-``Finished(reason="failed")`` and ``on_exit(RankFailure)`` is called once.
+``Finished(reason="failed")`` and ``on_exit(RankFailure)`` is called once. ``on_step(Step)`` sees every step
+report after its events were delivered (pages used, generations held).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class EngineClient:
 
     def __init__(self, cfg: EngineConfig, *, timeout_s: float = 600.0, heartbeat_s: float = 30.0,
                  on_exit: Callable[[RankFailure | None], None] | None = None,
-                 on_pages: Callable[[tuple[int, ...]], None] | None = None) -> None:
+                 on_step: Callable[[Step], None] | None = None) -> None:
         from cpkv.engine.online import online_main
         from cpkv.model.config import load_model_config
         from cpkv.scheduler.admission import Admission
@@ -38,7 +39,7 @@ class EngineClient:
         self.model_cfg = load_model_config(cfg.model, cfg.num_layers)
         self._adm = Admission.build(cfg.caps(), self.model_cfg, cfg.cp_config, policy=cfg.policy,
                                     full_hit=cfg.full_hit)
-        self._on_exit, self._on_pages = on_exit, on_pages
+        self._on_exit, self._on_step = on_exit, on_step
         self._lock = threading.Lock()
         self._pending: dict[int, Callable[[Event], None]] = {}
         self._ids = itertools.count(1)
@@ -120,8 +121,8 @@ class EngineClient:
         elif isinstance(msg, Step):
             for ev in msg.events:
                 self._deliver(ev)
-            if self._on_pages is not None:
-                self._on_pages(msg.pages_used)
+            if self._on_step is not None:
+                self._on_step(msg)
 
     def _deliver(self, ev: Event) -> None:
         with self._lock:

@@ -70,7 +70,7 @@ class OnlineRankEngine(RankEngine):
             if batch is not None:
                 news += self._step(batch)
             if self.rank == 0 and (news or batch is not None):
-                self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used())))
+                self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
 
     # -- messages ----------------------------------------------------------------------------------
     def _messages(self) -> list:

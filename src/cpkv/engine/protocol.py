@@ -2,7 +2,7 @@
 
     parent -> rank 0's inbox       Submit(rid, tokens, max_new_tokens, stop_ids) | Cancel(rid) | Stop()
     rank 0 -> parent (ctx.report)  Ready() once; then per loop step with news:
-                                   Step(events: [Token | Finished, ...], pages_used)
+                                   Step(events: [Token | Finished, ...], pages_used, live)
 
 Rank 0 broadcasts each step's inbox messages to every rank, so every rank applies the same messages at the
 same step and forms the same batches. Per request ``rid`` the events are: ``Token`` for each generated token
@@ -60,7 +60,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Step:
-    """One loop step's news from rank 0: events in order, and every pool's used pages (cached + in flight)."""
+    """One loop step's news from rank 0: events in order, every pool's used pages (cached + in flight), and the
+    generations the ranks hold (queued, running or between decode steps)."""
 
     events: tuple[Token | Finished, ...]
     pages_used: tuple[int, ...]
+    live: int = 0
