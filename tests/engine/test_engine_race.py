@@ -40,10 +40,10 @@ def _worker(ctx, job):
     run_batch, fence, load, gather = (rank_mod.RankEngine._run_batch, rank_mod.RankEngine._fence_reload,
                                       HostTier.load, ComposeRuntime.gather)
 
-    def tracked_batch(self, batch, tokens):
+    def tracked_batch(self, batch):
         state["batch"] = self.batches
         lay = batch.layout(self.model.cfg.max_context)
-        done = run_batch(self, batch, tokens)
+        done = run_batch(self, batch)
         state["prefix"] = {p.page_id for p in lay.logical_pages if p.kind == "prefix" and p.rank == self.rank}
         return done
 
