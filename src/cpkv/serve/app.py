@@ -34,6 +34,10 @@ from cpkv.serve.tokenizer import TextStream, Tokenizer
 log = logging.getLogger("cpkv.serve")
 
 
+class Disconnected(Exception):
+    """The client went away before its answer (its request was cancelled in the engine)."""
+
+
 @dataclass
 class ServeState:
     fe: Frontend
@@ -85,6 +89,8 @@ class _Api:
                 g = parse(load_json(await request.body()))
                 tokens = self._tokens(g)
                 return await answer(request, g, tokens)
+            except Disconnected:
+                return Response(status_code=499)  # nobody reads it: the client is gone
             except BadRequest as exc:
                 reason = exc.reason if isinstance(exc, Refused) else "invalid"
                 self.fe.metrics.rejected.labels(reason=reason).inc()
@@ -231,7 +237,7 @@ async def _until_done(request: Request, flight: Flight) -> Outcome:
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise BadRequest("the client disconnected", None, 499)
+        raise Disconnected()
     return task.result()
 
 

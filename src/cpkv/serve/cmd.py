@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 
-from cpkv.errors import ConfigError
+from cpkv.errors import ConfigError, RankFailure
 
 from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
 
@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
                    help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run one chunked prompt and two decode steps before listening (default: on with --device "
+                        "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
     p.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a collective (or the ranks' start) may take before the ranks are failed")
 
@@ -71,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
         import prometheus_client, starlette, uvicorn  # noqa: F401, E401
     except ImportError as exc:
         raise ConfigError(f"cpkv serve needs {exc.name}: pip install 'cpkv[serve]'") from None
-    args.warmup = False
+    warmup, args.warmup = args.warmup, False  # engine_config's warm-up replays a trace; serve warms up below
     with as_flags(flags_of(FLAGS)):
         cfg = engine_config(args, args.cp)
     sock = _bind(args.host, args.port)
+    args.warmup = warmup
     try:
         return _serve(args, cfg, sock)
     finally:
@@ -115,6 +119,8 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         client.group.stop()
         raise
     try:
+        if args.warmup if args.warmup is not None else cfg.device == "cuda":
+            _warm_up(client, cfg, args.timeout)
         app = build_app(ServeState(fe, tok, args.served_model_name or args.model, args.model))
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=10)
@@ -132,6 +138,26 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         raise failure
     _say("stopped: every rank ended")
     return 0
+
+
+def _warm_up(client, cfg, timeout_s: float) -> None:
+    """One prompt of two chunks and a page, generating 3 tokens, through the engine (not counted in /metrics)."""
+    from cpkv.engine.protocol import Finished
+    from cpkv.scheduler.trace import synth_tokens
+
+    n = min(2 * cfg.chunk_size + cfg.page_size, client.model_cfg.max_context - 3)
+    done: list = []
+    ended = threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Finished):
+            done.append(ev)
+            ended.set()
+
+    _say(f"warming up: a {n}-token prompt and 3 tokens")
+    client.submit(synth_tokens("cpkv-serve-warmup", n, client.vocab_size), 3, on_event)
+    if not ended.wait(timeout_s) or done[0].reason != "length":
+        raise RankFailure(f"the warm-up request did not finish: {done[0] if done else 'timed out'}")
 
 
 def _say(text: str) -> None:
