@@ -166,3 +166,16 @@ def test_engine_admission_rejection_is_503():
     assert r.status_code == 503 and "pages" in r.json()["error"]["message"]
     assert 'cpkv:requests_rejected_total{reason="admission"} 1.0' in metrics
     assert "cpkv:num_requests_waiting 0.0" in metrics
+
+
+def test_a_taken_port_is_one_error_line_before_any_rank_starts(capsys):
+    import socket
+
+    from cpkv.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", "--port", str(s.getsockname()[1])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cpkv serve: error: --host 127.0.0.1 --port ") and "--port 0" in err[0]

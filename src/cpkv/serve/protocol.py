@@ -8,7 +8,7 @@ Every error is a ``BadRequest`` naming the field (OpenAI's ``param``) with what 
     POST /v1/chat/completions   model, messages, max_tokens / max_completion_tokens (128), temperature, top_p,
                                 n, stream, stream_options, user, seed, stop (null)
     POST /generate              text or input_ids, sampling_params {max_new_tokens (128), temperature,
-                                top_p, ignore_eos}, stream, rid
+                                top_p, ignore_eos, skip_special_tokens}, stream, rid, return_logprob (false)
 
 Greedy decoding only: ``temperature`` absent or 0 (any other value is a 400 naming it). Fields outside
 these lists are a 400 (``unknown field``), so a typo never passes silently.
@@ -56,8 +56,8 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n
                      "user", "seed", "stop", "echo", "logprobs"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                "stream_options", "user", "seed", "stop"}
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid"}
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "ignore_eos"}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob"}
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "ignore_eos", "skip_special_tokens"}
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -113,6 +113,9 @@ def parse_generate(body: dict[str, Any]) -> GenRequest:
     if has_text == has_ids:
         raise BadRequest("give exactly one of 'text' or 'input_ids'" + (", not both" if has_text else ""),
                          "input_ids")
+    if body.get("return_logprob") not in (None, False):
+        raise BadRequest("'return_logprob' is not supported: expected false or absent", "return_logprob")
+    _bool(sp, "skip_special_tokens", "sampling_params.")
     field = "text" if has_text else "input_ids"
     if has_text and not isinstance(body["text"], str):
         raise BadRequest(f"'text' must be a string, got {_kind(body['text'])}", "text")
