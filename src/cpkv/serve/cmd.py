@@ -131,11 +131,10 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
              f"{'tokenizer' if tok else 'token ids only'})")
         server.run(sockets=[sock])
     finally:
-        failure = client.failure
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a failure is the client's, raised below
             client.close(timeout_s=30.0)
-    if failure is not None:
-        raise failure
+    if client.failure is not None:
+        raise client.failure
     _say("stopped: every rank ended")
     return 0
 
