@@ -41,6 +41,19 @@ def test_decode_steps_go_before_new_prompts():
     assert [e[0] for e in entries] == ["d", "new"]
 
 
+def test_running_decodes_never_starve_a_chunked_prompt():
+    """A chunked prompt cannot share a batch (solo); decode steps re-queued every batch still let it in next."""
+    sched, kv, _ = make()
+    sched.add(req("long", range(1000, 1040)))  # 40 tokens: 3 chunks of 16
+    order = []
+    for k in range(6):
+        sched.add(req(f"d{k}", range(10 * k, 10 * k + 6)), decode=True)  # a running generation's next step
+        entries, _ = step(sched)
+        order.append([e[0] for e in entries])
+    assert order[0] == ["d0"] and order[1] == ["long"]  # led by decode steps, then by the waiting prompt
+    assert order[2:] == [["d1", "d2"], ["long"], ["d3", "d4"], ["long"]]
+
+
 @pytest.mark.parametrize("policy", ["solo", "mix"])
 def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk(policy):
     """A 5-chunk prompt runs; decode steps arriving meanwhile each run right after the chunk in flight."""

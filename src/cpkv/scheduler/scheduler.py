@@ -9,9 +9,10 @@
 
 One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the
 decode steps of running generations (``add(req, decode=True)``, the online engine), then the waiting
-queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the batch). While
-decode steps wait, a chunked prompt yields every other turn to them, so a long prefill delays a decode by
-at most one chunk. A request that cannot run even alone in an empty batch is rejected with its reason, so
+queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the batch). Decode
+steps and prompts take turns: a batch led by decode steps that left a prompt waiting is followed by one led
+by the waiting queue, and while decode steps wait, a chunked prompt yields every other batch to them, so
+running generations never starve a new prompt and a long prefill delays a decode by at most one chunk. A request that cannot run even alone in an empty batch is rejected with its reason, so
 it never blocks the queue; ``cancel`` takes a request out between batches and drops what it holds. Every
 decision depends only on the calls made, so every rank takes the same ones.
 """
@@ -49,6 +50,7 @@ class Scheduler:
         self.in_flight: Batch | None = None
         self.num_batches = 0
         self._yielded = False  # the last batch was decode steps run while a chunked request waited
+        self._prompt_turn = False  # the last batch was led by decode steps and left a prompt waiting
 
     @property
     def page_size(self) -> int:
@@ -122,8 +124,11 @@ class Scheduler:
             res = adder.try_add(req)
             if not isinstance(res, Admitted):
                 self._reject(req, res)  # alone in an empty batch: it can never go on
-        if self._fill(adder, self.decoding):
-            self._fill(adder, self.waiting)
+        lead, follow = (self.waiting, self.decoding) if self._prompt_turn else (self.decoding, self.waiting)
+        decodes = len(self.decoding)
+        if self._fill(adder, lead):
+            self._fill(adder, follow)
+        self._prompt_turn = not self._prompt_turn and len(self.decoding) < decodes and bool(self.waiting)
         if not adder.entries:
             return None
         return self._launch(adder.entries)
