@@ -7,14 +7,15 @@
         ...run the forward, writing each entry's KV into entry.pages...
         done = sched.finish(batch)          # commits full pages to the KV cache, releases the rest, requeues
 
-One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the
-decode steps of running generations (``add(req, decode=True)``, the online engine), then the waiting
-queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the batch). Decode
-steps and prompts take turns: a batch led by decode steps that left a prompt waiting is followed by one led
-by the waiting queue, and while decode steps wait, a chunked prompt yields every other batch to them, so
-running generations never starve a new prompt and a long prefill delays a decode by at most one chunk. A request that cannot run even alone in an empty batch is rejected with its reason, so
-it never blocks the queue; ``cancel`` takes a request out between batches and drops what it holds. Every
-decision depends only on the calls made, so every rank takes the same ones.
+One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the decode
+steps of running generations (``add(req, decode=True)``, the online engine), then the waiting queue in
+arrival order (FIFO, no overtaking: the first request that does not fit closes the batch). Decode steps and
+prompts take turns: a batch led by decode steps that left a prompt waiting is followed by one led by the
+waiting queue, and while decode steps wait, a chunked prompt yields every other batch to them, so running
+generations never starve a new prompt and a long prefill delays a decode by at most one chunk. A request
+that cannot run even alone in an empty batch is rejected with its reason, so it never blocks the queue;
+``cancel`` takes a request out between batches and drops what it holds. Every decision depends only on the
+calls made, so every rank takes the same ones.
 """
 from __future__ import annotations
 
