@@ -13,8 +13,9 @@ import pytest
 import cpkv
 
 ROOT = Path(cpkv.__file__).parent
-HARNESS = ("cpkv.cli", "cpkv.bench", "cpkv.__main__")
+HARNESS = ("cpkv.cli", "cpkv.bench", "cpkv.serve", "cpkv.__main__")
 TORCH_FREE = ("cpkv.layout", "cpkv.config", "cpkv.envs", "cpkv.errors", "cpkv.files", "cpkv.scheduler",
+              "cpkv.engine.protocol", "cpkv.serve.protocol",
               "cpkv.kvcache.allocator", "cpkv.kvcache.prefix_cache", "cpkv.kvcache.manager", "cpkv.memplan",
               "cpkv.model.config", "cpkv.model.checkpoint")
 

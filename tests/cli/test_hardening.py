@@ -68,7 +68,8 @@ def test_the_registry_knows_the_compose_modes():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["env"], ["env", "--json"], ["check", "--help"], ["bench", "--help"],
-                                  ["run", "--help"], ["replay", "--help"], ["layout", "--help"]])
+                                  ["run", "--help"], ["replay", "--help"], ["layout", "--help"],
+                                  ["serve", "--help"]])
 def test_help_and_env_do_not_import_torch(argv):
     code = ("import sys\nfrom cpkv.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')" % (argv,))

@@ -82,3 +82,53 @@ def test_context_from_env_needs_torchrun_variables(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="RANK"):
         context_from_env("cpu")
+
+
+# -- long-lived groups (cpkv serve) ----------------------------------------------------------------
+def _echo_until_stop(ctx):
+    """Rank 0 reads its inbox and broadcasts each message; every rank reports what it got (rank 0 and 1 must
+    agree); "stop" ends the loop, "die" makes rank 1 exit."""
+    got = []
+    while True:
+        msg = ctx.inbox.get(timeout=60) if ctx.rank == 0 else None
+        msg = ctx.broadcast_object(msg, src=0)
+        if msg == "stop":
+            return got
+        if msg == "die" and ctx.rank == 1:
+            os._exit(9)
+        got.append(msg)
+        ctx.report((ctx.rank, msg, ctx.all_reduce_max_list([ctx.rank, 5 - ctx.rank])))
+
+
+def test_a_rank_group_serves_messages_until_stopped():
+    import threading
+
+    seen, ended = [], threading.Event()
+    from cpkv.dist import RankGroup
+
+    group = RankGroup(_echo_until_stop, 2, args=(), timeout_s=120, on_message=lambda r, m: seen.append(m),
+                      on_exit=lambda exc: ended.set())
+    group.start()
+    for m in ("a", "b"):
+        group.send(0, m)
+    group.send(0, "stop")
+    assert group.join(120) == [["a", "b"], ["a", "b"]]
+    assert ended.is_set() and group.failure is None
+    assert sorted(seen) == [(0, "a", [1, 5]), (0, "b", [1, 5]), (1, "a", [1, 5]), (1, "b", [1, 5])]
+
+
+def test_a_dead_rank_of_a_group_is_named_to_on_exit():
+    import threading
+
+    from cpkv.dist import RankGroup
+
+    failures, ended = [], threading.Event()
+    group = RankGroup(_echo_until_stop, 2, timeout_s=120, grace_s=0.5,
+                      on_exit=lambda exc: (failures.append(exc), ended.set()))
+    group.start()
+    group.send(0, "die")
+    assert ended.wait(120)
+    assert isinstance(failures[0], RankFailure) and str(failures[0]).startswith("rank 1 died with exit code 9")
+    with pytest.raises(RankFailure):
+        group.join(10)
+    assert not any(p.is_alive() for p in group.spawned.procs)

@@ -24,6 +24,7 @@ from cpkv.errors import CpkvError
 # name -> (module, the line ``cpkv --help`` lists; the command's own --help shows its module's HELP)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("cpkv.cli.run_cmd", "CP prefill of a trace on rank processes, verified against one rank"),
+    "serve": ("cpkv.serve.cmd", "the engine behind an OpenAI-compatible HTTP server with Prometheus metrics"),
     "replay": ("cpkv.cli.replay_cmd", "replay a trace through the prefix cache and admission; TTFT"),
     "plan": ("cpkv.cli.plan_cmd", "memory per rank (weights, expert shard, KV, buffers) and the KV tokens that fit"),
     "layout": ("cpkv.cli.layout_cmd", "how a batch's pages split over the CP ranks"),

@@ -86,6 +86,7 @@ class RankContext:
     group: Any = None
     shared_device: bool = False
     channel: Any = None  # the pipe to the launching parent (None under torchrun)
+    inbox: Any = None    # a long-lived group's queue from the parent (``RankGroup.send``); None otherwise
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
@@ -99,6 +100,20 @@ class RankContext:
         t = torch.tensor([value], dtype=torch.int64, device=self.collective_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def all_reduce_max_list(self, values: Sequence[int]) -> list[int]:
+        """Element-wise max of an int64 list over the ranks (same length on every rank)."""
+        if not values:
+            return []
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.collective_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(x) for x in t.tolist()]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank (pickled)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
 
     def report(self, payload: Any) -> None:
         """Send a progress report (picklable, small) to the parent's ``on_progress``; no-op under torchrun."""
@@ -142,9 +157,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, shared: bool, port: int,
-           args: tuple, conn: connection.Connection, timeout_s: float, parent: int) -> None:
+           args: tuple, conn: connection.Connection, timeout_s: float, parent: int, inbox: Any = None) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, lambda *_: _exit(128 + signal.SIGTERM))  # atexit handlers remove shm files
+    if inbox is not None:  # a long-lived group: signals to the parent's process group (Ctrl-C, ``timeout``) reach
+        os.setpgrp()       # the parent alone, which drains and then ends the ranks itself
     channel = _Channel(conn)
     threading.Thread(target=channel.beat_forever, name="cpkv-heartbeat", daemon=True).start()
     dev = _rank_device(device, rank, shared)
@@ -154,7 +171,7 @@ def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, 
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        ctx = RankContext(rank, world_size, dev, backend, dist.group.WORLD, shared, channel)
+        ctx = RankContext(rank, world_size, dev, backend, dist.group.WORLD, shared, channel, inbox)
         result = fn(ctx, *args)
         channel.send(("result", True, result))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
@@ -210,36 +227,132 @@ def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args
     receives every ``ctx.report(payload)``. Raises ``RankFailure`` naming the ranks that raised, died, were
     stopped or did not finish.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
-    chosen, shared = pick_backend(device, world_size)
-    backend = backend or chosen
-    store = _free_store(world_size, timeout_s)
-    ctx = mp.get_context("spawn")
-    procs: list = []
-    conns: list = []
-    watch = _Watch(procs, conns, timeout_s, grace_s, heartbeat_s, on_progress)
+    spawned = _Spawned(fn, world_size, device, args, timeout_s, backend, inboxes=False)
+    watch = _Watch(spawned.procs, spawned.conns, timeout_s, grace_s, heartbeat_s, on_progress)
     try:
-        for rank in range(world_size):
-            recv, send = ctx.Pipe(duplex=False)
-            conns.append(recv)
-            p = ctx.Process(target=_child, args=(fn, rank, world_size, device, backend, shared, store.port,
-                                                  tuple(args), send, timeout_s, os.getpid()), name=f"cpkv-rank{rank}")
+        spawned.start()
+        watch.run()
+    finally:  # also on an interrupt: no rank outlives the launch, no segment outlives its rank
+        spawned.end(early=len(watch.results) < world_size)
+    return _finish(watch, world_size, timeout_s)
+
+
+class _Spawned:
+    """The rank processes of one launch, their pipes to the parent and (long-lived groups) their inboxes."""
+
+    def __init__(self, fn: Callable, world_size: int, device: str, args: Sequence[Any], timeout_s: float,
+                 backend: str | None, inboxes: bool) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+        chosen, self.shared = pick_backend(device, world_size)
+        self.fn, self.world_size, self.device, self.args = fn, world_size, device, tuple(args)
+        self.backend, self.timeout_s = backend or chosen, timeout_s
+        self.store = _free_store(world_size, timeout_s)
+        self.mp = mp.get_context("spawn")
+        self.inboxes = [self.mp.Queue() for _ in range(world_size)] if inboxes else [None] * world_size
+        self.procs: list = []
+        self.conns: list = []
+
+    def start(self) -> None:
+        for rank in range(self.world_size):
+            recv, send = self.mp.Pipe(duplex=False)
+            self.conns.append(recv)
+            p = self.mp.Process(target=_child, name=f"cpkv-rank{rank}", args=(
+                self.fn, rank, self.world_size, self.device, self.backend, self.shared, self.store.port, self.args,
+                send, self.timeout_s, os.getpid(), self.inboxes[rank]))
             try:
                 p.start()
             except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:  # fork/spawn or pickling
                 raise RankFailure(f"rank {rank} could not start: {type(exc).__name__}: {exc}") from exc
             finally:
                 send.close()
-            procs.append(p)  # only started processes: the clean-up below never joins one that never ran
-        watch.run()
-    finally:  # also on an interrupt: no rank outlives the launch, no segment outlives its rank
-        _end(procs, early=len(watch.results) < world_size)
+            self.procs.append(p)  # only started processes: the clean-up never joins one that never ran
+
+    def end(self, early: bool) -> None:
+        _end(self.procs, early=early)
         _remove_segments(os.getpid())
-        for c in conns:
+        for c in self.conns:
             c.close()
-        del store
-    return _finish(watch, world_size, timeout_s)
+        for q in self.inboxes:
+            if q is not None:
+                q.cancel_join_thread()  # a rank that died never reads what is left: do not wait on it
+                q.close()
+        self.store = None
+
+
+class RankGroup:
+    """Long-lived rank processes (``cpkv serve``): started once, fed through per-rank inboxes, watched by a
+    thread until they return or one fails.
+
+        group = RankGroup(fn, 2, device="cpu", args=(...,), on_message=f, on_exit=g)
+        group.start()                  # ranks run fn(ctx, *args); ctx.inbox is their queue
+        group.send(0, msg)             # never blocks (the queue's feeder thread writes the pipe)
+        results = group.join(30.0)     # after a message that makes every fn return; RankFailure otherwise
+
+    ``on_message(rank, payload)`` gets every ``ctx.report(payload)`` (on the watch thread). ``on_exit(exc)``
+    is called once, on the watch thread, when the group is over: ``exc`` is None when every rank returned,
+    else the ``RankFailure`` naming the ranks (as ``launch`` raises it; the other ranks are ended first).
+    ``timeout_s`` bounds each collective (not the group's life); ranks run in their own process group, so
+    a signal to the parent's group (Ctrl-C) reaches only the parent, which ends them.
+    """
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args: Sequence[Any] = (),
+                 timeout_s: float = 600.0, grace_s: float = 2.0, heartbeat_s: float = 30.0,
+                 on_message: Callable[[int, Any], None] | None = None,
+                 on_exit: Callable[[RankFailure | None], None] | None = None) -> None:
+        self.spawned = _Spawned(fn, world_size, device, args, timeout_s, None, inboxes=True)
+        self.watch = _Watch(self.spawned.procs, self.spawned.conns, float("inf"), grace_s, heartbeat_s, on_message)
+        self.on_exit = on_exit
+        self.results: list[Any] | None = None
+        self.failure: RankFailure | None = None
+        self._thread = threading.Thread(target=self._watch, name="cpkv-rank-watch", daemon=True)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.spawned.procs]
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        try:
+            self.spawned.start()
+        except BaseException:
+            self.spawned.end(early=True)
+            raise
+        self._thread.start()
+
+    def send(self, rank: int, msg: Any) -> None:
+        self.spawned.inboxes[rank].put(msg)
+
+    def _watch(self) -> None:
+        exc: RankFailure | None = None
+        try:
+            self.watch.run()
+        finally:
+            self.spawned.end(early=len(self.watch.results) < self.spawned.world_size)
+            try:
+                self.results = _finish(self.watch, self.spawned.world_size, float("inf"))
+            except RankFailure as e:
+                self.failure = exc = e
+            if self.on_exit is not None:
+                self.on_exit(exc)
+
+    def join(self, timeout_s: float) -> list[Any]:
+        """Wait ``timeout_s`` for every rank to return (after a message that ends ``fn``), else end them all.
+        Returns the results; raises the group's RankFailure."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.stop()
+        if self.failure is not None:
+            raise self.failure
+        return self.results or []
+
+    def stop(self) -> None:
+        """End every rank now (SIGTERM, SIGKILL ``STOP_S`` later) and wait for the watch thread."""
+        _end(self.spawned.procs, early=True)
+        self._thread.join(STOP_S + 5.0)
 
 
 class _Watch:
@@ -371,8 +484,8 @@ def _finish(watch: _Watch, world_size: int, timeout_s: float) -> list[Any]:
             continue
         errors[rank] = None
         if rank not in watch.failures:
-            lines.append(((2, rank), f"rank {rank} did not finish (ended after the run's {timeout_s:g} s limit "
-                                     f"or a peer's failure)"))
+            limit = f"the run's {timeout_s:g} s limit" if timeout_s != float("inf") else "a stop"
+            lines.append(((2, rank), f"rank {rank} did not finish (ended after {limit} or a peer's failure)"))
             continue
         order, kind, detail = watch.failures[rank]
         if kind == "dead":

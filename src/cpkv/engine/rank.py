@@ -109,7 +109,7 @@ class RankEngine:
             return
         reloaded = 0
         self._reload_fenced = False
-        for i, req in enumerate(list(self.sched.waiting)[: self.cfg.caps().max_requests]):
+        for i, req in enumerate(self.sched.queued[: self.cfg.caps().max_requests]):
             if not req.started:
                 reloaded += self.kv.reload(req.keys, self._load, may_evict=i == 0)
         if reloaded:  # same count on every rank
@@ -131,6 +131,7 @@ class RankEngine:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> RankOutput:
+        """The trace loop: requests released as their parents finish, batches until nothing is left."""
         tokens = materialize_tokens(trace, vocab_size=self.model.cfg.vocab_size)
         blocked, released, done = list(trace), {}, set()
         self.ctx.barrier()
@@ -144,7 +145,8 @@ class RankEngine:
                 if not self.sched.has_work and not self._ready(blocked, done):
                     break
                 continue
-            finished = self._run_batch(batch, tokens)
+            finished, logits = self._run_batch(batch)
+            self.out.logits.update({rid: v.cpu().numpy() for rid, v in logits.items()})
             now = self._sync_time() - t0
             for req in finished:
                 self.out.done_s[req.rid] = now - released[req.rid]
@@ -180,11 +182,13 @@ class RankEngine:
                 self.out.rejected[req.rid] = req.reason
                 done.add(req.rid)
 
-    def _run_batch(self, batch: Batch, tokens: dict[Hashable, list[int]]) -> list[Request]:
+    def _run_batch(self, batch: Batch) -> tuple[list[Request], dict[Hashable, torch.Tensor]]:
+        """Run one batch (the tokens are the requests' keys) -> (the requests whose last chunk this was,
+        {request id: float32 [vocab] last-token logits on the device} for those whose last token is here)."""
         layout = batch.layout(self.model.cfg.max_context)
         page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
         assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
-        spec = BatchSpec(layout, tuple(tuple(tokens[e.rid][: e.seq_len]) for e in batch.entries), page_ids)
+        spec = BatchSpec(layout, tuple(tuple(e.request.keys[: e.seq_len]) for e in batch.entries), page_ids)
         with self._profiled() as prof:
             start = self._sync_time()
             with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
@@ -194,7 +198,6 @@ class RankEngine:
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
-        self.out.logits.update({batch.entries[i].rid: v.cpu().numpy() for i, v in logits.items()})
         if prof is not None:
             self.kernels.append(_kernel_spans(prof))
             self.host_ops.append(_host_ops(prof))
@@ -202,7 +205,7 @@ class RankEngine:
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
-        return self.sched.finish(batch)
+        return self.sched.finish(batch), {batch.entries[i].rid: v for i, v in logits.items()}
 
     def _sync_checked(self):
         """With cfg.sync_check on CUDA: one error naming every device->host synchronisation inside."""
@@ -246,18 +249,15 @@ class RankEngine:
 
 def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]]) -> list[RankOutput]:
     """Rank entry point (cpkv.dist.launch or torchrun): run each (config, trace) job in order."""
-    if ctx.device.type == "cpu":  # ranks share the host's cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    share_cores(ctx)
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace in jobs:
         key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision, cfg.weights_dtype)
-        if key not in models:  # cp > 1: this rank's block of the routed experts only (expert parallelism)
+        if key not in models:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
-            ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
-            models[key] = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                                     precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+            models[key] = rank_model(ctx, cfg)
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)
@@ -267,6 +267,20 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
                 layer.stats.update(dense=0, sparse=0)
         outputs.append(_run_once(ctx, cfg, model, trace))
     return outputs
+
+
+def share_cores(ctx: RankContext) -> None:
+    """CPU ranks share the host's cores: no oversubscription."""
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+
+
+def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
+    """This rank's model: at cp > 1 only its block of the routed experts (expert parallelism), linear weights
+    as ``cfg.weights_dtype`` says."""
+    ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
+    return load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                      precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
 
 
 def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Sequence[TraceRequest]) -> RankOutput:

@@ -221,7 +221,8 @@ class PrefillAdder:
 
     def try_add(self, req: Request) -> Admitted | Rejected:
         """Admit one chunk of ``req`` (locking its prefix, allocating its pages) or say which cap stops it."""
-        if req.status in (Status.FINISHED, Status.REJECTED) or any(e.request is req for e in self.entries):
+        done = (Status.FINISHED, Status.REJECTED, Status.CANCELLED)
+        if req.status in done or any(e.request is req for e in self.entries):
             raise AdmissionError(f"request {req.rid!r} cannot be added: {req.status.value} or already in this batch")
         never = self.adm.never_reason(req.prompt_len, self.pool_pages)
         if never is not None:

@@ -26,6 +26,7 @@ class Status(str, Enum):
     RUNNING = "running"      # a chunk is in flight, or earlier chunks ran and more follow
     FINISHED = "finished"
     REJECTED = "rejected"
+    CANCELLED = "cancelled"  # taken out by Scheduler.cancel (a client went away)
 
 
 @dataclass(eq=False)

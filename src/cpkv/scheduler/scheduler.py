@@ -7,10 +7,15 @@
         ...run the forward, writing each entry's KV into entry.pages...
         done = sched.finish(batch)          # commits full pages to the KV cache, releases the rest, requeues
 
-One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the
-waiting queue in arrival order (FIFO, no overtaking: the first request that does not fit closes the
-batch). A request that cannot run even alone in an empty batch is rejected with its reason, so it never
-blocks the queue. Every decision depends only on the calls made, so every rank takes the same ones.
+One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the decode
+steps of running generations (``add(req, decode=True)``, the online engine), then the waiting queue in
+arrival order (FIFO, no overtaking: the first request that does not fit closes the batch). Decode steps and
+prompts take turns: a batch led by decode steps that left a prompt waiting is followed by one led by the
+waiting queue, and while decode steps wait, a chunked prompt yields every other batch to them, so running
+generations never starve a new prompt and a long prefill delays a decode by at most one chunk. A request
+that cannot run even alone in an empty batch is rejected with its reason, so it never blocks the queue;
+``cancel`` takes a request out between batches and drops what it holds. Every decision depends only on the
+calls made, so every rank takes the same ones.
 """
 from __future__ import annotations
 
@@ -40,10 +45,13 @@ class Scheduler:
         self.kv = kv
         self.key_unit = key_unit
         self.waiting: deque[Request] = deque()
+        self.decoding: deque[Request] = deque()   # decode steps of running generations: before new prompts
+        self.resuming: deque[Request] = deque()   # chunked requests whose next chunk goes first
         self.rejected: list[Request] = []
         self.in_flight: Batch | None = None
         self.num_batches = 0
-        self._resume: Request | None = None
+        self._yielded = False  # the last batch was decode steps run while a chunked request waited
+        self._prompt_turn = False  # the last batch was led by decode steps and left a prompt waiting
 
     @property
     def page_size(self) -> int:
@@ -51,19 +59,43 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or self._resume is not None or self.in_flight is not None
+        return bool(self.waiting or self.decoding or self.resuming) or self.in_flight is not None
+
+    @property
+    def _resume(self) -> Request | None:
+        """The chunked request whose next chunk goes first (None: none)."""
+        return self.resuming[0] if self.resuming else None
+
+    @property
+    def queued(self) -> list[Request]:
+        """Requests not yet started, in the order admission tries them."""
+        return [*self.decoding, *self.waiting]
 
     # -- queue -------------------------------------------------------------------------------------
-    def add(self, req: Request) -> Rejected | None:
-        """Queue a request; a request that can never run is rejected at once (returned)."""
+    def add(self, req: Request, decode: bool = False) -> Rejected | None:
+        """Queue a request; a request that can never run is rejected at once (returned). ``decode``: the
+        next step of a running generation (queued before new prompts)."""
         _check_request(req, self.key_unit)
         never = self.adm.never_reason(req.prompt_len, self.pool_pages)
         if never is not None:
             self._reject(req, never)
             return never
         req.status = Status.WAITING
-        self.waiting.append(req)
+        (self.decoding if decode else self.waiting).append(req)
         return None
+
+    def cancel(self, req: Request) -> bool:
+        """Take ``req`` out of the queues between batches, dropping the prefix it holds (its pages stay
+        cached, unheld). False when it is not queued (finished, rejected, or never added)."""
+        if self.in_flight is not None:
+            raise AdmissionError(f"cancel(): batch {self.in_flight.index} is in flight: finish() it first")
+        for queue in (self.waiting, self.decoding, self.resuming):
+            if any(r is req for r in queue):
+                queue.remove(req)
+                self.kv.drop(req.prefix)
+                req.prefix, req.status, req.reason = EMPTY, Status.CANCELLED, "cancelled"
+                return True
+        return False
 
     @property
     def pool_pages(self) -> int:
@@ -80,23 +112,40 @@ class Scheduler:
         """The next batch (its pages allocated, its prefix locked), or None when nothing can run."""
         if self.in_flight is not None:
             raise AdmissionError(f"batch {self.in_flight.index} is still in flight: finish() it first")
+        if self.resuming and self.decoding and not self._yielded:  # decode steps' turn between two chunks
+            adder = PrefillAdder(self.adm, self.kv)
+            self._fill(adder, self.decoding, reject_alone=False)
+            if adder.entries:
+                self._yielded = True
+                return self._launch(adder.entries)
+        self._yielded = False
         adder = PrefillAdder(self.adm, self.kv)
-        if self._resume is not None:
-            req, self._resume = self._resume, None
+        if self.resuming:
+            req = self.resuming.popleft()
             res = adder.try_add(req)
             if not isinstance(res, Admitted):
                 self._reject(req, res)  # alone in an empty batch: it can never go on
-        while self.waiting:
-            res = adder.try_add(self.waiting[0])
-            if isinstance(res, Admitted):
-                self.waiting.popleft()
-            elif res.permanent or not adder.entries:
-                self._reject(self.waiting.popleft(), res)
-            else:
-                break
+        lead, follow = (self.waiting, self.decoding) if self._prompt_turn else (self.decoding, self.waiting)
+        decodes = len(self.decoding)
+        if self._fill(adder, lead):
+            self._fill(adder, follow)
+        self._prompt_turn = not self._prompt_turn and len(self.decoding) < decodes and bool(self.waiting)
         if not adder.entries:
             return None
         return self._launch(adder.entries)
+
+    def _fill(self, adder: PrefillAdder, queue: deque[Request], reject_alone: bool = True) -> bool:
+        """Admit the head of ``queue`` while it fits; True when the queue ran empty. A head that can never
+        fit (or, with ``reject_alone``, not even alone in an empty batch) is rejected."""
+        while queue:
+            res = adder.try_add(queue[0])
+            if isinstance(res, Admitted):
+                queue.popleft()
+            elif res.permanent or (reject_alone and not adder.entries):
+                self._reject(queue.popleft(), res)
+            else:
+                return False
+        return True
 
     def _launch(self, entries: list[Entry]) -> Batch:
         batch = Batch(self.num_batches, tuple(entries), self.adm.page_size, self.adm.cp, self.adm.strategy)
@@ -127,7 +176,7 @@ class Scheduler:
             req.done, req.status = req.prompt_len, Status.FINISHED
             return True
         req.done = end
-        self._resume = req
+        self.resuming.append(req)
         return False
 
     def _keys(self, req: Request, tokens: int):

@@ -1,0 +1,157 @@
+"""The online rank loop behind ``cpkv serve``: the model, KV pools and the CP-wide prefix cache stay resident;
+requests arrive through rank 0's inbox and generate greedily (docs/design.md, the online engine).
+
+    step       rank 0 drains its inbox (waits up to IDLE_S when there is no work) and broadcasts the messages:
+               every rank applies the same Submit / Cancel / Stop at the same step (one host collective)
+    schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``RankEngine``)
+    run        ``RankEngine._run_batch``; the first token is the argmax of the last-token logits; the rank that
+               holds a request's last token knows it, an all-reduce (max over -1) tells every rank
+    continue   a generation's next step is a new scheduler request: prompt + tokens so far, queued as a decode
+               step. Its cached prefix (page-aligned full pages) comes from the prefix cache, so a step recomputes
+               the tail partial page and the new token -- the tokens ``cpkv run`` gives for that sequence
+    report     rank 0 sends the parent one ``Step`` per loop step with news (tokens, finishes, pages used)
+
+A finished or cancelled generation holds nothing: its full pages stay in the prefix cache (the next turn of a
+conversation hits them), unheld, evictable. Decode steps queue before new prompts and get a turn between
+the chunks of a long prompt (``Scheduler``), so a long prefill stalls them by at most one chunk.
+"""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpkv.dist import RankContext
+from cpkv.engine.config import EngineConfig
+from cpkv.engine.protocol import Cancel, Finished, Ready, Step, Stop, Submit, Token
+from cpkv.engine.rank import RankEngine, rank_model, share_cores
+from cpkv.scheduler import Batch, Request
+
+IDLE_S = 0.2  # rank 0's longest wait on an empty inbox before the (empty) step's broadcast: idle ranks stay in
+#               step with it, far inside the collective timeout
+
+
+@dataclass
+class Generation:
+    """One request being served: its tokens so far (prompt + generated) and its current scheduler step."""
+
+    sub: Submit
+    tokens: list[int]
+    made: int = 0
+    step: Request | None = None
+
+    @property
+    def rid(self) -> int:
+        return self.sub.rid
+
+
+class OnlineRankEngine(RankEngine):
+    """A ``RankEngine`` (same setup and batches) driven by messages instead of a trace."""
+
+    def __init__(self, ctx: RankContext, cfg: EngineConfig, model) -> None:
+        super().__init__(ctx, cfg, model)
+        self.live: dict[int, Generation] = {}
+
+    def serve(self) -> dict[str, Any]:
+        """Loop until a Stop arrives; returns {"batches": n}."""
+        self.ctx.barrier()
+        if self.rank == 0:
+            self.ctx.report(Ready())
+        while True:
+            msgs = self._messages()
+            if any(isinstance(m, Stop) for m in msgs):
+                return {"batches": self.batches}
+            news = [ev for m in msgs for ev in self._apply(m)]
+            self._reload_waiting()
+            batch = self.sched.next_batch()
+            news += self._rejections()
+            if batch is not None:
+                news += self._step(batch)
+            if self.rank == 0 and (news or batch is not None):
+                self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
+
+    # -- messages ----------------------------------------------------------------------------------
+    def _messages(self) -> list:
+        """This step's messages, the same list on every rank (rank 0's inbox, broadcast)."""
+        msgs: list = []
+        if self.rank == 0:
+            if not self.sched.has_work:
+                try:
+                    msgs.append(self.ctx.inbox.get(timeout=IDLE_S))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    msgs.append(self.ctx.inbox.get_nowait())
+                except queue.Empty:
+                    break
+        return self.ctx.broadcast_object(msgs, src=0)
+
+    def _apply(self, msg) -> list:
+        if isinstance(msg, Submit):
+            gen = Generation(msg, list(msg.tokens))
+            self.live[gen.rid] = gen
+            return self._queue(gen)
+        if isinstance(msg, Cancel):
+            gen = self.live.pop(msg.rid, None)
+            if gen is None:
+                return []
+            if gen.step is not None:
+                self.sched.cancel(gen.step)
+            return [Finished(msg.rid, "cancelled")]
+        raise TypeError(f"unknown online engine message {msg!r}")
+
+    def _queue(self, gen: Generation) -> list:
+        """Queue the generation's next step: prompt + tokens so far (a decode step after the first token)."""
+        gen.step = Request((gen.rid, gen.made), list(gen.tokens), len(gen.tokens))
+        why = self.sched.add(gen.step, decode=gen.made > 0)
+        if why is None:
+            return []
+        del self.live[gen.rid]
+        return [Finished(gen.rid, "rejected", f"{why.reason}: {why.detail}")]
+
+    def _rejections(self) -> list:
+        """Steps the scheduler rejected at admission since the last call."""
+        out = []
+        for req in self.sched.rejected:
+            gen = self.live.get(req.rid[0])
+            if gen is not None and gen.step is req:
+                del self.live[gen.rid]
+                out.append(Finished(gen.rid, "rejected", req.reason))
+        self.sched.rejected.clear()  # a server runs for long: nothing kept per request once reported
+        return out
+
+    # -- batches -----------------------------------------------------------------------------------
+    def _step(self, batch: Batch) -> list:
+        """Run the batch; each finished step's token (agreed by every rank) extends its generation."""
+        finished, logits = self._run_batch(batch)
+        self.batch_log.clear()  # per-batch records are for a trace's report; a server keeps none
+        self.batch_s.clear()
+        mine = [int(torch.argmax(logits[r.rid])) if r.rid in logits else -1 for r in finished]
+        tokens = self.ctx.all_reduce_max_list(mine)
+        out: list = []
+        for req, tok in zip(finished, tokens):
+            out += self._advance(self.live[req.rid[0]], req, tok)
+        return out
+
+    def _advance(self, gen: Generation, req: Request, tok: int) -> list:
+        assert tok >= 0, f"no rank held the last token of step {req.rid!r}"
+        out: list = [Token(gen.rid, tok, gen.made, req.cached if gen.made == 0 else -1)]
+        gen.tokens.append(tok)
+        gen.made += 1
+        if tok in gen.sub.stop_ids or gen.made >= gen.sub.max_new_tokens:
+            del self.live[gen.rid]
+            return out + [Finished(gen.rid, "stop" if tok in gen.sub.stop_ids else "length")]
+        return out + self._queue(gen)
+
+
+def online_main(ctx: RankContext, cfg: EngineConfig) -> dict[str, Any]:
+    """Rank entry point of ``cpkv serve`` (``cpkv.dist.RankGroup``): load the model, serve until Stop."""
+    share_cores(ctx)
+    engine = OnlineRankEngine(ctx, cfg, rank_model(ctx, cfg))
+    try:
+        return engine.serve()
+    finally:
+        engine.close()

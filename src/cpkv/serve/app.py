@@ -1,0 +1,275 @@
+"""The HTTP routes (Starlette): parse, validate, await the front end, shape the answer. Nothing else.
+
+    GET  /health               200 {"status": "ok", "ranks": [...]} when every rank serves, else 503
+    GET  /v1/models            the served model
+    POST /v1/completions       OpenAI completions (text or token-id prompt; SSE with ``stream``)
+    POST /v1/chat/completions  OpenAI chat, when the checkpoint has a tokenizer with a chat template
+    POST /generate             SGLang-native: output_ids, text (with a tokenizer), meta_info
+    GET  /metrics              Prometheus text
+
+A client that disconnects cancels its request (non-streaming: a task waits for ``http.disconnect``; streaming:
+the response listens for it beside the stream). Errors are JSON ``{"error": {message, type, param, code}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cpkv.serve.frontend import Flight, Frontend, Outcome, Refused
+from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, parse_completion, parse_generate
+from cpkv.serve.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger("cpkv.serve")
+
+
+class Disconnected(Exception):
+    """The client went away before its answer (its request was cancelled in the engine)."""
+
+
+@dataclass
+class ServeState:
+    fe: Frontend
+    tok: Tokenizer | None
+    name: str          # the served model name (``model`` must match it when given)
+    model: str         # --model as given
+
+
+def build_app(st: ServeState) -> Starlette:
+    api = _Api(st)
+    return Starlette(routes=[
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/completions", api.handler(parse_completion, api.completion), methods=["POST"]),
+        Route("/v1/chat/completions", api.handler(parse_chat, api.chat), methods=["POST"]),
+        Route("/generate", api.handler(parse_generate, api.generate), methods=["POST"]),
+    ])
+
+
+class _Api:
+    def __init__(self, st: ServeState) -> None:
+        self.st, self.fe = st, st.fe
+        self.created = int(time.time())
+
+    # -- plain routes ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        c = self.fe.client
+        ranks = [{"rank": r, "pid": pid} for r, pid in enumerate(c.pids)]
+        if c.healthy and not self.fe.draining:
+            return JSONResponse({"status": "ok", "ranks": ranks})
+        status = "stopping" if self.fe.draining else f"failed: {c.failure}" if c.failure else "not ready"
+        return JSONResponse({"status": status, "ranks": ranks}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        cfg = self.fe.client.model_cfg
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.st.name, "object": "model", "created": self.created, "owned_by": "cpkv",
+            "root": self.st.model, "max_model_len": cfg.max_context}]})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.fe.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- generation routes -------------------------------------------------------------------------
+    def handler(self, parse: Callable[[dict], GenRequest],
+                answer: Callable[[Request, GenRequest, list[int]], Awaitable[Response]]):
+        async def route(request: Request) -> Response:
+            try:
+                g = parse(load_json(await request.body()))
+                tokens = self._tokens(g)
+                return await answer(request, g, tokens)
+            except Disconnected:
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            except BadRequest as exc:
+                reason = exc.reason if isinstance(exc, Refused) else "invalid"
+                self.fe.metrics.rejected.labels(reason=reason).inc()
+                headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+                return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+            except Exception as exc:  # a bug: one 500 for this request, the server goes on
+                log.exception("%s %s failed", request.method, request.url.path)
+                return JSONResponse(BadRequest(f"internal error: {type(exc).__name__}: {exc}", None, 500).body(),
+                                    status_code=500)
+        return route
+
+    def _tokens(self, g: GenRequest) -> list[int]:
+        """The prompt as token ids, checked against the vocabulary, the context and admission."""
+        st, client = self.st, self.fe.client
+        if g.model is not None and g.model != st.name:
+            raise BadRequest(f"model {g.model!r} is not served here; this server serves {st.name!r}", "model", 404)
+        if g.kind == "chat":
+            if st.tok is None or not st.tok.has_chat_template:
+                raise BadRequest(f"model {st.model} has no tokenizer with a chat template: use /v1/completions or "
+                                 "/generate with token ids", "messages")
+            tokens = st.tok.chat(g.messages or [])
+        elif isinstance(g.prompt, str):
+            if st.tok is None:
+                raise BadRequest(f"model {st.model} has no tokenizer: give the prompt as token ids", g.prompt_field)
+            tokens = st.tok.encode(g.prompt)
+        else:
+            tokens = list(g.prompt or [])
+        _check_tokens(tokens, g, client.vocab_size, st.model)
+        why = client.never_reason(len(tokens))
+        if why is not None:
+            raise BadRequest(f"the prompt of {len(tokens)} tokens can never be served: {why}", g.prompt_field)
+        why = client.never_reason(len(tokens) + g.max_new_tokens - 1)
+        if why is not None:
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + {g.max_field.split('.')[-1]} ({g.max_new_tokens}) "
+                             f"can never be served: {why}", g.max_field)
+        return tokens
+
+    def _open(self, g: GenRequest, tokens: list[int]) -> Flight:
+        stop = self.st.tok.stop_ids if self.st.tok is not None and not g.ignore_eos else frozenset()
+        return self.fe.open(tokens, g.max_new_tokens, stop)
+
+    async def completion(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
+        flight, rid = self._open(g, tokens), f"cmpl-{uuid.uuid4().hex}"
+        if g.stream:
+            return _sse(self._completion_chunks(flight, g, rid), request)
+        out = await _until_done(request, flight)
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name,
+            "choices": [{"index": 0, "text": self._text(out.tokens), "token_ids": out.tokens, "logprobs": None,
+                         "finish_reason": out.finish_reason}],
+            "usage": _usage(out)})
+
+    async def _completion_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name}
+        text, sent = TextStream(self.st.tok) if self.st.tok is not None else None, 0
+        async for out in flight.events():  # after each token, and once more at the finish
+            delta = text.push(out.tokens, out.finish_reason is not None) if text is not None else ""
+            choice = {"index": 0, "text": delta, "token_ids": out.tokens[sent:], "logprobs": None,
+                      "finish_reason": out.finish_reason}
+            sent = len(out.tokens)
+            yield {**head, "choices": [choice]}
+        if g.include_usage:
+            yield {**head, "choices": [], "usage": _usage(out)}
+
+    async def chat(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
+        flight, rid = self._open(g, tokens), f"chatcmpl-{uuid.uuid4().hex}"
+        if g.stream:
+            return _sse(self._chat_chunks(flight, g, rid), request)
+        out = await _until_done(request, flight)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.st.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(out.tokens)},
+                         "logprobs": None, "finish_reason": out.finish_reason}],
+            "usage": _usage(out)})
+
+    async def _chat_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.st.name}
+        text = TextStream(self.st.tok)  # chat needs a tokenizer
+        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+        async for out in flight.events():
+            delta = text.push(out.tokens, out.finish_reason is not None)
+            yield {**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
+                                        "finish_reason": out.finish_reason}]}
+        if g.include_usage:
+            yield {**head, "choices": [], "usage": _usage(out)}
+
+    async def generate(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
+        flight = self._open(g, tokens)
+        rid = g.rid or uuid.uuid4().hex
+        if g.stream:
+            return _sse(self._generate_chunks(flight, rid), request)
+        return JSONResponse(self._generate_body(await _until_done(request, flight), rid))
+
+    async def _generate_chunks(self, flight: Flight, rid: str) -> AsyncIterator[dict]:
+        async for out in flight.events():  # cumulative, as SGLang streams
+            yield self._generate_body(out, rid)
+
+    def _generate_body(self, out: Outcome, rid: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"output_ids": list(out.tokens)}
+        if self.st.tok is not None:
+            body["text"] = self._text(out.tokens)
+        fin = None if out.finish_reason is None else {"type": out.finish_reason, "length": len(out.tokens)}
+        body["meta_info"] = {"id": rid, "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+                             "completion_tokens": len(out.tokens), "ttft_s": round(out.ttft_s, 6),
+                             "e2e_latency_s": round(out.e2e_s, 6) if out.finish_reason else None,
+                             "finish_reason": fin}
+        return body
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.st.tok.decode(tokens) if self.st.tok is not None else ""
+
+
+def _check_tokens(tokens: list[int], g: GenRequest, vocab: int, model: str) -> None:
+    if not tokens:
+        raise BadRequest("the prompt holds no tokens", g.prompt_field)
+    top = max(tokens)
+    if top >= vocab:
+        i = tokens.index(top)
+        raise BadRequest(f"'{g.prompt_field}'[{i}] = {top} is outside the vocabulary of model {model} (token ids "
+                         f"0..{vocab - 1})", g.prompt_field)
+
+
+def _usage(out: Outcome) -> dict[str, Any]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.tokens),
+            "total_tokens": out.prompt_tokens + len(out.tokens),
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+
+async def _until_done(request: Request, flight: Flight) -> Outcome:
+    """The finished outcome; a disconnect first cancels the request (the answer goes nowhere)."""
+    async def run() -> Outcome:
+        async with aclosing(flight.events()) as events:
+            async for out in events:
+                pass
+        return out
+
+    task = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Disconnected()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(chunks: AsyncIterator[dict], request: Request) -> Response:
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async with aclosing(chunks) as it:
+                async for chunk in it:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except BadRequest as exc:  # after the 200 went out: the error is the stream's last event
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    return _EventStream(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that always listens for the client's disconnect beside the stream (Starlette does
+    so only under ASGI < 2.4), so a client that goes away cancels the generation at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                tg.cancel_scope.cancel()
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()

@@ -1,0 +1,228 @@
+"""``cpkv serve``: the CP engine behind an OpenAI-compatible HTTP server (plus SGLang's /generate, Prometheus).
+
+Rank processes start once and stay: the model, the KV pools and the CP-wide prefix cache live across requests.
+The listening socket is bound before the ranks start (a taken port is one error line), and answers once every
+rank serves (``listening on http://HOST:PORT`` on stderr; ``--port 0`` picks a free port and prints it).
+
+SIGTERM / SIGINT: stop taking requests (503), give those in flight ``--shutdown-timeout`` seconds, fail the
+rest, end every rank, exit 0 (a second signal stops at once). A rank that dies fails the requests in flight
+(503), turns /health to 503 and ends the server with an error naming the rank (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+
+from cpkv.errors import ConfigError, RankFailure
+
+from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
+
+HELP = "Serve the CP engine over HTTP: OpenAI-compatible completions and chat, SGLang's /generate, /metrics."
+FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_size", "max_requests", "num_layers")
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpkv import envs
+    from cpkv.cli.args import nonneg_int, positive_float, positive_int
+    from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
+    from cpkv.engine.config import MODES
+
+    p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir "
+                   "(its tokenizer and chat template, when present, enable text prompts and chat)")
+    p.add_argument("--cp", type=positive_int, default=2, help="rank processes (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=nonneg_int, default=30000, help="port (default 30000; 0: a free one, printed)")
+    p.add_argument("--served-model-name", help="the model name clients give (default: --model)")
+    p.add_argument("--max-waiting", type=positive_int, default=256,
+                   help="requests waiting for their first token before new ones get 429 (default 256)")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 30)")
+    p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
+                   help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
+    p.add_argument("--num-layers", type=positive_int, help="override the model's depth")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
+    p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
+    p.add_argument("--host-pages", type=nonneg_int, default=0, help="host-tier page slots (CP-wide)")
+    p.add_argument("--chunk-size", type=int, default=512,
+                   help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
+    p.add_argument("--max-requests", type=int, default=8, help="requests (prefills and decode steps) per batch")
+    p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
+    p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
+                   help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="run one chunked prompt and two decode steps before listening (default: on with --device "
+                        "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
+    p.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds a collective (or the ranks' start) may take before the ranks are failed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.cli.run_cmd import engine_config
+
+    try:
+        import prometheus_client, starlette, uvicorn  # noqa: F401, E401
+    except ImportError as exc:
+        raise ConfigError(f"cpkv serve needs {exc.name}: pip install 'cpkv[serve]'") from None
+    warmup, args.warmup = args.warmup, False  # engine_config's warm-up replays a trace; serve warms up below
+    with as_flags(flags_of(FLAGS)):
+        cfg = engine_config(args, args.cp)
+    sock = _bind(args.host, args.port)
+    args.warmup = warmup
+    try:
+        return _serve(args, cfg, sock)
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick another port "
+                          "(--port 0 picks a free one)") from None
+    return sock
+
+
+def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
+    import uvicorn
+
+    from cpkv.engine.client import EngineClient
+    from cpkv.serve.app import ServeState, build_app
+    from cpkv.serve.frontend import Frontend
+    from cpkv.serve.metrics import Metrics
+    from cpkv.serve.tokenizer import load_tokenizer
+
+    metrics = Metrics()
+    hooks = _Hooks()
+    client = EngineClient(cfg, timeout_s=args.timeout, on_exit=hooks.engine_exited, on_step=metrics.step)
+    tok = load_tokenizer(args.model)
+    fe = Frontend(client, metrics, args.max_waiting)
+    _say(f"starting {cfg.cp} rank processes (model {args.model}, {cfg.device}, mode {cfg.mode})")
+    try:
+        client.start(ready_timeout_s=args.timeout)
+    except BaseException:  # a rank failed while starting, or an interrupt: no rank outlives the command
+        client.group.stop()
+        raise
+    try:
+        if args.warmup if args.warmup is not None else cfg.device == "cuda":
+            _warm_up(client, cfg, args.timeout)
+        app = build_app(ServeState(fe, tok, args.served_model_name or args.model, args.model))
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=10)
+        server = _make_server(config, fe, args.shutdown_timeout)
+        hooks.server = server
+        host, port = sock.getsockname()[:2]
+        _say(f"listening on http://{host}:{port} (model {args.served_model_name or args.model}, cp {cfg.cp}, "
+             f"{'tokenizer' if tok else 'token ids only'})")
+        server.run(sockets=[sock])
+    finally:
+        with contextlib.suppress(Exception):  # a failure is the client's, raised below
+            client.close(timeout_s=30.0)
+    if client.failure is not None:
+        raise client.failure
+    _say("stopped: every rank ended")
+    return 0
+
+
+def _warm_up(client, cfg, timeout_s: float) -> None:
+    """One prompt of two chunks and a page, generating 3 tokens, through the engine (not counted in /metrics)."""
+    from cpkv.engine.protocol import Finished
+    from cpkv.scheduler.trace import synth_tokens
+
+    n = min(2 * cfg.chunk_size + cfg.page_size, client.model_cfg.max_context - 3)
+    done: list = []
+    ended = threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Finished):
+            done.append(ev)
+            ended.set()
+
+    _say(f"warming up: a {n}-token prompt and 3 tokens")
+    client.submit(synth_tokens("cpkv-serve-warmup", n, client.vocab_size), 3, on_event)
+    if not ended.wait(timeout_s) or done[0].reason != "length":
+        raise RankFailure(f"the warm-up request did not finish: {done[0] if done else 'timed out'}")
+
+
+def _say(text: str) -> None:
+    print(f"cpkv serve: {text}", file=sys.stderr, flush=True)
+
+
+class _Hooks:
+    """The engine client's exit, turned into the server's end (on the event loop)."""
+
+    server = None  # the uvicorn server, once it exists
+
+    def engine_exited(self, exc) -> None:
+        server = self.server
+        if server is None or server.loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has closed already
+            server.loop.call_soon_threadsafe(server.engine_failed, str(exc) if exc else "the ranks stopped")
+
+
+def _make_server(config, fe, drain_s: float):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server with cpkv's stop: the first signal drains (503 to new requests, in-flight ones get
+        the shutdown timeout), a second one stops at once; signals are not re-raised afterwards (exit 0)."""
+
+        def __init__(self, config, fe, drain_s: float) -> None:
+            super().__init__(config)
+            self.fe, self.drain_s = fe, drain_s
+            self.loop: asyncio.AbstractEventLoop | None = None
+            self.stopping = False
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = [getattr(signal, s) for s in STOP_SIGNALS if hasattr(signal, s)]
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.stopping or self.loop is None:
+                self.fe.fail_all("the server is stopping now (a second signal)")
+                self.should_exit = True
+                return
+            self.stopping = True
+            _say(f"{signal.Signals(sig).name}: draining (in-flight requests get {self.drain_s:g} s)")
+            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            await self.fe.drain(self.drain_s)
+            self.should_exit = True
+
+        def engine_failed(self, why: str) -> None:
+            _say(f"the engine stopped: {why}")
+            self.fe.draining = True
+            self.fe.fail_all(why)
+            self.should_exit = True
+
+    return _Server(config, fe, drain_s)
