@@ -29,45 +29,49 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
-    from cpkv.cli.args import nonneg_int, positive_float, positive_int
+    from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
     from cpkv.engine.config import MODES
 
     p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir "
                    "(its tokenizer and chat template, when present, enable text prompts and chat)")
-    p.add_argument("--cp", type=positive_int, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=nonneg_int, default=30000, help="port (default 30000; 0: a free one, printed)")
+    p.add_argument("--port", type=a.bounded_int(0, 65535), default=30000, help="port (default 30000; 0: a free one, printed)")
     p.add_argument("--served-model-name", help="the model name clients give (default: --model)")
-    p.add_argument("--max-waiting", type=positive_int, default=256,
+    p.add_argument("--max-waiting", type=a.bounded_int(1, 1 << 20), default=256,
                    help="requests waiting for their first token before new ones get 429 (default 256)")
-    p.add_argument("--shutdown-timeout", type=positive_float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=a.timeout_s, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 30)")
     p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
-    p.add_argument("--num-layers", type=positive_int, help="override the model's depth")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--num-layers", type=a.layers, help="override the model's depth")
+    p.add_argument("--seed", type=a.seed, default=0, help="seed of a preset's random weights")
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
-    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--pages-per-rank", type=int, default=256, help="device pool pages per rank (page 0 reserved)")
-    p.add_argument("--host-pages", type=nonneg_int, default=0, help="host-tier page slots (CP-wide)")
-    p.add_argument("--chunk-size", type=int, default=512,
+    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=256, help="device pool pages per rank (page 0 reserved)")
+    p.add_argument("--host-pages", type=a.bounded_int(0, a.MAX_PAGES), default=0, help="host-tier page slots (CP-wide)")
+    p.add_argument("--chunk-size", type=a.tokens, default=512,
                    help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
-    p.add_argument("--max-requests", type=int, default=8, help="requests (prefills and decode steps) per batch")
+    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests (prefills and decode steps) per batch")
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
                    help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
+    p.add_argument("--weights", choices=("auto", "fp8", "bf16"), default="auto",
+                   help="linear weights: fp8 (block-scaled fp8 GEMMs), bf16, auto (default: fp8 for an fp8 checkpoint "
+                        "on CUDA at fp8 precision, else bf16)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run one chunked prompt and two decode steps before listening (default: on with --device "
                         "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
-    p.add_argument("--timeout", type=positive_float, default=600.0,
+    p.add_argument("--timeout", type=a.timeout_s, default=600.0,
                    help="seconds a collective (or the ranks' start) may take before the ranks are failed")
 
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
+    from cpkv.cli.plan_cmd import check_run
     from cpkv.cli.run_cmd import engine_config
 
     try:
@@ -77,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     warmup, args.warmup = args.warmup, False  # engine_config's warm-up replays a trace; serve warms up below
     with as_flags(flags_of(FLAGS)):
         cfg = engine_config(args, args.cp)
+    check_run(cfg, cfg.model_config())  # the memory plan: a configuration that does not fit is one line
     sock = _bind(args.host, args.port)
     args.warmup = warmup
     try:
