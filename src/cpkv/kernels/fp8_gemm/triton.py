@@ -113,6 +113,8 @@ CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128
 #   PERSISTENT  PERSISTENT programs per SM, each looping over tiles
 #   RESCALE     the accumulator is kept in the current K block's scale frame, acc = dot(a, b, acc * t_prev / t)
 #               (t = a_s * b_s per row, BLOCK_N <= 128): the dot accumulates in place, no second accumulator
+#   PAIR        two K blocks per loop iteration, both dots issued before either is scaled (one wait on the
+#               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
     "v0": {},
@@ -125,6 +127,9 @@ VARIANTS: dict[str, dict] = {
     "v7": {"TMA": True, "RESCALE": True},
     "v8": {"TMA": True, "PERSISTENT": 2},
     "v9": {"TMA": True, "RESCALE": True, "PERSISTENT": 2},
+    "v10": {"CLAMP": True, "PAIR": True},
+    "v11": {"TMA": True, "PAIR": True},
+    "v12": {"TMA": True, "PAIR": True, "PERSISTENT": 2},
 }
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
@@ -211,7 +216,7 @@ def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
 def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
           stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr):
+          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
     expert = _expert_of(TILE_END, pid_m, E, LOG_E)
     if expert < E:
@@ -243,46 +248,69 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
             bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         prev = tl.full((BLOCK_M,), 1.0, tl.float32)
-        for kb in range(0, tl.cdiv(K, 128)):
-            if TMA:
-                a = a_desc.load([row0, kb * 128])
-                b = b_desc.load([expert * N + col0, kb * 128]).T
-            elif EVEN_K:
-                if CLAMP:
-                    a = tl.load(a_ptr)
-                    b = tl.load(b_ptr)
+        # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
+        # two K blocks per iteration, both dots issued before either result is scaled
+        if PAIR:
+            for kp in range(0, tl.cdiv(K, 256)):
+                kb = kp * 2
+                if TMA:
+                    a0 = a_desc.load([row0, kb * 128])
+                    b0 = b_desc.load([expert * N + col0, kb * 128]).T
+                    a1 = a_desc.load([row0, kb * 128 + 128])
+                    b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
                 else:
-                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
-            else:
-                kmask = kb * 128 + ks < K
-                if CLAMP:
-                    a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
+                    a0 = tl.load(a_ptr)
+                    b0 = tl.load(b_ptr)
+                    a1 = tl.load(a_ptr + 128)
+                    b1 = tl.load(b_ptr + 128)
+                t0 = tl.load(as_ptr + kb) * tl.load(bs_ptr + kb)
+                t1 = tl.load(as_ptr + kb + 1) * tl.load(bs_ptr + kb + 1)
+                d0 = tl.dot(a0, b0, out_dtype=tl.float32)
+                d1 = tl.dot(a1, b1, out_dtype=tl.float32)
+                acc += d0 * t0[:, None] + d1 * t1[:, None]
+                a_ptr += 256
+                b_ptr += 256
+        else:
+            for kb in range(0, tl.cdiv(K, 128)):
+                if TMA:
+                    a = a_desc.load([row0, kb * 128])
+                    b = b_desc.load([expert * N + col0, kb * 128]).T
+                elif EVEN_K:
+                    if CLAMP:
+                        a = tl.load(a_ptr)
+                        b = tl.load(b_ptr)
+                    else:
+                        a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                        b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
                 else:
-                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if CLAMP:
-                sa = tl.load(as_ptr + kb)
-            else:
-                sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
-            if BLOCK_N <= 128:
-                sb = tl.load(bs_ptr + kb)
-                if RESCALE:
-                    t = sa * sb
-                    t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
-                    acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
-                    prev = t
-                else:
-                    acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
-            else:
+                    kmask = kb * 128 + ks < K
+                    if CLAMP:
+                        a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                        b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
+                    else:
+                        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
                 if CLAMP:
+                    sa = tl.load(as_ptr + kb)
+                else:
+                    sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
+                if BLOCK_N <= 128:
                     sb = tl.load(bs_ptr + kb)
+                    if RESCALE:
+                        t = sa * sb
+                        t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
+                        acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
+                        prev = t
+                    else:
+                        acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
                 else:
-                    sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
-                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-            a_ptr += 128
-            b_ptr += 128
+                    if CLAMP:
+                        sb = tl.load(bs_ptr + kb)
+                    else:
+                        sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
+                    acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+                a_ptr += 128
+                b_ptr += 128
         if RESCALE:
             acc = acc * prev[:, None]
         tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
@@ -294,7 +322,7 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
                stride_bse, stride_bsn, stride_c,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
                CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr):
+               PERSISTENT: tl.constexpr, PAIR: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -309,14 +337,14 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
                   stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE)
+                  TMA, RESCALE, PAIR)
     else:
         t = tl.program_id(0)
         if t < total:
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
                   stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE)
+                  TMA, RESCALE, PAIR)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -360,9 +388,9 @@ def _tuned(variant: str):
     if variant == "v0":
         return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                                         for bn, w, st in CONFIGS], key=["N", "K"])(_grouped_gemm)
-    rescale = VARIANTS[variant].get("RESCALE", False)
+    scalar = VARIANTS[variant].get("RESCALE", False) or VARIANTS[variant].get("PAIR", False)
     return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                                    for bn, w, st in V_CONFIGS if bn <= 128 or not rescale],
+                                    for bn, w, st in V_CONFIGS if bn <= 128 or not scalar],
                            key=["N", "K"])(_grouped_v)
 
 
@@ -419,8 +447,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         else:
             _tma_allocator()
     persistent = int(flags.get("PERSISTENT", 0))
-    if flags.get("RESCALE") and config is not None and config["BLOCK_N"] > 128:
-        raise ValueError(f"grouped GEMM {variant} (RESCALE): expected BLOCK_N <= 128, got {config['BLOCK_N']}")
+    if (flags.get("RESCALE") or flags.get("PAIR")) and config is not None and config["BLOCK_N"] > 128:
+        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, got {config['BLOCK_N']}")
 
     def grid(meta: dict) -> tuple[int]:
         bound = (cdiv(r, bm) + e) * cdiv(n, meta["BLOCK_N"])
@@ -433,5 +461,6 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
     meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0,
             "CLAMP": bool(flags.get("CLAMP") or flags.get("TMA")),
             "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
-            "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent}
+            "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
+            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE")}
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
