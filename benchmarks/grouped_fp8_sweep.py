@@ -38,29 +38,31 @@ PROJS = {"gate_up": (4096, 6144), "down": (6144, 2048)}  # GLM-5: (N, K) = (2 I,
 CHECK_COUNTS = [5, 0, 130, 1, 0, 64, 3, 300, 0]
 CHECK_SHAPES = [(384, 2048), (256, 6144)]
 TOL = 1e-2
+DEV = "cuda"  # "cpu" with --smoke-cpu (TRITON_INTERPRET=1, tiny shapes: checks this script, times nothing real)
 
 
 def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
 
-# (variant, config): 36 compiles of well under 2 s each; ptxas (sm_90a): BLOCK_N 256 and 128 x 128 at 4 warps spill,
-# RESCALE at 128 x 128 x 8 warps needs about 110-120 registers (two programs per SM), the others 150-240
+# (variant, config), the likeliest first (--budget-s skips the tail): 34 compiles of a second or two each.
+# ptxas (sm_90a, Triton 3.6) registers per thread at 128 x 128 x 8 warps: v0 237, v1 178, v3 155, RESCALE
+# (v6 / v7) 107-118, so two programs fit an SM only there (and at 64 x 128 x 4 warps, about 180); PAIR 254
+# (two K blocks a stage: 3 stages at most). BLOCK_N 256 and 128 x 128 at 4 warps spill: left out.
 SWEEP = (
-    [("v0", _cfg(128, *c)) for c in ((128, 8, 3), (128, 8, 4), (256, 8, 3))]
-    + [("v1", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 3),
-                                  (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3))]
-    + [("v2", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 3))]
-    + [("v3", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 4))]
-    + [("v4", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3))]
-    + [("v5", _cfg(*c)) for c in ((128, 128, 8, 4), (64, 128, 4, 4))]
+    [("v0", _cfg(128, 128, 8, st)) for st in (3, 4)]
     + [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v7", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
-    + [("v8", _cfg(*c)) for c in ((64, 128, 4, 3), (128, 128, 8, 3))]
-    + [("v9", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4))]
-    + [("v10", _cfg(*c)) for c in ((128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3))]  # 2 K blocks a stage
+    + [("v1", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
+    + [("v3", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
+    + [("v10", _cfg(*c)) for c in ((128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3))]
     + [("v11", _cfg(*c)) for c in ((128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3))]
+    + [("v9", _cfg(*c)) for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
     + [("v12", _cfg(*c)) for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
+    + [("v2", _cfg(*c)) for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
+    + [("v4", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4))]
+    + [("v5", _cfg(*c)) for c in ((128, 128, 8, 4), (64, 128, 4, 4))]
+    + [("v8", _cfg(*c)) for c in ((64, 128, 4, 3), (128, 128, 8, 3))]
 )
 
 
@@ -70,6 +72,11 @@ def log(msg: str) -> None:
 
 def median_s(fn, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs, each timed by its own pair of CUDA events."""
+    if DEV == "cpu":
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -86,14 +93,14 @@ def median_s(fn, iters: int, warmup: int = 3) -> float:
 
 def operands(counts: list[int], n: int, k: int, pad: int = 0, seed: int = 0) -> dict:
     """Random fp8 operands of one grouped GEMM: rows sorted by expert (``counts``), ``pad`` rows past them."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     e, r = len(counts), sum(counts) + pad
     g = -(-k // 128)
-    a = (torch.randn(r, k, device="cuda", generator=gen) * 0.5).to(FP8)
-    a_s = torch.rand(r, g, device="cuda", generator=gen) + 0.5
-    w = (torch.randn(e, n, k, device="cuda", generator=gen) * 0.5).to(FP8)
-    ws = torch.rand(e, -(-n // 128), g, device="cuda", generator=gen) * 0.01 + 0.001
-    offs = torch.tensor(counts, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    a = (torch.randn(r, k, device=DEV, generator=gen) * 0.5).to(FP8)
+    a_s = torch.rand(r, g, device=DEV, generator=gen) + 0.5
+    w = (torch.randn(e, n, k, device=DEV, generator=gen) * 0.5).to(FP8)
+    ws = torch.rand(e, -(-n // 128), g, device=DEV, generator=gen) * 0.01 + 0.001
+    offs = torch.tensor(counts, dtype=torch.int32, device=DEV).cumsum(0, dtype=torch.int32)
     return {"a": a, "a_s": a_s, "w": w, "ws": ws, "offs": offs, "rows": sum(counts)}
 
 
@@ -109,13 +116,22 @@ def check(variant: str, cfg: dict, checks: list[tuple[dict, torch.Tensor]]) -> f
     """Max relative error over the ragged checks; raises AssertionError when padding rows were written."""
     worst = 0.0
     for op, want in checks:
-        c = torch.full((op["a"].shape[0], op["w"].shape[1]), 3.0, dtype=torch.bfloat16, device="cuda")
+        c = torch.full((op["a"].shape[0], op["w"].shape[1]), 3.0, dtype=torch.bfloat16, device=DEV)
         run_gemm(op, variant, cfg, c, kern.tile_ends(op["offs"], cfg["BLOCK_M"]))
-        torch.cuda.synchronize()
         done = op["rows"]
         assert bool((c[done:] == 3.0).all()), "padding rows written"
         worst = max(worst, rel_err(c[:done], want[:done]))
     return worst
+
+
+def dense_fn(op: dict):
+    """The ceiling: one block-scaled ``torch._scaled_mm`` [R, K] x [K, N] with expert 0's weight (as ``cpkv bench
+    moe``); a float matmul of the same shape with --smoke-cpu."""
+    a, w0, ws0, a_col = op["a"], op["w"][0], op["ws"][0], op["a_col"]
+    if DEV == "cpu":
+        af, wf = a.float(), w0.float()
+        return lambda: af @ wf.t()
+    return lambda: torch._scaled_mm(a, w0.t(), scale_a=a_col, scale_b=ws0.t(), out_dtype=torch.bfloat16)
 
 
 def main() -> int:
@@ -126,7 +142,12 @@ def main() -> int:
     p.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     p.add_argument("--budget-s", type=float, default=200.0, help="no new config starts past this many seconds")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.smoke_cpu:  # TRITON_INTERPRET=1 ... --smoke-cpu --variants v0,v6 --experts 2 --tokens 40 --iters 1
+        global DEV, PROJS, CHECK_SHAPES
+        DEV, PROJS, CHECK_SHAPES = "cpu", {"gate_up": (256, 384), "down": (384, 256)}, [(384, 256), (256, 384)]
+        kern._sm_count = lambda index: 2
     t0 = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     only = {v for v in args.variants.split(",") if v}
@@ -145,14 +166,15 @@ def main() -> int:
         op = operands(counts, n, k, seed=1)
         ops[proj] = op
         refs[proj] = grouped_fp8_ref(op["a"], op["a_s"], op["offs"], op["w"], op["ws"]).to(torch.bfloat16)
-        a_col = empty_quant(op["rows"], k, torch.device("cuda"))[1]
+        a_col = empty_quant(op["rows"], k, torch.device(DEV))[1]
         a_col.copy_(op["a_s"])
         op["a_col"] = a_col
-        w0, ws0 = op["w"][0], op["ws"][0]
-        dense[proj] = [median_s(lambda: torch._scaled_mm(op["a"], w0.t(), scale_a=a_col, scale_b=ws0.t(),
-                                                         out_dtype=torch.bfloat16), args.iters)]
+        dense[proj] = [median_s(dense_fn(op), args.iters)]
         ab, wb = op["a"].to(torch.bfloat16), op["w"].to(torch.bfloat16)
-        bf16[proj] = median_s(lambda: torch._grouped_mm(ab, wb.transpose(1, 2), offs=op["offs"]), args.iters)
+        if DEV == "cuda":
+            bf16[proj] = median_s(lambda: torch._grouped_mm(ab, wb.transpose(1, 2), offs=op["offs"]), args.iters)
+        else:
+            bf16[proj] = median_s(lambda: ab @ wb[0].t(), args.iters)
         del ab, wb
     flops = {proj: 2.0 * args.experts * args.tokens * n * k for proj, (n, k) in PROJS.items()}
     log("dense fp8: " + ", ".join(f"{p} {flops[p] / dense[p][0] / 1e12:.0f} TFLOP/s" for p in PROJS)
@@ -171,7 +193,7 @@ def main() -> int:
             if row["check_rel_err"] > TOL:
                 raise AssertionError(f"ragged check: rel err {row['check_rel_err']:.3g} > {TOL}")
             for proj, op in ops.items():
-                c = torch.empty(op["rows"], op["w"].shape[1], dtype=torch.bfloat16, device="cuda")
+                c = torch.empty(op["rows"], op["w"].shape[1], dtype=torch.bfloat16, device=DEV)
                 tiles = kern.tile_ends(op["offs"], cfg["BLOCK_M"])
                 run_gemm(op, variant, cfg, c, tiles)
                 err = rel_err(c, refs[proj].float())
@@ -188,9 +210,7 @@ def main() -> int:
             + f" ({row['wall_s']} s, total {time.time() - t0:.0f} s)")
 
     for proj, op in ops.items():  # the ceiling again, after the sweep (clocks, thermals)
-        w0, ws0, a_col = op["w"][0], op["ws"][0], op["a_col"]
-        dense[proj].append(median_s(lambda: torch._scaled_mm(op["a"], w0.t(), scale_a=a_col, scale_b=ws0.t(),
-                                                             out_dtype=torch.bfloat16), args.iters))
+        dense[proj].append(median_s(dense_fn(op), args.iters))
     dense_s = {proj: statistics.mean(v) for proj, v in dense.items()}
     ok = [r for r in results if "error" not in r]
     for r in ok:
@@ -207,7 +227,7 @@ def main() -> int:
     for r in list(best_per_variant.values())[:4]:  # the skewed load of ``cpkv bench moe`` for the leaders
         for proj, (n, k) in PROJS.items():
             op = ragged_ops[proj]
-            c = torch.empty(op["rows"], n, dtype=torch.bfloat16, device="cuda")
+            c = torch.empty(op["rows"], n, dtype=torch.bfloat16, device=DEV)
             tiles = kern.tile_ends(op["offs"], r["config"]["BLOCK_M"])
             s = median_s(lambda: run_gemm(op, r["variant"], r["config"], c, tiles), args.iters)
             r[f"ragged_{proj}_tflops"] = flops[proj] / s / 1e12
@@ -216,7 +236,8 @@ def main() -> int:
     winner = ok[0] if ok else None
     line = (f"GROUPED: dict = {{\"variant\": \"{winner['variant']}\", \"config\": {json.dumps(winner['config'])}}}"
             if winner else None)
-    report = {"device": torch.cuda.get_device_name(), "experts": args.experts, "tokens": args.tokens,
+    report = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)",
+              "experts": args.experts, "tokens": args.tokens,
               "iters": args.iters,
               "dense_fp8_tflops": {p: flops[p] / dense_s[p] / 1e12 for p in PROJS},
               "dense_fp8_tflops_before_after": {p: [flops[p] / s / 1e12 for s in dense[p]] for p in PROJS},
