@@ -443,12 +443,13 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         # TMA wants unit K strides, 16-byte row strides and b's experts back to back; elsewhere: clamped loads
         if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
                 or b.stride(1) % 16):
-            flags["TMA"] = False
+            flags["TMA"], flags["CLAMP"] = False, True
         else:
             _tma_allocator()
     persistent = int(flags.get("PERSISTENT", 0))
     if (flags.get("RESCALE") or flags.get("PAIR")) and config is not None and config["BLOCK_N"] > 128:
-        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, got {config['BLOCK_N']}")
+        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, "
+                         f"got {config['BLOCK_N']}")
 
     def grid(meta: dict) -> tuple[int]:
         bound = (cdiv(r, bm) + e) * cdiv(n, meta["BLOCK_N"])
