@@ -119,6 +119,64 @@ def test_grouped_gemm_equals_reference(load, n, k):
     assert bool((c[done:] == 3.0).all())  # padding rows are not written
 
 
+def _variant_configs() -> list[tuple[str, dict]]:
+    from cpkv.kernels.fp8_gemm.triton import VARIANTS
+
+    out = [("v0", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})]
+    for v in VARIANTS:
+        if v != "v0":
+            out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+                    (v, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})]
+    return out
+
+
+@pytest.mark.parametrize("variant,config", _variant_configs(), ids=lambda x: x if isinstance(x, str) else
+                         "{BLOCK_M}x{BLOCK_N}w{num_warps}s{num_stages}".format(**x))
+@pytest.mark.parametrize("load", ["ragged", "one", "none"])
+@pytest.mark.parametrize("n,k", [(4096, 6144), (200, 300)])
+def test_grouped_gemm_variants_equal_reference(variant, config, load, n, k):
+    """Every variant of the grouped kernel (benchmarks/grouped_fp8_sweep.py times them) against the float32
+    reference; padding rows untouched; a zero activation group (scale 0) included."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    counts = LOADS[load]
+    e, rows = len(counts), sum(counts) + 7
+    w, ws = _weight(n, k, 16, e)
+    x = _x(rows, k, 17)
+    x[2, :128] = 0
+    q, s = act_quant_ref(x)
+    offs = torch.tensor(counts, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    c = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
+    kern.grouped_gemm(q, s, offs, w, ws, c, kern.tile_ends(offs, config["BLOCK_M"]), config=config, variant=variant)
+    want = grouped_fp8_ref(q, s, offs, w, ws)
+    done = sum(counts)
+    if done:
+        assert _rel(c[:done], want[:done]) <= GEMM_TOL
+    assert bool((c[done:] == 3.0).all())
+
+
+@pytest.mark.parametrize("with_rw", [False, True])
+def test_swiglu_quant_near_reference(with_rw):
+    """The fused SiLU x up quantisation against act_quant_ref of torch's SwiGLU in float32: the kernel's exp
+    is the GPU's approximate one (its quotients are IEEE), so scales agree to 1e-5 and fp8 values to one step."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+    from cpkv.model.linear import empty_quant
+
+    m, i = 300, 2048
+    gu = _x(m, 2 * i, 18)
+    gu[1, :128] = 0  # a zero group
+    rw = torch.rand(m, device="cuda") if with_rw else None
+    q, s = empty_quant(m, i, torch.device("cuda"))
+    kern.swiglu_quant(gu, rw, q, s)
+    g, u = gu.float().chunk(2, dim=-1)
+    a = torch.nn.functional.silu(g) * u * (rw[:, None] if with_rw else 1.0)
+    q_ref, s_ref = act_quant_ref(a)
+    assert torch.allclose(s, s_ref, rtol=1e-5, atol=0)
+    got, want = q.float(), q_ref.float()
+    assert bool(((got - want).abs() <= want.abs() * 2.0 ** -3 + 2.0 ** -9).all())
+    assert float((got != want).float().mean()) < 1e-2
+
+
 def test_grouped_gemm_zero_rows():
     from cpkv.kernels.fp8_gemm import triton as kern
 

@@ -33,7 +33,10 @@ def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(m, g * BLOCK, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.float()
     groups = padded.view(m, g, BLOCK)
-    scale = groups.abs().amax(dim=-1) / FP8_MAX
+    amax = groups.abs().amax(dim=-1)
+    # the IEEE quotient amax / 448 on every device: a tensor divisor, because torch on CUDA turns a division
+    # by a Python (CPU) scalar into amax * fl(1 / 448), which differs from the quotient by one ulp at times
+    scale = amax / torch.full_like(amax, FP8_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (groups / safe[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, g * BLOCK)[:, :k]
     return q.to(torch.float8_e4m3fn), scale

@@ -11,26 +11,49 @@
         c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for every group g of 128 along K.
         Rows at or past offs[-1] are not written.
 
-The grouped GEMM never reads the offsets on the host: it launches cdiv(R, 128) + E row tiles of 128 rows
-(each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles; ``tile_ends`` (three
-small torch ops on the device) counts each expert's tiles cumulatively, a program finds its expert by a
-binary search over those counts, and a program past the last expert's tiles returns. Any R (0 included), any
-expert loads (empty experts included), any K and N (masked). This module imports Triton: only the
-dispatch points import it, after ``cpkv.kernels.platform.use_triton``.
+The grouped GEMM never reads the offsets on the host: it launches cdiv(R, BLOCK_M) + E row tiles of BLOCK_M
+rows (each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles (or one or two programs
+per SM looping over them); ``tile_ends`` (three small torch ops on the device) counts each expert's tiles
+cumulatively, a program finds its expert by a binary search over those counts, and a program past the last
+expert's tiles returns. Any R (0 included), any expert loads (empty experts included), any K and N (masked or
+clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The dispatch
+points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
+kernels raise ImportError when launched).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
-import triton.language as tl
 
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # no Triton (CPU machines): the module imports; launching a kernel raises ImportError
+    triton = tl = None
+
+    def _jit(fn):
+        return _Missing(fn.__name__)
+
+
+class _Missing:
+    """Stands for a kernel where Triton is not installed: launching it raises ImportError naming it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise ImportError(f"kernel {self.name}: expected Triton to be installed, it is not")
 
 GROUP = 128
 QUANT_ROWS = 16  # rows per program of the quantisation kernels (one 128-wide group each)
 
 
-@triton.jit
+@_jit
 def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg):
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(amax, 448.0)  # IEEE division, as the reference (a plain / is approximate on the GPU)
@@ -42,7 +65,7 @@ def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stri
     tl.store(S + r64 * stride_sm + g.to(tl.int64) * stride_sg, scale, mask=rmask)
 
 
-@triton.jit
+@_jit
 def _act_quant(X, Q, S, M, K, stride_x, stride_q, stride_sm, stride_sg, G, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)
     g, mb = pid % G, pid // G
@@ -55,7 +78,7 @@ def _act_quant(X, Q, S, M, K, stride_x, stride_q, stride_sm, stride_sg, G, BLOCK
     _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg)
 
 
-@triton.jit
+@_jit
 def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg, G,
                   HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -67,21 +90,56 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
     base = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
     gate = tl.load(base, mask=m2, other=0.0).to(tl.float32)
     up = tl.load(base + I, mask=m2, other=0.0).to(tl.float32)
-    a = gate / (1.0 + tl.exp(-gate)) * up
+    a = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up
     if HAS_RW:
         a = a * tl.load(RW + rows, mask=rmask, other=0.0)[:, None]
     _store_quant(a, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg)
 
 
-TILE_M = 128  # rows per tile of the grouped GEMM (its tile map, ``tile_ends``, is built for this size)
-# autotuned per (N, K) on first use (the engine's untimed warm-up pass); shared memory per stage:
-# (128 + BLOCK_N) x 128 B of fp8 operands, within the H200's 227 KB up to 5 stages at BLOCK_N 128
-CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-           for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128, 4, 4),
-                             (64, 4, 4))]
+TILE_M = 128  # rows per tile of v0 (and the default of the other variants); ``tile_ends`` is built per tile size
+# v0, autotuned per (N, K) on first use (the engine's untimed warm-up pass): (BLOCK_N, num_warps, num_stages);
+# shared memory per stage: (128 + BLOCK_N) x 128 B of fp8 operands, within the H200's 227 KB up to 5 stages at
+# BLOCK_N 128
+CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128, 4, 4), (64, 4, 4)]
+
+# Variants of the grouped GEMM. v0: ``_grouped_gemm``, the first kernel, kept as it was measured (masked loads,
+# 128-row tiles, a [BLOCK_N] vector of weight scales per K block). The others: ``_grouped_v`` with these
+# compile-time switches (absent: off):
+#   CLAMP       (implied by TMA) row / column indices clamped to the expert's last row / N - 1 instead of
+#               masked loads (the stores stay masked); the K masks are dropped whenever K % 128 == 0 (every real shape)
+#   TMA         A [R, K] and B [E * N, K] read through device-side TMA descriptors (out-of-range rows: zeros;
+#               where TMA's stride rules are not met, e.g. K % 16 != 0, the call runs as CLAMP)
+#   GROUP_M     programs walk GROUP_M row tiles per column tile (neighbours share weight column tiles in L2)
+#   PERSISTENT  PERSISTENT programs per SM, each looping over tiles
+#   RESCALE     the accumulator is kept in the current K block's scale frame, acc = dot(a, b, acc * t_prev / t)
+#               (t = a_s * b_s per row, BLOCK_N <= 128): the dot accumulates in place, no second accumulator
+#   PAIR        two K blocks per loop iteration, both dots issued before either is scaled (one wait on the
+#               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
+# At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
+VARIANTS: dict[str, dict] = {
+    "v0": {},
+    "v1": {"CLAMP": True},
+    "v2": {"CLAMP": True, "GROUP_M": 8},
+    "v3": {"TMA": True},
+    "v4": {"TMA": True, "PERSISTENT": 1},
+    "v5": {"CLAMP": True, "PERSISTENT": 1},
+    "v6": {"CLAMP": True, "RESCALE": True},
+    "v7": {"TMA": True, "RESCALE": True},
+    "v8": {"TMA": True, "PERSISTENT": 2},
+    "v9": {"TMA": True, "RESCALE": True, "PERSISTENT": 2},
+    "v10": {"CLAMP": True, "PAIR": True},
+    "v11": {"TMA": True, "PAIR": True},
+    "v12": {"TMA": True, "PAIR": True, "PERSISTENT": 2},
+}
+# The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
+# variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+# (benchmarks/grouped_fp8_sweep.py measures them and prints the line to put here).
+GROUPED: dict = {"variant": "v0", "config": None}
+# the generic variants' autotune configs when GROUPED's config is None: (BLOCK_N, num_warps, num_stages)
+V_CONFIGS = [(128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3), (128, 4, 4)]
 
 
-@triton.jit
+@_jit
 def _grouped_gemm(A, AS, OFFS, TILE_END, B, BS, C, E, N, K, stride_a, stride_as, stride_be, stride_bn,
                   stride_bse, stride_bsn, stride_c,
                   LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -125,7 +183,168 @@ def _grouped_gemm(A, AS, OFFS, TILE_END, B, BS, C, E, N, K, stride_a, stride_as,
                  mask=rmask[:, None] & cmask[None, :])
 
 
-_grouped_tuned = triton.autotune(configs=CONFIGS, key=["N", "K"])(_grouped_gemm)
+@_jit
+def _expert_of(TILE_END, pid_m, E, LOG_E: tl.constexpr):
+    """The first expert whose cumulative tile count passes pid_m (E when none): binary search on the device."""
+    lo = pid_m * 0
+    hi = lo + E
+    for _ in tl.static_range(LOG_E):
+        mid = (lo + hi) // 2
+        v = tl.load(TILE_END + mid, mask=mid < E, other=2147483647)
+        right = v <= pid_m
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@_jit
+def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
+    """Tile t of m_tiles x n_tiles -> (pid_m, pid_n): column-fastest, or GROUP_M row tiles per column tile."""
+    if GROUP_M == 1:
+        pid_m = t // n_tiles
+        pid_n = t % n_tiles
+    else:
+        width = GROUP_M * n_tiles
+        first_m = (t // width) * GROUP_M
+        size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+        pid_m = first_m + (t % width) % size_m
+        pid_n = (t % width) // size_m
+    return pid_m, pid_n
+
+
+@_jit
+def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+          stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+          LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
+    expert = _expert_of(TILE_END, pid_m, E, LOG_E)
+    if expert < E:
+        first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
+        row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
+        row_end = tl.load(OFFS + expert)
+        row0 = row_start + (pid_m - first_tile) * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        rmask = rows < row_end
+        cmask = cols < N
+        if CLAMP:
+            rows_ld = tl.minimum(rows, row_end - 1)
+            cols_ld = tl.minimum(cols, N - 1)
+        else:
+            rows_ld = rows
+            cols_ld = cols
+        r64 = rows_ld.to(tl.int64)
+        c64 = cols_ld.to(tl.int64)
+        e64 = expert.to(tl.int64)
+        ks = tl.arange(0, 128)
+        a_ptr = A + r64[:, None] * stride_a + ks[None, :]
+        b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
+        as_ptr = AS + r64 * stride_as
+        if BLOCK_N <= 128:
+            bs_ptr = BS + e64 * stride_bse + (col0 // 128).to(tl.int64) * stride_bsn
+        else:
+            bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        prev = tl.full((BLOCK_M,), 1.0, tl.float32)
+        # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
+        # two K blocks per iteration, both dots issued before either result is scaled
+        if PAIR:
+            for kp in range(0, tl.cdiv(K, 256)):
+                kb = kp * 2
+                if TMA:
+                    a0 = a_desc.load([row0, kb * 128])
+                    b0 = b_desc.load([expert * N + col0, kb * 128]).T
+                    a1 = a_desc.load([row0, kb * 128 + 128])
+                    b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
+                else:
+                    a0 = tl.load(a_ptr)
+                    b0 = tl.load(b_ptr)
+                    a1 = tl.load(a_ptr + 128)
+                    b1 = tl.load(b_ptr + 128)
+                t0 = tl.load(as_ptr + kb) * tl.load(bs_ptr + kb)
+                t1 = tl.load(as_ptr + kb + 1) * tl.load(bs_ptr + kb + 1)
+                d0 = tl.dot(a0, b0, out_dtype=tl.float32)
+                d1 = tl.dot(a1, b1, out_dtype=tl.float32)
+                acc += d0 * t0[:, None] + d1 * t1[:, None]
+                a_ptr += 256
+                b_ptr += 256
+        else:
+            for kb in range(0, tl.cdiv(K, 128)):
+                if TMA:
+                    a = a_desc.load([row0, kb * 128])
+                    b = b_desc.load([expert * N + col0, kb * 128]).T
+                elif EVEN_K:
+                    if CLAMP:
+                        a = tl.load(a_ptr)
+                        b = tl.load(b_ptr)
+                    else:
+                        a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                        b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
+                else:
+                    kmask = kb * 128 + ks < K
+                    if CLAMP:
+                        a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                        b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
+                    else:
+                        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+                if CLAMP:
+                    sa = tl.load(as_ptr + kb)
+                else:
+                    sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
+                if BLOCK_N <= 128:
+                    sb = tl.load(bs_ptr + kb)
+                    if RESCALE:
+                        t = sa * sb
+                        t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
+                        acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
+                        prev = t
+                    else:
+                        acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
+                else:
+                    if CLAMP:
+                        sb = tl.load(bs_ptr + kb)
+                    else:
+                        sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
+                    acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+                a_ptr += 128
+                b_ptr += 128
+        if RESCALE:
+            acc = acc * prev[:, None]
+        tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@_jit
+def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_be, stride_bn,
+               stride_bse, stride_bsn, stride_c,
+               LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+               CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
+               PERSISTENT: tl.constexpr, PAIR: tl.constexpr):
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
+        b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
+    else:
+        a_desc = A
+        b_desc = B
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    m_tiles = tl.load(TILE_END + E - 1)
+    total = m_tiles * n_tiles
+    if PERSISTENT:
+        for t in range(tl.program_id(0), total, tl.num_programs(0)):
+            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
+                  TMA, RESCALE, PAIR)
+    else:
+        t = tl.program_id(0)
+        if t < total:
+            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
+                  TMA, RESCALE, PAIR)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -149,30 +368,100 @@ def swiglu_quant(gu: torch.Tensor, rw: torch.Tensor | None, q: torch.Tensor, s: 
         HAS_RW=rw is not None, BLOCK_M=QUANT_ROWS, num_warps=4)
 
 
-def tile_ends(offs: torch.Tensor) -> torch.Tensor:
-    """offs int32 [E] cumulative row ends -> int32 [E] cumulative TILE_M-row tile counts (on the device)."""
+def tile_m() -> int:
+    """Rows per tile of the selected kernel (GROUPED): the tile size ``tile_ends`` builds its map for."""
+    cfg = GROUPED["config"]
+    return int(cfg.get("BLOCK_M", TILE_M)) if cfg else TILE_M
+
+
+def tile_ends(offs: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """offs int32 [E] cumulative row ends -> int32 [E] cumulative counts of ``block_m``-row tiles (default:
+    the selected kernel's, ``tile_m()``), on the device."""
+    bm = tile_m() if block_m is None else block_m
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return torch.cumsum(torch.div(counts + (TILE_M - 1), TILE_M, rounding_mode="floor"), 0, dtype=torch.int32)
+    return torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0, dtype=torch.int32)
+
+
+@functools.cache
+def _tuned(variant: str):
+    """The autotuned kernel of ``variant`` (built on first use: Triton is imported only where installed)."""
+    if variant == "v0":
+        return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+                                        for bn, w, st in CONFIGS], key=["N", "K"])(_grouped_gemm)
+    scalar = VARIANTS[variant].get("RESCALE", False) or VARIANTS[variant].get("PAIR", False)
+    return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+                                    for bn, w, st in V_CONFIGS if bn <= 128 or not scalar],
+                           key=["N", "K"])(_grouped_v)
+
+
+@functools.cache
+def _tma_allocator() -> None:
+    """Device-side TMA descriptors need a global scratch allocator (set once per process)."""
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-                 c: torch.Tensor, tiles: torch.Tensor | None = None, config: dict | None = None) -> None:
+                 c: torch.Tensor, tiles: torch.Tensor | None = None, config: dict | None = None,
+                 variant: str | None = None) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled product of each expert's rows (module docstring).
-    ``tiles``: ``tile_ends(offs)`` when the caller has it (one per set of offsets); ``config``:
-    {"BLOCK_N", "num_warps", "num_stages"} instead of autotuning (the interpreter)."""
+    ``variant``: a VARIANTS key (default GROUPED's, with GROUPED's config); ``config``: {"BLOCK_M" (not v0),
+    "BLOCK_N", "num_warps", "num_stages"} instead of autotuning; ``tiles``: ``tile_ends(offs, BLOCK_M)`` when
+    the caller has it (one per set of offsets and tile size)."""
     r, k = a.shape
     e, n, _ = b.shape
     if r == 0 or e == 0:
         return
-    tiles = tile_ends(offs) if tiles is None else tiles
+    if variant is None:
+        variant, config = GROUPED["variant"], GROUPED["config"] if config is None else config
+    if variant not in VARIANTS:
+        raise ValueError(f"grouped GEMM variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    config = dict(config) if config else None
+    bm = config.pop("BLOCK_M", TILE_M) if config else TILE_M
+    tiles = tile_ends(offs, bm) if tiles is None else tiles
+    if variant == "v0":
+        if bm != TILE_M:
+            raise ValueError(f"grouped GEMM v0: expected BLOCK_M {TILE_M}, got {bm}")
+
+        def grid0(meta: dict) -> tuple[int]:
+            return check_grid(flat_grid(cdiv(n, meta["BLOCK_N"]), cdiv(r, TILE_M) + e))
+
+        args = (a, a_s, offs, tiles, b, b_s, c, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
+                b_s.stride(0), b_s.stride(1), c.stride(0))
+        meta = {"LOG_E": e.bit_length(), "BLOCK_M": TILE_M}
+        (_tuned("v0") if config is None else _grouped_gemm)[grid0](*args, **meta, **(config or {}))
+        return
+    flags = dict(VARIANTS[variant])
+    if flags.get("TMA"):
+        # TMA wants unit K strides, 16-byte row strides and b's experts back to back; elsewhere: clamped loads
+        if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
+                or b.stride(1) % 16):
+            flags["TMA"], flags["CLAMP"] = False, True
+        else:
+            _tma_allocator()
+    persistent = int(flags.get("PERSISTENT", 0))
+    if (flags.get("RESCALE") or flags.get("PAIR")) and config is not None and config["BLOCK_N"] > 128:
+        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, "
+                         f"got {config['BLOCK_N']}")
 
     def grid(meta: dict) -> tuple[int]:
-        return check_grid(flat_grid(cdiv(n, meta["BLOCK_N"]), cdiv(r, TILE_M) + e))
+        bound = (cdiv(r, bm) + e) * cdiv(n, meta["BLOCK_N"])
+        if persistent:
+            bound = min(bound, persistent * _sm_count(a.device.index or 0))
+        return check_grid((bound,))
 
-    args = (a, a_s, offs, tiles, b, b_s, c, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
+    args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
             b_s.stride(0), b_s.stride(1), c.stride(0))
-    meta = {"LOG_E": e.bit_length(), "BLOCK_M": TILE_M}
-    if config is None:
-        _grouped_tuned[grid](*args, **meta)
-    else:
-        _grouped_gemm[grid](*args, **meta, **config)
+    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0,
+            "CLAMP": bool(flags.get("CLAMP") or flags.get("TMA")),
+            "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
+            "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
+            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE")}
+    (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
