@@ -80,10 +80,10 @@ def test_plan_options(capsys):
 # -- cpkv run's pre-check -------------------------------------------------------------------------
 def test_run_refuses_a_pool_that_does_not_fit(capsys, monkeypatch):
     monkeypatch.setattr(plan_cli, "host_available", lambda: 8 * GB)
-    assert main(["run", "--pages-per-rank", "100000000"]) == 2
+    assert main(["run", "--pages-per-rank", "16000000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cpkv run: error: the configuration needs")
-    assert "host's available memory (2 ranks) has 4.0 GB: lower --pages-per-rank (now 100000000; at most" in err[0]
+    assert "host's available memory (2 ranks) has 4.0 GB: lower --pages-per-rank (now 16000000; at most" in err[0]
 
 
 def test_run_refuses_a_model_that_does_not_fit(capsys, monkeypatch):

@@ -213,12 +213,13 @@ DROP = object()
     ({"n_routed_experts": -4}, "n_routed_experts: expected an integer >= 1, got -4"),
     ({"first_k_dense_replace": -1}, "first_k_dense_replace: expected an integer >= 0, got -1"),
     ({"n_shared_experts": "1"}, "n_shared_experts: expected an integer >= 0, got '1'"),
-    ({"mlp_layer_types": "dense"}, "mlp_layer_types: expected a list of 4 strings, one per layer, each 'dense' or "
-                                   "'sparse'; got 'dense'"),
-    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types: expected a list of 4 strings, "
-                                                                "one per layer, each 'dense' or 'sparse'; got 'moe'"),
-    ({"indexer_types": ["full", "shared", "shared"]}, "indexer_types must name all 4 layers (num_hidden_layers), got 3"),
-    ({"indexer_types": "FSSF"}, "indexer_types: expected a list of 4 strings"),
+    ({"mlp_layer_types": "dense"}, "mlp_layer_types: expected a list of 'dense' / 'sparse', one per layer, got str "
+                                   "'dense'"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types: expected 'dense' or 'sparse' for "
+                                                                "every layer, got 'moe' at layer 1"),
+    ({"indexer_types": ["full", "shared", "shared"]}, "indexer_types: expected one entry per layer "
+                                                      "(num_hidden_layers = 4), got 3"),
+    ({"indexer_types": "FSSF"}, "indexer_types: expected a list of 'full' / 'shared', one per layer, got str"),
     ({"indexer_types": DROP, "index_topk_pattern": 5}, "index_topk_pattern: expected a string of F/S, one letter per "
                                                        "layer, or a list"),
     ({"indexer_types": DROP, "index_topk_freq": -2}, "index_topk_freq: expected an integer >= 0, got -2"),

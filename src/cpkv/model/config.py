@@ -146,6 +146,9 @@ def _patterns(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, An
         out["indexer_pattern"] = _layer_list(types, "indexer_types", ("full", "shared"), layers)
     elif pattern is not None:
         letters = {"F": "full", "S": "shared"}
+        if not isinstance(pattern, (str, list)):
+            raise ValueError(f"index_topk_pattern: expected a string of F/S, one letter per layer, or a list of "
+                             f"'full' / 'shared'; got {type(pattern).__name__} {str(pattern)[:80]!r}")
         if isinstance(pattern, str):
             bad = next((i for i, c in enumerate(pattern) if c not in letters), None)
             if bad is not None:
