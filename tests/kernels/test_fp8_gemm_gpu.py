@@ -122,11 +122,10 @@ def test_grouped_gemm_equals_reference(load, n, k):
 def _variant_configs() -> list[tuple[str, dict]]:
     from cpkv.kernels.fp8_gemm.triton import VARIANTS
 
-    out = [("v0", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})]
+    out = []
     for v in VARIANTS:
-        if v != "v0":
-            out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
-                    (v, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})]
+        out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
+                (v, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})]
     return out
 
 

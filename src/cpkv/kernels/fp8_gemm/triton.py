@@ -96,15 +96,10 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
     _store_quant(a, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stride_sg)
 
 
-TILE_M = 128  # rows per tile of v0 (and the default of the other variants); ``tile_ends`` is built per tile size
-# v0, autotuned per (N, K) on first use (the engine's untimed warm-up pass): (BLOCK_N, num_warps, num_stages);
-# shared memory per stage: (128 + BLOCK_N) x 128 B of fp8 operands, within the H200's 227 KB up to 5 stages at
-# BLOCK_N 128
-CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128, 4, 4), (64, 4, 4)]
-
-# Variants of the grouped GEMM. v0: ``_grouped_gemm``, the first kernel, kept as it was measured (masked loads,
-# 128-row tiles, a [BLOCK_N] vector of weight scales per K block). The others: ``_grouped_v`` with these
-# compile-time switches (absent: off):
+TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
+# Variants of the grouped GEMM: ``_grouped_v`` with these compile-time switches (absent: off). The first kernel
+# (masked loads, 128-row tiles, a [BLOCK_N] vector of weight scales per K block: 0.50 of the dense GEMM on the
+# H200) was deleted after the sweep (BENCHMARKS.md); its last commit is 2f67d26.
 #   CLAMP       (implied by TMA) row / column indices clamped to the expert's last row / N - 1 instead of
 #               masked loads (the stores stay masked); the K masks are dropped whenever K % 128 == 0 (every real shape)
 #   TMA         A [R, K] and B [E * N, K] read through device-side TMA descriptors (out-of-range rows: zeros;
@@ -117,7 +112,6 @@ CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 8, 5), (256, 8, 3), (256, 8, 4), (128
 #               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
-    "v0": {},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -137,50 +131,6 @@ VARIANTS: dict[str, dict] = {
 GROUPED: dict = {"variant": "v4", "config": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4}}
 # the generic variants' autotune configs when GROUPED's config is None: (BLOCK_N, num_warps, num_stages)
 V_CONFIGS = [(128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3), (128, 4, 4)]
-
-
-@_jit
-def _grouped_gemm(A, AS, OFFS, TILE_END, B, BS, C, E, N, K, stride_a, stride_as, stride_be, stride_bn,
-                  stride_bse, stride_bsn, stride_c,
-                  LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_n, pid_m = pid % n_tiles, pid // n_tiles
-    # this program's expert: the first whose cumulative tile count passes pid_m (binary search, device data)
-    lo = pid_m * 0
-    hi = lo + E
-    for _ in tl.static_range(LOG_E):
-        mid = (lo + hi) // 2
-        v = tl.load(TILE_END + mid, mask=mid < E, other=2147483647)
-        right = v <= pid_m
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    expert = lo
-    if expert < E:
-        first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
-        row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
-        row_end = tl.load(OFFS + expert)
-        rows = row_start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask, cmask = rows < row_end, cols < N
-        r64, c64, e64 = rows.to(tl.int64), cols.to(tl.int64), expert.to(tl.int64)
-        ks = tl.arange(0, 128)
-        a_ptr = A + r64[:, None] * stride_a + ks[None, :]
-        b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
-        as_ptr = AS + r64 * stride_as
-        bs_ptr = BS + e64 * stride_bse + (cols // 128).to(tl.int64) * stride_bsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, 128)):
-            kmask = kb * 128 + ks < K
-            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
-            sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
-            acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-            a_ptr += 128
-            b_ptr += 128
-        tl.store(C + r64[:, None] * stride_c + c64[None, :], acc.to(C.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
 
 
 @_jit
@@ -385,9 +335,6 @@ def tile_ends(offs: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
 @functools.cache
 def _tuned(variant: str):
     """The autotuned kernel of ``variant`` (built on first use: Triton is imported only where installed)."""
-    if variant == "v0":
-        return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-                                        for bn, w, st in CONFIGS], key=["N", "K"])(_grouped_gemm)
     scalar = VARIANTS[variant].get("RESCALE", False) or VARIANTS[variant].get("PAIR", False)
     return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                                     for bn, w, st in V_CONFIGS if bn <= 128 or not scalar],
@@ -412,7 +359,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
                  c: torch.Tensor, tiles: torch.Tensor | None = None, config: dict | None = None,
                  variant: str | None = None) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled product of each expert's rows (module docstring).
-    ``variant``: a VARIANTS key (default GROUPED's, with GROUPED's config); ``config``: {"BLOCK_M" (not v0),
+    ``variant``: a VARIANTS key (default GROUPED's, with GROUPED's config); ``config``: {"BLOCK_M",
     "BLOCK_N", "num_warps", "num_stages"} instead of autotuning; ``tiles``: ``tile_ends(offs, BLOCK_M)`` when
     the caller has it (one per set of offsets and tile size)."""
     r, k = a.shape
@@ -426,18 +373,6 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
     config = dict(config) if config else None
     bm = config.pop("BLOCK_M", TILE_M) if config else TILE_M
     tiles = tile_ends(offs, bm) if tiles is None else tiles
-    if variant == "v0":
-        if bm != TILE_M:
-            raise ValueError(f"grouped GEMM v0: expected BLOCK_M {TILE_M}, got {bm}")
-
-        def grid0(meta: dict) -> tuple[int]:
-            return check_grid(flat_grid(cdiv(n, meta["BLOCK_N"]), cdiv(r, TILE_M) + e))
-
-        args = (a, a_s, offs, tiles, b, b_s, c, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
-                b_s.stride(0), b_s.stride(1), c.stride(0))
-        meta = {"LOG_E": e.bit_length(), "BLOCK_M": TILE_M}
-        (_tuned("v0") if config is None else _grouped_gemm)[grid0](*args, **meta, **(config or {}))
-        return
     flags = dict(VARIANTS[variant])
     if flags.get("TMA"):
         # TMA wants unit K strides, 16-byte row strides and b's experts back to back; elsewhere: clamped loads
