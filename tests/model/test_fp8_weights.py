@@ -301,3 +301,29 @@ def test_scaled_mm_operands_padded_to_four_rows(m):
         assert pq.shape == (m4, 256) and ps.shape == (m4, 2) and ps.stride() == (1, m4)
         assert torch.equal(pq[:m].float(), q.float()) and torch.equal(ps[:m], s)
     assert _padded(bq, bs)[0].data_ptr() == bq.data_ptr()  # the buffer's own rows: no copy
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_model_built_from_a_dict_it_consumes_holds_no_tensor_twice(fp8):
+    """``DSAModel(..., consume=True)`` (what ``random`` and ``from_pretrained`` do) empties the dict it is given
+    and keeps no per-expert tensor once a layer has stacked them: building the model never holds the routed
+    experts twice (at GLM-5 cp 8 that would be 181 GB of fp8 experts on a 141 GB GPU). The result is the same
+    model as one built from a copy."""
+    import dataclasses
+
+    from cpkv.config import PRESETS
+    from cpkv.model.model import DSAModel
+    from cpkv.model.weights import random_weights, save_checkpoint  # noqa: F401
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=2)
+    kept = random_weights(cfg, seed=3)
+    given = dict(kept)
+    a = DSAModel(cfg, given, fp8=fp8, consume=True)
+    assert given == {}
+    assert not any(".mlp.experts." in k for k in a.weights)
+    b = DSAModel(cfg, kept, fp8=fp8)  # not consumed: the caller's dict stays whole
+    assert len(kept) > 0 and any(".mlp.experts." in k for k in kept)
+    for la, lb in zip(a.layers, b.layers):
+        if la.moe is not None:
+            assert torch.equal(la.moe.gate_up, lb.moe.gate_up) and torch.equal(la.moe.down, lb.moe.down)
+    assert torch.equal(a.reference_prefill([1, 2, 3, 4]), b.reference_prefill([1, 2, 3, 4]))

@@ -279,8 +279,11 @@ def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
     """This rank's model: at cp > 1 only its block of the routed experts (expert parallelism), linear weights
     as ``cfg.weights_dtype`` says."""
     ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
-    return load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                      precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+    model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                       precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
+    return model
 
 
 def _run_once(ctx: RankContext, cfg: EngineConfig, model: DSAModel, trace: Sequence[TraceRequest]) -> RankOutput:

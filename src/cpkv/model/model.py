@@ -50,31 +50,41 @@ class DSAModel:
     to ``dtype`` (fp8 ones dequantised)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
-                 dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False) -> None:
+                 dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False,
+                 consume: bool = False) -> None:
         """``experts``: the routed experts this process holds (expert parallelism: one rank's block,
-        ``cpkv.model.moe.expert_block``); None: all of them (the single-process model)."""
+        ``cpkv.model.moe.expert_block``); None: all of them (the single-process model). ``consume``: the model
+        takes ``weights`` (the dict is emptied as its tensors are converted, placed and stacked), so no tensor is
+        ever held twice while the model is built: the load peak stays near what the model keeps (``random`` and
+        ``from_pretrained`` pass it; the memory plan counts the kept model)."""
         check_weights(weights, cfg, experts=experts)
         self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
         self.dtype = dtype or default_dtype(self.device)
         self.experts = range(cfg.n_routed_experts) if experts is None else experts
-        weights = to_fp8(weights) if fp8 else to_dense(weights, self.dtype)
-        self.weights = {k: _place(k, v, self.device, self.dtype) for k, v in weights.items()}
-        self.layers = [DSALayer(cfg, self.weights, n, self.experts) for n in range(cfg.num_layers)]
-        # routed experts live stacked in their layers now
-        self.weights = {k: v for k, v in self.weights.items() if ".mlp.experts." not in k}
+        src = weights if consume else dict(weights)
+        src = to_fp8(src, consume=True) if fp8 else to_dense(src, self.dtype, consume=True)
+        self.weights = {k: _place(k, src.pop(k), self.device, self.dtype) for k in list(src)}
+        self.layers = []
+        for n in range(cfg.num_layers):
+            self.layers.append(DSALayer(cfg, self.weights, n, self.experts))
+            prefix = f"model.layers.{n}.mlp.experts."  # stacked in the layer now: the per-expert tensors go
+            for k in [k for k in self.weights if k.startswith(prefix)]:
+                del self.weights[k]
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts, fp8=fp8)
+        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts, fp8=fp8,
+                   consume=True)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None, experts: range | None = None, *,
                         fp8: bool = False) -> "DSAModel":
         dtype = dtype or default_dtype(device)
-        return cls(cfg, load_weights(path, cfg, dtype, device, experts, fp8=fp8), device, dtype, experts, fp8=fp8)
+        return cls(cfg, load_weights(path, cfg, dtype, device, experts, fp8=fp8), device, dtype, experts, fp8=fp8,
+                   consume=True)
 
     @property
     def expert_parallel(self) -> bool:

@@ -163,25 +163,33 @@ def _fp8_pair(raw: Weights, name: str, device: torch.device | str) -> Weights:
     return {name: w.to(device, copy=True), name + "_scale_inv": scale.to(device=device, dtype=torch.float32, copy=True)}
 
 
-def to_fp8(weights: Weights) -> Weights:
+def to_fp8(weights: Weights, consume: bool = False) -> Weights:
     """``weights`` with every ``fp8_kept`` weight quantised to 128 x 128 blocks, when none is fp8 yet (a dense
-    checkpoint or random weights); weights already holding fp8 tensors (an fp8 checkpoint) as they are."""
-    out = dict(weights)
-    if any(is_fp8(w) for w in weights.values()):
+    checkpoint or random weights); weights already holding fp8 tensors (an fp8 checkpoint) as they are.
+    ``consume``: quantise in ``weights`` itself, each dense tensor dropped as its fp8 form arrives (the peak is
+    the dense model plus one tensor, not the dense model plus its fp8 copy)."""
+    out = weights if consume else dict(weights)
+    if any(is_fp8(w) for w in out.values()):
         return out
-    for name, w in weights.items():
-        if fp8_kept(name) and not is_fp8(w):
-            out[name], out[name + "_scale_inv"] = quant_fp8_blocks(w)
+    for name in [n for n, w in out.items() if fp8_kept(n) and not is_fp8(w)]:
+        out[name], out[name + "_scale_inv"] = quant_fp8_blocks(out[name])
     return out
 
 
-def to_dense(weights: Weights, dtype: torch.dtype) -> Weights:
-    """``weights`` with every fp8 tensor that has a ``_scale_inv`` dequantised into ``dtype`` (scales dropped)."""
+def to_dense(weights: Weights, dtype: torch.dtype, consume: bool = False) -> Weights:
+    """``weights`` with every fp8 tensor that has a ``_scale_inv`` dequantised into ``dtype`` (scales dropped).
+    ``consume``: ``weights`` is emptied as the result fills (no tensor held twice)."""
     out = {}
-    for name, w in weights.items():
-        if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in weights:
-            continue
+    for name in list(weights):
+        if name not in weights or (name.endswith("_scale_inv") and name[: -len("_scale_inv")] in weights):
+            continue  # a scale already used with its weight, or one its weight will use
+        w = weights[name]
         out[name] = _dequant(weights, name).to(dtype) if is_fp8(w) else w
+        if consume:
+            del weights[name]
+            weights.pop(name + "_scale_inv", None)
+    if consume:
+        weights.clear()
     return out
 
 
