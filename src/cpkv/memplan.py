@@ -25,11 +25,9 @@ Per rank (one GPU per rank; ranks sharing a device divide its budget):
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from pathlib import Path
 
 from cpkv.config import DEFAULT_PAGE_SIZE, AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import ConfigError
@@ -117,29 +115,16 @@ SHIPPED_FP8 = ("glm5", "deepseek-v32")  # presets whose public checkpoints ship 
 
 def ships_fp8(spec: str) -> bool:
     """Whether the model ``spec`` names ships fp8 block-scaled linear weights: the glm5 / deepseek-v32
-    presets (GLM-5-FP8, DeepSeek-V3.2 as published), or a checkpoint dir whose config.json has an fp8
-    ``quantization_config`` with 128 x 128 ``weight_block_size``."""
-    if spec in SHIPPED_FP8 or not (Path(spec) / "config.json").is_file():
-        return spec in SHIPPED_FP8
-    try:
-        q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(q, dict) and q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+    presets (GLM-5-FP8, DeepSeek-V3.2 as published), or a checkpoint dir whose config.json declares them
+    (``model.config.fp8_block_checkpoint``, the rule ``--weights auto`` uses)."""
+    from cpkv.model.config import fp8_block_checkpoint
+
+    return spec in SHIPPED_FP8 or fp8_block_checkpoint(spec)
 
 
 def default_weights(spec: str) -> str:
     """``cpkv plan``'s weights: as the model ships them."""
     return "fp8" if ships_fp8(spec) else "bf16"
-
-
-def engine_weights(choice: str, spec: str, device: str, precision: str) -> str:
-    """How a run keeps its linear weights (EngineConfig.weights ``choice``): ``auto`` keeps them fp8 when a
-    checkpoint dir ships them so and the run is on CUDA at fp8 precision, else widens them (``bf16``)."""
-    if choice != "auto":
-        return choice
-    fp8 = spec not in SHIPPED_FP8 and ships_fp8(spec)  # a preset's weights are random, made in the compute dtype
-    return "fp8" if fp8 and device == "cuda" and precision == "fp8" else "bf16"
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
     """``cpkv run``'s pre-check: ConfigError (one line, the option to change) unless ``cfg`` (EngineConfig) with
     ``model`` (its ``model_config()``) fits each rank's share of its GPU, or on CPU of the host's memory, and
     (``verify``) the single-rank reference's whole model fits one GPU (the host)."""
-    from cpkv.memplan import GB, Setup, engine_weights, plan_memory, reference_bytes, refusal
+    from cpkv.memplan import GB, Setup, plan_memory, reference_bytes, refusal
     from cpkv.model.config import COMPUTE_DTYPES
 
     if cfg.device == "cuda":
@@ -159,8 +159,7 @@ def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
     else:
         total, sharing = host_available(), cfg.cp
         where = f"a rank's share of the host's available memory ({cfg.cp} ranks)"
-    setup = Setup(model, cfg.cp, total // sharing, weights=engine_weights(cfg.weights, cfg.model, cfg.device,
-                  cfg.precision), compute=COMPUTE_DTYPES[cfg.device], device=cfg.device, page_size=cfg.page_size,
+    setup = Setup(model, cfg.cp, total // sharing, weights=cfg.weights_dtype, compute=COMPUTE_DTYPES[cfg.device], device=cfg.device, page_size=cfg.page_size,
                   chunk_size=cfg.chunk_size, max_requests=cfg.caps().max_requests, pages_per_rank=cfg.pages_per_rank,
                   host_pages=cfg.host_pages)
     why = refusal(plan_memory(setup), where)
