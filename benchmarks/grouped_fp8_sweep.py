@@ -29,6 +29,7 @@ import time
 import torch
 
 from cpkv.bench.moe import expert_counts
+from cpkv.bench.timing import event_median_s
 from cpkv.kernels.fp8_gemm import triton as kern
 from cpkv.kernels.fp8_gemm.ref import grouped_fp8_ref
 from cpkv.model.linear import empty_quant
@@ -69,25 +70,15 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def median_s(fn, iters: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs, each timed by its own pair of CUDA events."""
+def median_s(fn, iters: int) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs, each timed by its own pair of CUDA events (after a
+    warm-up: ``cpkv.bench.timing.event_median_s``); on CPU (``--smoke-cpu``) one timed call."""
     if DEV == "cpu":
         fn()
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return event_median_s(fn, iters)
 
 
 def operands(counts: list[int], n: int, k: int, pad: int = 0, seed: int = 0) -> dict:
