@@ -92,3 +92,22 @@ def test_segments_of_a_killed_rank_are_removed_by_the_launcher():
     with pytest.raises(RankFailure, match=r"^rank 1 was killed by SIGKILL"):
         launch(_die_holding_a_segment, 2, timeout_s=300, grace_s=0.5)
     assert [f for f in os.listdir(peer.SHM_DIR) if f.startswith(f"cpkv-{os.getpid()}x")] == []
+
+
+def test_a_stop_during_a_rank_start_is_delivered_after_it():
+    """SIGTERM while a rank process is being started (its bootstrap data half written) would leave the child an
+    EOFError traceback on the shared stderr; the launcher defers stops over each start and delivers them after."""
+    import signal
+
+    from cpkv.dist.launch import stops_deferred
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda s, _f: got.append(s))
+    try:
+        with stops_deferred():
+            signal.raise_signal(signal.SIGTERM)
+            assert got == []  # recorded, not handled, inside
+        assert got == [signal.SIGTERM]  # the handler that was there gets it on the way out
+        assert signal.getsignal(signal.SIGTERM) is not None and got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

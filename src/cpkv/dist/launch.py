@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import connection
@@ -237,6 +238,28 @@ def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args
     return _finish(watch, world_size, timeout_s)
 
 
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, n))
+
+
+@contextmanager
+def stops_deferred():
+    """Inside, SIGTERM / SIGHUP / SIGINT are recorded instead of handled; on exit the handlers that were there
+    come back and each recorded signal is raised again (so a stop lands between two rank starts, never in the
+    middle of writing a spawned child's bootstrap data). Off the main thread (no handlers there): nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    saved = {sig: signal.signal(sig, lambda s, _f: seen.append(s)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(seen):
+            signal.raise_signal(sig)
+
+
 class _Spawned:
     """The rank processes of one launch, their pipes to the parent and (long-lived groups) their inboxes."""
 
@@ -260,13 +283,14 @@ class _Spawned:
             p = self.mp.Process(target=_child, name=f"cpkv-rank{rank}", args=(
                 self.fn, rank, self.world_size, self.device, self.backend, self.shared, self.store.port, self.args,
                 send, self.timeout_s, os.getpid(), self.inboxes[rank]))
-            try:
-                p.start()
-            except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:  # fork/spawn or pickling
-                raise RankFailure(f"rank {rank} could not start: {type(exc).__name__}: {exc}") from exc
-            finally:
-                send.close()
-            self.procs.append(p)  # only started processes: the clean-up never joins one that never ran
+            with stops_deferred():  # a stop mid-start would cut the child's bootstrap data (its EOFError traceback)
+                try:
+                    p.start()
+                except (OSError, pickle.PicklingError, TypeError, AttributeError) as exc:  # fork/spawn or pickling
+                    raise RankFailure(f"rank {rank} could not start: {type(exc).__name__}: {exc}") from exc
+                finally:
+                    send.close()
+                self.procs.append(p)  # only started processes: the clean-up never joins one that never ran
 
     def end(self, early: bool) -> None:
         _end(self.procs, early=early)
