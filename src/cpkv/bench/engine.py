@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="one more run with each batch's host side under cProfile: each case's top host functions")
     p.add_argument("--weights", default="auto", metavar="W[,W]",
                    help="linear weights, comma-separated to compare in one run: fp8, bf16, auto (default auto)")
     p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     for sl in slices:
         got = {k: results[s] for k, s in sl.items()}
         reports.append(_report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
-                               got.get("dense"), dense))
+                               got.get("dense"), dense, (got.get("hprof") or [None])[0]))
     report = reports[0]
     if len(reports) > 1:
         report["other_weights"] = reports[1:]
@@ -108,6 +110,8 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
     jobs = {"timed": _timed_jobs(cfg, trace, args.runs)}
     if not args.no_profile:
         jobs["prof"] = [(_replace(cfg, profile=True), trace)]
+    if getattr(args, "host_profile", False):
+        jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
         jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)
@@ -202,8 +206,9 @@ def _batches(res, rid: str) -> list[int]:
     return [k for k, b in enumerate(res.stats["batch_log"]) if b[0][0] == rid]
 
 
-def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None) -> dict | None:
-    """One case over the timed runs (median, per run), with its breakdown from the profiled run."""
+def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=None) -> dict | None:
+    """One case over the timed runs (median, per run), with its breakdown from the profiled run and its host
+    functions (``host_profile``: the first batch's, under cProfile) from the host-profiled run."""
     from cpkv.bench.breakdown import parts
 
     idx = _batches(runs[0], rid)
@@ -224,6 +229,8 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None) -> dict 
         med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
         row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])
         row["breakdown"]["host_ops"] = [prof.stats["host_ops"][k] for k in idx]
+    if hprof is not None and hprof.stats.get("host_funcs"):
+        row["host_profile"] = hprof.stats["host_funcs"][idx[0]]
     return row
 
 
@@ -270,14 +277,15 @@ def _secs(row: dict, chunk: int | None) -> float:
     return row["batch_s"] if chunk is None else row["chunk_s"][chunk]
 
 
-def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None, dense: int | None = None) -> dict:
+def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None, dense: int | None = None,
+            hprof=None) -> dict:
     import torch
 
     from cpkv.model.config import load_model_config
 
     rows = {}
     for name, rid in CASES:
-        row = case_row(name, timed, rid, cfg_m, ceiling, prof)
+        row = case_row(name, timed, rid, cfg_m, ceiling, prof, hprof)
         if row is not None:
             rows[name] = row
     dense_rows, split = None, None

@@ -52,6 +52,8 @@ class EngineConfig:
     sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
     #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
     profile: bool = False  # benchmarks (CUDA): record each timed batch's kernels (name, start, end)
+    host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
+    #                             with the most cumulative time: where a host-bound batch spends its wall)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""

@@ -77,6 +77,8 @@ class RankEngine:
         #                                                           end us) of every kernel, from the batch start
         self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
         #                                                           (name, self ms, calls)
+        self.host_funcs: list[list[tuple[str, float, float, int]]] = []  # per batch, with cfg.host_profile:
+        #                                                  (function, cumulative ms, own ms, calls) under cProfile
 
     def _expert_exchange(self):
         """The expert-parallel regions beside the compose runtime (collective), when this rank holds only a
@@ -192,7 +194,7 @@ class RankEngine:
         with self._profiled() as prof:
             start = self._sync_time()
             with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
-                with _mark("cpkv.batch", prof):
+                with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp:
                     compose = self.rt.prepare(layout, page_ids)
                     out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model, self.ep))
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
@@ -201,6 +203,8 @@ class RankEngine:
         if prof is not None:
             self.kernels.append(_kernel_spans(prof))
             self.host_ops.append(_host_ops(prof))
+        if hp is not None:
+            self.host_funcs.append(host_functions(hp))
         self.batches += 1
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
@@ -236,7 +240,7 @@ class RankEngine:
             "prefetch_hits": self.rt.prefetch_hits, "attention": self.model.layer_stats(),
             "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
-            "host_ops": self.host_ops, "experts": self._experts_held(),
+            "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
         }
 
     def _experts_held(self) -> int:
@@ -350,6 +354,34 @@ def _mark(name: str, prof):
 
 
 HOST_TOP = 12
+HOST_FUNCS_TOP = 40
+
+
+@contextlib.contextmanager
+def _host_profiled(on: bool):
+    """With ``on``: a cProfile.Profile enabled inside (yielded; disabled on exit), else None."""
+    if not on:
+        yield None
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield prof
+    finally:
+        prof.disable()
+
+
+def host_functions(prof, top: int = HOST_FUNCS_TOP) -> list[tuple[str, float, float, int]]:
+    """The functions with the most cumulative time in a cProfile'd batch: (``file.py:line name``, cumulative
+    ms, own ms, calls), cumulative-descending (the batch's host time, inclusive of what each function called)."""
+    import pstats
+
+    st = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(st.items(), key=lambda kv: -kv[1][3])[:top]
+    return [(f"{os.path.basename(f)}:{ln} {name}"[:100], round(ct * 1e3, 3), round(tt * 1e3, 3), nc)
+            for (f, ln, name), (_, nc, tt, ct, _) in rows]
 
 
 def _host_ops(prof) -> list[tuple[str, float, int]]:
