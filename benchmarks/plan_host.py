@@ -50,7 +50,7 @@ def main(n: int) -> None:
         lay = build_layout([(cached, new)], page_size=P, cp=cp)
         ids = list(range(1, lay.num_current + 1))
         spec = BatchSpec(lay, (tuple(range(cached + new)),), tuple(ids))
-        ip = rank_plan(spec, 0, model).attn.indexer
+        ip = rank_plan(spec, 0, model).complete(model).indexer
 
         def items() -> None:
             for c in ip.chunks:
@@ -59,7 +59,7 @@ def main(n: int) -> None:
 
         parts = {"layout": lambda: build_layout([(cached, new)], page_size=P, cp=cp),
                  "compose plan": lambda: ComposePlan(lay, 0, 200, page_bytes, torch.device("cpu"), ids),
-                 "rank plan": lambda: rank_plan(spec, 0, model),
+                 "rank plan": lambda: rank_plan(spec, 0, model).complete(model),
                  "work items": items}
         res = {k: median_ms(f, n) for k, f in parts.items()}
         print(f"{cached} cached + {new} new, cp {cp} rank 0 ({ip.num_tokens} query rows, {len(ip.chunks)} chunk(s)): "

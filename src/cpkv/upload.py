@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 ALIGN = 256
@@ -68,7 +69,9 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         return host.pin_memory().to(device, non_blocking=True)
     src = host.contiguous()
     pinned = st.take(src.numel() * src.element_size())
-    pinned.copy_(src.view(-1).view(torch.uint8))
+    # a plain memcpy (numpy): torch's copy_ would split it over its intra-op threads, whose wake-up (or a
+    # busy core under host load) costs milliseconds on a path the GPU waits on
+    np.copyto(pinned.numpy(), src.view(-1).view(torch.uint8).numpy())
     return pinned.view(src.dtype).view(src.shape).to(device, non_blocking=True)
 
 

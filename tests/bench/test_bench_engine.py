@@ -41,7 +41,7 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     from cpkv.model.config import load_model_config
 
     rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "256",
-               "--long", "512", "--chunk-size", "256", "--page-size", "16", "--runs", "2", "--json"])
+               "--long", "512", "--chunk-size", "256", "--page-size", "16", "--runs", "2", "--host-profile", "--json"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     cases = {c["case"]: c for c in rep["cases"]}
@@ -50,6 +50,11 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert cases["cached"]["cached"] == 224 and cases["long"]["prompt"] == 512
     assert all(len(c["batch_s_runs"]) == 2 and c["ratio_to_gemm"] > 0 for c in cases.values())
     assert "breakdown" not in cases["cold"]  # the profiled run records CUDA kernels only
+    for c in cases.values():  # the host-profiled run: each case's first batch under cProfile
+        rows = c["host_profile"]
+        cum = [r[1] for r in rows]
+        assert rows and cum == sorted(cum, reverse=True) and all(r[1] >= r[2] >= 0 and r[3] >= 1 for r in rows)
+        assert "run_batch" in {r[0].split(" ")[-1] for r in rows}  # the forward, inclusive of the plan's rest
     t = rep["ttft_s"]
     layers = load_model_config("tiny").num_layers  # every layer of the model, from the 1 measured
     assert layers > 1 and t["layers"] == layers and t["extrapolated"] and set(t) >= {"256", "512"}

@@ -6,7 +6,10 @@
     positions, its rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
     ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
     token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
-    plan nor the forward pass waits on the device (``cpkv.upload``).
+    plan nor the forward pass waits on the device (``cpkv.upload``). The attention part (key ranges, the
+    indexer's chunks and work items: most of the plan's host time) is built by ``RankPlan.complete`` after
+    the first layer's projections are launched, and so is the compose plan (``run_batch``'s ``prepare``):
+    the GPU starts on the batch after the token ids and rotary tables alone.
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP; a MoE layer under expert parallelism dispatches to and combines from the experts' ranks).
@@ -15,7 +18,7 @@ A rank with no query tokens still takes part in every compose and every expert e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -45,20 +48,32 @@ class BatchSpec:
 class RankPlan:
     ids: torch.Tensor
     rot: Rotary
-    attn: AttnPlan
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
     last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
     ep: Any = None               # the batch's expert-parallel exchange (cpkv.compose.dispatch.EPBatch), or None
+    bounds: tuple[np.ndarray, np.ndarray] | None = None  # host int64 [T] ks, ke until ``complete`` builds attn
+    topk: int = 0
+    attn: AttnPlan | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
 
+    def complete(self, model: DSAModel) -> AttnPlan:
+        """The attention plan from the host bounds (built once; the indexer's work items built and uploaded
+        here too, so no layer does host work for them)."""
+        if self.attn is None:
+            ks, ke = self.bounds
+            self.attn = AttnPlan.build(ks, ke, self.topk, model.device)
+            self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk)
+        return self.attn
+
 
 def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> RankPlan:
     """Rank ``rank``'s RankPlan for ``spec``, built once per batch (every layer reuses it): host arrays per
-    query-token run (numpy, no per-token Python), uploaded once. ``ep``: the rank's ExpertExchange (expert
-    parallelism), prepared here with every rank's query-token count."""
+    query-token run (numpy, no per-token Python), uploaded once; the attention plan is left to
+    ``RankPlan.complete``. ``ep``: the rank's ExpertExchange (expert parallelism), prepared here with every
+    rank's query-token count."""
     lay, P = spec.layout, spec.layout.page_size
     ids, pos, base = [], [], []
     last: list[tuple[int, int]] = []
@@ -75,12 +90,10 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
     cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
     ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
     dev = model.device
-    attn = AttnPlan.build(ks, ks + pos_h + 1, model.cfg.index_topk, dev)
-    attn.indexer.prepare_items(_logits_work_shape(model), model.cfg.index_topk)  # no first-use host work later
     counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
     return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
-                    attn, last, upload_list([row for _, row in last], torch.int64, dev),
-                    ep.prepare(counts) if ep is not None else None)
+                    last, upload_list([row for _, row in last], torch.int64, dev),
+                    ep.prepare(counts) if ep is not None else None, (ks, ks + pos_h + 1), model.cfg.index_topk)
 
 
 def _logits_work_shape(model: DSAModel):
@@ -95,23 +108,29 @@ def _logits_work_shape(model: DSAModel):
     return planned_work_shape(cfg.index_n_heads, cfg.index_head_dim, model.device)
 
 
-def run_batch(model: DSAModel, rt: "ComposeRuntime", compose: "ComposePlan", plan: RankPlan) -> dict[int, torch.Tensor]:
+def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], ComposePlan]",
+              plan: RankPlan) -> dict[int, torch.Tensor]:
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
-    ``compose``: the batch's plan from ``rt.prepare`` (it persists current pages into the batch's page ids);
+    ``prepare``: builds the batch's compose plan (``rt.prepare``: it persists current pages into the batch's
+    page ids), called once the first layer's projections are launched, then ``plan.complete``;
     ``plan``: this rank's ``rank_plan`` of the batch.
     """
-    rows_at = compose.query_rows
     h, topk = model.embed(plan.ids), None  # topk: the last full indexer layer's, reused by shared layers
+    p = model.layers[0].project(h, plan.rot) if plan.num_tokens and model.layers else None
+    compose = prepare()  # the plan's host work while the GPU runs the first projections
+    attn = plan.complete(model)
+    rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):
-        p = layer.project(h, plan.rot) if plan.num_tokens else None
+        if n:
+            p = layer.project(h, plan.rot) if plan.num_tokens else None
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
         dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
         if p is not None:
-            h, topk = layer.attend(h, p, dense, plan.attn, topk, plan.ep)
+            h, topk = layer.attend(h, p, dense, attn, topk, plan.ep)
         elif plan.ep is not None and layer.is_moe:
             layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
     if not plan.last:

@@ -195,8 +195,8 @@ class RankEngine:
             start = self._sync_time()
             with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
                 with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp:
-                    compose = self.rt.prepare(layout, page_ids)
-                    out = run_batch(self.model, self.rt, compose, rank_plan(spec, self.rank, self.model, self.ep))
+                    out = run_batch(self.model, self.rt, lambda: self.rt.prepare(layout, page_ids),
+                                    rank_plan(spec, self.rank, self.model, self.ep))
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
@@ -274,19 +274,29 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
 
 
 def share_cores(ctx: RankContext) -> None:
-    """CPU ranks share the host's cores: no oversubscription."""
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    """The ranks share the host's cores: no oversubscription (a CUDA rank's batches then run on one thread:
+    ``batch_threads``)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+
+
+def batch_threads(device: torch.device) -> None:
+    """A CUDA rank's host work between model loads is its batch plans and launches: small CPU ops, on one
+    thread (torch's intra-op pool would split a 100 KB copy over every thread, and the op waits for the
+    slowest: a thread to wake, or one on a core that host load keeps busy)."""
+    if device.type == "cuda":
+        torch.set_num_threads(1)
 
 
 def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
     """This rank's model: at cp > 1 only its block of the routed experts (expert parallelism), linear weights
     as ``cfg.weights_dtype`` says."""
     ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
+    share_cores(ctx)  # the load's CPU work (checkpoint reads, dequantisation) on the rank's share of the cores
     model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
                        precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
+    batch_threads(ctx.device)
     return model
 
 
