@@ -18,7 +18,7 @@ A rank with no query tokens still takes part in every compose and every expert e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,11 +36,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """A batch as every rank sees it. ``tokens[r]``: request r's tokens [0, seq_len);
+    """A batch as every rank sees it. ``tokens[r]``: request r's tokens [0, seq_len) (int sequences: the engine
+    passes int64 arrays);
     ``page_ids[c]``: the pool page (on its writer) of compact current page c."""
 
     layout: BatchLayout
-    tokens: tuple[tuple[int, ...], ...]
+    tokens: tuple[Sequence[int], ...]
     page_ids: tuple[int, ...]
 
 

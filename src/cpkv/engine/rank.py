@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Sequence
 
+import numpy as np
 import torch
 
 from cpkv.dist import RankContext
@@ -72,6 +73,7 @@ class RankEngine:
         self.out = RankOutput(self.rank)
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
+        self._keys: dict[Hashable, np.ndarray] = {}  # the running requests' tokens as arrays (_token_arrays)
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced)
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
         #                                                           end us) of every kernel, from the batch start
@@ -190,7 +192,7 @@ class RankEngine:
         layout = batch.layout(self.model.cfg.max_context)
         page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
         assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
-        spec = BatchSpec(layout, tuple(tuple(e.request.keys[: e.seq_len]) for e in batch.entries), page_ids)
+        spec = BatchSpec(layout, self._token_arrays(batch), page_ids)
         with self._profiled() as prof:
             start = self._sync_time()
             with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
@@ -210,6 +212,19 @@ class RankEngine:
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
         return self.sched.finish(batch), {batch.entries[i].rid: v for i, v in logits.items()}
+
+    def _token_arrays(self, batch: Batch) -> tuple[np.ndarray, ...]:
+        """Each entry's tokens [0, seq_len) as an int64 array view: one conversion per request, kept while its
+        chunks run (a 128K-token prompt's key list converted per chunk cost milliseconds before the batch's
+        first kernel); rebuilt when the request's keys grew (decode)."""
+        arrays = {}
+        for e in batch.entries:
+            a = self._keys.get(e.rid)
+            if a is None or a.size != len(e.request.keys):
+                a = np.asarray(e.request.keys, dtype=np.int64)
+            arrays[e.rid] = a
+        self._keys = arrays  # only this batch's requests: bounded by the batch
+        return tuple(arrays[e.rid][: e.seq_len] for e in batch.entries)
 
     def _sync_checked(self):
         """With cfg.sync_check on CUDA: one error naming every device->host synchronisation inside."""
