@@ -62,6 +62,15 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert rep["indexer_layers"] == [0]
 
 
+def test_idle_stretches_name_the_kernels_around_them():
+    from cpkv.bench.breakdown import idle_between
+
+    k = [("b", 2000, 4000), ("a", 0, 1000), ("c", 4100, 5000), ("d", 4200, 4500), ("e", 5600, 6000)]
+    out = idle_between(k, top=2)
+    assert out["top"] == [(1.0, 1.0, "a", "b"), (5.0, 0.6, "c", "e")]
+    assert out["over_0.5_ms"] == 2 and out["over_0.5_ms_total"] == 1.6
+
+
 def test_idle_gaps_from_the_batch_start():
     from cpkv.bench.breakdown import idle_gaps
 

@@ -64,6 +64,21 @@ def idle_gaps(kernels: Sequence[tuple[str, float, float]], top: int = 5) -> list
     return sorted(gaps, key=lambda g: -g[1])[:top]
 
 
+def idle_between(kernels: Sequence[tuple[str, float, float]], top: int = 8,
+                 over_ms: float = 0.5) -> dict:
+    """Idle stretches of one batch with the kernels around them: ``top`` longest as (start ms, length ms,
+    kernel before or "" at the batch start, kernel after), and the count and total of those over ``over_ms``."""
+    stretches, end, last = [], 0.0, ""
+    for name, a, b in sorted(kernels, key=lambda k: k[1]):
+        if a > end:
+            stretches.append((round(end / 1e3, 3), round((a - end) / 1e3, 3), last[:60], name[:60]))
+        if b >= end:
+            end, last = b, name
+    long = [g for g in stretches if g[1] > over_ms]
+    return {"top": sorted(stretches, key=lambda g: -g[1])[:top], f"over_{over_ms}_ms": len(long),
+            f"over_{over_ms}_ms_total": round(sum(g[1] for g in long), 3)}
+
+
 def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -> dict:
     """batches: [(kernels of one batch, its wall seconds)] -> per part ms and share of the summed wall, the
     GPU busy time (per batch, summed), the host gap (module docstring) and each batch's longest idle gaps."""
@@ -82,5 +97,6 @@ def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -
     return {"parts": {p: {"ms": round(v, 3), "share": round(v / wall, 4) if wall else 0.0} for p, v in ms.items()},
             "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n,
             "idle_gaps": [idle_gaps(k) for k, _ in batches],
+            "idle_between": [idle_between(k) for k, _ in batches],
             "top": [(name[:120], round(v, 3), classify(name)) for name, v in
                     sorted(by_name.items(), key=lambda x: -x[1])[:TOP]]}
