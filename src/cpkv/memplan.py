@@ -45,8 +45,8 @@ ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's
 # channel buffers for up to 7 peers (~0.5 GiB), the loaded Triton / Gluon kernel images and the small per-batch
 # plans; plus 10 % of the transient tensors (activations, logits chunk) for the caching allocator's rounding and
 # fragmentation (weights, pool, staging and arena are single allocations made once, which do not fragment).
-# CPU: 256 MiB per rank process (the interpreter, libtorch's private pages, gloo).
-WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (256 << 20, 0.0)}
+# CPU: 384 MiB per rank process (the interpreter with torch imported, libtorch's private pages, gloo).
+WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (384 << 20, 0.0)}
 
 # (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
 ITEMS = (

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cpkv.cli import CHECKS, COMMANDS, GROUPS, build_parser, main
-from cpkv.cli.hostmem import HostMemory, check_run_fits, weight_params
+from cpkv.cli.hostmem import HostMemory, check_shm_fits
 from cpkv.config import PRESETS, model_source
 from cpkv.errors import ConfigError
 
@@ -89,25 +89,31 @@ SMALL = HostMemory(available=8 << 30, shm_free=4 << 30)
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"pages_per_rank": 1 << 24}, "--pages-per-rank 16777216: the KV pools of --cp 2 ranks need"),
-    ({"host_pages": 1 << 24, "pages_per_rank": 64}, "--host-pages 16777216: the host tiers need"),
-    ({"model": "glm5", "pages_per_rank": 64}, "--model glm5: the weights (a copy per rank, and one to verify) need"),
-    ({"cp": 24, "pages_per_rank": 8}, "--cp 24: the rank processes need"),  # cp divides tiny's 24 experts
+    ({"pages_per_rank": 1 << 24}, "lower --pages-per-rank (now 16777216; at most"),
+    ({"host_pages": 1 << 24, "pages_per_rank": 64}, "the largest item is the KV pool"),  # host tier: the pool's item
+    ({"model": "glm5", "pages_per_rank": 64}, "the largest item is the expert shard"),
+    ({"cp": 24, "pages_per_rank": 8}, "the largest item is the other workspace"),  # 24 processes of their own
 ])
-def test_memory_sized_options_are_checked_against_the_machine(kw, needle):
-    from cpkv.model.config import load_model_config
+def test_memory_sized_options_are_checked_against_the_machine(kw, needle, monkeypatch):
+    """On the CPU the memory plan judges a run against each rank's share of the host's available memory."""
+    from cpkv.cli import plan_cmd
 
     cfg = _cfg(**kw)
-    tiny = HostMemory(available=2 << 30, shm_free=4 << 30)  # 24 rank processes need more than this
+    monkeypatch.setattr(plan_cmd, "host_available", lambda: (2 << 30) if cfg.cp == 24 else (8 << 30))
     with pytest.raises(ConfigError) as info:
-        check_run_fits(cfg, load_model_config(cfg.model), verify=True, free=tiny if cfg.cp == 24 else SMALL)
-    assert str(info.value).startswith(needle), str(info.value)
-    check_run_fits(_cfg(), load_model_config("tiny"), verify=True, free=SMALL)  # the defaults fit
+        plan_cmd.check_run(cfg, cfg.model_config(), verify=True)
+    assert needle in str(info.value), str(info.value)
+    plan_cmd.check_run(_cfg(), _cfg().model_config(), verify=True)  # the defaults fit
 
 
-def test_glm5_weights_estimate_is_its_size():
-    assert 7.0e11 < weight_params(PRESETS["glm5"]) < 7.9e11  # GLM-5: 744B parameters
-    assert 6.5e11 < weight_params(PRESETS["deepseek-v32"]) < 7.0e11  # DeepSeek-V3.2: 671B (+ the indexer)
+def test_the_pools_must_fit_dev_shm(monkeypatch):
+    cfg = _cfg(pages_per_rank=1 << 16)
+    need = 2 * (1 << 16) * cfg.page_size * cfg.model_config().kv_bytes_per_token()
+    with pytest.raises(ConfigError, match=r"^--pages-per-rank 65536: the KV pools of --cp 2 ranks need .* of /dev/shm"):
+        check_shm_fits(cfg, cfg.model_config(), HostMemory(available=1 << 40, shm_free=need - 1))
+    check_shm_fits(cfg, cfg.model_config(), HostMemory(available=1 << 40, shm_free=need))
+    monkeypatch.setenv("CPKV_DISABLE_PEER_MEMORY", "1")  # no peer memory: the pools are private, not in /dev/shm
+    check_shm_fits(cfg, cfg.model_config(), HostMemory(available=1 << 40, shm_free=0))
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -173,7 +173,7 @@ def checkpoint_inputs(model: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
-    from cpkv.cli.hostmem import check_run_fits
+    from cpkv.cli.hostmem import check_shm_fits
     from cpkv.cli.plan_cmd import check_run
     from cpkv.engine.engine import nonfinite_failure, run_engine, run_under_torchrun, verify_run
     from cpkv.files import string_keys
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     model_cfg = cfg.model_config()  # the config the ranks run (precision applied)
     check_run(cfg, model_cfg, torchrun, args.verify)  # does not fit its GPUs (CPU: the host): one line, the option
     if not torchrun:
-        check_run_fits(cfg, model_cfg, args.verify)  # the host: interpreter, weights, pools, /dev/shm
+        check_shm_fits(cfg, model_cfg)  # CPU: the ranks' pools in /dev/shm
     trace = load_requests(args, model_cfg.vocab_size)
     if args.logits_out:
         string_keys([r.id for r in trace], f"--logits-out {args.logits_out!r}")
