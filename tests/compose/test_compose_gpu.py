@@ -17,7 +17,7 @@ def _case(page_bytes, n, seed, offset=0):
     raw = [torch.randint(0, 256, (s * page_bytes + offset,), dtype=torch.uint8, device="cuda", generator=g)
            for s in sizes]
     sources = [r[offset:].view(s, page_bytes) for r, s in zip(raw, sizes)]
-    src = torch.randint(-1, len(sizes), (n,), device="cuda", generator=g, dtype=torch.int32)
+    src = torch.randint(-2, len(sizes), (n,), device="cuda", generator=g, dtype=torch.int32)  # -1 zeros, -2 skip
     page = torch.stack([torch.randint(0, sizes[max(int(s), 0)], (), device="cuda", generator=g) for s in src]).long()
     dest = torch.randperm(n, device="cuda", generator=g).to(torch.int32)
     bases = torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device="cuda")

@@ -137,3 +137,4 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
     assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2] == compiled.calls[3]
     assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[2][9 + 9] == b2[1].data_ptr()
     assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets
+

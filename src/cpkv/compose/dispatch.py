@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpkv.kernels.page_gather.ref import SKIP
 from cpkv.kernels.platform import use_triton
 from cpkv.upload import upload
 
@@ -103,7 +104,9 @@ class ExpertExchange:
         return EPBatch(self, [int(c) for c in counts])
 
     def gather_rows(self, name: str, src: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        """[n, D]: row ``row[i]`` of rank ``src[i]``'s region ``name`` (x or y); zeros where src[i] == -1."""
+        """[n, D]: row ``row[i]`` of rank ``src[i]``'s region ``name`` (x or y); where src[i] < 0 zeros, or on the
+        GPU (the page-gather kernel) for src[i] == SKIP whatever the buffer held (padding nobody reads: no
+        write for it)."""
         n = src.shape[0]
         out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.device)
         if n == 0:
@@ -115,7 +118,7 @@ class ExpertExchange:
             dest = torch.arange(n, dtype=torch.int64, device=self.device)
             page_gather_triton(out.view(torch.uint8), bases, dest, src, row, aligned16=aligned)
             return out
-        out.zero_()
+        out.zero_()  # (zeros for SKIP too, off the GPU)
         for s, region in enumerate(self.peers[name]):
             sel = src == s
             rows = region.index_select(0, torch.where(sel, row, 0))
@@ -189,8 +192,8 @@ class EPBatch:
         valid = q < bounds[r + 1]
         pair = order[q.clamp(max=max(flat.numel() - 1, 0))] if flat.numel() else q
         tok = pair // ex.k
-        if x_all is None:
-            xs = ex.gather_rows("x", torch.where(valid, self.tok_rank[tok], -1), self.tok_row[tok])
+        if x_all is None:  # padding rows (past offs[-1]) are left unwritten on the GPU: most of N at cp > 2
+            xs = ex.gather_rows("x", torch.where(valid, self.tok_rank[tok], SKIP), self.tok_row[tok])
         else:
             xs = x_all.index_select(0, tok)
         rw = torch.where(valid, w_all.reshape(-1)[pair], 0.0) if flat.numel() else q.float()

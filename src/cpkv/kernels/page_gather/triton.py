@@ -2,13 +2,16 @@
 
     out    : uint8 [n_out, page_bytes]          destination pages (a dense buffer viewed by pages)
     dest   : int [n]                            destination page of entry i (int32 or int64)
-    src    : int [n]                            source index of entry i in [0, n_src), or -1 = zero fill
+    src    : int [n]                            source index of entry i in [0, n_src), -1 = zero fill, or
+                                                SKIP (-2): entry i writes nothing
     page   : int [n]                            page id inside that source
     Triton: bases   int64 [n_src]  byte address of each source's page 0 (any process-mapped memory:
                                    this rank's pools, peers' pools and stagings mapped through IPC)
     torch:  sources list of n_src uint8 [n_pages_s, page_bytes] tensors
 
-    out[dest[i]] = source[src[i]][page[i]]      (all page_bytes bytes), or zeros where src[i] == -1
+    out[dest[i]] = source[src[i]][page[i]]      (all page_bytes bytes), or zeros where src[i] == -1 (out[dest[i]]
+                                                untouched where src[i] == SKIP: a static-size gather whose tail
+                                                rows are padding nobody reads, e.g. the expert exchange's)
 
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
@@ -54,7 +57,7 @@ def load() -> Any:
             delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
             x = tl.load(OUT + delta + offs, mask=mask, eviction_policy="evict_first")
             tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
-        else:
+        elif s == -1:
             tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
     globals()["_unit"] = _unit  # the kernel below finds its helper as a module global (also in TRITON_INTERPRET)
