@@ -50,8 +50,14 @@ def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
 # ptxas (sm_90a, Triton 3.6) registers per thread at 128 x 128 x 8 warps: the deleted first kernel 237, v1 178, v3 155, RESCALE
 # (v6 / v7) 107-118, so two programs fit an SM only there (and at 64 x 128 x 4 warps, about 180); PAIR 254
 # (two K blocks a stage: 3 stages at most). BLOCK_N 256 and 128 x 128 at 4 warps spill: left out.
+# First the warp-specialised Gluon kernel (GLUON variants: 128 x 128 tiles, two consumer warpgroups of 4 warps,
+# num_stages = TMA ring depth; compiled offline for sm_90a without spills) and the scale-prefetching Triton ones.
 SWEEP = (
-    [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
+    [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_k", "gluon_ws_k")
+     for st in (4, 6)]
+    + [(v, _cfg(*c)) for v in ("v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
+    + [("v15", _cfg(*c)) for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
+    +     [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v7", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
     + [("v1", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v3", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
@@ -98,8 +104,31 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
+def scales(op: dict, variant: str) -> torch.Tensor:
+    """The activation scales in the layout ``variant`` reads (as the model allocates them: ``act_scales``):
+    op's row-major a_s, or a K-major copy of it (made on first use, after any edit of a_s)."""
+    if not kern.kmajor_scales(variant):
+        return op["a_s"]
+    if "a_s_k" not in op:
+        op["a_s_k"] = kern.act_scales(op["a"].shape[0], op["a"].shape[1], op["a"].device, variant)
+        op["a_s_k"].copy_(op["a_s"])
+    return op["a_s_k"]
+
+
+def gluon_refusal(variant: str, op: dict) -> str | None:
+    """Why the Gluon kernel would not run this variant's call (the dispatcher would then time the Triton
+    fallback under the Gluon variant's name: excluded instead); None for Triton variants."""
+    if not kern.VARIANTS[variant].get("GLUON"):
+        return None
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    c = torch.empty(1, op["w"].shape[1], dtype=torch.bfloat16, device=DEV).expand(op["a"].shape[0], -1)
+    return gluon_ws.applies(op["a"], op["w"], c)
+
+
 def run_gemm(op: dict, variant: str, cfg: dict, c: torch.Tensor, tiles: torch.Tensor) -> None:
-    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["w"], op["ws"], c, tiles, config=cfg, variant=variant)
+    kern.grouped_gemm(op["a"], scales(op, variant), op["offs"], op["w"], op["ws"], c, tiles, config=cfg,
+                      variant=variant)
 
 
 def check(variant: str, cfg: dict, checks: list[tuple[dict, torch.Tensor]]) -> float:
@@ -179,6 +208,9 @@ def main() -> int:
             continue
         t1 = time.time()
         try:
+            why = gluon_refusal(variant, ops["gate_up"])
+            if why:
+                raise RuntimeError(f"the Gluon kernel does not apply here ({why})")
             row["check_rel_err"] = check(variant, cfg, checks)
             if row["check_rel_err"] > TOL:
                 raise AssertionError(f"ragged check: rel err {row['check_rel_err']:.3g} > {TOL}")
@@ -236,6 +268,7 @@ def main() -> int:
               "best_per_variant": {v: {"config": r["config"], **{f"{p}_vs_dense": r[f"{p}_vs_dense"] for p in PROJS}}
                                    for v, r in best_per_variant.items()},
               "winner": winner, "grouped_line": line, "wall_s": round(time.time() - t0, 1)}
+    log(f"winner: {line}")
     if args.json:
         print(json.dumps(report, indent=1, default=float))
         return 0

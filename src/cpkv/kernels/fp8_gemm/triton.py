@@ -110,8 +110,21 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               (t = a_s * b_s per row, BLOCK_N <= 128): the dot accumulates in place, no second accumulator
 #   PAIR        two K blocks per loop iteration, both dots issued before either is scaled (one wait on the
 #               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
+#   PREFETCH    (CLAMP or TMA, BLOCK_N <= 128) the next K block's two scales loaded one iteration ahead into
+#               registers, so their latency is off the path from one block's dot to the next
+#   KMAJOR      not a kernel switch: the variant wants the activation scales K-major (strides (1, R): one K
+#               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
+#   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
+#               consumer warpgroups that wgmma / wait / scale independently, so one's scaling overlaps the
+#               other's wgmma); its own PAIR (two K blocks' wgmmas in flight per warpgroup). Config: BLOCK_M and
+#               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
+#               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
+    "gluon_ws": {"GLUON": True},
+    "gluon_ws_pair": {"GLUON": True, "PAIR": True},
+    "gluon_ws_k": {"GLUON": True, "KMAJOR": True},
+    "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -124,7 +137,12 @@ VARIANTS: dict[str, dict] = {
     "v10": {"CLAMP": True, "PAIR": True},
     "v11": {"TMA": True, "PAIR": True},
     "v12": {"TMA": True, "PAIR": True, "PERSISTENT": 2},
+    "v13": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True},
+    "v14": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "KMAJOR": True},
+    "v15": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "KMAJOR": True},
 }
+# the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map)
+GLUON_FALLBACK = ("v4", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # (benchmarks/grouped_fp8_sweep.py measures them and prints the line to put here).
@@ -163,10 +181,11 @@ def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
 
 
 @_jit
-def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as, stride_asg,
           stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr):
+          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr,
+          PREFETCH: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
     expert = _expert_of(TILE_END, pid_m, E, LOG_E)
     if expert < E:
@@ -213,15 +232,19 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
                     b0 = tl.load(b_ptr)
                     a1 = tl.load(a_ptr + 128)
                     b1 = tl.load(b_ptr + 128)
-                t0 = tl.load(as_ptr + kb) * tl.load(bs_ptr + kb)
-                t1 = tl.load(as_ptr + kb + 1) * tl.load(bs_ptr + kb + 1)
+                t0 = tl.load(as_ptr + kb * stride_asg) * tl.load(bs_ptr + kb)
+                t1 = tl.load(as_ptr + (kb + 1) * stride_asg) * tl.load(bs_ptr + kb + 1)
                 d0 = tl.dot(a0, b0, out_dtype=tl.float32)
                 d1 = tl.dot(a1, b1, out_dtype=tl.float32)
                 acc += d0 * t0[:, None] + d1 * t1[:, None]
                 a_ptr += 256
                 b_ptr += 256
         else:
-            for kb in range(0, tl.cdiv(K, 128)):
+            n_kb = tl.cdiv(K, 128)
+            if PREFETCH:  # (the launcher sets it only with CLAMP and BLOCK_N <= 128): block 0's scales
+                sa_n = tl.load(as_ptr)
+                sb_n = tl.load(bs_ptr)
+            for kb in range(0, n_kb):
                 if TMA:
                     a = a_desc.load([row0, kb * 128])
                     b = b_desc.load([expert * N + col0, kb * 128]).T
@@ -240,12 +263,19 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
                     else:
                         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
                         b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                if CLAMP:
-                    sa = tl.load(as_ptr + kb)
+                if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
+                    sa = sa_n
+                    sb = sb_n
+                    kn = tl.minimum(kb + 1, n_kb - 1)
+                    sa_n = tl.load(as_ptr + kn * stride_asg)
+                    sb_n = tl.load(bs_ptr + kn)
+                elif CLAMP:
+                    sa = tl.load(as_ptr + kb * stride_asg)
                 else:
-                    sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
+                    sa = tl.load(as_ptr + kb * stride_asg, mask=rmask, other=0.0)
                 if BLOCK_N <= 128:
-                    sb = tl.load(bs_ptr + kb)
+                    if not PREFETCH:
+                        sb = tl.load(bs_ptr + kb)
                     if RESCALE:
                         t = sa * sb
                         t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
@@ -268,11 +298,11 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
 
 
 @_jit
-def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_be, stride_bn,
+def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_asg, stride_be, stride_bn,
                stride_bse, stride_bsn, stride_c,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
                CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr, PAIR: tl.constexpr):
+               PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -286,15 +316,15 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE, PAIR)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K,
+                  CLAMP, TMA, RESCALE, PAIR, PREFETCH)
     else:
         t = tl.program_id(0)
         if t < total:
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE, PAIR)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K,
+                  CLAMP, TMA, RESCALE, PAIR, PREFETCH)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -332,10 +362,27 @@ def tile_ends(offs: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
     return torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0, dtype=torch.int32)
 
 
+_SCALAR_N = ("RESCALE", "PAIR", "PREFETCH")  # switches that need BLOCK_N <= 128 (one weight scale per K block)
+
+
+def kmajor_scales(variant: str | None = None) -> bool:
+    """True when ``variant`` (default: GROUPED's) wants K-major activation scales (VARIANTS' KMAJOR)."""
+    return bool(VARIANTS[GROUPED["variant"] if variant is None else variant].get("KMAJOR"))
+
+
+def act_scales(r: int, k: int, device: torch.device, variant: str | None = None) -> torch.Tensor:
+    """An uninitialised float32 (r, ceil(k/128)) activation-scale buffer in the layout ``variant`` (default:
+    GROUPED's) reads best: row-major, or K-major (strides (1, r)) for a KMAJOR variant."""
+    g = cdiv(k, GROUP)
+    if kmajor_scales(variant):
+        return torch.empty(g, r, dtype=torch.float32, device=device).t()
+    return torch.empty(r, g, dtype=torch.float32, device=device)
+
+
 @functools.cache
 def _tuned(variant: str):
     """The autotuned kernel of ``variant`` (built on first use: Triton is imported only where installed)."""
-    scalar = VARIANTS[variant].get("RESCALE", False) or VARIANTS[variant].get("PAIR", False)
+    scalar = any(VARIANTS[variant].get(f, False) for f in _SCALAR_N)
     return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                                     for bn, w, st in V_CONFIGS if bn <= 128 or not scalar],
                            key=["N", "K"])(_grouped_v)
@@ -370,6 +417,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         variant, config = GROUPED["variant"], GROUPED["config"] if config is None else config
     if variant not in VARIANTS:
         raise ValueError(f"grouped GEMM variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    if VARIANTS[variant].get("GLUON"):
+        if _gluon(variant, a, a_s, offs, b, b_s, c, tiles, config):
+            return
+        variant, config = GLUON_FALLBACK
     config = dict(config) if config else None
     bm = config.pop("BLOCK_M", TILE_M) if config else TILE_M
     tiles = tile_ends(offs, bm) if tiles is None else tiles
@@ -382,8 +433,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         else:
             _tma_allocator()
     persistent = int(flags.get("PERSISTENT", 0))
-    if (flags.get("RESCALE") or flags.get("PAIR")) and config is not None and config["BLOCK_N"] > 128:
-        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, "
+    scalar = [f for f in _SCALAR_N if flags.get(f)]
+    if scalar and config is not None and config["BLOCK_N"] > 128:
+        raise ValueError(f"grouped GEMM {variant} ({', '.join(scalar)}): expected BLOCK_N <= 128, "
                          f"got {config['BLOCK_N']}")
 
     def grid(meta: dict) -> tuple[int]:
@@ -392,11 +444,29 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
             bound = min(bound, persistent * _sm_count(a.device.index or 0))
         return check_grid((bound,))
 
-    args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
-            b_s.stride(0), b_s.stride(1), c.stride(0))
-    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0,
-            "CLAMP": bool(flags.get("CLAMP") or flags.get("TMA")),
+    args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), a_s.stride(1), b.stride(0),
+            b.stride(1), b_s.stride(0), b_s.stride(1), c.stride(0))
+    clamp = bool(flags.get("CLAMP") or flags.get("TMA"))
+    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0, "CLAMP": clamp,
             "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
             "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
-            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE")}
+            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE"),
+            "PREFETCH": bool(flags.get("PREFETCH")) and clamp}
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
+
+
+def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor,
+           b_s: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor | None, config: dict | None) -> bool:
+    """Run a GLUON variant's warp-specialised kernel; False (nothing launched) where it does not apply. A
+    config other than 128 x 128 tiles at 4 warps per warpgroup raises ValueError (a caller's mistake)."""
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": gluon_ws.STAGES, **(config or {})}
+    if (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) != (128, 128, 4):
+        raise ValueError(f"grouped GEMM {variant} (Gluon, warp-specialised): expected BLOCK_M 128, BLOCK_N 128, "
+                         f"num_warps 4, got {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['num_warps']}")
+    if gluon_ws.applies(a, b, c) is not None:
+        return False
+    gluon_ws.launch(a, a_s, offs, b, b_s, c, tile_ends(offs, 128) if tiles is None else tiles,
+                    stages=int(cfg["num_stages"]), pair=bool(VARIANTS[variant].get("PAIR")))
+    return True
