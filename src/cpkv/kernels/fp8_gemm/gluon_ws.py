@@ -10,9 +10,12 @@ Same contract as ``cpkv.kernels.fp8_gemm.triton.grouped_gemm`` (its module docst
     says why a call is refused; the dispatcher then runs the Triton kernel).
 
 Schedule: persistent programs (at most one per SM) walk the (row tile, column tile) pairs column-fastest,
-row tiles of 128 rows of one expert (the tile map ``tiles``, an expert found by a binary search over it),
-column tiles of 128, K in blocks of 128 (one activation scale per row and one weight scale per block each).
-Three partitions, synchronised by mbarriers only:
+row tiles of 128 rows of one expert, column tiles of 128, K in blocks of 128 (one activation scale per row and
+one weight scale per block each). Each partition loads the tile map (``tiles``) and the offsets once into
+registers, every warp a copy (E <= MAX_EXPERTS), so finding a tile's expert and rows is a few warp reductions,
+not a chain of dependent loads per tile (the binary search of the Triton kernels: several microseconds of
+stall at every tile start, a large share of a 16-block down-projection tile). Three partitions, synchronised
+by mbarriers only:
 
 * producer (1 warp, few registers): for every tile and K block, waits for a free ring stage, then TMA-loads
   A [128, 128] (rows past R read as zeros; rows of the next expert are loaded and never stored) and
@@ -33,6 +36,7 @@ Shared memory: STAGES x 32 KB (A + B) + barriers. Registers: launch cap MAX_REGS
 producer's warpgroup is padded), re-split CONSUMER_REGS per consumer, PRODUCER_REGS for the producer.
 ptxas pitfalls (cpkv.kernels.sparse_mla.gluon_ws): no wgmma result in flight across a loop's back edge (every
 iteration waits for its own), loop bounds and tile coordinates made provably warp-uniform (``_uniform``).
+Compiled offline for sm_90a (tests/kernels/test_fp8_gemm_variants.py): no spills, no serialised wgmma.
 Triton / Gluon are imported lazily (``load``).
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ MAX_REGS = 168       # launch-wide cap: 12 warps x 32 x 168 = 64,512 of the 65,5
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup after the re-split (the default gets the rest: 232)
 PRODUCER_REGS = 40   # per thread of the producer's warpgroup
 STAGES = 4           # default ring depth (32 KB a stage)
+MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
 FP8 = torch.float8_e4m3fn
 
 
@@ -68,45 +73,38 @@ def load() -> Any:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _expert_of(TILE_END, pid_m, E, LOG_E: gl.constexpr):
-        """The first expert whose cumulative tile count passes pid_m: binary search over TILE_END [E]."""
-        lo = pid_m * 0
-        hi = lo + E
-        for _ in gl.static_range(LOG_E):
-            mid = (lo + hi) // 2
-            v = gl.load(TILE_END + gl.minimum(mid, E - 1))  # mid == E only when lo == hi == E: v > pid_m
-            right = v <= pid_m
-            lo = gl.where(right, mid + 1, lo)
-            hi = gl.where(right, hi, mid)
-        return lo
+    def _expert_map(TILE_END, OFFS, E, EP: gl.constexpr, WARPS: gl.constexpr):
+        """Every expert's cumulative tile count and row end, held in registers for the whole program (each warp
+        a full copy: its tile lookups are shuffles, no memory round trips per tile). Padding: ends INT_MAX."""
+        layout: gl.constexpr = gl.BlockedLayout([EP // 32], [32], [WARPS], [0])
+        idx = gl.arange(0, EP, layout)
+        ends = gl.load(TILE_END + idx, mask=idx < E, other=2147483647)
+        rows = gl.load(OFFS + idx, mask=idx < E, other=0)
+        total = _uniform(gl.max(gl.where(idx < E, ends, 0), axis=0))  # row tiles of all experts
+        return idx, ends, rows, total
 
     @gluon.jit
-    def _tile(OFFS, TILE_END, t, n_tiles, E, LOG_E: gl.constexpr):
-        """Tile t (column tiles fastest) -> (expert, first row of the tile, the expert's row end, column tile)."""
+    def _tile(idx, ends, rows, t, n_tiles):
+        """Tile t (column tiles fastest) -> (expert, first row of the tile, the expert's row end, column tile):
+        the expert is the number of cumulative tile counts <= its row tile (counts are non-decreasing)."""
         pid_m = t // n_tiles
         col_tile = t - pid_m * n_tiles
-        expert = _uniform(_expert_of(TILE_END, pid_m, E, LOG_E))
-        prev = gl.maximum(expert - 1, 0)
-        first_tile = gl.where(expert > 0, gl.load(TILE_END + prev), 0)
-        row_start = gl.where(expert > 0, gl.load(OFFS + prev), 0)
+        expert = _uniform(gl.sum((ends <= pid_m).to(gl.int32), axis=0))
+        first_tile = gl.sum(gl.where(idx == expert - 1, ends, 0), axis=0)
+        row_start = gl.sum(gl.where(idx == expert - 1, rows, 0), axis=0)
         row0 = _uniform(row_start + (pid_m - first_tile) * 128)
-        row_end = _uniform(gl.load(OFFS + expert))
+        row_end = _uniform(gl.sum(gl.where(idx == expert, rows, 0), axis=0))
         return expert, row0, row_end, col_tile
 
     @gluon.jit
-    def _n_tiles(TILE_END, E, N):
-        """(column tiles, all tiles) of the launch: the row tile count is read on the device."""
-        n_tiles = N // 128
-        return n_tiles, _uniform(gl.load(TILE_END + E - 1)) * n_tiles
-
-    @gluon.jit
     def _producer(a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free,
-                  LOG_E: gl.constexpr, STAGES: gl.constexpr):
-        n_tiles, total = _n_tiles(TILE_END, E, N)
+                  EP: gl.constexpr, STAGES: gl.constexpr):
+        idx, ends, rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 1)
+        n_tiles = N // 128
         kbs = K // 128
         it = 0
-        for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(OFFS, TILE_END, t, n_tiles, E, LOG_E)
+        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles)
             b_row = expert * N + col_tile * 128
             for kb in range(kbs):
                 s = it % STAGES
@@ -135,18 +133,19 @@ def load() -> Any:
     @gluon.jit
     def _consumer(AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg,
                   stride_c, a_bufs, b_bufs, ready, free,
-                  LOG_E: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, WG: gl.constexpr):
+                  EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, WG: gl.constexpr):
         """Rows WG * 64 .. WG * 64 + 63 of every tile of this program."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
-        n_tiles, total = _n_tiles(TILE_END, E, N)
+        idx, ends, e_rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 4)
+        n_tiles = N // 128
         kbs = K // 128
         zero = gl.zeros([64, 128], gl.float32, mma_l)
         it = 0
-        for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(OFFS, TILE_END, t, n_tiles, E, LOG_E)
+        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles)
             rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
             a_sc = AS + gl.minimum(rows, row_end - 1).to(gl.int64) * stride_as  # clamped: always in bounds
             b_sc = BS + expert.to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
@@ -196,7 +195,7 @@ def load() -> Any:
     @gluon.jit
     def _grouped_ws(a_desc, b_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
                     stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
-                    LOG_E: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                    EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -207,13 +206,18 @@ def load() -> Any:
             mbarrier.init(free.index(s), count=2)   # one arrival per consumer warpgroup
         gl.warp_specialize([
             (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, LOG_E, STAGES, PAIR, 0)),
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, 0)),
             (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, LOG_E, STAGES, PAIR, 1)),
-            (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, LOG_E, STAGES)),
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, 1)),
+            (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return _grouped_ws
+
+
+def expert_slots(e: int) -> int:
+    """Register slots of the expert map for e experts: the next power of two, at least a warp's 32 lanes."""
+    return max(32, 1 << (e - 1).bit_length())
 
 
 def applies(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> str | None:
@@ -230,6 +234,8 @@ def applies(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> str | None:
     if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
             or b.stride(1) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16):
         return "needs TMA-ready operands (unit K stride, 16-byte rows and bases, b's experts back to back)"
+    if e > MAX_EXPERTS:
+        return f"holds at most {MAX_EXPERTS} experts' map in registers, got {e} experts"
     if c.shape != (r, n) or c.stride(1) != 1:
         return f"needs c [{r}, {n}] with unit column stride, got {tuple(c.shape)} strides {c.stride()}"
     return None
@@ -272,5 +278,5 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
     load()[grid](
         a_desc, b_desc, a_s, offs, tiles, b_s, c, e, n, k,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
-        LOG_E=e.bit_length(), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0,
+        EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
