@@ -53,8 +53,9 @@ def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
 # First the warp-specialised Gluon kernel (GLUON variants: 128 x 128 tiles, two consumer warpgroups of 4 warps,
 # num_stages = TMA ring depth; compiled offline for sm_90a without spills) and the scale-prefetching Triton ones.
 SWEEP = (
-    [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_k", "gluon_ws_k")
+    [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_g8", "gluon_ws_g8")
      for st in (4, 6)]
+    + [(v, _cfg(128, 128, 4, 4)) for v in ("gluon_ws_pair_k", "gluon_ws_k")]
     + [(v, _cfg(*c)) for v in ("v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
     + [("v15", _cfg(*c)) for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
     +     [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]

@@ -133,7 +133,8 @@ def _variant_configs() -> list[tuple[str, dict]]:
 
 
 # the variants added for issue 22's second round (the warp-specialised Gluon kernel, scale prefetch, K-major scales)
-NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "v13", "v14", "v15")
+NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "gluon_ws_g8", "gluon_ws_pair_g8",
+                "v13", "v14", "v15")
 
 
 def _scales_for(variant: str, s: torch.Tensor, kmajor: bool | None = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ def test_activation_scales_follow_the_variant():
     assert km.shape == rm.shape == (5, 3)
     assert km.stride() == (1, 5) and rm.stride() == (3, 1)
     assert kern.kmajor_scales("gluon_ws_k") and not kern.kmajor_scales("gluon_ws")
-    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR"} for f in kern.VARIANTS.values())
+    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} for f in kern.VARIANTS.values())
 
 
 def test_gluon_variant_rejects_other_tiles():
@@ -91,7 +91,7 @@ def test_gluon_launch_checks_its_operands(hopper):
     assert [gluon_ws.expert_slots(e) for e in (1, 32, 33, 256)] == [32, 32, 64, 256]
 
 
-def _compile_sm90(pair: bool, stages: int):
+def _compile_sm90(pair: bool, stages: int, group_m: int = 1):
     """The Gluon kernel compiled for sm_90a from CPU stand-ins of its arguments (GLM-5 gate_up shapes)."""
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
@@ -108,7 +108,7 @@ def _compile_sm90(pair: bool, stages: int):
     args = (TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout),
             TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), a_s, offs, offs, b_s, c, e, n, k,
             *a_s.stride(), *b_s.stride(), c.stride(0))
-    consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair,
+    consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
               "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
     fn = gluon_ws.load()
     sig, cx, attrs = {}, {}, {}
@@ -136,13 +136,13 @@ def _nvidia_tool(name: str) -> str:
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("pair", [False, True])
-def test_gluon_kernel_compiles_for_sm90_without_spills(pair, tmp_path):
+@pytest.mark.parametrize("pair,group_m", [(False, 1), (True, 1), (True, 8)])
+def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, tmp_path):
     """ptxas: no local-memory spills, no serialised wgmma; 4 (PAIR: 8) m64n128k32 fp8 wgmmas per consumer;
     shared memory = the TMA ring (STAGES x 32 KB) plus barriers."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    ck = _compile_sm90(pair, stages=4)
+    ck = _compile_sm90(pair, stages=4, group_m=group_m)
     (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
                           str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)

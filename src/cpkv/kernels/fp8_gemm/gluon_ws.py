@@ -84,11 +84,19 @@ def load() -> Any:
         return idx, ends, rows, total
 
     @gluon.jit
-    def _tile(idx, ends, rows, t, n_tiles):
-        """Tile t (column tiles fastest) -> (expert, first row of the tile, the expert's row end, column tile):
-        the expert is the number of cumulative tile counts <= its row tile (counts are non-decreasing)."""
-        pid_m = t // n_tiles
-        col_tile = t - pid_m * n_tiles
+    def _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M: gl.constexpr):
+        """Tile t -> (expert, first row of the tile, the expert's row end, column tile): column tiles fastest,
+        or GROUP_M row tiles per column tile (the programs running at once share weight tiles in L2); the
+        expert is the number of cumulative tile counts <= its row tile (counts are non-decreasing)."""
+        if GROUP_M == 1:
+            pid_m = t // n_tiles
+            col_tile = t - pid_m * n_tiles
+        else:
+            width = GROUP_M * n_tiles
+            first_m = (t // width) * GROUP_M
+            size_m = gl.minimum(m_tiles - first_m, GROUP_M)
+            pid_m = first_m + (t % width) % size_m
+            col_tile = (t % width) // size_m
         expert = _uniform(gl.sum((ends <= pid_m).to(gl.int32), axis=0))
         first_tile = gl.sum(gl.where(idx == expert - 1, ends, 0), axis=0)
         row_start = gl.sum(gl.where(idx == expert - 1, rows, 0), axis=0)
@@ -98,13 +106,13 @@ def load() -> Any:
 
     @gluon.jit
     def _producer(a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free,
-                  EP: gl.constexpr, STAGES: gl.constexpr):
+                  EP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         idx, ends, rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 1)
         n_tiles = N // 128
         kbs = K // 128
         it = 0
         for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles)
+            expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M)
             b_row = expert * N + col_tile * 128
             for kb in range(kbs):
                 s = it % STAGES
@@ -133,7 +141,8 @@ def load() -> Any:
     @gluon.jit
     def _consumer(AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg,
                   stride_c, a_bufs, b_bufs, ready, free,
-                  EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, WG: gl.constexpr):
+                  EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
+                  WG: gl.constexpr):
         """Rows WG * 64 .. WG * 64 + 63 of every tile of this program."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
@@ -145,7 +154,7 @@ def load() -> Any:
         zero = gl.zeros([64, 128], gl.float32, mma_l)
         it = 0
         for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles)
+            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
             rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
             a_sc = AS + gl.minimum(rows, row_end - 1).to(gl.int64) * stride_as  # clamped: always in bounds
             b_sc = BS + expert.to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
@@ -195,7 +204,7 @@ def load() -> Any:
     @gluon.jit
     def _grouped_ws(a_desc, b_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
                     stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
-                    EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                    EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -206,10 +215,10 @@ def load() -> Any:
             mbarrier.init(free.index(s), count=2)   # one arrival per consumer warpgroup
         gl.warp_specialize([
             (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, 0)),
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 0)),
             (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, 1)),
-            (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES)),
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 1)),
+            (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return _grouped_ws
@@ -257,10 +266,11 @@ def _check(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
 
 
 def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False) -> None:
+           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled grouped product (module docstring); ``tiles`` =
     ``tile_ends(offs, 128)``; ``stages``: ring depth (2..6); ``pair``: two K blocks per iteration (used when
-    K / 128 is even). Raises ValueError where the kernel does not apply (``applies``)."""
+    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest). Raises
+    ValueError where the kernel does not apply (``applies``)."""
     _check(a, a_s, offs, b, b_s, c, tiles)
     if not 2 <= stages <= 6:
         raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
@@ -278,5 +288,5 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
     load()[grid](
         a_desc, b_desc, a_s, offs, tiles, b_s, c, e, n, k,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
-        EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0,
+        EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0, GROUP_M=max(1, int(group_m)),
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)

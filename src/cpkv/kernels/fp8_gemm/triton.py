@@ -116,7 +116,8 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
 #   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
 #               consumer warpgroups that wgmma / wait / scale independently, so one's scaling overlaps the
-#               other's wgmma); its own PAIR (two K blocks' wgmmas in flight per warpgroup). Config: BLOCK_M and
+#               other's wgmma); its own PAIR (two K blocks' wgmmas in flight per warpgroup) and GROUP_M (tile
+#               order, as above; persistent programs, one per SM). Config: BLOCK_M and
 #               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
 #               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
@@ -125,6 +126,8 @@ VARIANTS: dict[str, dict] = {
     "gluon_ws_pair": {"GLUON": True, "PAIR": True},
     "gluon_ws_k": {"GLUON": True, "KMAJOR": True},
     "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
+    "gluon_ws_g8": {"GLUON": True, "GROUP_M": 8},
+    "gluon_ws_pair_g8": {"GLUON": True, "PAIR": True, "GROUP_M": 8},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -467,6 +470,7 @@ def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor,
                          f"num_warps 4, got {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['num_warps']}")
     if gluon_ws.applies(a, b, c) is not None:
         return False
+    flags = VARIANTS[variant]
     gluon_ws.launch(a, a_s, offs, b, b_s, c, tile_ends(offs, 128) if tiles is None else tiles,
-                    stages=int(cfg["num_stages"]), pair=bool(VARIANTS[variant].get("PAIR")))
+                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)))
     return True
