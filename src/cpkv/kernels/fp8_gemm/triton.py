@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from cpkv.kernels.fp8_gemm.gluon_ws import expert_slots
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
 
 try:
@@ -112,6 +113,9 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
 #   PREFETCH    (CLAMP or TMA, BLOCK_N <= 128) the next K block's two scales loaded one iteration ahead into
 #               registers, so their latency is off the path from one block's dot to the next
+#   EMAP        (E <= EMAP_MAX) every expert's tile count and row end loaded once per program into registers, a
+#               tile's expert found by reductions over them instead of a binary search of dependent loads (a
+#               chain of several microseconds at every tile start of a persistent program)
 #   KMAJOR      not a kernel switch: the variant wants the activation scales K-major (strides (1, R): one K
 #               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
 #   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
@@ -143,7 +147,10 @@ VARIANTS: dict[str, dict] = {
     "v13": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True},
     "v14": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "KMAJOR": True},
     "v15": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "KMAJOR": True},
+    "v16": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True},
+    "v17": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "KMAJOR": True},
 }
+EMAP_MAX = 1024  # experts the EMAP switch holds in registers (more: the binary search)
 # the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map)
 GLUON_FALLBACK = ("v4", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
@@ -185,16 +192,24 @@ def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
 
 @_jit
 def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as, stride_asg,
-          stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+          stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
           CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr,
-          PREFETCH: tl.constexpr):
+          PREFETCH: tl.constexpr, EMAP: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
-    expert = _expert_of(TILE_END, pid_m, E, LOG_E)
+    if EMAP:  # the expert map in registers (``_grouped_v``): reductions, no dependent loads
+        expert = tl.sum((e_ends <= pid_m).to(tl.int32), axis=0)
+    else:
+        expert = _expert_of(TILE_END, pid_m, E, LOG_E)
     if expert < E:
-        first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
-        row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
-        row_end = tl.load(OFFS + expert)
+        if EMAP:
+            first_tile = tl.sum(tl.where(e_idx == expert - 1, e_ends, 0), axis=0)
+            row_start = tl.sum(tl.where(e_idx == expert - 1, e_rows, 0), axis=0)
+            row_end = tl.sum(tl.where(e_idx == expert, e_rows, 0), axis=0)
+        else:
+            first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
+            row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
+            row_end = tl.load(OFFS + expert)
         row0 = row_start + (pid_m - first_tile) * BLOCK_M
         col0 = pid_n * BLOCK_N
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -305,7 +320,8 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
                stride_bse, stride_bsn, stride_c,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
                CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
+               PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr,
+               EP: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -315,19 +331,27 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
     n_tiles = tl.cdiv(N, BLOCK_N)
     m_tiles = tl.load(TILE_END + E - 1)
     total = m_tiles * n_tiles
+    if EMAP:  # every expert's cumulative tile count and row end, loaded once per program (padding: INT_MAX, 0)
+        e_idx = tl.arange(0, EP)
+        e_ends = tl.load(TILE_END + e_idx, mask=e_idx < E, other=2147483647)
+        e_rows = tl.load(OFFS + e_idx, mask=e_idx < E, other=0)
+    else:
+        e_idx = 0
+        e_ends = 0
+        e_rows = 0
     if PERSISTENT:
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K,
-                  CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP)
     else:
         t = tl.program_id(0)
         if t < total:
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K,
-                  CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -454,7 +478,8 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
             "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
             "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
             "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE"),
-            "PREFETCH": bool(flags.get("PREFETCH")) and clamp}
+            "PREFETCH": bool(flags.get("PREFETCH")) and clamp,
+            "EMAP": bool(flags.get("EMAP")) and e <= EMAP_MAX, "EP": expert_slots(e)}
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
 
 
