@@ -5,8 +5,9 @@
         strides are the caller's (``torch._scaled_mm`` wants them outer-dim-major: strides (1, M))
     swiglu_quant(gu [M, 2I], rw float32 [M] | None, q fp8 [M, I], s float32 [M, ceil(I/128)])
         a = silu(g) * u (* rw), g = gu[:, :I], u = gu[:, I:], quantised as act_quant
-    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (row-major), offs int32 [E], b fp8 [E, N, K],
-                 b_s float32 [E, ceil(N/128), ceil(K/128)], c bf16 [R, N])
+    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (any strides: ``act_scales`` allocates them in the
+                 layout the selected variant reads best), offs int32 [E], b fp8 [E, N, K],
+                 b_s float32 [E, ceil(N/128), ceil(K/128)] (unit stride along K), c bf16 [R, N])
         rows sorted by expert: row i of expert e (offs[e-1] <= i < offs[e]) gets
         c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for every group g of 128 along K.
         Rows at or past offs[-1] are not written.
@@ -16,7 +17,10 @@ rows (each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column t
 per SM looping over them); ``tile_ends`` (three small torch ops on the device) counts each expert's tiles
 cumulatively, a program finds its expert by a binary search over those counts, and a program past the last
 expert's tiles returns. Any R (0 included), any expert loads (empty experts included), any K and N (masked or
-clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The dispatch
+clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The GLUON variants
+run the warp-specialised Gluon kernel of ``gluon_ws.py`` instead (Hopper, N and K multiples of 128: a TMA
+producer warp and two consumer warpgroups, so one warpgroup's per-K-block scaling overlaps the other's
+wgmma; elsewhere they run ``GLUON_FALLBACK``). The dispatch
 points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
 kernels raise ImportError when launched).
 """
