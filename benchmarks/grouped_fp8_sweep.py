@@ -52,13 +52,15 @@ def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
 # (two K blocks a stage: 3 stages at most). BLOCK_N 256 and 128 x 128 at 4 warps spill: left out.
 # First the warp-specialised Gluon kernel (GLUON variants: 128 x 128 tiles, two consumer warpgroups of 4 warps,
 # num_stages = TMA ring depth; compiled offline for sm_90a without spills), then the Triton ones with scales
-# prefetched a K block ahead (v13-v17) and the expert map in registers (v16, v17; ptxas: v16 196 registers at
-# 128 x 128 x 8 warps, v17 128 at 128 x 128 x 8 and 64 x 128 x 4: two programs per SM).
+# prefetched a K block ahead (v13-v19), the expert map in registers (v16-v19) and the flattened persistent loop
+# (v18, v19). ptxas: v16 196 registers at 128 x 128 x 8 warps, v18 203-209; v17 128 at 128 x 128 x 8 and
+# 64 x 128 x 4 (two programs per SM); v19 156-159, so two programs per SM only at 64 x 128 x 4.
 SWEEP = (
     [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_g8", "gluon_ws_g8")
      for st in (4, 6)]
     + [(v, _cfg(128, 128, 4, 4)) for v in ("gluon_ws_pair_k", "gluon_ws_k")]
-    + [(v, _cfg(*c)) for v in ("v16", "v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
+    + [(v, _cfg(*c)) for v in ("v18", "v16", "v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
+    + [("v19", _cfg(64, 128, 4, 3))]
     + [(v, _cfg(*c)) for v in ("v17", "v15") for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
     +     [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v7", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]

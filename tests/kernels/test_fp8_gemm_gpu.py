@@ -134,7 +134,7 @@ def _variant_configs() -> list[tuple[str, dict]]:
 
 # the variants added for issue 22's second round (the warp-specialised Gluon kernel, scale prefetch, K-major scales)
 NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "gluon_ws_g8", "gluon_ws_pair_g8",
-                "v13", "v14", "v15", "v16", "v17")
+                "v13", "v14", "v15", "v16", "v17", "v18", "v19")
 
 
 def _scales_for(variant: str, s: torch.Tensor, kmajor: bool | None = None) -> torch.Tensor:

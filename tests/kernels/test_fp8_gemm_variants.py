@@ -91,14 +91,33 @@ def test_gluon_launch_checks_its_operands(hopper):
     assert [gluon_ws.expert_slots(e) for e in (1, 32, 33, 256)] == [32, 32, 64, 256]
 
 
-def _compile_sm90(pair: bool, stages: int, group_m: int = 1):
-    """The Gluon kernel compiled for sm_90a from CPU stand-ins of its arguments (GLM-5 gate_up shapes)."""
+def _compile_sm90(fn, args: tuple, consts: dict, **options):
+    """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (what the launcher would specialise)."""
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.compiler.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import native_specialize_impl
+
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], cx[(i,)] = "constexpr", consts[name]
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            cx[(i,)] = args[i]
+        elif isinstance(spec, str) and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _compile_gluon(pair: bool, stages: int, group_m: int = 1):
+    """The Gluon kernel at GLM-5's gate_up shapes (32 experts, 32,768 rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     e, n, k, r = 32, 4096, 6144, 32768
     a, b = torch.empty(r, k, dtype=FP8), torch.empty(e * n, k, dtype=FP8)
@@ -110,20 +129,24 @@ def _compile_sm90(pair: bool, stages: int, group_m: int = 1):
             *a_s.stride(), *b_s.stride(), c.stride(0))
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
               "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
-    fn = gluon_ws.load()
-    sig, cx, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):  # what the launcher's specialisation would pass
-        if name in consts:
-            sig[name], cx[(i,)] = "constexpr", consts[name]
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            cx[(i,)] = args[i]
-        elif isinstance(spec, str) and "D" in spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": gluon_ws.MAX_REGS})
+    return _compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
+
+
+def _compile_triton(variant: str, cfg: tuple[int, int, int, int]):
+    """A Triton variant at GLM-5's down shapes (32 experts, 32,768 rows), scales as the variant wants them."""
+    e, n, k, r = 32, 6144, 2048, 32768
+    bm, bn, warps, stages = cfg
+    a, b = torch.empty(r, k, dtype=FP8), torch.empty(e, n, k, dtype=FP8)
+    a_s, b_s = kern.act_scales(r, k, torch.device("cpu"), variant), torch.empty(e, n // 128, k // 128)
+    offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
+    f = kern.VARIANTS[variant]
+    args = (a, a_s, offs, offs, b, b_s, c, r, e, n, k, a.stride(0), *a_s.stride(), b.stride(0), b.stride(1),
+            b_s.stride(0), b_s.stride(1), c.stride(0))
+    consts = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "BLOCK_N": bn, "EVEN_K": True, "CLAMP": True, "TMA": True,
+              "RESCALE": bool(f.get("RESCALE")), "GROUP_M": 1, "PERSISTENT": int(f.get("PERSISTENT", 0)),
+              "PAIR": False, "PREFETCH": bool(f.get("PREFETCH")), "EMAP": bool(f.get("EMAP")),
+              "EP": kern.expert_slots(e), "FLATTEN": bool(f.get("FLATTEN"))}
+    return _compile_sm90(kern._grouped_v, args, consts, num_warps=warps, num_stages=stages)
 
 
 def _nvidia_tool(name: str) -> str:
@@ -142,7 +165,7 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, tmp_path):
     shared memory = the TMA ring (STAGES x 32 KB) plus barriers."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    ck = _compile_sm90(pair, stages=4, group_m=group_m)
+    ck = _compile_gluon(pair, stages=4, group_m=group_m)
     (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
                           str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
@@ -154,6 +177,21 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, tmp_path):
     assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4 * (2 if pair else 1)
     assert not re.search(r"\b(STL|LDL)\b", sass)  # no spills
     assert 4 * 32768 <= ck.metadata.shared <= 4 * 32768 + 1024
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("variant,cfg", [("v13", (128, 128, 8, 4)), ("v16", (128, 128, 8, 4)),
+                                         ("v18", (128, 128, 8, 3)), ("v19", (64, 128, 4, 3))])
+def test_new_triton_variants_compile_for_sm90_without_spills(variant, cfg, tmp_path):
+    """The scale-prefetching / expert-map / flattened Triton variants compile for sm_90a at one of their
+    sweep configs without local-memory spills (the flattened loop nest included)."""
+    pytest.importorskip("triton.experimental.gluon._runtime")
+    cuobjdump = _nvidia_tool("cuobjdump")
+    ck = _compile_triton(variant, cfg)
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "QGMMA" in sass and not re.search(r"\b(STL|LDL)\b", sass)
 
 
 _INTERPRET = r'''
@@ -188,14 +226,15 @@ want = grouped_fp8_ref(a, a_s, offs, w, ws)
 done = sum(counts)
 cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 out = {}
-for variant, scales in [("v4", a_s), ("v13", a_s), ("v14", a_k), ("v16", a_s), ("v9", a_s), ("v15", a_k), ("v17", a_k)]:
+for variant, scales in [("v4", a_s), ("v13", a_s), ("v14", a_k), ("v16", a_s), ("v18", a_s), ("v9", a_s), ("v15", a_k),
+                        ("v17", a_k), ("v19", a_k)]:
     c = torch.full((r, n), 3.0, dtype=torch.bfloat16)
     kern.grouped_gemm(a, scales, offs, w, ws, c, config=cfg, variant=variant)
     assert bool((c[done:] == 3.0).all()), variant
     err = float((c[:done].float() - want[:done]).abs().max() / want[:done].abs().max())
     assert err <= 1e-2, (variant, err)
     out[variant] = c
-for v, base in [("v13", "v4"), ("v14", "v4"), ("v16", "v4"), ("v15", "v9"), ("v17", "v9")]:
+for v, base in [("v13", "v4"), ("v14", "v4"), ("v16", "v4"), ("v18", "v4"), ("v15", "v9"), ("v17", "v9"), ("v19", "v9")]:
     assert torch.equal(out[v], out[base]), f"{v} differs from {base}"
 print("ok")
 '''
@@ -203,9 +242,10 @@ print("ok")
 
 @pytest.mark.triton
 def test_prefetch_variants_equal_the_plain_ones_in_the_interpreter():
-    """v13 / v14 / v16 (v4 + scales loaded one K block ahead; v14 with K-major scales, v16 with the expert map
-    in registers) give v4's bytes, v15 / v17 give v9's, all within 1e-2 of the float32 reference with padding
-    rows untouched (Triton's interpreter, TMA and persistent loops included, on a tiny ragged load)."""
+    """v13 / v14 / v16 / v18 (v4 + scales loaded one K block ahead; v14 with K-major scales, v16 with the
+    expert map in registers, v18 also flattened) give v4's bytes, v15 / v17 / v19 give v9's, all within 1e-2 of
+    the float32 reference with padding rows untouched (Triton's interpreter: TMA and persistent loops included,
+    flattening not modelled; on a tiny ragged load)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
                          env=env, timeout=600)

@@ -120,6 +120,9 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #   EMAP        (E <= EMAP_MAX) every expert's tile count and row end loaded once per program into registers, a
 #               tile's expert found by reductions over them instead of a binary search of dependent loads (a
 #               chain of several microseconds at every tile start of a persistent program)
+#   FLATTEN     (PERSISTENT and EMAP) the persistent loop as ``tl.range(..., flatten=True)``: Triton flattens the
+#               tile and K loops into one software pipeline, so the next tile's first loads are issued during the
+#               current tile's last blocks instead of a pipeline drain and refill at every tile
 #   KMAJOR      not a kernel switch: the variant wants the activation scales K-major (strides (1, R): one K
 #               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
 #   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
@@ -153,6 +156,9 @@ VARIANTS: dict[str, dict] = {
     "v15": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "KMAJOR": True},
     "v16": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True},
     "v17": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "KMAJOR": True},
+    "v18": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True, "FLATTEN": True},
+    "v19": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "FLATTEN": True,
+            "KMAJOR": True},
 }
 EMAP_MAX = 1024  # experts the EMAP switch holds in registers (more: the binary search)
 # the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map)
@@ -199,124 +205,143 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
           stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
           CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr,
-          PREFETCH: tl.constexpr, EMAP: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
+          PREFETCH: tl.constexpr, EMAP: tl.constexpr, NOCHECK: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment); NOCHECK (only
+    with EMAP, persistent programs: the tile exists) drops the branch around the tile (a flattenable loop nest)."""
     if EMAP:  # the expert map in registers (``_grouped_v``): reductions, no dependent loads
         expert = tl.sum((e_ends <= pid_m).to(tl.int32), axis=0)
+        first_tile = tl.sum(tl.where(e_idx == expert - 1, e_ends, 0), axis=0)
+        row_start = tl.sum(tl.where(e_idx == expert - 1, e_rows, 0), axis=0)
+        row_end = tl.sum(tl.where(e_idx == expert, e_rows, 0), axis=0)
+        if NOCHECK:
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+        elif expert < E:
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
     else:
         expert = _expert_of(TILE_END, pid_m, E, LOG_E)
-    if expert < E:
-        if EMAP:
-            first_tile = tl.sum(tl.where(e_idx == expert - 1, e_ends, 0), axis=0)
-            row_start = tl.sum(tl.where(e_idx == expert - 1, e_rows, 0), axis=0)
-            row_end = tl.sum(tl.where(e_idx == expert, e_rows, 0), axis=0)
-        else:
+        if expert < E:
             first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
             row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
             row_end = tl.load(OFFS + expert)
-        row0 = row_start + (pid_m - first_tile) * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        rmask = rows < row_end
-        cmask = cols < N
-        if CLAMP:
-            rows_ld = tl.minimum(rows, row_end - 1)
-            cols_ld = tl.minimum(cols, N - 1)
-        else:
-            rows_ld = rows
-            cols_ld = cols
-        r64 = rows_ld.to(tl.int64)
-        c64 = cols_ld.to(tl.int64)
-        e64 = expert.to(tl.int64)
-        ks = tl.arange(0, 128)
-        a_ptr = A + r64[:, None] * stride_a + ks[None, :]
-        b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
-        as_ptr = AS + r64 * stride_as
-        if BLOCK_N <= 128:
-            bs_ptr = BS + e64 * stride_bse + (col0 // 128).to(tl.int64) * stride_bsn
-        else:
-            bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        prev = tl.full((BLOCK_M,), 1.0, tl.float32)
-        # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
-        # two K blocks per iteration, both dots issued before either result is scaled
-        if PAIR:
-            for kp in range(0, tl.cdiv(K, 256)):
-                kb = kp * 2
-                if TMA:
-                    a0 = a_desc.load([row0, kb * 128])
-                    b0 = b_desc.load([expert * N + col0, kb * 128]).T
-                    a1 = a_desc.load([row0, kb * 128 + 128])
-                    b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+
+
+@_jit
+def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+               stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, CLAMP: tl.constexpr,
+               TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
+    """The tile of rows row_start + (pid_m - first_tile) * BLOCK_M ... (< row_end) of ``expert``, columns
+    pid_n * BLOCK_N ...: the K loop and the masked store."""
+    row0 = row_start + (pid_m - first_tile) * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    rmask = rows < row_end
+    cmask = cols < N
+    if CLAMP:
+        rows_ld = tl.minimum(rows, row_end - 1)
+        cols_ld = tl.minimum(cols, N - 1)
+    else:
+        rows_ld = rows
+        cols_ld = cols
+    r64 = rows_ld.to(tl.int64)
+    c64 = cols_ld.to(tl.int64)
+    e64 = expert.to(tl.int64)
+    ks = tl.arange(0, 128)
+    a_ptr = A + r64[:, None] * stride_a + ks[None, :]
+    b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
+    as_ptr = AS + r64 * stride_as
+    if BLOCK_N <= 128:
+        bs_ptr = BS + e64 * stride_bse + (col0 // 128).to(tl.int64) * stride_bsn
+    else:
+        bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    prev = tl.full((BLOCK_M,), 1.0, tl.float32)
+    # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
+    # two K blocks per iteration, both dots issued before either result is scaled
+    if PAIR:
+        for kp in range(0, tl.cdiv(K, 256)):
+            kb = kp * 2
+            if TMA:
+                a0 = a_desc.load([row0, kb * 128])
+                b0 = b_desc.load([expert * N + col0, kb * 128]).T
+                a1 = a_desc.load([row0, kb * 128 + 128])
+                b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
+            else:
+                a0 = tl.load(a_ptr)
+                b0 = tl.load(b_ptr)
+                a1 = tl.load(a_ptr + 128)
+                b1 = tl.load(b_ptr + 128)
+            t0 = tl.load(as_ptr + kb * stride_asg) * tl.load(bs_ptr + kb)
+            t1 = tl.load(as_ptr + (kb + 1) * stride_asg) * tl.load(bs_ptr + kb + 1)
+            d0 = tl.dot(a0, b0, out_dtype=tl.float32)
+            d1 = tl.dot(a1, b1, out_dtype=tl.float32)
+            acc += d0 * t0[:, None] + d1 * t1[:, None]
+            a_ptr += 256
+            b_ptr += 256
+    else:
+        n_kb = tl.cdiv(K, 128)
+        if PREFETCH:  # (the launcher sets it only with CLAMP and BLOCK_N <= 128): block 0's scales
+            sa_n = tl.load(as_ptr)
+            sb_n = tl.load(bs_ptr)
+        for kb in range(0, n_kb):
+            if TMA:
+                a = a_desc.load([row0, kb * 128])
+                b = b_desc.load([expert * N + col0, kb * 128]).T
+            elif EVEN_K:
+                if CLAMP:
+                    a = tl.load(a_ptr)
+                    b = tl.load(b_ptr)
                 else:
-                    a0 = tl.load(a_ptr)
-                    b0 = tl.load(b_ptr)
-                    a1 = tl.load(a_ptr + 128)
-                    b1 = tl.load(b_ptr + 128)
-                t0 = tl.load(as_ptr + kb * stride_asg) * tl.load(bs_ptr + kb)
-                t1 = tl.load(as_ptr + (kb + 1) * stride_asg) * tl.load(bs_ptr + kb + 1)
-                d0 = tl.dot(a0, b0, out_dtype=tl.float32)
-                d1 = tl.dot(a1, b1, out_dtype=tl.float32)
-                acc += d0 * t0[:, None] + d1 * t1[:, None]
-                a_ptr += 256
-                b_ptr += 256
-        else:
-            n_kb = tl.cdiv(K, 128)
-            if PREFETCH:  # (the launcher sets it only with CLAMP and BLOCK_N <= 128): block 0's scales
-                sa_n = tl.load(as_ptr)
-                sb_n = tl.load(bs_ptr)
-            for kb in range(0, n_kb):
-                if TMA:
-                    a = a_desc.load([row0, kb * 128])
-                    b = b_desc.load([expert * N + col0, kb * 128]).T
-                elif EVEN_K:
-                    if CLAMP:
-                        a = tl.load(a_ptr)
-                        b = tl.load(b_ptr)
-                    else:
-                        a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                        b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
+                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
+            else:
+                kmask = kb * 128 + ks < K
+                if CLAMP:
+                    a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
                 else:
-                    kmask = kb * 128 + ks < K
-                    if CLAMP:
-                        a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-                        b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
-                    else:
-                        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
-                    sa = sa_n
-                    sb = sb_n
-                    kn = tl.minimum(kb + 1, n_kb - 1)
-                    sa_n = tl.load(as_ptr + kn * stride_asg)
-                    sb_n = tl.load(bs_ptr + kn)
-                elif CLAMP:
-                    sa = tl.load(as_ptr + kb * stride_asg)
+                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
+                sa = sa_n
+                sb = sb_n
+                kn = tl.minimum(kb + 1, n_kb - 1)
+                sa_n = tl.load(as_ptr + kn * stride_asg)
+                sb_n = tl.load(bs_ptr + kn)
+            elif CLAMP:
+                sa = tl.load(as_ptr + kb * stride_asg)
+            else:
+                sa = tl.load(as_ptr + kb * stride_asg, mask=rmask, other=0.0)
+            if BLOCK_N <= 128:
+                if not PREFETCH:
+                    sb = tl.load(bs_ptr + kb)
+                if RESCALE:
+                    t = sa * sb
+                    t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
+                    acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
+                    prev = t
                 else:
-                    sa = tl.load(as_ptr + kb * stride_asg, mask=rmask, other=0.0)
-                if BLOCK_N <= 128:
-                    if not PREFETCH:
-                        sb = tl.load(bs_ptr + kb)
-                    if RESCALE:
-                        t = sa * sb
-                        t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
-                        acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
-                        prev = t
-                    else:
-                        acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
+                    acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
+            else:
+                if CLAMP:
+                    sb = tl.load(bs_ptr + kb)
                 else:
-                    if CLAMP:
-                        sb = tl.load(bs_ptr + kb)
-                    else:
-                        sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
-                    acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-                a_ptr += 128
-                b_ptr += 128
-        if RESCALE:
-            acc = acc * prev[:, None]
-        tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+                    sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
+                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+            a_ptr += 128
+            b_ptr += 128
+    if RESCALE:
+        acc = acc * prev[:, None]
+    tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 @_jit
@@ -325,7 +350,7 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
                CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
                PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr,
-               EP: tl.constexpr):
+               EP: tl.constexpr, FLATTEN: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -343,19 +368,25 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
         e_idx = 0
         e_ends = 0
         e_rows = 0
-    if PERSISTENT:
+    if PERSISTENT and FLATTEN:  # (the launcher sets FLATTEN only with EMAP) one loop nest the pipeliner flattens
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, True)
+    elif PERSISTENT:
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
                   stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
-                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP)
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
     else:
         t = tl.program_id(0)
         if t < total:
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
                   stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
-                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP)
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -484,6 +515,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
             "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE"),
             "PREFETCH": bool(flags.get("PREFETCH")) and clamp,
             "EMAP": bool(flags.get("EMAP")) and e <= EMAP_MAX, "EP": expert_slots(e)}
+    meta["FLATTEN"] = bool(flags.get("FLATTEN")) and meta["EMAP"] and persistent > 0
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
 
 
