@@ -5,7 +5,9 @@ Run from the repository root: ``PYTHONPATH=src python3 benchmarks/grouped_fp8_sw
 3 minutes on an H200, Triton compiles included; ``--budget-s`` stops starting new configs past that many
 seconds). Not part of the package.
 
-Per variant x config:
+Per variant x config (the likeliest first: the warp-specialised Gluon kernel, then the newer Triton variants;
+a GLUON variant whose kernel does not apply on this machine is excluded, not timed as its Triton fallback;
+a KMAJOR variant gets K-major activation scales, as the model allocates them):
   1. correctness on a ragged load with empty experts and 7 padding rows (9 experts, counts 5 0 130 1 0 64 3
      300 0; N 384 K 2048 and N 256 K 6144; one zero activation group): max |c - ref| / max |ref| against the
      float32 reference ``grouped_fp8_ref``, <= 1e-2, padding rows untouched; a failure (or a compile error)
@@ -16,7 +18,7 @@ Per variant x config:
 Then the dense block-scaled ``torch._scaled_mm`` at the same [R, K] x [K, N] (timed before and after the sweep)
 and ``torch._grouped_mm`` bf16, and the best configs on the skewed load of ``cpkv bench moe``. Printed: a table,
 the winner (least gate_up + down time) and the line selecting it in ``kernels/fp8_gemm/triton.py``
-(``GROUPED = ...``); with ``--json`` one JSON object on stdout (progress on stderr).
+(``GROUPED = ...``, also on stderr); with ``--json`` one JSON object on stdout (progress on stderr).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ SWEEP = (
     + [(v, _cfg(*c)) for v in ("v18", "v16", "v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
     + [("v19", _cfg(64, 128, 4, 3))]
     + [(v, _cfg(*c)) for v in ("v17", "v15") for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
-    +     [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
+    + [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v7", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
     + [("v1", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v3", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
