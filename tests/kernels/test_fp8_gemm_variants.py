@@ -114,12 +114,12 @@ def _compile_sm90(fn, args: tuple, consts: dict, **options):
     return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _compile_gluon(pair: bool, stages: int, group_m: int = 1):
-    """The Gluon kernel at GLM-5's gate_up shapes (32 experts, 32,768 rows)."""
+def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32):
+    """The Gluon kernel at GLM-5's gate_up shapes (e experts, 32,768 rows)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    e, n, k, r = 32, 4096, 6144, 32768
+    n, k, r = 4096, 6144, 32768
     a, b = torch.empty(r, k, dtype=FP8), torch.empty(e * n, k, dtype=FP8)
     a_s, b_s = torch.empty(r, k // 128), torch.empty(e, n // 128, k // 128)
     offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
@@ -159,13 +159,13 @@ def _nvidia_tool(name: str) -> str:
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("pair,group_m", [(False, 1), (True, 1), (True, 8)])
-def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, tmp_path):
-    """ptxas: no local-memory spills, no serialised wgmma; 4 (PAIR: 8) m64n128k32 fp8 wgmmas per consumer;
-    shared memory = the TMA ring (STAGES x 32 KB) plus barriers."""
+@pytest.mark.parametrize("pair,group_m,experts", [(False, 1, 32), (True, 1, 32), (True, 8, gluon_ws.MAX_EXPERTS)])
+def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, experts, tmp_path):
+    """ptxas: no local-memory spills (the largest expert map included), no serialised wgmma; 4 (PAIR: 8)
+    m64n128k32 fp8 wgmmas per consumer; shared memory = the TMA ring (STAGES x 32 KB) plus barriers."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    ck = _compile_gluon(pair, stages=4, group_m=group_m)
+    ck = _compile_gluon(pair, stages=4, group_m=group_m, e=experts)
     (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
                           str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
