@@ -234,7 +234,8 @@ for variant, scales in [("v4", a_s), ("v13", a_s), ("v14", a_k), ("v16", a_s), (
     err = float((c[:done].float() - want[:done]).abs().max() / want[:done].abs().max())
     assert err <= 1e-2, (variant, err)
     out[variant] = c
-for v, base in [("v13", "v4"), ("v14", "v4"), ("v16", "v4"), ("v18", "v4"), ("v15", "v9"), ("v17", "v9"), ("v19", "v9")]:
+for v, base in [("v13", "v4"), ("v14", "v4"), ("v16", "v4"), ("v18", "v4"), ("v15", "v9"), ("v17", "v9"),
+                ("v19", "v9")]:
     assert torch.equal(out[v], out[base]), f"{v} differs from {base}"
 print("ok")
 '''
