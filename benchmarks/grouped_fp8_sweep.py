@@ -5,7 +5,9 @@ Run from the repository root: ``PYTHONPATH=src python3 benchmarks/grouped_fp8_sw
 3 minutes on an H200, Triton compiles included; ``--budget-s`` stops starting new configs past that many
 seconds). Not part of the package.
 
-Per variant x config:
+Per variant x config (the likeliest first: the warp-specialised Gluon kernel, then the newer Triton variants;
+a GLUON variant whose kernel does not apply on this machine is excluded, not timed as its Triton fallback;
+a KMAJOR variant gets K-major activation scales, as the model allocates them):
   1. correctness on a ragged load with empty experts and 7 padding rows (9 experts, counts 5 0 130 1 0 64 3
      300 0; N 384 K 2048 and N 256 K 6144; one zero activation group): max |c - ref| / max |ref| against the
      float32 reference ``grouped_fp8_ref``, <= 1e-2, padding rows untouched; a failure (or a compile error)
@@ -16,7 +18,7 @@ Per variant x config:
 Then the dense block-scaled ``torch._scaled_mm`` at the same [R, K] x [K, N] (timed before and after the sweep)
 and ``torch._grouped_mm`` bf16, and the best configs on the skewed load of ``cpkv bench moe``. Printed: a table,
 the winner (least gate_up + down time) and the line selecting it in ``kernels/fp8_gemm/triton.py``
-(``GROUPED = ...``); with ``--json`` one JSON object on stdout (progress on stderr).
+(``GROUPED = ...``, also on stderr); with ``--json`` one JSON object on stdout (progress on stderr).
 """
 from __future__ import annotations
 
@@ -50,8 +52,19 @@ def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
 # ptxas (sm_90a, Triton 3.6) registers per thread at 128 x 128 x 8 warps: the deleted first kernel 237, v1 178, v3 155, RESCALE
 # (v6 / v7) 107-118, so two programs fit an SM only there (and at 64 x 128 x 4 warps, about 180); PAIR 254
 # (two K blocks a stage: 3 stages at most). BLOCK_N 256 and 128 x 128 at 4 warps spill: left out.
+# First the warp-specialised Gluon kernel (GLUON variants: 128 x 128 tiles, two consumer warpgroups of 4 warps,
+# num_stages = TMA ring depth; compiled offline for sm_90a without spills), then the Triton ones with scales
+# prefetched a K block ahead (v13-v19), the expert map in registers (v16-v19) and the flattened persistent loop
+# (v18, v19). ptxas: v16 196 registers at 128 x 128 x 8 warps, v18 203-209; v17 128 at 128 x 128 x 8 and
+# 64 x 128 x 4 (two programs per SM); v19 156-159, so two programs per SM only at 64 x 128 x 4.
 SWEEP = (
-    [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
+    [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_g8", "gluon_ws_g8")
+     for st in (4, 6)]
+    + [(v, _cfg(128, 128, 4, 4)) for v in ("gluon_ws_pair_k", "gluon_ws_k")]
+    + [(v, _cfg(*c)) for v in ("v18", "v16", "v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
+    + [("v19", _cfg(64, 128, 4, 3))]
+    + [(v, _cfg(*c)) for v in ("v17", "v15") for c in ((128, 128, 8, 3), (64, 128, 4, 3))]
+    + [("v6", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v7", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
     + [("v1", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 4))]
     + [("v3", _cfg(*c)) for c in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4))]
@@ -98,8 +111,31 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
 
 
+def scales(op: dict, variant: str) -> torch.Tensor:
+    """The activation scales in the layout ``variant`` reads (as the model allocates them: ``act_scales``):
+    op's row-major a_s, or a K-major copy of it (made on first use, after any edit of a_s)."""
+    if not kern.kmajor_scales(variant):
+        return op["a_s"]
+    if "a_s_k" not in op:
+        op["a_s_k"] = kern.act_scales(op["a"].shape[0], op["a"].shape[1], op["a"].device, variant)
+        op["a_s_k"].copy_(op["a_s"])
+    return op["a_s_k"]
+
+
+def gluon_refusal(variant: str, op: dict) -> str | None:
+    """Why the Gluon kernel would not run this variant's call (the dispatcher would then time the Triton
+    fallback under the Gluon variant's name: excluded instead); None for Triton variants."""
+    if not kern.VARIANTS[variant].get("GLUON"):
+        return None
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    c = torch.empty(1, op["w"].shape[1], dtype=torch.bfloat16, device=DEV).expand(op["a"].shape[0], -1)
+    return gluon_ws.applies(op["a"], op["w"], c)
+
+
 def run_gemm(op: dict, variant: str, cfg: dict, c: torch.Tensor, tiles: torch.Tensor) -> None:
-    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["w"], op["ws"], c, tiles, config=cfg, variant=variant)
+    kern.grouped_gemm(op["a"], scales(op, variant), op["offs"], op["w"], op["ws"], c, tiles, config=cfg,
+                      variant=variant)
 
 
 def check(variant: str, cfg: dict, checks: list[tuple[dict, torch.Tensor]]) -> float:
@@ -179,6 +215,9 @@ def main() -> int:
             continue
         t1 = time.time()
         try:
+            why = gluon_refusal(variant, ops["gate_up"])
+            if why:
+                raise RuntimeError(f"the Gluon kernel does not apply here ({why})")
             row["check_rel_err"] = check(variant, cfg, checks)
             if row["check_rel_err"] > TOL:
                 raise AssertionError(f"ragged check: rel err {row['check_rel_err']:.3g} > {TOL}")
@@ -236,6 +275,7 @@ def main() -> int:
               "best_per_variant": {v: {"config": r["config"], **{f"{p}_vs_dense": r[f"{p}_vs_dense"] for p in PROJS}}
                                    for v, r in best_per_variant.items()},
               "winner": winner, "grouped_line": line, "wall_s": round(time.time() - t0, 1)}
+    log(f"winner: {line}")
     if args.json:
         print(json.dumps(report, indent=1, default=float))
         return 0

@@ -15,6 +15,7 @@ from cpkv.bench.breakdown import PARTS, busy_us, classify, parts
     ("_sparse_mla_ws", "attention"), ("_sparse_mla_fwd", "attention"),
     ("_page_gather_pair", "compose"), ("_barrier", "compose"), ("_dequant", "quant"), ("_quant", "quant"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"), ("_grouped_gemm", "gemm"),
+    ("_grouped_v", "gemm"), ("_grouped_ws", "gemm"),
     ("_act_quant", "quant"), ("_swiglu_quant", "quant"),
     ("void at::native::unrolled_elementwise_kernel<c10::Float8_e4m3fn>", "quant"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),

@@ -124,9 +124,28 @@ def _variant_configs() -> list[tuple[str, dict]]:
 
     out = []
     for v in VARIANTS:
+        if VARIANTS[v].get("GLUON"):  # 128 x 128 tiles, 4 warps per warpgroup; the shallowest ring and an odd one
+            out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": st}) for st in (2, 5)]
+            continue
         out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
                 (v, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})]
     return out
+
+
+# the variants added for issue 22's second round (the warp-specialised Gluon kernel, scale prefetch, K-major scales)
+NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "gluon_ws_g8", "gluon_ws_pair_g8",
+                "v13", "v14", "v15", "v16", "v17", "v18", "v19")
+
+
+def _scales_for(variant: str, s: torch.Tensor, kmajor: bool | None = None) -> torch.Tensor:
+    """Activation scales s [R, G] in the layout ``variant`` reads (K-major for KMAJOR ones, as the model
+    allocates them), or the one ``kmajor`` forces; the same values."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    if not (kern.kmajor_scales(variant) if kmajor is None else kmajor):
+        return s.contiguous()
+    out = torch.empty(s.shape[1], s.shape[0], dtype=s.dtype, device=s.device).t()
+    return out.copy_(s)
 
 
 @pytest.mark.parametrize("variant,config", _variant_configs(), ids=lambda x: x if isinstance(x, str) else
@@ -146,7 +165,8 @@ def test_grouped_gemm_variants_equal_reference(variant, config, load, n, k):
     q, s = act_quant_ref(x)
     offs = torch.tensor(counts, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
     c = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
-    kern.grouped_gemm(q, s, offs, w, ws, c, kern.tile_ends(offs, config["BLOCK_M"]), config=config, variant=variant)
+    kern.grouped_gemm(q, _scales_for(variant, s), offs, w, ws, c, kern.tile_ends(offs, config["BLOCK_M"]),
+                      config=config, variant=variant)
     want = grouped_fp8_ref(q, s, offs, w, ws)
     done = sum(counts)
     if done:
@@ -176,14 +196,62 @@ def test_swiglu_quant_near_reference(with_rw):
     assert float((got != want).float().mean()) < 1e-2
 
 
-def test_grouped_gemm_zero_rows():
+@pytest.mark.parametrize("variant", [None, *NEW_VARIANTS])
+def test_grouped_gemm_zero_rows(variant):
     from cpkv.kernels.fp8_gemm import triton as kern
 
     w, ws = _weight(256, 512, 11, 4)
     q, s = act_quant_ref(_x(0, 512, 12))
     c = torch.empty(0, 256, dtype=torch.bfloat16, device="cuda")
-    kern.grouped_gemm(q, s, torch.zeros(4, dtype=torch.int32, device="cuda"), w, ws, c)
+    kern.grouped_gemm(q, s, torch.zeros(4, dtype=torch.int32, device="cuda"), w, ws, c, variant=variant)
     torch.cuda.synchronize()
+
+
+def test_gluon_kernel_takes_glm5_expert_shapes():
+    """On Hopper the GLUON variants run the warp-specialised kernel at GLM-5's expert shapes (so the variant
+    tests and the sweep time it, not the Triton fallback); elsewhere they fall back."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    for n, k in [(4096, 6144), (6144, 2048)]:
+        w, _ = _weight(n, k, 19, 2)
+        q, _ = act_quant_ref(_x(300, k, 20))
+        c = torch.empty(300, n, dtype=torch.bfloat16, device="cuda")
+        why = gluon_ws.applies(q, w, c)
+        if platform.capability(q)[0] == 9 and platform.gluon_importable():
+            assert why is None, why
+        else:
+            assert why and "Hopper" in why
+
+
+# a skewed load of 20 experts (empty ones first, inside and last; 1 to 1,100 rows, 4,397 in all): 43 row tiles x
+# 32 or 48 column tiles, so every persistent program walks 10-16 tiles and the TMA ring wraps many times
+BIG_LOAD = [0, 0, 700, 129, 1, 1100, 0, 300, 77, 128, 255, 3, 0, 640, 64, 65, 900, 2, 33, 0]
+
+
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("variant", NEW_VARIANTS)
+@pytest.mark.parametrize("n,k", [(4096, 6144), (6144, 2048)])
+def test_new_variants_on_a_big_ragged_load(variant, n, k, kmajor):
+    """The new variants at GLM-5's expert shapes on BIG_LOAD with either activation-scale layout (the kernels
+    take any strides): within 1e-2 of the float32 reference, 5 padding rows untouched, a zero group included."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    e, rows = len(BIG_LOAD), sum(BIG_LOAD) + 5
+    w, ws = _weight(n, k, 21, e)
+    x = _x(rows, k, 22)
+    x[700, 128:256] = 0
+    q, s = act_quant_ref(x)
+    offs = torch.tensor(BIG_LOAD, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    c = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
+    cfg = ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4} if kern.VARIANTS[variant].get("GLUON")
+           else {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
+    kern.grouped_gemm(q, _scales_for(variant, s, kmajor), offs, w, ws, c, kern.tile_ends(offs, 128), config=cfg,
+                      variant=variant)
+    want = grouped_fp8_ref(q, s, offs, w, ws)
+    done = sum(BIG_LOAD)
+    assert _rel(c[:done], want[:done]) <= GEMM_TOL
+    assert bool((c[done:] == 3.0).all())
 
 
 @pytest.mark.parametrize("load", ["ragged", "none", "one"])

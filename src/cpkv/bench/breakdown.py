@@ -29,7 +29,7 @@ _RULES = (  # first match wins
     ("topk", re.compile(r"topk")),
     ("attention", re.compile(r"sparse_mla")),
     ("compose", re.compile(r"page_gather|_barrier")),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk|_grouped_v", re.I)),  # fp8 GEMMs (e4m3 names) too
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk|_grouped_v|_grouped_ws", re.I)),  # fp8 GEMMs too
     ("quant", re.compile(r"^_?(de)?quant\b|_act_quant|_swiglu_quant|float8|fp8|e4m3", re.I)),
 )
 

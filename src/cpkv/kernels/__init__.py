@@ -6,7 +6,7 @@
     topk          indexer.topk.topk_into                 indexer.ref.topk_ref               topk/triton.py
     sparse_mla    attention.sparse / attention.dense     attention.ref.sparse_mla_ref       sparse_mla/{triton,gluon_ws}.py
     token_kv      attention.quant                        attention.ref.*_token_kv_ref       token_kv/triton.py
-    fp8_gemm      model.linear.fp8_linear (torch._scaled_mm) kernels.fp8_gemm.ref             fp8_gemm/triton.py
+    fp8_gemm      model.linear.fp8_linear (torch._scaled_mm) kernels.fp8_gemm.ref             fp8_gemm/{triton,gluon_ws}.py
                   model.experts.grouped_swiglu (grouped)
 
 ``platform`` answers every platform question (Triton / Gluon importable, CUDA and ``CPKV_DISABLE_TRITON``,

@@ -3,5 +3,6 @@
     dispatch   cpkv.model.linear.fp8_linear / quant_act / swiglu   (dense layers: torch._scaled_mm on CUDA)
                cpkv.model.experts.grouped_swiglu                    (routed experts: the grouped kernel)
     reference  ref.py (fp8_linear_ref, grouped_fp8_ref, act_quant_ref, dequant_blocks)
-    kernels    triton.py (act_quant, swiglu_quant, grouped_gemm)
+    kernels    triton.py (act_quant, swiglu_quant, grouped_gemm and its VARIANTS), gluon_ws.py (the grouped GEMM
+               warp-specialised for Hopper: the GLUON variants)
 """

@@ -5,8 +5,9 @@
         strides are the caller's (``torch._scaled_mm`` wants them outer-dim-major: strides (1, M))
     swiglu_quant(gu [M, 2I], rw float32 [M] | None, q fp8 [M, I], s float32 [M, ceil(I/128)])
         a = silu(g) * u (* rw), g = gu[:, :I], u = gu[:, I:], quantised as act_quant
-    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (row-major), offs int32 [E], b fp8 [E, N, K],
-                 b_s float32 [E, ceil(N/128), ceil(K/128)], c bf16 [R, N])
+    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (any strides: ``act_scales`` allocates them in the
+                 layout the selected variant reads best), offs int32 [E], b fp8 [E, N, K],
+                 b_s float32 [E, ceil(N/128), ceil(K/128)] (unit stride along K), c bf16 [R, N])
         rows sorted by expert: row i of expert e (offs[e-1] <= i < offs[e]) gets
         c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for every group g of 128 along K.
         Rows at or past offs[-1] are not written.
@@ -16,7 +17,10 @@ rows (each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column t
 per SM looping over them); ``tile_ends`` (three small torch ops on the device) counts each expert's tiles
 cumulatively, a program finds its expert by a binary search over those counts, and a program past the last
 expert's tiles returns. Any R (0 included), any expert loads (empty experts included), any K and N (masked or
-clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The dispatch
+clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The GLUON variants
+run the warp-specialised Gluon kernel of ``gluon_ws.py`` instead (Hopper, N and K multiples of 128: a TMA
+producer warp and two consumer warpgroups, so one warpgroup's per-K-block scaling overlaps the other's
+wgmma; elsewhere they run ``GLUON_FALLBACK``). The dispatch
 points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
 kernels raise ImportError when launched).
 """
@@ -26,6 +30,7 @@ import functools
 
 import torch
 
+from cpkv.kernels.fp8_gemm.gluon_ws import expert_slots
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
 
 try:
@@ -110,8 +115,30 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               (t = a_s * b_s per row, BLOCK_N <= 128): the dot accumulates in place, no second accumulator
 #   PAIR        two K blocks per loop iteration, both dots issued before either is scaled (one wait on the
 #               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
+#   PREFETCH    (CLAMP or TMA, BLOCK_N <= 128) the next K block's two scales loaded one iteration ahead into
+#               registers, so their latency is off the path from one block's dot to the next
+#   EMAP        (E <= EMAP_MAX) every expert's tile count and row end loaded once per program into registers, a
+#               tile's expert found by reductions over them instead of a binary search of dependent loads (a
+#               chain of several microseconds at every tile start of a persistent program)
+#   FLATTEN     (PERSISTENT and EMAP) the persistent loop as ``tl.range(..., flatten=True)``: Triton flattens the
+#               tile and K loops into one software pipeline, so the next tile's first loads are issued during the
+#               current tile's last blocks instead of a pipeline drain and refill at every tile
+#   KMAJOR      not a kernel switch: the variant wants the activation scales K-major (strides (1, R): one K
+#               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
+#   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
+#               consumer warpgroups that wgmma / wait / scale independently, so one's scaling overlaps the
+#               other's wgmma); its own PAIR (two K blocks' wgmmas in flight per warpgroup) and GROUP_M (tile
+#               order, as above; persistent programs, one per SM). Config: BLOCK_M and
+#               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
+#               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
+    "gluon_ws": {"GLUON": True},
+    "gluon_ws_pair": {"GLUON": True, "PAIR": True},
+    "gluon_ws_k": {"GLUON": True, "KMAJOR": True},
+    "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
+    "gluon_ws_g8": {"GLUON": True, "GROUP_M": 8},
+    "gluon_ws_pair_g8": {"GLUON": True, "PAIR": True, "GROUP_M": 8},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -124,7 +151,18 @@ VARIANTS: dict[str, dict] = {
     "v10": {"CLAMP": True, "PAIR": True},
     "v11": {"TMA": True, "PAIR": True},
     "v12": {"TMA": True, "PAIR": True, "PERSISTENT": 2},
+    "v13": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True},
+    "v14": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "KMAJOR": True},
+    "v15": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "KMAJOR": True},
+    "v16": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True},
+    "v17": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "KMAJOR": True},
+    "v18": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True, "FLATTEN": True},
+    "v19": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "FLATTEN": True,
+            "KMAJOR": True},
 }
+EMAP_MAX = 1024  # experts the EMAP switch holds in registers (more: the binary search)
+# the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map)
+GLUON_FALLBACK = ("v4", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # (benchmarks/grouped_fp8_sweep.py measures them and prints the line to put here).
@@ -163,116 +201,156 @@ def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
 
 
 @_jit
-def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-          stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as, stride_asg,
+          stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment)."""
-    expert = _expert_of(TILE_END, pid_m, E, LOG_E)
-    if expert < E:
-        first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
-        row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
-        row_end = tl.load(OFFS + expert)
-        row0 = row_start + (pid_m - first_tile) * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        rmask = rows < row_end
-        cmask = cols < N
-        if CLAMP:
-            rows_ld = tl.minimum(rows, row_end - 1)
-            cols_ld = tl.minimum(cols, N - 1)
-        else:
-            rows_ld = rows
-            cols_ld = cols
-        r64 = rows_ld.to(tl.int64)
-        c64 = cols_ld.to(tl.int64)
-        e64 = expert.to(tl.int64)
-        ks = tl.arange(0, 128)
-        a_ptr = A + r64[:, None] * stride_a + ks[None, :]
-        b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
-        as_ptr = AS + r64 * stride_as
-        if BLOCK_N <= 128:
-            bs_ptr = BS + e64 * stride_bse + (col0 // 128).to(tl.int64) * stride_bsn
-        else:
-            bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        prev = tl.full((BLOCK_M,), 1.0, tl.float32)
-        # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
-        # two K blocks per iteration, both dots issued before either result is scaled
-        if PAIR:
-            for kp in range(0, tl.cdiv(K, 256)):
-                kb = kp * 2
-                if TMA:
-                    a0 = a_desc.load([row0, kb * 128])
-                    b0 = b_desc.load([expert * N + col0, kb * 128]).T
-                    a1 = a_desc.load([row0, kb * 128 + 128])
-                    b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
-                else:
-                    a0 = tl.load(a_ptr)
-                    b0 = tl.load(b_ptr)
-                    a1 = tl.load(a_ptr + 128)
-                    b1 = tl.load(b_ptr + 128)
-                t0 = tl.load(as_ptr + kb) * tl.load(bs_ptr + kb)
-                t1 = tl.load(as_ptr + kb + 1) * tl.load(bs_ptr + kb + 1)
-                d0 = tl.dot(a0, b0, out_dtype=tl.float32)
-                d1 = tl.dot(a1, b1, out_dtype=tl.float32)
-                acc += d0 * t0[:, None] + d1 * t1[:, None]
-                a_ptr += 256
-                b_ptr += 256
-        else:
-            for kb in range(0, tl.cdiv(K, 128)):
-                if TMA:
-                    a = a_desc.load([row0, kb * 128])
-                    b = b_desc.load([expert * N + col0, kb * 128]).T
-                elif EVEN_K:
-                    if CLAMP:
-                        a = tl.load(a_ptr)
-                        b = tl.load(b_ptr)
-                    else:
-                        a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                        b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
-                else:
-                    kmask = kb * 128 + ks < K
-                    if CLAMP:
-                        a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-                        b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
-                    else:
-                        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                        b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                if CLAMP:
-                    sa = tl.load(as_ptr + kb)
-                else:
-                    sa = tl.load(as_ptr + kb, mask=rmask, other=0.0)
-                if BLOCK_N <= 128:
-                    sb = tl.load(bs_ptr + kb)
-                    if RESCALE:
-                        t = sa * sb
-                        t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
-                        acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
-                        prev = t
-                    else:
-                        acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
-                else:
-                    if CLAMP:
-                        sb = tl.load(bs_ptr + kb)
-                    else:
-                        sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
-                    acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-                a_ptr += 128
-                b_ptr += 128
-        if RESCALE:
-            acc = acc * prev[:, None]
-        tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr,
+          PREFETCH: tl.constexpr, EMAP: tl.constexpr, NOCHECK: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment); NOCHECK (only
+    with EMAP, persistent programs: the tile exists) drops the branch around the tile (a flattenable loop nest)."""
+    if EMAP:  # the expert map in registers (``_grouped_v``): reductions, no dependent loads
+        expert = tl.sum((e_ends <= pid_m).to(tl.int32), axis=0)
+        first_tile = tl.sum(tl.where(e_idx == expert - 1, e_ends, 0), axis=0)
+        row_start = tl.sum(tl.where(e_idx == expert - 1, e_rows, 0), axis=0)
+        row_end = tl.sum(tl.where(e_idx == expert, e_rows, 0), axis=0)
+        if NOCHECK:
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+        elif expert < E:
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+    else:
+        expert = _expert_of(TILE_END, pid_m, E, LOG_E)
+        if expert < E:
+            first_tile = tl.load(TILE_END + expert - 1, mask=expert > 0, other=0)
+            row_start = tl.load(OFFS + expert - 1, mask=expert > 0, other=0)
+            row_end = tl.load(OFFS + expert)
+            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
 
 
 @_jit
-def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_be, stride_bn,
+def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
+               stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, CLAMP: tl.constexpr,
+               TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
+    """The tile of rows row_start + (pid_m - first_tile) * BLOCK_M ... (< row_end) of ``expert``, columns
+    pid_n * BLOCK_N ...: the K loop and the masked store."""
+    row0 = row_start + (pid_m - first_tile) * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    rmask = rows < row_end
+    cmask = cols < N
+    if CLAMP:
+        rows_ld = tl.minimum(rows, row_end - 1)
+        cols_ld = tl.minimum(cols, N - 1)
+    else:
+        rows_ld = rows
+        cols_ld = cols
+    r64 = rows_ld.to(tl.int64)
+    c64 = cols_ld.to(tl.int64)
+    e64 = expert.to(tl.int64)
+    ks = tl.arange(0, 128)
+    a_ptr = A + r64[:, None] * stride_a + ks[None, :]
+    b_ptr = B + e64 * stride_be + c64[None, :] * stride_bn + ks[:, None]
+    as_ptr = AS + r64 * stride_as
+    if BLOCK_N <= 128:
+        bs_ptr = BS + e64 * stride_bse + (col0 // 128).to(tl.int64) * stride_bsn
+    else:
+        bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    prev = tl.full((BLOCK_M,), 1.0, tl.float32)
+    # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
+    # two K blocks per iteration, both dots issued before either result is scaled
+    if PAIR:
+        for kp in range(0, tl.cdiv(K, 256)):
+            kb = kp * 2
+            if TMA:
+                a0 = a_desc.load([row0, kb * 128])
+                b0 = b_desc.load([expert * N + col0, kb * 128]).T
+                a1 = a_desc.load([row0, kb * 128 + 128])
+                b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
+            else:
+                a0 = tl.load(a_ptr)
+                b0 = tl.load(b_ptr)
+                a1 = tl.load(a_ptr + 128)
+                b1 = tl.load(b_ptr + 128)
+            t0 = tl.load(as_ptr + kb * stride_asg) * tl.load(bs_ptr + kb)
+            t1 = tl.load(as_ptr + (kb + 1) * stride_asg) * tl.load(bs_ptr + kb + 1)
+            d0 = tl.dot(a0, b0, out_dtype=tl.float32)
+            d1 = tl.dot(a1, b1, out_dtype=tl.float32)
+            acc += d0 * t0[:, None] + d1 * t1[:, None]
+            a_ptr += 256
+            b_ptr += 256
+    else:
+        n_kb = tl.cdiv(K, 128)
+        if PREFETCH:  # (the launcher sets it only with CLAMP and BLOCK_N <= 128): block 0's scales
+            sa_n = tl.load(as_ptr)
+            sb_n = tl.load(bs_ptr)
+        for kb in range(0, n_kb):
+            if TMA:
+                a = a_desc.load([row0, kb * 128])
+                b = b_desc.load([expert * N + col0, kb * 128]).T
+            elif EVEN_K:
+                if CLAMP:
+                    a = tl.load(a_ptr)
+                    b = tl.load(b_ptr)
+                else:
+                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
+            else:
+                kmask = kb * 128 + ks < K
+                if CLAMP:
+                    a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
+                sa = sa_n
+                sb = sb_n
+                kn = tl.minimum(kb + 1, n_kb - 1)
+                sa_n = tl.load(as_ptr + kn * stride_asg)
+                sb_n = tl.load(bs_ptr + kn)
+            elif CLAMP:
+                sa = tl.load(as_ptr + kb * stride_asg)
+            else:
+                sa = tl.load(as_ptr + kb * stride_asg, mask=rmask, other=0.0)
+            if BLOCK_N <= 128:
+                if not PREFETCH:
+                    sb = tl.load(bs_ptr + kb)
+                if RESCALE:
+                    t = sa * sb
+                    t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
+                    acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
+                    prev = t
+                else:
+                    acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
+            else:
+                if CLAMP:
+                    sb = tl.load(bs_ptr + kb)
+                else:
+                    sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
+                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+            a_ptr += 128
+            b_ptr += 128
+    if RESCALE:
+        acc = acc * prev[:, None]
+    tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@_jit
+def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_asg, stride_be, stride_bn,
                stride_bse, stride_bsn, stride_c,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
                CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr, PAIR: tl.constexpr):
+               PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr,
+               EP: tl.constexpr, FLATTEN: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -282,19 +360,33 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
     n_tiles = tl.cdiv(N, BLOCK_N)
     m_tiles = tl.load(TILE_END + E - 1)
     total = m_tiles * n_tiles
-    if PERSISTENT:
+    if EMAP:  # every expert's cumulative tile count and row end, loaded once per program (padding: INT_MAX, 0)
+        e_idx = tl.arange(0, EP)
+        e_ends = tl.load(TILE_END + e_idx, mask=e_idx < E, other=2147483647)
+        e_rows = tl.load(OFFS + e_idx, mask=e_idx < E, other=0)
+    else:
+        e_idx = 0
+        e_ends = 0
+        e_rows = 0
+    if PERSISTENT and FLATTEN:  # (the launcher sets FLATTEN only with EMAP) one loop nest the pipeliner flattens
+        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, True)
+    elif PERSISTENT:
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE, PAIR)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
     else:
         t = tl.program_id(0)
         if t < total:
             pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
             _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_be, stride_bn, stride_bse, stride_bsn, stride_c, LOG_E, BLOCK_M, BLOCK_N, EVEN_K, CLAMP,
-                  TMA, RESCALE, PAIR)
+                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
+                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -332,10 +424,27 @@ def tile_ends(offs: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
     return torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0, dtype=torch.int32)
 
 
+_SCALAR_N = ("RESCALE", "PAIR", "PREFETCH")  # switches that need BLOCK_N <= 128 (one weight scale per K block)
+
+
+def kmajor_scales(variant: str | None = None) -> bool:
+    """True when ``variant`` (default: GROUPED's) wants K-major activation scales (VARIANTS' KMAJOR)."""
+    return bool(VARIANTS[GROUPED["variant"] if variant is None else variant].get("KMAJOR"))
+
+
+def act_scales(r: int, k: int, device: torch.device, variant: str | None = None) -> torch.Tensor:
+    """An uninitialised float32 (r, ceil(k/128)) activation-scale buffer in the layout ``variant`` (default:
+    GROUPED's) reads best: row-major, or K-major (strides (1, r)) for a KMAJOR variant."""
+    g = cdiv(k, GROUP)
+    if kmajor_scales(variant):
+        return torch.empty(g, r, dtype=torch.float32, device=device).t()
+    return torch.empty(r, g, dtype=torch.float32, device=device)
+
+
 @functools.cache
 def _tuned(variant: str):
     """The autotuned kernel of ``variant`` (built on first use: Triton is imported only where installed)."""
-    scalar = VARIANTS[variant].get("RESCALE", False) or VARIANTS[variant].get("PAIR", False)
+    scalar = any(VARIANTS[variant].get(f, False) for f in _SCALAR_N)
     return triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
                                     for bn, w, st in V_CONFIGS if bn <= 128 or not scalar],
                            key=["N", "K"])(_grouped_v)
@@ -370,6 +479,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         variant, config = GROUPED["variant"], GROUPED["config"] if config is None else config
     if variant not in VARIANTS:
         raise ValueError(f"grouped GEMM variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    if VARIANTS[variant].get("GLUON"):
+        if _gluon(variant, a, a_s, offs, b, b_s, c, tiles, config):
+            return
+        variant, config = GLUON_FALLBACK
     config = dict(config) if config else None
     bm = config.pop("BLOCK_M", TILE_M) if config else TILE_M
     tiles = tile_ends(offs, bm) if tiles is None else tiles
@@ -382,8 +495,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
         else:
             _tma_allocator()
     persistent = int(flags.get("PERSISTENT", 0))
-    if (flags.get("RESCALE") or flags.get("PAIR")) and config is not None and config["BLOCK_N"] > 128:
-        raise ValueError(f"grouped GEMM {variant} (RESCALE, PAIR): expected BLOCK_N <= 128, "
+    scalar = [f for f in _SCALAR_N if flags.get(f)]
+    if scalar and config is not None and config["BLOCK_N"] > 128:
+        raise ValueError(f"grouped GEMM {variant} ({', '.join(scalar)}): expected BLOCK_N <= 128, "
                          f"got {config['BLOCK_N']}")
 
     def grid(meta: dict) -> tuple[int]:
@@ -392,11 +506,32 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
             bound = min(bound, persistent * _sm_count(a.device.index or 0))
         return check_grid((bound,))
 
-    args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), b.stride(0), b.stride(1),
-            b_s.stride(0), b_s.stride(1), c.stride(0))
-    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0,
-            "CLAMP": bool(flags.get("CLAMP") or flags.get("TMA")),
+    args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), a_s.stride(1), b.stride(0),
+            b.stride(1), b_s.stride(0), b_s.stride(1), c.stride(0))
+    clamp = bool(flags.get("CLAMP") or flags.get("TMA"))
+    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0, "CLAMP": clamp,
             "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
             "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
-            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE")}
+            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE"),
+            "PREFETCH": bool(flags.get("PREFETCH")) and clamp,
+            "EMAP": bool(flags.get("EMAP")) and e <= EMAP_MAX, "EP": expert_slots(e)}
+    meta["FLATTEN"] = bool(flags.get("FLATTEN")) and meta["EMAP"] and persistent > 0
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
+
+
+def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor,
+           b_s: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor | None, config: dict | None) -> bool:
+    """Run a GLUON variant's warp-specialised kernel; False (nothing launched) where it does not apply. A
+    config other than 128 x 128 tiles at 4 warps per warpgroup raises ValueError (a caller's mistake)."""
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": gluon_ws.STAGES, **(config or {})}
+    if (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) != (128, 128, 4):
+        raise ValueError(f"grouped GEMM {variant} (Gluon, warp-specialised): expected BLOCK_M 128, BLOCK_N 128, "
+                         f"num_warps 4, got {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['num_warps']}")
+    if gluon_ws.applies(a, b, c) is not None:
+        return False
+    flags = VARIANTS[variant]
+    gluon_ws.launch(a, a_s, offs, b, b_s, c, tile_ends(offs, 128) if tiles is None else tiles,
+                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)))
+    return True

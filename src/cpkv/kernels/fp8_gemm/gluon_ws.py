@@ -1,0 +1,292 @@
+"""Warp-specialised Gluon kernel of the grouped block-scaled fp8 GEMM for Hopper (sm_90, wgmma + TMA).
+
+Same contract as ``cpkv.kernels.fp8_gemm.triton.grouped_gemm`` (its module docstring):
+
+    a fp8 e4m3 [R, K] (rows sorted by expert, K contiguous, 16-byte rows), a_s float32 [R, K/128] any strides,
+    offs int32 [E] cumulative row ends, tiles int32 [E] = ``tile_ends(offs, 128)``, b fp8 e4m3 [E, N, K]
+    (experts back to back, K contiguous), b_s float32 [E, N/128, K/128] any strides, c [R, N] (bf16)
+    c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for row i of expert e; rows at or past
+    offs[-1] untouched; no host sync; any R, empty experts. Needs N and K multiples of 128 (``applies``
+    says why a call is refused; the dispatcher then runs the Triton kernel).
+
+Schedule: persistent programs (at most one per SM) walk the (row tile, column tile) pairs column-fastest,
+row tiles of 128 rows of one expert, column tiles of 128, K in blocks of 128 (one activation scale per row and
+one weight scale per block each). Each partition loads the tile map (``tiles``) and the offsets once into
+registers, every warp a copy (E <= MAX_EXPERTS), so finding a tile's expert and rows is a few warp reductions,
+not a chain of dependent loads per tile (the binary search of the Triton kernels: several microseconds of
+stall at every tile start, a large share of a 16-block down-projection tile). Three partitions, synchronised
+by mbarriers only:
+
+* producer (1 warp, few registers): for every tile and K block, waits for a free ring stage, then TMA-loads
+  A [128, 128] (rows past R read as zeros; rows of the next expert are loaded and never stored) and
+  B [128, 128] of expert e (``b`` seen as [E * N, K]) into it, completing the stage's "ready" barrier by
+  transaction count. It runs up to STAGES K blocks ahead, across tile boundaries.
+* two consumer warpgroups (the default partition and one worker), each owning 64 of the tile's 128 rows:
+  per K block, wait "ready", wgmma m64 n128 (fp8, fp32) into a fresh register tile, wait for it, release the
+  stage ("free", one arrival per consumer), then acc += tile * (a_s[row] * b_s). The K block's scales are
+  loaded one block ahead (registers), so their latency is off the critical path. The two consumers drift
+  apart, so one's promotion (CUDA cores) overlaps the other's wgmma (tensor cores): the hiding that a
+  non-warp-specialised kernel cannot do (every warp waits at the same point).
+  PAIR: two K blocks per iteration, both wgmmas issued before the first is waited for (wait(1)), so the
+  first block's promotion also overlaps the warpgroup's own second wgmma (a third 64-register tile).
+  Epilogue: acc -> c's dtype, stored from registers masked to the expert's rows (rows < offs[e]).
+
+A zero activation group (scale 0) adds tile * 0 = 0 (the wgmma result is finite), never NaN.
+Shared memory: STAGES x 32 KB (A + B) + barriers. Registers: launch cap MAX_REGS x 12 warps (the 1-warp
+producer's warpgroup is padded), re-split CONSUMER_REGS per consumer, PRODUCER_REGS for the producer.
+ptxas pitfalls (cpkv.kernels.sparse_mla.gluon_ws): no wgmma result in flight across a loop's back edge (every
+iteration waits for its own), loop bounds and tile coordinates made provably warp-uniform (``_uniform``).
+Compiled offline for sm_90a (tests/kernels/test_fp8_gemm_variants.py): no spills, no serialised wgmma.
+Triton / Gluon are imported lazily (``load``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from cpkv.kernels import platform
+from cpkv.kernels.grid import cdiv, check_grid
+
+BLOCK = 128          # rows, columns and K per tile / block
+MAX_REGS = 168       # launch-wide cap: 12 warps x 32 x 168 = 64,512 of the 65,536 registers
+CONSUMER_REGS = 232  # per thread of each consumer warpgroup after the re-split (the default gets the rest: 232)
+PRODUCER_REGS = 40   # per thread of the producer's warpgroup
+STAGES = 4           # default ring depth (32 KB a stage)
+MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
+FP8 = torch.float8_e4m3fn
+
+
+@lru_cache(maxsize=1)
+def load() -> Any:
+    """The compiled-on-demand kernel (imports Gluon lazily)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def _uniform(x):
+        """x from lane 0 of the warp: provably warp-uniform for ptxas (branches and loop bounds derived from
+        loaded values are otherwise divergent to it, and a divergent path near a wgmma serialises it)."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _expert_map(TILE_END, OFFS, E, EP: gl.constexpr, WARPS: gl.constexpr):
+        """Every expert's cumulative tile count and row end, held in registers for the whole program (each warp
+        a full copy: its tile lookups are shuffles, no memory round trips per tile). Padding: ends INT_MAX."""
+        layout: gl.constexpr = gl.BlockedLayout([EP // 32], [32], [WARPS], [0])
+        idx = gl.arange(0, EP, layout)
+        ends = gl.load(TILE_END + idx, mask=idx < E, other=2147483647)
+        rows = gl.load(OFFS + idx, mask=idx < E, other=0)
+        total = _uniform(gl.max(gl.where(idx < E, ends, 0), axis=0))  # row tiles of all experts
+        return idx, ends, rows, total
+
+    @gluon.jit
+    def _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M: gl.constexpr):
+        """Tile t -> (expert, first row of the tile, the expert's row end, column tile): column tiles fastest,
+        or GROUP_M row tiles per column tile (the programs running at once share weight tiles in L2); the
+        expert is the number of cumulative tile counts <= its row tile (counts are non-decreasing)."""
+        if GROUP_M == 1:
+            pid_m = t // n_tiles
+            col_tile = t - pid_m * n_tiles
+        else:
+            width = GROUP_M * n_tiles
+            first_m = (t // width) * GROUP_M
+            size_m = gl.minimum(m_tiles - first_m, GROUP_M)
+            pid_m = first_m + (t % width) % size_m
+            col_tile = (t % width) // size_m
+        expert = _uniform(gl.sum((ends <= pid_m).to(gl.int32), axis=0))
+        first_tile = gl.sum(gl.where(idx == expert - 1, ends, 0), axis=0)
+        row_start = gl.sum(gl.where(idx == expert - 1, rows, 0), axis=0)
+        row0 = _uniform(row_start + (pid_m - first_tile) * 128)
+        row_end = _uniform(gl.sum(gl.where(idx == expert, rows, 0), axis=0))
+        return expert, row0, row_end, col_tile
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free,
+                  EP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        idx, ends, rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 1)
+        n_tiles = N // 128
+        kbs = K // 128
+        it = 0
+        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M)
+            b_row = expert * N + col_tile * 128
+            for kb in range(kbs):
+                s = it % STAGES
+                mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _mma(a_bufs, b_bufs, ready, it, zero, STAGES: gl.constexpr, WG: gl.constexpr):
+        """Wait for ring stage ``it`` and issue this warpgroup's m64 n128 wgmma on it (a token)."""
+        gl.static_assert(WG < 2)  # (also makes ``gl`` a closure name of this function: its annotations need it)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(s).slice(WG * 64, 64), b_bufs.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _release(free, it, STAGES: gl.constexpr):
+        """Every warp of this warpgroup is done reading stage ``it``: one arrival on its "free" barrier."""
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(it % STAGES))
+
+    @gluon.jit
+    def _consumer(AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg,
+                  stride_c, a_bufs, b_bufs, ready, free,
+                  EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
+                  WG: gl.constexpr):
+        """Rows WG * 64 .. WG * 64 + 63 of every tile of this program."""
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 128, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+        idx, ends, e_rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 4)
+        n_tiles = N // 128
+        kbs = K // 128
+        zero = gl.zeros([64, 128], gl.float32, mma_l)
+        it = 0
+        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
+            rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
+            a_sc = AS + gl.minimum(rows, row_end - 1).to(gl.int64) * stride_as  # clamped: always in bounds
+            b_sc = BS + expert.to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
+            acc = gl.zeros([64, 128], gl.float32, mma_l)
+            if PAIR:  # K blocks in pairs (the launcher sets PAIR only when K / 128 is even)
+                sa0 = gl.load(a_sc)
+                sa1 = gl.load(a_sc + stride_asg)
+                sb0 = gl.load(b_sc)
+                sb1 = gl.load(b_sc + stride_bsg)
+                for kp in range(kbs // 2):
+                    kn = gl.minimum(2 * kp + 2, kbs - 2).to(gl.int64)
+                    sa0_n = gl.load(a_sc + kn * stride_asg)
+                    sa1_n = gl.load(a_sc + (kn + 1) * stride_asg)
+                    sb0_n = gl.load(b_sc + kn * stride_bsg)
+                    sb1_n = gl.load(b_sc + (kn + 1) * stride_bsg)
+                    tok0 = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG)
+                    tok1 = _mma(a_bufs, b_bufs, ready, it + 1, zero, STAGES, WG)
+                    d0 = warpgroup_mma_wait(1, deps=[tok0])
+                    _release(free, it, STAGES)
+                    acc = acc + d0 * (sa0 * sb0)[:, None]
+                    d1 = warpgroup_mma_wait(0, deps=[tok1])
+                    _release(free, it + 1, STAGES)
+                    acc = acc + d1 * (sa1 * sb1)[:, None]
+                    sa0 = sa0_n
+                    sa1 = sa1_n
+                    sb0 = sb0_n
+                    sb1 = sb1_n
+                    it += 2
+            else:
+                sa = gl.load(a_sc)
+                sb = gl.load(b_sc)
+                for kb in range(kbs):
+                    kn = gl.minimum(kb + 1, kbs - 1).to(gl.int64)
+                    sa_n = gl.load(a_sc + kn * stride_asg)
+                    sb_n = gl.load(b_sc + kn * stride_bsg)
+                    tok = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG)
+                    d = warpgroup_mma_wait(0, deps=[tok])
+                    _release(free, it, STAGES)
+                    acc = acc + d * (sa * sb)[:, None]
+                    sa = sa_n
+                    sb = sb_n
+                    it += 1
+            cols = col_tile * 128 + gl.arange(0, 128, col_l)
+            gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
+                     mask=(rows < row_end)[:, None])
+
+    @gluon.jit
+    def _grouped_ws(a_desc, b_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
+                    stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
+                    EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)  # the producer's expect; completed by the TMA bytes
+            mbarrier.init(free.index(s), count=2)   # one arrival per consumer warpgroup
+        gl.warp_specialize([
+            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 0)),
+            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
+                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 1)),
+            (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return _grouped_ws
+
+
+def expert_slots(e: int) -> int:
+    """Register slots of the expert map for e experts: the next power of two, at least a warp's 32 lanes."""
+    return max(32, 1 << (e - 1).bit_length())
+
+
+def applies(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> str | None:
+    """None when this kernel takes the call, else why not (the dispatcher then runs the Triton kernel):
+    a Hopper GPU with Gluon, fp8 e4m3 operands, N and K multiples of 128, TMA-ready strides."""
+    r, k = a.shape
+    e, n, kb = b.shape
+    if platform.capability(a) is None or platform.capability(a)[0] != 9 or not platform.gluon_importable():
+        return "needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon"
+    if a.dtype != FP8 or b.dtype != FP8:
+        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    if n % BLOCK or k % BLOCK or kb != k or n == 0 or k == 0:
+        return f"needs N and K positive multiples of 128 (and b's K = a's), got N {n}, K {k} (b's K {kb})"
+    if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
+            or b.stride(1) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16):
+        return "needs TMA-ready operands (unit K stride, 16-byte rows and bases, b's experts back to back)"
+    if e > MAX_EXPERTS:
+        return f"holds at most {MAX_EXPERTS} experts' map in registers, got {e} experts"
+    if c.shape != (r, n) or c.stride(1) != 1:
+        return f"needs c [{r}, {n}] with unit column stride, got {tuple(c.shape)} strides {c.stride()}"
+    return None
+
+
+def _check(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+           c: torch.Tensor, tiles: torch.Tensor) -> None:
+    """Shapes and dtypes (host metadata only, no sync): ValueError naming what was expected and what came."""
+    why = applies(a, b, c)
+    if why:
+        raise ValueError(f"grouped fp8 GEMM (Gluon, warp-specialised): {why}")
+    (r, k), (e, n, _) = a.shape, b.shape
+    want = {"a_s": (a_s, (r, k // BLOCK), torch.float32), "b_s": (b_s, (e, n // BLOCK, k // BLOCK), torch.float32),
+            "offs": (offs, (e,), torch.int32), "tiles": (tiles, (e,), torch.int32)}
+    for name, (x, shape, dtype) in want.items():
+        if tuple(x.shape) != shape or x.dtype != dtype or x.device != a.device:
+            raise ValueError(f"grouped fp8 GEMM (Gluon): expected {name} {dtype} {list(shape)} on {a.device}, "
+                             f"got {x.dtype} {list(x.shape)} on {x.device}")
+
+
+def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1) -> None:
+    """c [R, N] (rows < offs[-1]) = the block-scaled grouped product (module docstring); ``tiles`` =
+    ``tile_ends(offs, 128)``; ``stages``: ring depth (2..6); ``pair``: two K blocks per iteration (used when
+    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest). Raises
+    ValueError where the kernel does not apply (``applies``)."""
+    _check(a, a_s, offs, b, b_s, c, tiles)
+    if not 2 <= stages <= 6:
+        raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
+    (r, k), (e, n, _) = a.shape, b.shape
+    if r == 0 or e == 0:
+        return
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, BLOCK], layout)
+    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [BLOCK, BLOCK], layout)
+    bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
+    grid = check_grid((min(bound, platform.sm_count(a)),))
+    load()[grid](
+        a_desc, b_desc, a_s, offs, tiles, b_s, c, e, n, k,
+        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
+        EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0, GROUP_M=max(1, int(group_m)),
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)

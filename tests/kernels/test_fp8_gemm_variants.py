@@ -1,0 +1,253 @@
+"""CPU tests of the grouped fp8 GEMM's variants (the GPU runs are in test_fp8_gemm_gpu.py): the activation-scale
+layouts the variants ask for, the warp-specialised Gluon kernel's refusals and argument checks, that kernel
+compiled offline for sm_90a (Triton ships ptxas: no GPU needed) without spills or serialised wgmma, and the
+scale-prefetching Triton variants against the plain ones in Triton's interpreter (a subprocess: the interpreter
+is chosen at import).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cpkv.kernels.fp8_gemm import gluon_ws
+from cpkv.kernels.fp8_gemm import triton as kern
+
+FP8 = torch.float8_e4m3fn
+
+
+def _operands(counts: list[int], n: int, k: int) -> dict:
+    e, r = len(counts), sum(counts) + 3
+    return {"a": torch.zeros(r, k, dtype=FP8), "a_s": torch.ones(r, k // 128), "b": torch.zeros(e, n, k, dtype=FP8),
+            "b_s": torch.ones(e, n // 128, k // 128), "c": torch.empty(r, n, dtype=torch.bfloat16),
+            "offs": torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)}
+
+
+def test_activation_scales_follow_the_variant():
+    """KMAJOR variants get K-major scale buffers (strides (1, R)), the others row-major; shapes equal."""
+    km = kern.act_scales(5, 300, torch.device("cpu"), "v14")
+    rm = kern.act_scales(5, 300, torch.device("cpu"), "v4")
+    assert km.shape == rm.shape == (5, 3)
+    assert km.stride() == (1, 5) and rm.stride() == (3, 1)
+    assert kern.kmajor_scales("gluon_ws_k") and not kern.kmajor_scales("gluon_ws")
+    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} for f in kern.VARIANTS.values())
+
+
+def test_gluon_variant_rejects_other_tiles():
+    op = _operands([3, 0, 5], 256, 256)
+    with pytest.raises(ValueError, match="BLOCK_M 128, BLOCK_N 128, num_warps 4, got 64, 128, 4"):
+        kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant="gluon_ws",
+                          config={"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})
+
+
+def test_gluon_kernel_refuses_off_hopper_with_a_clear_error():
+    op = _operands([3, 0, 5], 256, 256)
+    assert "Hopper" in gluon_ws.applies(op["a"], op["b"], op["c"])
+    with pytest.raises(ValueError, match="Hopper"):
+        gluon_ws.launch(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], op["offs"])
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend the CPU tensors sit on a Hopper GPU with Gluon (only the host-side checks run)."""
+    from cpkv.kernels import platform
+
+    monkeypatch.setattr(platform, "capability", lambda x: (9, 0))
+    monkeypatch.setattr(platform, "gluon_importable", lambda: True)
+
+
+def test_gluon_kernel_applies_only_where_it_can(hopper):
+    op = _operands([3, 0, 5], 256, 384)
+    assert gluon_ws.applies(op["a"], op["b"], op["c"]) is None
+    odd = _operands([3, 0, 5], 200, 384)
+    assert "multiples of 128" in gluon_ws.applies(odd["a"], odd["b"], odd["c"])
+    bf = op["a"].to(torch.bfloat16)
+    assert "float8_e4m3fn" in gluon_ws.applies(bf, op["b"], op["c"])
+    strided = torch.zeros(op["a"].shape[0], 392, dtype=FP8)[:, :384]  # 392-byte rows: not 16-byte aligned
+    assert "TMA" in gluon_ws.applies(strided, op["b"], op["c"])
+    many = torch.zeros(gluon_ws.MAX_EXPERTS + 1, 128, 384, dtype=FP8)
+    assert "experts" in gluon_ws.applies(op["a"], many, op["c"])
+    assert "c [" in gluon_ws.applies(op["a"], op["b"], op["c"][:, :128])
+
+
+def test_gluon_launch_checks_its_operands(hopper):
+    op = _operands([3, 0, 5], 256, 384)
+    args = [op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")]
+    for i, bad, name in [(1, op["a_s"][:, :2], "a_s"), (4, op["b_s"][:, :1], "b_s"),
+                         (2, op["offs"].long(), "offs")]:
+        call = list(args)
+        call[i] = bad
+        with pytest.raises(ValueError, match=f"expected {name} "):
+            gluon_ws.launch(*call, op["offs"])
+    with pytest.raises(ValueError, match="expected tiles "):
+        gluon_ws.launch(*args, op["offs"][:2])
+    with pytest.raises(ValueError, match="2 to 6 stages"):
+        gluon_ws.launch(*args, op["offs"], stages=7)
+    assert [gluon_ws.expert_slots(e) for e in (1, 32, 33, 256)] == [32, 32, 64, 256]
+
+
+def _compile_sm90(fn, args: tuple, consts: dict, **options):
+    """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (what the launcher would specialise)."""
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.runtime.jit import native_specialize_impl
+
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], cx[(i,)] = "constexpr", consts[name]
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            cx[(i,)] = args[i]
+        elif isinstance(spec, str) and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32):
+    """The Gluon kernel at GLM-5's gate_up shapes (e experts, 32,768 rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, k, r = 4096, 6144, 32768
+    a, b = torch.empty(r, k, dtype=FP8), torch.empty(e * n, k, dtype=FP8)
+    a_s, b_s = torch.empty(r, k // 128), torch.empty(e, n // 128, k // 128)
+    offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    args = (TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout),
+            TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), a_s, offs, offs, b_s, c, e, n, k,
+            *a_s.stride(), *b_s.stride(), c.stride(0))
+    consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
+              "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
+    return _compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
+
+
+def _compile_triton(variant: str, cfg: tuple[int, int, int, int]):
+    """A Triton variant at GLM-5's down shapes (32 experts, 32,768 rows), scales as the variant wants them."""
+    e, n, k, r = 32, 6144, 2048, 32768
+    bm, bn, warps, stages = cfg
+    a, b = torch.empty(r, k, dtype=FP8), torch.empty(e, n, k, dtype=FP8)
+    a_s, b_s = kern.act_scales(r, k, torch.device("cpu"), variant), torch.empty(e, n // 128, k // 128)
+    offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
+    f = kern.VARIANTS[variant]
+    args = (a, a_s, offs, offs, b, b_s, c, r, e, n, k, a.stride(0), *a_s.stride(), b.stride(0), b.stride(1),
+            b_s.stride(0), b_s.stride(1), c.stride(0))
+    consts = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "BLOCK_N": bn, "EVEN_K": True, "CLAMP": True, "TMA": True,
+              "RESCALE": bool(f.get("RESCALE")), "GROUP_M": 1, "PERSISTENT": int(f.get("PERSISTENT", 0)),
+              "PAIR": False, "PREFETCH": bool(f.get("PREFETCH")), "EMAP": bool(f.get("EMAP")),
+              "EP": kern.expert_slots(e), "FLATTEN": bool(f.get("FLATTEN"))}
+    return _compile_sm90(kern._grouped_v, args, consts, num_warps=warps, num_stages=stages)
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
+    return path
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("pair,group_m,experts", [(False, 1, 32), (True, 1, 32), (True, 8, gluon_ws.MAX_EXPERTS)])
+def test_gluon_kernel_compiles_for_sm90_without_spills(pair, group_m, experts, tmp_path):
+    """ptxas: no local-memory spills (the largest expert map included), no serialised wgmma; 4 (PAIR: 8)
+    m64n128k32 fp8 wgmmas per consumer; shared memory = the TMA ring (STAGES x 32 KB) plus barriers."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    ck = _compile_gluon(pair, stages=4, group_m=group_m, e=experts)
+    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
+                          str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Performance Loss" not in out.stderr and "warning" not in out.stderr.lower(), out.stderr
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4 * (2 if pair else 1)
+    assert not re.search(r"\b(STL|LDL)\b", sass)  # no spills
+    assert 4 * 32768 <= ck.metadata.shared <= 4 * 32768 + 1024
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("variant,cfg", [("v13", (128, 128, 8, 4)), ("v16", (128, 128, 8, 4)),
+                                         ("v18", (128, 128, 8, 3)), ("v19", (64, 128, 4, 3))])
+def test_new_triton_variants_compile_for_sm90_without_spills(variant, cfg, tmp_path):
+    """The scale-prefetching / expert-map / flattened Triton variants compile for sm_90a at one of their
+    sweep configs without local-memory spills (the flattened loop nest included)."""
+    pytest.importorskip("triton.experimental.gluon._runtime")
+    cuobjdump = _nvidia_tool("cuobjdump")
+    ck = _compile_triton(variant, cfg)
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "QGMMA" in sass and not re.search(r"\b(STL|LDL)\b", sass)
+
+
+_INTERPRET = r'''
+import torch
+import triton.runtime.interpreter as ti
+
+if hasattr(ti, "_patch_lang_tensor"):  # numpy >= 2.3 refuses int() of a 1-element array: loop bounds need .item()
+    _orig = ti._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    ti._patch_lang_tensor = _patched
+
+from cpkv.kernels.fp8_gemm import triton as kern
+from cpkv.kernels.fp8_gemm.ref import grouped_fp8_ref
+
+kern._sm_count = lambda index: 2  # two persistent programs: each walks several tiles
+counts, n, k = [5, 0, 130, 1, 0, 3], 256, 384
+g = torch.Generator().manual_seed(0)
+e, r = len(counts), sum(counts) + 7
+a = (torch.randn(r, k, generator=g) * 0.5).to(torch.float8_e4m3fn)
+a_s = torch.rand(r, k // 128, generator=g) + 0.5
+a.view(torch.uint8)[2, 128:256] = 0  # a zero group: scale 0
+a_s[2, 1] = 0
+w = (torch.randn(e, n, k, generator=g) * 0.5).to(torch.float8_e4m3fn)
+ws = torch.rand(e, n // 128, k // 128, generator=g) * 0.01 + 0.001
+offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+a_k = kern.act_scales(r, k, torch.device("cpu"), "v14").copy_(a_s)
+want = grouped_fp8_ref(a, a_s, offs, w, ws)
+done = sum(counts)
+cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+out = {}
+for variant, scales in [("v4", a_s), ("v13", a_s), ("v14", a_k), ("v16", a_s), ("v18", a_s), ("v9", a_s), ("v15", a_k),
+                        ("v17", a_k), ("v19", a_k)]:
+    c = torch.full((r, n), 3.0, dtype=torch.bfloat16)
+    kern.grouped_gemm(a, scales, offs, w, ws, c, config=cfg, variant=variant)
+    assert bool((c[done:] == 3.0).all()), variant
+    err = float((c[:done].float() - want[:done]).abs().max() / want[:done].abs().max())
+    assert err <= 1e-2, (variant, err)
+    out[variant] = c
+for v, base in [("v13", "v4"), ("v14", "v4"), ("v16", "v4"), ("v18", "v4"), ("v15", "v9"), ("v17", "v9"),
+                ("v19", "v9")]:
+    assert torch.equal(out[v], out[base]), f"{v} differs from {base}"
+print("ok")
+'''
+
+
+@pytest.mark.triton
+def test_prefetch_variants_equal_the_plain_ones_in_the_interpreter():
+    """v13 / v14 / v16 / v18 (v4 + scales loaded one K block ahead; v14 with K-major scales, v16 with the
+    expert map in registers, v18 also flattened) give v4's bytes, v15 / v17 / v19 give v9's, all within 1e-2 of
+    the float32 reference with padding rows untouched (Triton's interpreter: TMA and persistent loops included,
+    flattening not modelled; on a tiny ragged load)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
