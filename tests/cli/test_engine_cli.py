@@ -26,6 +26,7 @@ def test_cpkv_run_json(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and (out["cp"], out["device"], out["model"], out["mode"]) == (2, "cpu", "tiny", "symm")
     assert out["experts_per_rank"] == [12, 12]  # the tiny model's 24 routed experts split over the 2 ranks
+    assert out["gpu_memory_per_rank"] is None  # CUDA only
     assert out["trace"] == {"file": str(trace), "requests": 4}
     assert out["summary"]["command_s"] >= out["summary"]["ranks_s"] >= out["summary"]["wall_s"] > 0
     assert [r["id"] for r in out["requests"]] == ["a", "b", "c"]

@@ -141,6 +141,12 @@ def test_shared_indexer_and_moe_layers_run_without_a_host_sync():
     assert res.stats["experts_per_rank"] == [128, 128]  # expert parallelism: the MoE layer's exchange ran too
     assert res.stats["barrier"] == "DeviceBarrier"
     assert all(bool(torch.isfinite(r.logits).all()) for r in res.requests)
+    from cpkv.memplan import Setup, plan_memory
+
+    plan = plan_memory(Setup(cfg.model_config(), 2, budget=1 << 50, weights=cfg.weights_dtype, compute="bfloat16",
+                             page_size=64, chunk_size=4096, max_requests=1, pages_per_rank=200))
+    for mem in res.stats["gpu_memory_per_rank"]:  # measured per rank: the plan's total bounds what torch allocated
+        assert 0 < mem["setup_bytes"] <= mem["peak_bytes"] <= min(mem["peak_reserved_bytes"], plan.total), (mem, plan.items)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -70,6 +70,7 @@ class RankEngine:
         self.sched = Scheduler(self.kv, caps, model=model.cfg, cp=cfg.cp_config, policy=cfg.policy,
                                staging_pages=self.rt.staging.capacity, full_hit=cfg.full_hit)
         self._reload_fenced = False  # this reload round has synchronised the group (_fence_reload)
+        self.gpu_setup_bytes = self._gpu_mark()  # weights + pool + staging + buffers, before any batch
         self.out = RankOutput(self.rank)
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
@@ -245,6 +246,22 @@ class RankEngine:
             torch.cuda.synchronize(self.model.device)
         return time.perf_counter()
 
+    def _gpu_mark(self) -> int | None:
+        """CUDA: the bytes allocated now, and the peak counter restarted from here (None elsewhere)."""
+        if self.model.device.type != "cuda":
+            return None
+        torch.cuda.reset_peak_memory_stats(self.model.device)
+        return int(torch.cuda.memory_allocated(self.model.device))
+
+    def _gpu_memory(self) -> dict | None:
+        """CUDA: what this rank holds before its first batch (``setup_bytes``) and at the peak of its batches
+        (allocated and reserved by torch's caching allocator): the memory plan's items, measured."""
+        if self.gpu_setup_bytes is None:
+            return None
+        dev = self.model.device
+        return {"setup_bytes": self.gpu_setup_bytes, "peak_bytes": int(torch.cuda.max_memory_allocated(dev)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(dev))}
+
     def _finish_stats(self) -> None:
         self.out.pages_used = self.kv.pages_used()
         self.out.stats = {
@@ -256,6 +273,7 @@ class RankEngine:
             "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
+            "gpu_memory": self._gpu_memory(),
         }
 
     def _experts_held(self) -> int:
