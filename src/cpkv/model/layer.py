@@ -1,17 +1,25 @@
 """One DSA decoder layer, decomposed so that a CP rank can run it around the per-layer compose.
 
-    project(h, rotary)                     h [T, hidden] (a rank's own query tokens)
-        -> Projected: q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
+    project(h, rotary, delta)              h [T, hidden] (a rank's own query tokens), delta: the previous
+                                           layer's MLP output not yet added (None: h is the layer's input)
+        -> Projected: h     [T, hidden]                    the layer's input h + delta (added in its norm)
+                      q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
                       token uint8 [T, token row_bytes]  latent KV + rope key (fp8: quant_token_kv)
                       index uint8 [T, index row_bytes]  indexer key (fp8: quantize_index_keys); None on a
                                                         shared layer, which keeps no index rows
                       iq [T, Hi, Di], iw float32 [T, Hi]  indexer queries and head weights (full layers)
     ... the rank writes the layer's kinds of rows, compose builds the batch's dense buffers ...
     attend(h, proj, dense, plan, topk) -> (h' [T, hidden], topk)
+    attend_split(...) -> (h + attention [T, hidden], the MLP's output [T, hidden], topk): the MLP's output
+        not added, for the next layer's ``project`` to add in its fused norm (the model loops run this form)
         full layer: indexer top-k over dense["index"] rows [ks, ke) (or every key when each row sees
         <= top-k); shared layer: the previous full layer's ``topk`` (dense rows of the same batch);
         sparse MLA over dense["token"], W_UV and o_proj, residual; RMSNorm + dense SwiGLU MLP or MoE
         (``cpkv.model.moe``), residual.
+
+Each residual add runs with the RMSNorm after it and the fp8 quantisation of the normed rows
+(``cpkv.model.ops.add_rms_norm``: one Triton kernel on CUDA): h + o_proj(...) with the post-attention norm,
+h + mlp(...) with the next layer's input norm; the quantised rows feed every fp8 Linear reading them.
 
 Absorbed MLA (DeepSeek-V3 / GLM-5): kv_b_proj [H*(nope+v), kv_lora] splits into W_UK [H, nope, kv_lora]
 and W_UV [H, v, kv_lora]; scores are q_nope W_UK . c + q_rope . k_rope over kv_lora + rope dims with
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 from cpkv.config import ModelConfig
 from cpkv.model.experts import ExpertWeights
 from cpkv.model.linear import Linear, swiglu
-from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, softmax_scale
+from cpkv.model.ops import Rotary, add_rms_norm, hadamard_rotate, layer_norm, rms_norm, softmax_scale
 
 LATENT_NORM_EPS = 1e-6
 LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
@@ -56,6 +64,7 @@ class Projected:
     index: torch.Tensor | None
     iq: torch.Tensor | None
     iw: torch.Tensor | None
+    h: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,20 +166,27 @@ class DSALayer:
         return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
-    def project(self, h: torch.Tensor, rot: Rotary) -> Projected:
-        """h [T, hidden] (compute dtype) -> Projected (module docstring)."""
-        cfg, w = self.cfg, self.w
-        x = rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
-        lin = self.lin
-        xa = lin["self_attn.q_a_proj"].prepare(x)  # quantised once (fp8) for q_a, kv_a and the indexer's wk
+    def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None) -> Projected:
+        """h [T, hidden] (compute dtype), delta [T, hidden] or None (the previous layer's MLP output, not yet
+        added) -> Projected (module docstring)."""
+        cfg, w, lin = self.cfg, self.w, self.lin
+        # x quantised once (fp8) for q_a, kv_a and the indexer's wk, in the add + norm kernel
+        h, x, xa = self._add_norm(h, delta, "input_layernorm.weight", lin["self_attn.q_a_proj"])
         qr = rms_norm(lin["self_attn.q_a_proj"](xa), w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
         kv = lin["self_attn.kv_a_proj_with_mqa"](xa)
         token = self._token_rows(self._token_kv(kv, rot))
         qa = lin["self_attn.q_b_proj"].prepare(qr)  # for q_b and the indexer's wq_b
         if not self.full:
-            return Projected(self._query(qa, rot), token, None, None, None)
+            return Projected(self._query(qa, rot), token, None, None, None, h)
         iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
-        return Projected(self._query(qa, rot), token, index, iq, iw)
+        return Projected(self._query(qa, rot), token, index, iq, iw, h)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None):
+        """(h + delta, x = RMSNorm(h + delta) with weight ``norm``, x as the input of ``reader``: its QuantAct
+        when ``reader`` quantises its input (made in the same kernel), else x)."""
+        quant = reader is not None and reader.quantises(h)
+        h, x, qa = add_rms_norm(h, delta, self.w[norm], self.cfg.rms_norm_eps, quant)
+        return h, x, qa if qa is not None else x
 
     def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent |
@@ -244,12 +260,21 @@ class DSALayer:
         """h [T, hidden]; dense {"token": uint8 [S, token row], "index": uint8 [S, index row] (full layers)};
         ``topk``: the previous full layer's selection (shared layers) -> (h' [T, hidden], this layer's topk).
         ``ep``: the batch's expert-parallel exchange (``mlp``)."""
+        h, out, topk = self.attend_split(h, p, dense, plan, topk, ep)
+        return h + out, topk
+
+    def attend_split(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
+                     topk: torch.Tensor | None = None, ep: Any = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``attend`` without its last residual add -> (h + attention [T, hidden], the MLP's output [T, hidden],
+        topk); h + MLP output is the layer's output (the next layer's ``project`` adds it in its norm)."""
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
-        h = h + self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
-        return h + self.mlp(h, ep), topk
+        o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
+        h, x, xa = self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
+        return h, self._mlp(x, xa, ep), topk
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
@@ -300,12 +325,23 @@ class DSALayer:
         """h [T, hidden] -> the MLP's output [T, hidden] (RMSNorm, then dense SwiGLU or MoE). With ``ep`` (the
         batch's ``cpkv.compose.dispatch.EPBatch``) the routed experts run where they live: every rank of the
         group must call it for every MoE layer, also with T = 0 (it serves its experts to the others)."""
+        _, x, xa = self._add_norm(h, None, "post_attention_layernorm.weight", self._mlp_reader)
+        return self._mlp(x, xa, ep)
+
+    @property
+    def _mlp_reader(self) -> Linear | None:
+        """The Linear reading the MLP's normed input as a QuantAct: the dense MLP's or the shared experts'
+        gate_up (the routed experts quantise their gathered rows themselves)."""
+        pair = self.dense_mlp or self.shared_mlp
+        return pair[0] if pair else None
+
+    def _mlp(self, x: torch.Tensor, xa: Any, ep: Any = None) -> torch.Tensor:
+        """x [T, hidden] (normed), xa: x or its QuantAct -> the MLP's output [T, hidden] (``mlp``)."""
         from cpkv.model.moe import experts, experts_ep, route
 
         w = self.w
-        x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         if self.moe is None:
-            return swiglu(x, *self.dense_mlp)
+            return swiglu(xa, *self.dense_mlp)
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
@@ -315,7 +351,7 @@ class DSALayer:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
         if self.shared_mlp is not None:
-            out = out + swiglu(x, *self.shared_mlp)
+            out = out + swiglu(xa, *self.shared_mlp)
         return out
 
 

@@ -1,0 +1,89 @@
+"""Cases of the fused elementwise kernels, run by Triton's interpreter on CPU tensors (not collected by pytest:
+``test_fused_interpret.py`` runs each case in a subprocess with TRITON_INTERPRET=1, set before Triton loads).
+
+    python tests/kernels/fused_cases.py <case>      exit 0 when every check holds
+
+Triton 3.6's interpreter rounds float32 -> bfloat16 toward zero and float32 -> fp8 e4m3 half-up without
+carrying into the exponent (126.9 -> 64); the GPU rounds both to nearest even (the kernels ask for it).
+``patch_interpreter_rounding`` makes the interpreter round as the GPU does (through torch's conversions), so
+the checks below hold the kernels to the GPU's semantics; the kernels themselves are not changed for it.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+
+def patch_interpreter_rounding() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    targets = {tl.bfloat16: (torch.bfloat16, torch.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8)}
+
+    def convert(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst in targets:
+            to, bits = targets[dst]
+            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(to)
+            return t.view(bits).numpy().reshape(data.shape)
+        return original(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert
+
+
+def within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> bool:
+    """True when every value of ``got`` is within ``ulps`` units in the last place of ``want`` (their dtype)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[want.dtype]
+    w = want.float()
+    _, e = torch.frexp(w)
+    ulp = torch.ldexp(torch.ones_like(w), e - bits).clamp(min=2.0 ** -126)
+    return bool(((got.float() - w).abs() <= ulps * ulp).all())
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def case_add_rms_norm() -> None:
+    from cpkv.kernels.add_norm import triton as kern
+    from cpkv.kernels.add_norm.ref import add_rms_norm_ref
+    from cpkv.kernels.fp8_gemm.ref import act_quant_ref
+    from cpkv.model.linear import empty_quant
+
+    for t, d, dtype, with_delta, quant in [(1, 256, torch.bfloat16, True, True), (7, 640, torch.bfloat16, True, True),
+                                           (5, 300, torch.bfloat16, True, True), (3, 512, torch.bfloat16, False, True),
+                                           (4, 384, torch.float32, True, False), (6, 200, torch.bfloat16, False, False)]:
+        gen = _gen(t * d)
+        h = (torch.randn(t, d, generator=gen) * 3).to(dtype)
+        delta = (torch.randn(t, d, generator=gen) * 2).to(dtype) if with_delta else None
+        if with_delta:
+            delta[0, :128] = -h[0, :128]  # a zero group after the add: scale 0, zeros
+        w = (torch.randn(d, generator=gen) * 0.5 + 1).to(dtype)
+        h_out = torch.full_like(h, float("nan")) if with_delta else None
+        x = torch.full_like(h, float("nan"))
+        q, s = empty_quant(t, d, torch.device("cpu")) if quant else (None, None)
+        kern.add_rms_norm(h, delta, w, 1e-5, h_out, x, q, s)
+        hs, want_x, _ = add_rms_norm_ref(h, delta, w, 1e-5)
+        if with_delta:
+            assert torch.equal(h_out, hs), f"h + delta differs at {(t, d)}"
+        # bf16: one rounding of nearly equal float32 values; float32: the sum order moves rstd by an ulp or two
+        assert within_ulp(x, want_x, 1 if dtype == torch.bfloat16 else 4), f"x beyond the tolerance at {(t, d, dtype)}"
+        assert dtype != torch.bfloat16 or (x == want_x).float().mean() >= 0.9, "bf16 x mostly equal to the reference"
+        if quant:
+            rq, rs = act_quant_ref(x)
+            assert torch.equal(s, rs), f"scales differ at {(t, d)}"
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), f"fp8 bytes differ at {(t, d)}"
+            if with_delta:
+                assert s[0, 0] == 0 and not q[0, :128].float().any()
+    kern.add_rms_norm(torch.empty(0, 256), None, torch.ones(256), 1e-6, None, torch.empty(0, 256))  # T = 0
+
+
+CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+if __name__ == "__main__":
+    patch_interpreter_rounding()
+    CASES[sys.argv[1]]()
+    print(f"{sys.argv[1]}: ok")
