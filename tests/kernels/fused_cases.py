@@ -80,6 +80,41 @@ def case_add_rms_norm() -> None:
     kern.add_rms_norm(torch.empty(0, 256), None, torch.ones(256), 1e-6, None, torch.empty(0, 256))  # T = 0
 
 
+def case_token_rows() -> None:
+    from cpkv.attention.ref import quant_token_kv_ref, row_views
+    from cpkv.config import RopeConfig, RowFormat
+    from cpkv.kernels.token_rows import triton as kern
+    from cpkv.kernels.token_rows.ref import token_kv_ref, token_rows_ref
+    from cpkv.model.ops import Rotary
+
+    yarn = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                      mscale_all_dim=1.0)
+    for t, fmt, dtype, launch in [(9, RowFormat(512, 4, 64), torch.bfloat16, None),
+                                  (3, RowFormat(128, 1, 32), torch.bfloat16, (2, 4)),
+                                  (5, RowFormat(256, 2, 16), torch.float32, None)]:
+        gen = _gen(t)
+        d_l, d_r = fmt.fp8_bytes, fmt.rope_dims
+        kv = (torch.randn(t, d_l + d_r + 8, generator=gen) * 4).to(dtype)[:, 8:]  # a row stride wider than the row
+        kv[0, 128:256 if d_l > 128 else 128] = 0  # a zero latent group (when there are two)
+        w = (torch.randn(d_l, generator=gen) * 0.3 + 1).to(dtype)
+        rot = Rotary.build(torch.arange(t) * 977 + 3, d_r, yarn)
+        rows = torch.zeros(t, fmt.row_bytes, dtype=torch.uint8)
+        out = torch.full((t, d_l + d_r), float("nan"), dtype=dtype)
+        kern.token_rows(kv, w, rot.cos, rot.sin, 1e-6, *row_views(rows, fmt), out=out, launch=launch)
+        want = token_kv_ref(kv, w, rot.cos, rot.sin, 1e-6)
+        assert torch.equal(out[:, d_l:], want[:, d_l:]), f"rope differs at {(t, fmt)}"
+        assert within_ulp(out[:, :d_l], want[:, :d_l], 1 if dtype == torch.bfloat16 else 4), f"latent at {(t, fmt)}"
+        assert torch.equal(rows, quant_token_kv_ref(out, fmt)), f"row bytes of the kernel's values at {(t, fmt)}"
+        ref_rows = token_rows_ref(kv, w, rot.cos, rot.sin, 1e-6, fmt)
+        assert (rows == ref_rows).float().mean() >= 0.95, "row bytes mostly equal to the reference's"
+        again = torch.zeros_like(rows)
+        kern.token_rows(kv, w, rot.cos, rot.sin, 1e-6, *row_views(again, fmt), launch=launch)
+        assert torch.equal(again, rows), "rows without the values output"
+    empty = torch.zeros(0, 656, dtype=torch.uint8)
+    kern.token_rows(torch.zeros(0, 576), torch.ones(512), torch.zeros(0, 32), torch.zeros(0, 32), 1e-6,
+                    *row_views(empty, RowFormat(512, 4, 64)))  # T = 0
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 

@@ -174,7 +174,7 @@ class DSALayer:
         h, x, xa = self._add_norm(h, delta, "input_layernorm.weight", lin["self_attn.q_a_proj"])
         qr = rms_norm(lin["self_attn.q_a_proj"](xa), w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
         kv = lin["self_attn.kv_a_proj_with_mqa"](xa)
-        token = self._token_rows(self._token_kv(kv, rot))
+        token = self._token_rows(kv, rot)
         qa = lin["self_attn.q_b_proj"].prepare(qr)  # for q_b and the indexer's wq_b
         if not self.full:
             return Projected(self._query(qa, rot), token, None, None, None, h)
@@ -199,13 +199,15 @@ class DSALayer:
         rot.interleaved(kv[:, kr:], out=out[:, kr:])
         return out
 
-    def _token_rows(self, kv: torch.Tensor) -> torch.Tensor:
-        """kv float [T, kv_lora + rope] -> uint8 token rows (fp8 quantised, or exact in the KV dtype)."""
+    def _token_rows(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
+        """kv_a output [T, kv_lora + rope] -> uint8 token rows: fp8 (``cpkv.attention.token_rows``: norm, RoPE and
+        quantisation, one kernel on CUDA) or exact rows of ``_token_kv``'s values in the KV dtype."""
         if self.exact:
             from cpkv.model.exact import pack_rows
-            return pack_rows(kv, self.cfg.token_format)
-        from cpkv.attention import quant_token_kv
-        return quant_token_kv(kv, self.cfg.token_format)
+            return pack_rows(self._token_kv(kv, rot), self.cfg.token_format)
+        from cpkv.attention import token_rows
+        return token_rows(kv, self.w["self_attn.kv_a_layernorm.weight"], rot.cos, rot.sin, LATENT_NORM_EPS,
+                          self.cfg.token_format)
 
     def _query(self, qr, rot: Rotary) -> torch.Tensor:
         """qr [T, q_lora] (or its QuantAct) -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or

@@ -11,7 +11,8 @@ A row is one [G_PAD, 128] tile (G_PAD = the next power of two of ceil(D / 128); 
     s, q = per 1 x 128 group of float32(x): s = div_rn(amax, 448), q = rne(clamp(div_rn(x, s), +-448)) e4m3
            (``kernels.fp8_gemm.triton.act_quant``'s rule: a zero group stores scale 0 and zeros); s in the
            caller's strides (``torch._scaled_mm``'s outer-dim-major (1, T4))
-Only the order of the float32 sum of squares differs from the reference. Any T (0 included) and any D.
+Compiled without floating-point contraction (``enable_fp_fusion=False``: no product is fused into a sum), so
+only the order of the float32 sum of squares differs from the reference. Any T (0 included) and any D.
 """
 from __future__ import annotations
 
@@ -66,4 +67,5 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         q if quant else dummy, s if quant else dummy, float(eps), h.stride(0),
         delta.stride(0) if delta is not None else 0, h_out.stride(0) if h_out is not None else 0, x.stride(0),
         q.stride(0) if quant else 0, s.stride(0) if quant else 0, s.stride(1) if quant else 0,
-        D=d, G_PAD=g_pad, HAS_DELTA=delta is not None, QUANT=quant, num_warps=8 if d >= 2048 else 4)
+        D=d, G_PAD=g_pad, HAS_DELTA=delta is not None, QUANT=quant, num_warps=8 if d >= 2048 else 4,
+        enable_fp_fusion=False)
