@@ -1,0 +1,99 @@
+"""GPU tests of the fused elementwise kernels at GLM-5 shapes (skip without CUDA or Triton).
+
+    add + RMSNorm (+ fp8 quantisation), D 6144: h + delta equal to torch's add; x within one bf16 ulp of the
+    float64 RMSNorm (the kernel's float32 value is within a few float32 ulps of it, then rounded once); q / s
+    bytes equal to ``act_quant_ref`` and to the Triton ``act_quant`` of the kernel's x, scales outer-dim-major.
+    token rows (656 B): rope bytes equal to the reference's separate float32 products; the latent within one
+    bf16 ulp of the float64 RMSNorm; row bytes equal to ``quant_token_kv`` of the kernel's own values.
+No device->host synchronisation in either (torch's sync debug mode set to error).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpkv.attention.ref import GLM5_TOKEN, quant_token_kv_ref, row_views
+from cpkv.kernels.fp8_gemm.ref import act_quant_ref
+
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
+
+TOKENS = [1, 77, 4096]
+
+
+def _within_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every value of got within one bf16 ulp of want (bf16)."""
+    w = want.float()
+    _, e = torch.frexp(w)
+    ulp = torch.ldexp(torch.ones_like(w), e - 8).clamp(min=2.0 ** -126)
+    return bool(((got.float() - w).abs() <= ulp).all())
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _no_sync(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("quant", [True, False])
+def test_add_rms_norm_kernel(t, with_delta, quant):
+    from cpkv.model.linear import quant_act
+    from cpkv.model.ops import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    d = 6144
+    h = (torch.randn(t, d, generator=gen, device="cuda") * 3).bfloat16()
+    delta = (torch.randn(t, d, generator=gen, device="cuda") * 2).bfloat16() if with_delta else None
+    if with_delta:
+        delta[0, :128] = -h[0, :128]  # a zero group after the add
+    w = (torch.randn(d, generator=gen, device="cuda") * 0.3 + 1).bfloat16()
+    add_rms_norm(h, delta, w, 1e-5, quant)  # compiles
+    hs, x, qa = _no_sync(lambda: add_rms_norm(h, delta, w, 1e-5, quant))
+    want_h = h + delta if with_delta else h
+    assert torch.equal(hs, want_h)
+    assert _within_ulp(x, _rms64(want_h, w, 1e-5).to(torch.bfloat16))
+    assert (qa is not None) == quant
+    if quant:
+        q, s = act_quant_ref(x)
+        assert qa.s.stride() == (1, max(4, -(-t // 4) * 4)) and qa.x is x
+        assert torch.equal(qa.s, s) and torch.equal(qa.q.view(torch.uint8), q.view(torch.uint8))
+        other = quant_act(x)
+        assert torch.equal(qa.s, other.s) and torch.equal(qa.q.view(torch.uint8), other.q.view(torch.uint8))
+        if with_delta:
+            assert qa.s[0, 0] == 0
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_token_rows_kernel(t):
+    from cpkv.attention import token_rows
+    from cpkv.config import RopeConfig
+    from cpkv.kernels.token_rows import triton as kern
+    from cpkv.kernels.token_rows.ref import token_kv_ref
+    from cpkv.model.ops import Rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + t)
+    kv = (torch.randn(t, 576, generator=gen, device="cuda") * 4).bfloat16()
+    kv[0, 128:256] = 0
+    w = (torch.randn(512, generator=gen, device="cuda") * 0.3 + 1).bfloat16()
+    rope = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+                      mscale_all_dim=1.0)
+    rot = Rotary.build(torch.arange(t, device="cuda") * 7 + 3, 64, rope)
+    rows = _no_sync(lambda: token_rows(kv, w, rot.cos, rot.sin, 1e-6, GLM5_TOKEN))
+    mine = torch.zeros_like(rows)
+    out = torch.empty(t, 576, dtype=torch.bfloat16, device="cuda")
+    kern.token_rows(kv, w, rot.cos, rot.sin, 1e-6, *row_views(mine, GLM5_TOKEN), out=out)
+    assert torch.equal(rows, mine)
+    want = token_kv_ref(kv, w, rot.cos, rot.sin, 1e-6)
+    assert torch.equal(out[:, 512:], want[:, 512:])  # rope: the same float32 products and sums, one rounding
+    assert _within_ulp(out[:, :512], _rms64(kv[:, :512], w, 1e-6).to(torch.bfloat16))
+    assert torch.equal(rows, quant_token_kv_ref(out, GLM5_TOKEN))
+    assert row_views(rows, GLM5_TOKEN)[1][0, 1] == 0  # the zero group's scale
