@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from cpkv.config import ModelConfig
 from cpkv.model.experts import ExpertWeights
 from cpkv.model.linear import Linear, swiglu
-from cpkv.model.ops import Rotary, add_rms_norm, hadamard_rotate, layer_norm, rms_norm, softmax_scale
+from cpkv.model.ops import Rotary, add_rms_norm, layer_norm, rms_norm, softmax_scale
 
 LATENT_NORM_EPS = 1e-6
 LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
@@ -169,23 +169,25 @@ class DSALayer:
     def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None) -> Projected:
         """h [T, hidden] (compute dtype), delta [T, hidden] or None (the previous layer's MLP output, not yet
         added) -> Projected (module docstring)."""
-        cfg, w, lin = self.cfg, self.w, self.lin
+        lin = self.lin
         # x quantised once (fp8) for q_a, kv_a and the indexer's wk, in the add + norm kernel
         h, x, xa = self._add_norm(h, delta, "input_layernorm.weight", lin["self_attn.q_a_proj"])
-        qr = rms_norm(lin["self_attn.q_a_proj"](xa), w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
-        kv = lin["self_attn.kv_a_proj_with_mqa"](xa)
-        token = self._token_rows(kv, rot)
-        qa = lin["self_attn.q_b_proj"].prepare(qr)  # for q_b and the indexer's wq_b
+        # the query latent, normed and quantised once (fp8) for q_b and the indexer's wq_b in one kernel
+        qa = self._add_norm(lin["self_attn.q_a_proj"](xa), None, "self_attn.q_a_layernorm.weight",
+                            lin["self_attn.q_b_proj"], LATENT_NORM_EPS)[2]
+        token = self._token_rows(lin["self_attn.kv_a_proj_with_mqa"](xa), rot)
         if not self.full:
             return Projected(self._query(qa, rot), token, None, None, None, h)
         iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
         return Projected(self._query(qa, rot), token, index, iq, iw, h)
 
-    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None):
-        """(h + delta, x = RMSNorm(h + delta) with weight ``norm``, x as the input of ``reader``: its QuantAct
-        when ``reader`` quantises its input (made in the same kernel), else x)."""
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None,
+                  eps: float | None = None):
+        """(h + delta, x = RMSNorm(h + delta) with weight ``norm`` (eps: the layer norms' by default), x as the
+        input of ``reader``: its QuantAct when ``reader`` quantises its input (made in the same kernel), else x)."""
         quant = reader is not None and reader.quantises(h)
-        h, x, qa = add_rms_norm(h, delta, self.w[norm], self.cfg.rms_norm_eps, quant)
+        eps = self.cfg.rms_norm_eps if eps is None else eps
+        h, x, qa = add_rms_norm(h, delta, self.w[norm], eps, quant)
         return h, x, qa if qa is not None else x
 
     def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
@@ -235,17 +237,20 @@ class DSALayer:
         cfg, w, lin = self.cfg, self.w, self.lin
         t, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
         q = lin["self_attn.indexer.wq_b"](qa).view(t, hi, di)
-        k = layer_norm(lin["self_attn.indexer.wk"](xa), w["self_attn.indexer.k_norm.weight"],
-                       w["self_attn.indexer.k_norm.bias"])
-        q, k = self._rope_first(q, rot), self._rope_first(k, rot)
+        k = lin["self_attn.indexer.wk"](xa)
+        kw, kb = w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"]
         weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
         if self.exact:
             from cpkv.model.exact import pack_rows
-            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
-        from cpkv.indexer import quantize_index_keys, quantize_queries
 
-        iq, iw = quantize_queries(hadamard_rotate(q), weights * di ** -0.5)
-        return iq, iw, quantize_index_keys(hadamard_rotate(k))
+            q, k = self._rope_first(q, rot), self._rope_first(layer_norm(k, kw, kb), rot)
+            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
+        from cpkv.indexer import prepare_index_keys, prepare_index_queries
+
+        # LayerNorm (keys), RoPE on the first dims, Hadamard rotation and quantisation: one kernel each on CUDA
+        r, turn = cfg.qk_rope_head_dim, cfg.indexer_rope == "interleaved"
+        iq, iw = prepare_index_queries(q, weights * di ** -0.5, rot.cos, rot.sin, r, turn)
+        return iq, iw, prepare_index_keys(k, kw, kb, rot.cos, rot.sin, r, turn)
 
     def _rope_first(self, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (interleaved or halves), the rest pass."""

@@ -212,6 +212,11 @@ def _hadamard(n: int, device: str) -> torch.Tensor:
     return (h * n ** -0.5).to(device)
 
 
+def hadamard_matrix(n: int, device: torch.device | str) -> torch.Tensor:
+    """float32 [n, n] H_n / sqrt(n) on ``device`` (built once per size and device), n a power of two."""
+    return _hadamard(n, str(torch.device(device)))
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] float, n a power of two -> x @ H_n / sqrt(n) (the indexer's ``rotate_activation``)."""
     n = x.shape[-1]
