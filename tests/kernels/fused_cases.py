@@ -158,6 +158,23 @@ def case_index_rows() -> None:
         assert near_fp8(q8, want_q), f"query fp8 values at {(t, h, d, r, interleaved)}"
 
 
+def case_swiglu() -> None:
+    from cpkv.kernels.swiglu import triton as kern
+    from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
+
+    for n, i, dtype in [(5, 256, torch.bfloat16), (19, 200, torch.bfloat16), (3, 128, torch.float32)]:
+        gen = _gen(n * i)
+        gu = (torch.randn(n, 2 * i + 6, generator=gen) * 3).to(dtype)[:, 6:]  # a wider row stride
+        rw = torch.rand(n, generator=gen)
+        out = torch.full((n, i), float("nan"), dtype=dtype)
+        kern.swiglu_weighted(gu, rw, out)
+        want = swiglu_weighted_ref(gu, rw)
+        # tl.exp here (the interpreter runs no libdevice) against torch's CPU exp: within an ulp, mostly equal
+        assert within_ulp(out, want, 1 if dtype == torch.bfloat16 else 8), f"at {(n, i, dtype)}"
+        assert dtype != torch.bfloat16 or (out == want).float().mean() >= 0.9, f"mostly equal at {(n, i, dtype)}"
+    kern.swiglu_weighted(torch.zeros(0, 256), torch.zeros(0), torch.zeros(0, 128))  # N = 0
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 

@@ -97,3 +97,58 @@ def test_token_rows_kernel(t):
     assert _within_ulp(out[:, :512], _rms64(kv[:, :512], w, 1e-6).to(torch.bfloat16))
     assert torch.equal(rows, quant_token_kv_ref(out, GLM5_TOKEN))
     assert row_views(rows, GLM5_TOKEN)[1][0, 1] == 0  # the zero group's scale
+
+
+def _near_fp8(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within one e4m3 step, at most 2 % of the values differing."""
+    g, w = got.float(), want.float()
+    return bool(((g - w).abs() <= w.abs() * 2.0 ** -3 + 2.0 ** -9).all()) and float((g != w).float().mean()) <= 0.02
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_index_rows_kernels(t, interleaved):
+    """GLM-5's indexer (32 heads of 128, RoPE on the first 64 dims): keys and queries within the stated tolerance
+    of the torch ops (LayerNorm's and the Hadamard product's sums run in another order): scales and folded
+    weights within 2e-5 relative, fp8 values within one e4m3 step."""
+    from cpkv.indexer import dequantize_index_rows, prepare_index_keys, prepare_index_queries
+    from cpkv.kernels.index_rows.ref import index_keys_ref, index_queries_ref
+    from cpkv.model.ops import Rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(200 + t)
+    rot = Rotary.build(torch.arange(t, device="cuda") * 13, 64, 10000.0)
+    k = (torch.randn(t, 128, generator=gen, device="cuda") * 2).bfloat16()
+    w = (torch.randn(128, generator=gen, device="cuda") * 0.2 + 1).bfloat16()
+    b = (torch.randn(128, generator=gen, device="cuda") * 0.1).bfloat16()
+    q = (torch.randn(t, 32, 128, generator=gen, device="cuda") * 2).bfloat16()
+    wts = torch.rand(t, 32, generator=gen, device="cuda") + 0.1
+    args = (rot.cos, rot.sin, 64, interleaved)
+    prepare_index_keys(k, w, b, *args), prepare_index_queries(q, wts, *args)  # compile, build the Hadamard matrix
+    rows = _no_sync(lambda: prepare_index_keys(k, w, b, *args))
+    q8, folded = _no_sync(lambda: prepare_index_queries(q, wts, *args))
+    got_k, got_s = dequantize_index_rows(rows)
+    want_k, want_s = dequantize_index_rows(index_keys_ref(k, w, b, *args))
+    assert _rel(got_s, want_s) <= 2e-5 and _near_fp8(got_k, want_k)
+    want_q, want_w = index_queries_ref(q, wts, *args)
+    assert _rel(folded, want_w) <= 2e-5 and _near_fp8(q8, want_q)
+
+
+@pytest.mark.parametrize("n", [1, 77, 4096])
+def test_swiglu_weighted_kernel(n):
+    """The bf16 experts' activation (GLM-5: I 2048): libdevice's expf as torch's SiLU, the same three roundings:
+    within one bf16 ulp of ``F.silu(g).mul_(u).mul_(rw)`` everywhere and equal to it at >= 99.9 % of the values
+    (expected: everywhere)."""
+    from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
+    from cpkv.model.experts import swiglu_weighted
+
+    gen = torch.Generator(device="cuda").manual_seed(300 + n)
+    gu = (torch.randn(n, 4096, generator=gen, device="cuda") * 3).bfloat16()
+    rw = torch.rand(n, generator=gen, device="cuda")
+    swiglu_weighted(gu, rw)
+    got = _no_sync(lambda: swiglu_weighted(gu, rw))
+    want = swiglu_weighted_ref(gu, rw)
+    assert _within_ulp(got, want) and float((got == want).float().mean()) >= 0.999

@@ -78,10 +78,23 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
 
 def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
     gu = torch._grouped_mm(xs, ew.gate_up.transpose(1, 2), offs=offs)
-    g, u = gu.chunk(2, dim=-1)
     # the routing weight scales the activation (down is linear), so the outputs come out weighted in xs' dtype
-    act = F.silu(g).mul_(u).mul_(rw[:, None])
-    return torch._grouped_mm(act, ew.down.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(swiglu_weighted(gu, rw), ew.down.transpose(1, 2), offs=offs)
+
+
+def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
+    """gu [N, 2I] (gate | up), rw float32 [N] -> silu(g) * u * rw [N, I] in gu's dtype, rounded after each op as
+    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel on CUDA)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
+
+    if not (platform.use_triton(gu) and gu.stride(-1) == 1):
+        return swiglu_weighted_ref(gu, rw)
+    from cpkv.kernels.swiglu import triton as kern
+
+    out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
+    kern.swiglu_weighted(gu, rw.float().contiguous(), out)
+    return out
 
 
 def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
