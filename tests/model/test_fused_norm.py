@@ -84,3 +84,33 @@ def _small_glm5():
                                index_head_dim=64, index_topk=16, intermediate_size=128, vocab_size=256,
                                moe_intermediate_size=32, n_routed_experts=8, n_group=2, topk_group=1,
                                num_experts_per_tok=2, first_k_dense_replace=1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_index_refs_equal_the_indexer_quantisation(interleaved):
+    """The fused indexer op's reference (its own copy of the quantisation rule) gives the bytes of the layer's
+    former path: LayerNorm, RoPE on the first dims, hadamard_rotate, quantize_index_keys / quantize_queries;
+    and the dispatch on CPU is that reference."""
+    from cpkv.indexer import prepare_index_keys, prepare_index_queries, quantize_index_keys, quantize_queries
+    from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm
+
+    gen = torch.Generator().manual_seed(7)
+    t, h, d, r = 11, 4, 128, 64
+    rot = Rotary.build(torch.arange(t) * 3, r, 10000.0)
+    turn = rot.interleaved if interleaved else rot.halves
+    k = torch.randn(t, d, generator=gen).bfloat16()
+    k[2] = 0  # LayerNorm of a constant row: the bias
+    w, b = torch.randn(d, generator=gen).bfloat16(), torch.randn(d, generator=gen).bfloat16()
+    q = torch.randn(t, h, d, generator=gen).bfloat16()
+    wts = torch.rand(t, h, generator=gen)
+
+    def first(x):
+        out = x.float().clone()
+        turn(x[..., :r], out=out[..., :r])
+        return out
+
+    want_rows = quantize_index_keys(hadamard_rotate(first(layer_norm(k, w, b))))
+    assert torch.equal(prepare_index_keys(k, w, b, rot.cos, rot.sin, r, interleaved), want_rows)
+    want_q, want_w = quantize_queries(hadamard_rotate(first(q)), wts)
+    got_q, got_w = prepare_index_queries(q, wts, rot.cos, rot.sin, r, interleaved)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_w, want_w)

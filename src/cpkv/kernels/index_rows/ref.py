@@ -4,7 +4,7 @@
         the first r dims rotated (pairs (x[2i], x[2i+1]) or halves (x[i], x[i + r/2]): (a c - b s, a s + b c)),
         the rest passed (x's first dim is the token)
     index_keys_ref(k [T, D], weight [D], bias [D], cos, sin, r, interleaved, eps)
-        -> uint8 [T, D + 4] = quantize_index_keys(hadamard_rotate(rope_first(LayerNorm(k))))
+        -> uint8 [T, D + 4] = quantize_index_keys(hadamard_rotate(rope_first(LayerNorm(k)))) (index row layout)
     index_queries_ref(q [T, H, D], weights float32 [T, H], cos, sin, r, interleaved)
         -> (fp8 [T, H, D], float32 [T, H]) = quantize_queries(hadamard_rotate(rope_first(q)), weights)
 """
@@ -13,8 +13,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpkv.indexer.quant import quantize_index_keys, quantize_queries
 from cpkv.model.ops import hadamard_rotate
+
+FP8_MAX, MIN_SCALE = 448.0, 1e-10  # cpkv.indexer.quant's (not imported: it dispatches here)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x float32 [..., D] -> (fp8 [..., D], scale float32 [...]): ``cpkv.indexer.quant``'s rule, scale =
+    max(amax / 448 (IEEE quotient), 1e-10), fp8 = rne(x / scale) (tests hold the two to the same bytes)."""
+    amax = x.abs().amax(dim=-1)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=MIN_SCALE)
+    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
 def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, interleaved: bool) -> torch.Tensor:
@@ -36,10 +45,15 @@ def index_keys_ref(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, co
                    r: int, interleaved: bool, eps: float = 1e-6) -> torch.Tensor:
     """uint8 index rows [T, D + 4] (module docstring)."""
     kn = F.layer_norm(k.float(), (k.shape[-1],), weight.float(), bias.float(), eps)
-    return quantize_index_keys(hadamard_rotate(rope_first(kn, cos, sin, r, interleaved)))
+    fp8, scale = quantize_rows(hadamard_rotate(rope_first(kn, cos, sin, r, interleaved)))
+    rows = torch.empty(k.shape[0], k.shape[1] + 4, dtype=torch.uint8, device=k.device)
+    rows[:, : k.shape[1]] = fp8.view(torch.uint8)
+    rows[:, k.shape[1]:] = scale[:, None].view(torch.uint8)
+    return rows
 
 
 def index_queries_ref(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int,
                       interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 queries [T, H, D], folded weights float32 [T, H]) (module docstring)."""
-    return quantize_queries(hadamard_rotate(rope_first(q, cos, sin, r, interleaved)), weights)
+    fp8, scale = quantize_rows(hadamard_rotate(rope_first(q, cos, sin, r, interleaved)))
+    return fp8, weights.float() * scale
