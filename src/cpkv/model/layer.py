@@ -185,8 +185,12 @@ class DSALayer:
                   eps: float | None = None):
         """(h + delta, x = RMSNorm(h + delta) with weight ``norm`` (eps: the layer norms' by default), x as the
         input of ``reader``: its QuantAct when ``reader`` quantises its input (made in the same kernel), else x)."""
-        quant = reader is not None and reader.quantises(h)
         eps = self.cfg.rms_norm_eps if eps is None else eps
+        if self.exact:  # --precision exact keeps torch's separate add, norm and (fp8 weights) quantisation
+            h = h if delta is None else h + delta
+            x = rms_norm(h, self.w[norm], eps)
+            return h, x, reader.prepare(x) if reader is not None else x
+        quant = reader is not None and reader.quantises(h)
         h, x, qa = add_rms_norm(h, delta, self.w[norm], eps, quant)
         return h, x, qa if qa is not None else x
 
