@@ -152,3 +152,30 @@ def test_swiglu_weighted_kernel(n):
     got = _no_sync(lambda: swiglu_weighted(gu, rw))
     want = swiglu_weighted_ref(gu, rw)
     assert _within_ulp(got, want) and float((got == want).float().mean()) >= 0.999
+
+
+@pytest.mark.parametrize("t", [1, 77, 1000])
+def test_moe_gathers_the_quantised_rows(t):
+    """fp8 experts given x's quantised rows (the fused norm's QuantAct) gather them per (token, expert) pair instead
+    of gathering x and quantising again: the same bytes into the grouped GEMMs, so the same output bit for bit."""
+    from cpkv.model.experts import ExpertWeights
+    from cpkv.model.linear import quant_act
+    from cpkv.model.moe import experts
+    from cpkv.model.weights import quant_fp8_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(400 + t)
+    e, d, i, k = 8, 6144, 2048, 4
+
+    def stack(n, kk):
+        pairs = [quant_fp8_blocks(torch.randn(n, kk, generator=gen, device="cuda") / kk ** 0.5) for _ in range(e)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    (gu, gus), (dn, dns) = stack(2 * i, d), stack(d, i)
+    ew = ExpertWeights(gu, dn, gus, dns)
+    x = torch.randn(t, d, generator=gen, device="cuda").bfloat16()
+    idx = torch.randint(0, e, (t, k), generator=gen, device="cuda")
+    w = torch.rand(t, k, generator=gen, device="cuda")
+    qa = quant_act(x)
+    want = experts(x, idx, w, ew)
+    got = _no_sync(lambda: experts(x, idx, w, ew, xq=(qa.q, qa.s)))
+    assert torch.equal(got, want)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
 from cpkv.model.experts import ExpertWeights
-from cpkv.model.linear import Linear, swiglu
+from cpkv.model.linear import Linear, QuantAct, swiglu
 from cpkv.model.ops import Rotary, add_rms_norm, layer_norm, rms_norm, softmax_scale
 
 LATENT_NORM_EPS = 1e-6
@@ -356,8 +356,8 @@ class DSALayer:
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
-        elif len(self.experts) == self.cfg.n_routed_experts:
-            out = experts(x, idx, weights, self.moe)
+        elif len(self.experts) == self.cfg.n_routed_experts:  # x's fp8 rows (made by the norm) gathered per pair
+            out = experts(x, idx, weights, self.moe, xq=(xa.q, xa.s) if isinstance(xa, QuantAct) else None)
         else:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
