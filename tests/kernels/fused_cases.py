@@ -15,12 +15,17 @@ import sys
 import numpy as np
 import torch
 
+SKIP = 77  # exit status: the case cannot run on this Triton (the pytest wrapper skips it)
+
 
 def patch_interpreter_rounding() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter._convert_float
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:  # another Triton whose interpreter converts elsewhere: the checks cannot be trusted
+        print("this Triton's interpreter has no _convert_float to patch")
+        sys.exit(SKIP)
     targets = {tl.bfloat16: (torch.bfloat16, torch.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8)}
 
     def convert(data, src, dst, rounding_mode):

@@ -26,5 +26,7 @@ def test_fused_kernel_under_the_interpreter(case):
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run([sys.executable, str(HERE / "fused_cases.py"), case], env=env, capture_output=True,
                          text=True, timeout=600)
+    if run.returncode == 77:
+        pytest.skip(run.stdout.strip())
     assert run.returncode == 0, f"{case}: {run.stdout[-2000:]}{run.stderr[-4000:]}"
     assert f"{case}: ok" in run.stdout
