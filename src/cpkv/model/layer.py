@@ -2,10 +2,10 @@
 
     project(h, rotary, delta)              h [T, hidden] (a rank's own query tokens), delta: the previous
                                            layer's MLP output not yet added (None: h is the layer's input)
-        -> Projected: h     [T, hidden]                    the layer's input h + delta (added in its norm)
+        -> Projected: h     [T, hidden]               the layer's input h + delta (added in its norm)
                       q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
-                      token uint8 [T, token row_bytes]  latent KV + rope key (fp8: quant_token_kv)
-                      index uint8 [T, index row_bytes]  indexer key (fp8: quantize_index_keys); None on a
+                      token uint8 [T, token row_bytes]  latent KV + rope key (fp8: attention.token_rows)
+                      index uint8 [T, index row_bytes]  indexer key (fp8: indexer.prepare_index_keys); None on a
                                                         shared layer, which keeps no index rows
                       iq [T, Hi, Di], iw float32 [T, Hi]  indexer queries and head weights (full layers)
     ... the rank writes the layer's kinds of rows, compose builds the batch's dense buffers ...
@@ -341,8 +341,8 @@ class DSALayer:
 
     @property
     def _mlp_reader(self) -> Linear | None:
-        """The Linear reading the MLP's normed input as a QuantAct: the dense MLP's or the shared experts'
-        gate_up (the routed experts quantise their gathered rows themselves)."""
+        """The Linear whose quantisation decides the MLP's normed input's: the dense MLP's or the shared experts'
+        gate_up (the routed experts, without expert parallelism, gather the same quantised rows per pair)."""
         pair = self.dense_mlp or self.shared_mlp
         return pair[0] if pair else None
 

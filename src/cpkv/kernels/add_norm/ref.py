@@ -14,13 +14,7 @@ from __future__ import annotations
 import torch
 
 from cpkv.kernels.fp8_gemm.ref import act_quant_ref
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> x's dtype: (x * rsqrt(mean(x^2) + eps)) * weight in float32, rounded once."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+from cpkv.model.ops import rms_norm_ref
 
 
 def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
