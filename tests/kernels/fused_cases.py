@@ -180,6 +180,53 @@ def case_swiglu() -> None:
     kern.swiglu_weighted(torch.zeros(0, 256), torch.zeros(0), torch.zeros(0, 128))  # N = 0
 
 
+def case_dispatch() -> None:
+    """The dispatch points' Triton branches (buffers, views, strides) on CPU tensors: ``use_triton`` forced on for
+    them only, their results against the same calls' torch path."""
+    from cpkv.attention import quant as attention_quant
+    from cpkv.attention.ref import GLM5_TOKEN, row_views
+    from cpkv.indexer import dequantize_index_rows, prepare_index_keys, prepare_index_queries
+    from cpkv.kernels import platform
+    from cpkv.model.experts import swiglu_weighted
+    from cpkv.model.ops import Rotary, add_rms_norm
+
+    gen = _gen(11)
+    t = 6
+    h, delta = (torch.randn(2, t, 1024, generator=gen) * 2).bfloat16()
+    w = (torch.randn(1024, generator=gen) + 1).bfloat16()
+    kv = (torch.randn(t, 576, generator=gen) * 3).bfloat16()
+    kw = (torch.randn(512, generator=gen) * 0.2 + 1).bfloat16()
+    rot = Rotary.build(torch.arange(t) * 5, 64, 10000.0)
+    k, lw, lb = torch.randn(t, 128, generator=gen).bfloat16(), torch.ones(128).bfloat16(), torch.zeros(128).bfloat16()
+    q, wts = torch.randn(t, 8, 128, generator=gen).bfloat16(), torch.rand(t, 8, generator=gen)
+    gu, rw = torch.randn(t, 512, generator=gen).bfloat16(), torch.rand(t, generator=gen)
+
+    def run():
+        return (add_rms_norm(h, delta, w, 1e-5, quant=True),
+                attention_quant.token_rows(kv, kw, rot.cos, rot.sin, 1e-6, GLM5_TOKEN),
+                prepare_index_keys(k, lw, lb, rot.cos, rot.sin, 64, True),
+                prepare_index_queries(q, wts, rot.cos, rot.sin, 64, True), swiglu_weighted(gu, rw))
+
+    want = run()
+    forced = lambda x: True  # noqa: E731
+    platform.use_triton, attention_quant.use_triton = forced, forced
+    got = run()
+    (hs, x, qa), (whs, wx, wqa) = got[0], want[0]
+    assert torch.equal(hs, whs) and within_ulp(x, wx)
+    assert qa.s.stride() == (1, 8) and qa.x is x  # empty_quant's outer-dim-major scales (T rounded up to 8)
+    from cpkv.kernels.fp8_gemm.ref import act_quant_ref
+    rq, rs = act_quant_ref(x)
+    assert torch.equal(qa.s, rs) and torch.equal(qa.q.view(torch.uint8), rq.view(torch.uint8))
+    fmt = GLM5_TOKEN
+    assert torch.equal(row_views(got[1], fmt)[2], row_views(want[1], fmt)[2])  # rope bytes
+    assert rel(row_views(got[1], fmt)[1], row_views(want[1], fmt)[1]) <= 2 ** -7  # scales (latent within an ulp)
+    gk, gs = dequantize_index_rows(got[2])
+    wk, ws = dequantize_index_rows(want[2])
+    assert rel(gs, ws) <= 1e-5 and near_fp8(gk, wk)
+    assert got[3][0].shape == (t, 8, 128) and rel(got[3][1], want[3][1]) <= 1e-5 and near_fp8(got[3][0], want[3][0])
+    assert within_ulp(got[4], want[4])
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 
