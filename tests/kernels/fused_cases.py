@@ -163,6 +163,22 @@ def case_index_rows() -> None:
         assert near_fp8(q8, want_q), f"query fp8 values at {(t, h, d, r, interleaved)}"
 
 
+def case_head_weights() -> None:
+    from cpkv.kernels.index_rows import triton as kern
+    from cpkv.kernels.index_rows.ref import head_weights_ref
+
+    for t, k, n in [(37, 300, 32), (1, 256, 4), (70, 128, 20)]:
+        gen = _gen(t + k)
+        x = torch.randn(t, k + 2, generator=gen).bfloat16()[:, 2:]  # a wider row stride
+        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        out = torch.full((t, n), float("nan"))
+        kern.head_weights(x, w, 0.125, out)
+        want = head_weights_ref(x, w, 0.125)
+        bound = (x.float().abs() @ w.abs().t()) * 0.125 * 2.0 ** -20  # float32 sums in another order
+        assert bool(((out - want).abs() <= bound).all()), f"head weights at {(t, k, n)}"
+    kern.head_weights(torch.zeros(0, 64), torch.zeros(8, 64), 1.0, torch.zeros(0, 8))  # T = 0
+
+
 def case_swiglu() -> None:
     from cpkv.kernels.swiglu import triton as kern
     from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
@@ -185,7 +201,7 @@ def case_dispatch() -> None:
     them only, their results against the same calls' torch path."""
     from cpkv.attention import quant as attention_quant
     from cpkv.attention.ref import GLM5_TOKEN, row_views
-    from cpkv.indexer import dequantize_index_rows, prepare_index_keys, prepare_index_queries
+    from cpkv.indexer import dequantize_index_rows, head_weights, prepare_index_keys, prepare_index_queries
     from cpkv.kernels import platform
     from cpkv.model.experts import swiglu_weighted
     from cpkv.model.ops import Rotary, add_rms_norm
@@ -200,12 +216,14 @@ def case_dispatch() -> None:
     k, lw, lb = torch.randn(t, 128, generator=gen).bfloat16(), torch.ones(128).bfloat16(), torch.zeros(128).bfloat16()
     q, wts = torch.randn(t, 8, 128, generator=gen).bfloat16(), torch.rand(t, 8, generator=gen)
     gu, rw = torch.randn(t, 512, generator=gen).bfloat16(), torch.rand(t, generator=gen)
+    pw = torch.randn(32, 1024, generator=gen) / 32
 
     def run():
         return (add_rms_norm(h, delta, w, 1e-5, quant=True),
                 attention_quant.token_rows(kv, kw, rot.cos, rot.sin, 1e-6, GLM5_TOKEN),
                 prepare_index_keys(k, lw, lb, rot.cos, rot.sin, 64, True),
-                prepare_index_queries(q, wts, rot.cos, rot.sin, 64, True), swiglu_weighted(gu, rw))
+                prepare_index_queries(q, wts, rot.cos, rot.sin, 64, True), swiglu_weighted(gu, rw),
+                head_weights(h, pw, 0.25))
 
     want = run()
     forced = lambda x: True  # noqa: E731
@@ -225,6 +243,7 @@ def case_dispatch() -> None:
     assert rel(gs, ws) <= 1e-5 and near_fp8(gk, wk)
     assert got[3][0].shape == (t, 8, 128) and rel(got[3][1], want[3][1]) <= 1e-5 and near_fp8(got[3][0], want[3][0])
     assert within_ulp(got[4], want[4])
+    assert bool(((got[5] - want[5]).abs() <= (h.float().abs() @ pw.abs().t()) * 0.25 * 2.0 ** -20).all())
 
 
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

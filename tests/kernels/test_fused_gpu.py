@@ -179,3 +179,20 @@ def test_moe_gathers_the_quantised_rows(t):
     want = experts(x, idx, w, ew)
     got = _no_sync(lambda: experts(x, idx, w, ew, xq=(qa.q, qa.s)))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_head_weights_kernel(t):
+    """The indexer's head weights (GLM-5: [T, 6144] bf16 x float32 [32, 6144]) without a float32 copy of x: within
+    float32 rounding of cuBLAS's float32 GEMM (2^-20 of the sum of |products|)."""
+    from cpkv.indexer import head_weights
+    from cpkv.kernels.index_rows.ref import head_weights_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(500 + t)
+    x = torch.randn(t, 6144, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(32, 6144, generator=gen, device="cuda") / 80
+    head_weights(x, w, 32 ** -0.5)
+    got = _no_sync(lambda: head_weights(x, w, 32 ** -0.5))
+    want = head_weights_ref(x, w, 32 ** -0.5)
+    bound = (x.float().abs() @ w.abs().t()) * 32 ** -0.5 * 2.0 ** -20
+    assert got.dtype == torch.float32 and bool(((got - want).abs() <= bound).all())

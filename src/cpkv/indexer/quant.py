@@ -10,6 +10,7 @@ GLM-5 / DeepSeek-V3.2: D = 128, so 132 B per token.
 Queries get one scale per (token, head); since relu(s * x) = s * relu(x) for s > 0 it is folded
 into the indexer weights: weights_folded[t, h] = weights[t, h] * q_scale[t, h].
 
+``head_weights``: the head weights from the layer's input (``weights_proj`` in float32, no float32 copy of x).
 ``prepare_index_keys`` / ``prepare_index_queries``: the layer's whole way from the projections (LayerNorm of the
 keys, RoPE on the first dims, Hadamard rotation, quantisation): one Triton kernel each on CUDA
 (``cpkv.kernels.index_rows``), the torch ops of ``cpkv.kernels.index_rows.ref`` elsewhere.
@@ -119,6 +120,22 @@ def prepare_index_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Ten
     kern.index_rows(_unit_cols(q).reshape(t * h, d), h, cos, sin, rope_dims, interleaved, hadamard_matrix(d, q.device),
                     q_fp8.view(t * h, d), folded.view(-1), weights=weights.float().contiguous().view(-1))
     return q_fp8, folded
+
+
+def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, K] (the layer's normed input, compute dtype), weight float32 [N, K] (``weights_proj``) -> float32
+    [T, N] = F.linear(float32(x), weight) * scale: a Triton kernel on CUDA reading x as it is (no float32 copy;
+    float32 products and sums, in another order than cuBLAS's: within float32 rounding of it)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.index_rows import ref
+
+    if not (platform.use_triton(x) and x.dim() == 2 and weight.dtype == torch.float32):
+        return ref.head_weights_ref(x, weight, scale)
+    from cpkv.kernels.index_rows import triton as kern
+
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    kern.head_weights(_unit_cols(x), weight.contiguous(), scale, out)
+    return out
 
 
 def _fits(d: int, rope_dims: int) -> bool:

@@ -243,13 +243,15 @@ class DSALayer:
         q = lin["self_attn.indexer.wq_b"](qa).view(t, hi, di)
         k = lin["self_attn.indexer.wk"](xa)
         kw, kb = w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"]
-        weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
         if self.exact:
             from cpkv.model.exact import pack_rows
 
+            weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
             q, k = self._rope_first(q, rot), self._rope_first(layer_norm(k, kw, kb), rot)
             return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
-        from cpkv.indexer import prepare_index_keys, prepare_index_queries
+        from cpkv.indexer import head_weights, prepare_index_keys, prepare_index_queries
+
+        weights = head_weights(x, w["self_attn.indexer.weights_proj.weight"], hi ** -0.5)
 
         # LayerNorm (keys), RoPE on the first dims, Hadamard rotation and quantisation: one kernel each on CUDA
         r, turn = cfg.qk_rope_head_dim, cfg.indexer_rope == "interleaved"

@@ -5,6 +5,7 @@
         the rest passed (x's first dim is the token)
     index_keys_ref(k [T, D], weight [D], bias [D], cos, sin, r, interleaved, eps)
         -> uint8 [T, D + 4] = quantize_index_keys(hadamard_rotate(rope_first(LayerNorm(k)))) (index row layout)
+    head_weights_ref(x [T, K], w float32 [N, K], scale) -> float32 [T, N] = F.linear(float32(x), w) * scale
     index_queries_ref(q [T, H, D], weights float32 [T, H], cos, sin, r, interleaved)
         -> (fp8 [T, H, D], float32 [T, H]) = quantize_queries(hadamard_rotate(rope_first(q)), weights)
 """
@@ -57,3 +58,8 @@ def index_queries_ref(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor,
     """(fp8 queries [T, H, D], folded weights float32 [T, H]) (module docstring)."""
     fp8, scale = quantize_rows(hadamard_rotate(rope_first(q, cos, sin, r, interleaved)))
     return fp8, weights.float() * scale
+
+
+def head_weights_ref(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """The indexer's head weights float32 [T, N] (module docstring)."""
+    return F.linear(x.float(), w.float()) * scale

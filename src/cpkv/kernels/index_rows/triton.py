@@ -14,6 +14,10 @@ BLOCK_R rows per program, each row a [D] vector (token = row // heads):
                        scale = max(div_rn(amax |y|, 448), 1e-10), fp8 = rne(clamp(div_rn(y, scale), +-448))
     out                keys: the scale (the index row's float32); queries (``weights``): weights * scale (the
                        folded head weight)
+    head_weights(x [T, K] bf16/f32, w float32 [N, K], scale, out float32 [T, N])
+        out = (float32(x) @ w^T) * scale: the indexer's head weights (``weights_proj`` kept in float32) without
+        a float32 copy of x; ``tl.dot`` in ieee float32 (FMA units: N is 32), BLOCK_M rows per program
+
 Compiled without floating-point contraction. Not bit-equal to the reference: LayerNorm's reductions and the
 Hadamard sums run in another order than torch's (float32 values within a few ulps): scales agree within 2e-5
 relative, fp8 values within one e4m3 step (a value near a rounding midpoint can fall on either side).
@@ -96,3 +100,38 @@ def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
         x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
         INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=BLOCK_R,
         PRECISION=DOT_PRECISION, num_warps=4, enable_fp_fusion=False)
+
+
+HEAD_BLOCKS = (64, 64)  # head_weights: (rows, K) per tile
+
+
+@_jit
+def _head_weights(X, W, OUT, T, N, scale, stride_x, stride_w, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < T
+    r64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K a compile-time constant (the model's hidden size)
+        kmask = k0 + ks < K
+        a = tl.load(X + r64[:, None] * stride_x + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        b = tl.load(W + cols[None, :].to(tl.int64) * stride_w + (k0 + ks)[:, None],
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    tl.store(OUT + r64[:, None] * stride_o + cols[None, :], acc * scale, mask=rmask[:, None] & cmask[None, :])
+
+
+def head_weights(x: torch.Tensor, w: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Writes out [T, N] = (float32(x) @ w^T) * scale (module docstring); unit column strides."""
+    t, k = x.shape
+    n = w.shape[0]
+    if t == 0:
+        return
+    bm, bk = HEAD_BLOCKS
+    _head_weights[check_grid((cdiv(t, bm),))](
+        x, w, out, t, n, float(scale), x.stride(0), w.stride(0), out.stride(0), K=k, BLOCK_M=bm,
+        BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_K=bk, num_warps=4, enable_fp_fusion=False)
