@@ -38,13 +38,16 @@ def patch_interpreter_rounding() -> None:
     interpreter._convert_float = convert
 
 
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """float32: one unit in the last place of each value of x in x's dtype."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[x.dtype]
+    _, e = torch.frexp(x.float())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - bits).clamp(min=2.0 ** -126)
+
+
 def within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> bool:
     """True when every value of ``got`` is within ``ulps`` units in the last place of ``want`` (their dtype)."""
-    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[want.dtype]
-    w = want.float()
-    _, e = torch.frexp(w)
-    ulp = torch.ldexp(torch.ones_like(w), e - bits).clamp(min=2.0 ** -126)
-    return bool(((got.float() - w).abs() <= ulps * ulp).all())
+    return bool(((got.float() - want.float()).abs() <= ulps * ulp(want)).all())
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -177,6 +180,25 @@ def case_head_weights() -> None:
         bound = (x.float().abs() @ w.abs().t()) * 0.125 * 2.0 ** -20  # float32 sums in another order
         assert bool(((out - want).abs() <= bound).all()), f"head weights at {(t, k, n)}"
     kern.head_weights(torch.zeros(0, 64), torch.zeros(8, 64), 1.0, torch.zeros(0, 8))  # T = 0
+
+
+def case_combine() -> None:
+    from cpkv.kernels.combine import triton as kern
+    from cpkv.kernels.combine.ref import combine_ref
+
+    for t, k, d, with_add, dtype in [(5, 4, 300, True, torch.bfloat16), (9, 8, 512, False, torch.bfloat16),
+                                     (3, 2, 1030, True, torch.float32)]:
+        gen = _gen(t * k + d)
+        y = (torch.randn(t * k + 3, d, generator=gen) * 2).to(dtype)  # 3 padding rows nobody reads
+        inv = torch.randperm(t * k, generator=gen)
+        add = (torch.randn(t, d, generator=gen)).to(dtype) if with_add else None
+        out = torch.full((t, d), float("nan"), dtype=dtype)
+        kern.combine(y, inv, add, out)
+        want, part = combine_ref(y, inv, t, k, add), combine_ref(y, inv, t, k)
+        n = 1 if dtype == torch.bfloat16 else 8  # an ulp of the sum (other order), then one of the add
+        assert bool(((out.float() - want.float()).abs() <= n * (ulp(part) + ulp(want))).all()), f"at {(t, k, d)}"
+        assert dtype != torch.bfloat16 or (out == want).float().mean() >= 0.9
+    kern.combine(torch.zeros(0, 64), torch.zeros(0, dtype=torch.int64), None, torch.zeros(0, 64))  # T = 0
 
 
 def case_swiglu() -> None:

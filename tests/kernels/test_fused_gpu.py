@@ -196,3 +196,28 @@ def test_head_weights_kernel(t):
     want = head_weights_ref(x, w, 32 ** -0.5)
     bound = (x.float().abs() @ w.abs().t()) * 32 ** -0.5 * 2.0 ** -20
     assert got.dtype == torch.float32 and bool(((got - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("with_add", [True, False])
+def test_combine_kernel(t, with_add):
+    """GLM-5's combine (k 8, D 6144): each token's 8 rows gathered and summed in one kernel, within one bf16 ulp of
+    torch's gather + reduction (its float32 sum pairs the rows in another order), then one of the add."""
+    from cpkv.kernels.combine.ref import combine_ref
+    from cpkv.model.moe import combine_pairs
+
+    gen = torch.Generator(device="cuda").manual_seed(600 + t)
+    k, d = 8, 6144
+    y = torch.randn(t * k, d, generator=gen, device="cuda").bfloat16()
+    order = torch.randperm(t * k, generator=gen, device="cuda")
+    add = torch.randn(t, d, generator=gen, device="cuda").bfloat16() if with_add else None
+    combine_pairs(y, order, t, k, add)
+    got = _no_sync(lambda: combine_pairs(y, order, t, k, add))
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device="cuda"))
+    want, part = combine_ref(y, inv, t, k, add), combine_ref(y, inv, t, k)
+
+    def ulp(x):
+        _, e = torch.frexp(x.float())
+        return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8).clamp(min=2.0 ** -126)
+
+    assert bool(((got.float() - want.float()).abs() <= ulp(part) + ulp(want)).all())

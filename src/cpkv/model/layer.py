@@ -356,16 +356,15 @@ class DSALayer:
         if self.moe is None:
             return swiglu(xa, *self.dense_mlp)
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
+        shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
-        elif len(self.experts) == self.cfg.n_routed_experts:  # x's fp8 rows (made by the norm) gathered per pair
-            out = experts(x, idx, weights, self.moe, xq=(xa.q, xa.s) if isinstance(xa, QuantAct) else None)
-        else:
+            return out if shared is None else out + shared
+        if len(self.experts) != self.cfg.n_routed_experts:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
-        if self.shared_mlp is not None:
-            out = out + swiglu(xa, *self.shared_mlp)
-        return out
+        # x's fp8 rows (made by the norm) gathered per pair; the shared experts' output added in the combine
+        return experts(x, idx, weights, self.moe, xq=(xa.q, xa.s) if isinstance(xa, QuantAct) else None, add=shared)
 
 
 def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:

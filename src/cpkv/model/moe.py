@@ -45,10 +45,12 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor | ExpertWeights,
-            down: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            down: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+            add: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] (or ExpertWeights as
     ``gate_up``, fp8 ones included) -> [T, D] (x's dtype). ``xq``: x quantised already (fp8 [T, D], float32
-    scales (T, ceil(D/128)), any strides: a QuantAct's q, s), for fp8 experts on the grouped kernel.
+    scales (T, ceil(D/128)), any strides: a QuantAct's q, s), for fp8 experts on the grouped kernel. ``add``
+    [T, D]: added to the result in its combine (the shared experts' output).
 
     Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
     one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs. With ``xq`` the
@@ -65,7 +67,7 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
         y = grouped_swiglu(shape, offs, w.reshape(-1)[order], ew, pairs)
     else:
         y = grouped_swiglu(x.index_select(0, rows), offs, w.reshape(-1)[order], ew)
-    return combine_pairs(y, order, t, k)
+    return combine_pairs(y, order, t, k, add)
 
 
 def expert_block(rank: int, cp: int, num_experts: int) -> range:
@@ -97,11 +99,23 @@ def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     return order, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (one reduction, float32
-    accumulation, one rounding)."""
+def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (float32 accumulation, one
+    rounding), plus ``add`` [T, D] when given (one more rounding). One Triton kernel on CUDA (the k rows gathered
+    and summed in one pass, ``cpkv.kernels.combine``: within one ulp of the reduction's other summation order);
+    elsewhere the gather, the reduction and the add."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.combine.ref import combine_ref
+
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=y.device))
-    return y.index_select(0, inv).view(t, k, y.shape[1]).sum(dim=1)
+    fits = y.stride(-1) == 1 and (add is None or add.stride(-1) == 1 and add.dtype == y.dtype)
+    if not (platform.use_triton(y) and fits):
+        return combine_ref(y, inv, t, k, add)
+    from cpkv.kernels.combine import triton as kern
+
+    out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+    kern.combine(y, inv, add, out)
+    return out
 
 
 def experts_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
