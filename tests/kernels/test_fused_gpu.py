@@ -1,11 +1,14 @@
-"""GPU tests of the fused elementwise kernels at GLM-5 shapes (skip without CUDA or Triton).
+"""GPU tests of the fused elementwise kernels at GLM-5 shapes (skip without CUDA or Triton), T = 1, 77, 4096.
 
     add + RMSNorm (+ fp8 quantisation), D 6144: h + delta equal to torch's add; x within one bf16 ulp of the
     float64 RMSNorm (the kernel's float32 value is within a few float32 ulps of it, then rounded once); q / s
     bytes equal to ``act_quant_ref`` and to the Triton ``act_quant`` of the kernel's x, scales outer-dim-major.
     token rows (656 B): rope bytes equal to the reference's separate float32 products; the latent within one
     bf16 ulp of the float64 RMSNorm; row bytes equal to ``quant_token_kv`` of the kernel's own values.
-No device->host synchronisation in either (torch's sync debug mode set to error).
+    indexer keys / queries: scales within 2e-5, fp8 within one e4m3 step; head weights within 2^-20 of the sum
+    of |products|; the bf16 experts' activation and the MoE combine within one bf16 ulp; the MoE's gather of
+    quantised rows bit-identical to quantising the gathered rows.
+No device->host synchronisation in any of them (torch's sync debug mode set to error on the second call).
 """
 from __future__ import annotations
 

@@ -364,7 +364,8 @@ class DSALayer:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
         # x's fp8 rows (made by the norm) gathered per pair; the shared experts' output added in the combine
-        return experts(x, idx, weights, self.moe, xq=(xa.q, xa.s) if isinstance(xa, QuantAct) else None, add=shared)
+        xq = (xa.q, xa.s) if isinstance(xa, QuantAct) else None
+        return experts(x, idx, weights, self.moe, xq=xq, add=shared, fused=not self.exact)
 
 
 def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:

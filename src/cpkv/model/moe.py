@@ -46,11 +46,12 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
 
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor | ExpertWeights,
             down: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-            add: torch.Tensor | None = None) -> torch.Tensor:
+            add: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
     """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] (or ExpertWeights as
     ``gate_up``, fp8 ones included) -> [T, D] (x's dtype). ``xq``: x quantised already (fp8 [T, D], float32
     scales (T, ceil(D/128)), any strides: a QuantAct's q, s), for fp8 experts on the grouped kernel. ``add``
-    [T, D]: added to the result in its combine (the shared experts' output).
+    [T, D]: added to the result in its combine (the shared experts' output). ``fused`` False: the combine as
+    torch's gather, reduction and add also on CUDA (``--precision exact`` runs).
 
     Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
     one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs. With ``xq`` the
@@ -67,7 +68,7 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
         y = grouped_swiglu(shape, offs, w.reshape(-1)[order], ew, pairs)
     else:
         y = grouped_swiglu(x.index_select(0, rows), offs, w.reshape(-1)[order], ew)
-    return combine_pairs(y, order, t, k, add)
+    return combine_pairs(y, order, t, k, add, fused)
 
 
 def expert_block(rank: int, cp: int, num_experts: int) -> range:
@@ -99,7 +100,8 @@ def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     return order, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None,
+                  fused: bool = True) -> torch.Tensor:
     """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (float32 accumulation, one
     rounding), plus ``add`` [T, D] when given (one more rounding). One Triton kernel on CUDA (the k rows gathered
     and summed in one pass, ``cpkv.kernels.combine``: within one ulp of the reduction's other summation order);
@@ -109,7 +111,7 @@ def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: tor
 
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=y.device))
     fits = y.stride(-1) == 1 and (add is None or add.stride(-1) == 1 and add.dtype == y.dtype)
-    if not (platform.use_triton(y) and fits):
+    if not (fused and platform.use_triton(y) and fits):
         return combine_ref(y, inv, t, k, add)
     from cpkv.kernels.combine import triton as kern
 
