@@ -224,3 +224,20 @@ def test_combine_kernel(t, with_add):
         return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8).clamp(min=2.0 ** -126)
 
     assert bool(((got.float() - want.float()).abs() <= ulp(part) + ulp(want)).all())
+
+
+@pytest.mark.parametrize("spec,layers,fp8", [("tiny", 3, False), ("glm5", 2, True)])
+def test_model_with_the_fused_kernels_near_the_torch_path(spec, layers, fp8, monkeypatch):
+    """The whole single-process prefill with every fused kernel (tiny: bf16 weights, MoE with the bf16 experts'
+    activation and the combine; GLM-5's first 2 layers with fp8 weights: every norm quantising for its fp8
+    readers) against the same model with Triton disabled (torch's ops): logits within bf16 / fp8 rounding."""
+    from cpkv.model.model import DSAModel, load_model
+
+    model = load_model(spec, seed=3, device="cuda", num_layers=layers, weights="fp8" if fp8 else "bf16")
+    assert isinstance(model, DSAModel) and model.fp8 == fp8
+    tokens = torch.randint(0, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = model.reference_prefill(tokens)
+    monkeypatch.setenv("CPKV_DISABLE_TRITON", "1")
+    want = model.reference_prefill(tokens)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
