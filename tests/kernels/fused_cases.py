@@ -182,6 +182,21 @@ def case_head_weights() -> None:
     kern.head_weights(torch.zeros(0, 64), torch.zeros(8, 64), 1.0, torch.zeros(0, 8))  # T = 0
 
 
+def case_rope() -> None:
+    from cpkv.kernels.rope import triton as kern
+    from cpkv.kernels.rope.ref import rope_interleaved_ref
+    from cpkv.model.ops import Rotary
+
+    for t, h, r, dtype in [(5, 3, 64, torch.bfloat16), (2, 4, 32, torch.float32), (1, 1, 16, torch.bfloat16)]:
+        gen = _gen(t * h * r)
+        q = (torch.randn(t, h, 96 + r, generator=gen) * 3).bfloat16()[..., 96:]  # the query's rope part (a view)
+        rot = Rotary.build(torch.arange(t) * 41 + 2, r, 10000.0)
+        full = torch.full((t, h, 5 + r), float("nan"), dtype=dtype)
+        kern.rope_interleaved(q, rot.cos, rot.sin, full[..., 5:])
+        assert torch.equal(full[..., 5:], rope_interleaved_ref(q, rot.cos, rot.sin, dtype)), f"at {(t, h, r)}"
+        assert torch.equal(full[..., 5:], rot.interleaved_ref(q).to(dtype)) and full[..., :5].isnan().all()
+
+
 def case_combine() -> None:
     from cpkv.kernels.combine import triton as kern
     from cpkv.kernels.combine.ref import combine_ref
@@ -248,6 +263,8 @@ def case_dispatch() -> None:
                 head_weights(h, pw, 0.25))
 
     want = run()
+    qrope = torch.randn(t, 4, 128, generator=gen).bfloat16()[..., 64:]
+    want_rope = rot.interleaved(qrope, out=torch.empty(t, 4, 64, dtype=torch.bfloat16))
     forced = lambda x: True  # noqa: E731
     platform.use_triton, attention_quant.use_triton = forced, forced
     got = run()
@@ -265,6 +282,7 @@ def case_dispatch() -> None:
     assert rel(gs, ws) <= 1e-5 and near_fp8(gk, wk)
     assert got[3][0].shape == (t, 8, 128) and rel(got[3][1], want[3][1]) <= 1e-5 and near_fp8(got[3][0], want[3][0])
     assert within_ulp(got[4], want[4])
+    assert torch.equal(rot.interleaved_into(qrope, torch.empty(t, 4, 64, dtype=torch.bfloat16)), want_rope)
     assert bool(((got[5] - want[5]).abs() <= (h.float().abs() @ pw.abs().t()) * 0.25 * 2.0 ** -20).all())
 
 

@@ -241,3 +241,21 @@ def test_model_with_the_fused_kernels_near_the_torch_path(spec, layers, fp8, mon
     want = model.reference_prefill(tokens)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("t", TOKENS)
+def test_query_rope_kernel(t):
+    """GLM-5's query rope (64 heads, 64 dims of a [T, 64, 256] projection) into the absorbed query's slice: the
+    bytes of the separate float32 products (``interleaved_ref``), within one bf16 ulp of the complex product."""
+    from cpkv.kernels.rope.ref import rope_interleaved_ref
+    from cpkv.model.ops import Rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(700 + t)
+    q = (torch.randn(t, 64, 256, generator=gen, device="cuda") * 3).bfloat16()[..., 192:]
+    rot = Rotary.build(torch.arange(t, device="cuda") * 11, 64, 10000.0)
+    out = torch.zeros(t, 64, 576, dtype=torch.bfloat16, device="cuda")
+    rot.interleaved_into(q, out[..., 512:])
+    _no_sync(lambda: rot.interleaved_into(q, out[..., 512:]))
+    assert torch.equal(out[..., 512:], rope_interleaved_ref(q, rot.cos, rot.sin, torch.bfloat16))
+    assert not out[..., :512].any()
+    assert _within_ulp(out[..., 512:], rot.interleaved(q, out=torch.empty_like(out[..., 512:])))

@@ -232,7 +232,10 @@ class DSALayer:
             torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
         else:
             lat.copy_(torch.einsum("thn,hnc->thc", q_nope, self.w_uk))
-        rot.interleaved(q_rope, out=out[..., kr:])
+        if self.exact:
+            rot.interleaved(q_rope, out=out[..., kr:])
+        else:  # one kernel writing the slice on CUDA
+            rot.interleaved_into(q_rope, out[..., kr:])
         return out
 
     def _indexer_inputs(self, x: torch.Tensor, xa, qa, rot: Rotary):

@@ -176,6 +176,21 @@ class Rotary:
         y = torch.view_as_real(z * cis).flatten(-2)
         return y if out is None else out.copy_(y)
 
+    def interleaved_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [T, H, r] -> ``out`` [T, H, r] (a slice, any float dtype; returned): the rotation rounded once to out's
+        dtype. One Triton kernel on CUDA (``cpkv.kernels.rope``: ``interleaved_ref``'s separate float32 products,
+        its bytes; ``interleaved``'s complex product may round an FMA differently there); elsewhere
+        ``interleaved(x, out=out)`` (bit-identical to ``interleaved_ref`` on CPU)."""
+        from cpkv.kernels import platform
+
+        if platform.use_triton(x) and x.dim() == 3 and x.stride(-1) == 1 and out.stride(-1) == 1:
+            from cpkv.kernels.rope import triton as kern
+
+            if kern.supported(x.shape[-1]):
+                kern.rope_interleaved(x, self.cos, self.sin, out)
+                return out
+        return self.interleaved(x, out=out)
+
     def interleaved_ref(self, x: torch.Tensor) -> torch.Tensor:
         """``interleaved`` as separate float32 products and a stack (the reference of the complex form)."""
         c, s = self._cs(x)
