@@ -60,9 +60,10 @@ def case_add_rms_norm() -> None:
     from cpkv.kernels.fp8_gemm.ref import act_quant_ref
     from cpkv.model.linear import empty_quant
 
-    for t, d, dtype, with_delta, quant in [(1, 256, torch.bfloat16, True, True), (7, 640, torch.bfloat16, True, True),
-                                           (5, 300, torch.bfloat16, True, True), (3, 512, torch.bfloat16, False, True),
-                                           (4, 384, torch.float32, True, False), (6, 200, torch.bfloat16, False, False)]:
+    bf16, f32 = torch.bfloat16, torch.float32
+    for t, d, dtype, with_delta, quant in [(1, 256, bf16, True, True), (7, 640, bf16, True, True),
+                                           (5, 300, bf16, True, True), (3, 512, bf16, False, True),
+                                           (4, 384, f32, True, False), (6, 200, bf16, False, False)]:
         gen = _gen(t * d)
         h = (torch.randn(t, d, generator=gen) * 3).to(dtype)
         delta = (torch.randn(t, d, generator=gen) * 2).to(dtype) if with_delta else None

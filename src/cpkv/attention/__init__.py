@@ -5,8 +5,8 @@
     sparse_mla(q [T, H, 576], kv [S, 576], indices [T, topk], sm_scale, d_v=512) -> (out, lse)
     dense_causal_mla(q, kv, ks [T], ke [T], sm_scale, d_v) -> (out, lse)   short rows, no indexer
 
-Triton kernels on CUDA (``cpkv.kernels.sparse_mla``, ``cpkv.kernels.token_kv``, ``cpkv.kernels.token_rows``); the pure-torch
-references in ``cpkv.attention.ref`` define the semantics and run everywhere else.
+Triton kernels on CUDA (``cpkv.kernels.sparse_mla``, ``cpkv.kernels.token_kv``, ``cpkv.kernels.token_rows``);
+the pure-torch references in ``cpkv.attention.ref`` define the semantics and run everywhere else.
 """
 from __future__ import annotations
 

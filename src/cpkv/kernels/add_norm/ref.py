@@ -17,8 +17,8 @@ from cpkv.kernels.fp8_gemm.ref import act_quant_ref
 from cpkv.model.ops import rms_norm_ref
 
 
-def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     quant: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(h', x, (q, s) | None) of the module docstring."""
     hs = h if delta is None else h + delta
     x = rms_norm_ref(hs, weight, eps)
