@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.triton  # skipped without Triton (tests/conftest.py)
 
 HERE = Path(__file__).resolve().parent
-CASES = ["add_rms_norm", "token_rows", "index_rows", "head_weights", "combine", "swiglu", "dispatch"]
+CASES = ["add_rms_norm", "token_rows", "index_rows", "head_weights", "rope", "combine", "swiglu", "dispatch"]
 
 
 @pytest.mark.parametrize("case", CASES)
