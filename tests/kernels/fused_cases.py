@@ -228,8 +228,9 @@ def case_swiglu() -> None:
         out = torch.full((n, i), float("nan"), dtype=dtype)
         kern.swiglu_weighted(gu, rw, out)
         want = swiglu_weighted_ref(gu, rw)
-        # tl.exp here (the interpreter runs no libdevice) against torch's CPU exp: within an ulp, mostly equal
-        assert within_ulp(out, want, 1 if dtype == torch.bfloat16 else 8), f"at {(n, i, dtype)}"
+        # tl.exp here (the interpreter runs no libdevice) against torch's CPU exp: a silu one ulp off moves the two
+        # products after it by up to a few ulps (rarely); mostly equal
+        assert within_ulp(out, want, 4 if dtype == torch.bfloat16 else 8), f"at {(n, i, dtype)}"
         assert dtype != torch.bfloat16 or (out == want).float().mean() >= 0.9, f"mostly equal at {(n, i, dtype)}"
     kern.swiglu_weighted(torch.zeros(0, 256), torch.zeros(0), torch.zeros(0, 128))  # N = 0
 

@@ -6,7 +6,8 @@
     token rows (656 B): rope bytes equal to the reference's separate float32 products; the latent within one
     bf16 ulp of the float64 RMSNorm; row bytes equal to ``quant_token_kv`` of the kernel's own values.
     indexer keys / queries: scales within 2e-5, fp8 within one e4m3 step; head weights within 2^-20 of the sum
-    of |products|; the bf16 experts' activation and the MoE combine within one bf16 ulp; the MoE's gather of
+    of |products|; the bf16 experts' activation equal at >= 99.9 % (within 4 ulps), the MoE combine within one
+    bf16 ulp of its sum (and one of the add); the MoE's gather of
     quantised rows bit-identical to quantising the gathered rows.
 No device->host synchronisation in any of them (torch's sync debug mode set to error on the second call).
 """
@@ -23,12 +24,12 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tes
 TOKENS = [1, 77, 4096]
 
 
-def _within_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Every value of got within one bf16 ulp of want (bf16)."""
+def _within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> bool:
+    """Every value of got within ``ulps`` bf16 ulps of want (bf16)."""
     w = want.float()
     _, e = torch.frexp(w)
     ulp = torch.ldexp(torch.ones_like(w), e - 8).clamp(min=2.0 ** -126)
-    return bool(((got.float() - w).abs() <= ulp).all())
+    return bool(((got.float() - w).abs() <= ulps * ulp).all())
 
 
 def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,8 +144,8 @@ def test_index_rows_kernels(t, interleaved):
 @pytest.mark.parametrize("n", [1, 77, 4096])
 def test_swiglu_weighted_kernel(n):
     """The bf16 experts' activation (GLM-5: I 2048): libdevice's expf as torch's SiLU, the same three roundings:
-    within one bf16 ulp of ``F.silu(g).mul_(u).mul_(rw)`` everywhere and equal to it at >= 99.9 % of the values
-    (expected: everywhere)."""
+    equal to ``F.silu(g).mul_(u).mul_(rw)`` at >= 99.9 % of the values (expected: everywhere) and within 4 bf16
+    ulps everywhere (a SiLU one ulp off moves the two rounded products after it by a few ulps at most)."""
     from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
     from cpkv.model.experts import swiglu_weighted
 
@@ -154,7 +155,7 @@ def test_swiglu_weighted_kernel(n):
     swiglu_weighted(gu, rw)
     got = _no_sync(lambda: swiglu_weighted(gu, rw))
     want = swiglu_weighted_ref(gu, rw)
-    assert _within_ulp(got, want) and float((got == want).float().mean()) >= 0.999
+    assert _within_ulp(got, want, 4) and float((got == want).float().mean()) >= 0.999
 
 
 @pytest.mark.parametrize("t", [1, 77, 1000])

@@ -5,7 +5,8 @@
 Per element, in float32 with the reference's three roundings to out's dtype:
     a = rne(div_rn(g, 1 + exp(-g)));  a = rne(a * u);  a = rne(a * rw)
 ``exp`` is libdevice's ``expf`` on the GPU (the function torch's SiLU kernel calls: the same bytes as
-``F.silu``), ``tl.exp`` under Triton's interpreter (which cannot run libdevice; within one ulp there).
+``F.silu``), ``tl.exp`` under Triton's interpreter (which cannot run libdevice: a SiLU an ulp off at times, the
+products after it a few ulps at most).
 BLOCK_M x BLOCK_N tiles on a flat grid (column blocks fastest); any N (0 included) and any I.
 """
 from __future__ import annotations
