@@ -1,20 +1,21 @@
 """Sparse MLA prefill attention over the composed KV (docs/design.md §6).
 
     dequant_token_kv(rows uint8 [S, 656]) -> bf16 [S, 576]      (and quant_token_kv, its inverse)
+    token_rows(kv, weight, cos, sin, eps) -> uint8 [T, 656]      kv_a output -> rows (norm, RoPE, quant fused)
     sparse_mla(q [T, H, 576], kv [S, 576], indices [T, topk], sm_scale, d_v=512) -> (out, lse)
     dense_causal_mla(q, kv, ks [T], ke [T], sm_scale, d_v) -> (out, lse)   short rows, no indexer
 
-Triton kernels on CUDA (``cpkv.kernels.sparse_mla``, ``cpkv.kernels.token_kv``); the pure-torch
-references in ``cpkv.attention.ref`` define the semantics and run everywhere else.
+Triton kernels on CUDA (``cpkv.kernels.sparse_mla``, ``cpkv.kernels.token_kv``, ``cpkv.kernels.token_rows``);
+the pure-torch references in ``cpkv.attention.ref`` define the semantics and run everywhere else.
 """
 from __future__ import annotations
 
 from cpkv.attention.dense import dense_causal_mla
-from cpkv.attention.quant import dequant_token_kv, quant_token_kv
+from cpkv.attention.quant import dequant_token_kv, quant_token_kv, token_rows
 from cpkv.attention.ref import dense_causal_mla_ref, sparse_mla_ref
 from cpkv.attention.sparse import sparse_mla
 
 __all__ = [
     "dense_causal_mla", "dense_causal_mla_ref", "dequant_token_kv", "quant_token_kv", "sparse_mla",
-    "sparse_mla_ref",
+    "sparse_mla_ref", "token_rows",
 ]

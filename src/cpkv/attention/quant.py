@@ -51,6 +51,36 @@ def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tens
     return rows
 
 
+def token_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+               fmt: RowFormat | None = None) -> torch.Tensor:
+    """A layer's kv_a output kv float [T, D_L + D_R], the latent norm's weight [D_L], the rotation's cos / sin
+    float32 [T, D_R / 2] -> uint8 token rows [T, row_bytes]: ``quant_token_kv`` of (RMSNorm(latent) * weight |
+    the interleaved RoPE of the rope key), both in kv's dtype (``cpkv.kernels.token_rows.ref``).
+
+    One Triton kernel on CUDA (``cpkv.kernels.token_rows``: rope bytes equal, the latent within one ulp before
+    its quantisation: only its sum of squares runs in another order); elsewhere the reference's torch ops."""
+    from cpkv.kernels.token_rows import ref as rows_ref
+
+    fmt = _check_format(fmt)
+    check_tensor("kv", kv, 2, FLOAT_DTYPES)
+    expect(kv.shape[1] == fmt.fp8_bytes + fmt.rope_dims, f"kv of {fmt.fp8_bytes + fmt.rope_dims} dims for {fmt}",
+           f"shape {tuple(kv.shape)}")
+    if not (use_triton(kv) and _rows_kernel_fits(fmt)):
+        return rows_ref.token_rows_ref(kv, weight, cos, sin, eps, fmt)
+    from cpkv.kernels.token_rows import triton as kern
+
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()
+    rows = torch.empty((kv.shape[0], fmt.row_bytes), dtype=torch.uint8, device=kv.device)
+    kern.token_rows(kv, weight.contiguous(), cos.contiguous(), sin.contiguous(), eps, *ref.row_views(rows, fmt))
+    return rows
+
+
+def _rows_kernel_fits(fmt: RowFormat) -> bool:
+    from cpkv.kernels.token_rows import triton as kern
+
+    return kern.supported(fmt.fp8_bytes, fmt.rope_dims)
+
+
 def _check_format(fmt: RowFormat | None) -> RowFormat:
     fmt = fmt or ref.GLM5_TOKEN
     expect(isinstance(fmt, RowFormat), "fmt to be a cpkv.config.RowFormat", type(fmt).__name__)

@@ -4,10 +4,11 @@
     kernels: [(name, start us, end us)] of one or more batches (``RankEngine`` with ``cfg.profile``)
 
 Parts are read off kernel names (cuBLAS/CUTLASS GEMMs, the Triton/Gluon kernels by function name, torch's
-own kernels as elementwise; block-scaled fp8 GEMMs, cuBLAS's e4m3 ones and the grouped Triton kernel, are
-GEMMs); ``quant`` holds the token-KV quant/dequant kernels, the fp8 linear layers' activation quantisation
-(``_act_quant``, ``_swiglu_quant``) and every torch kernel converting to or from fp8 (the indexer's key and
-query quantisation run as torch elementwise ops).
+own kernels as elementwise; block-scaled fp8 GEMMs, cuBLAS's e4m3 ones, the grouped Triton kernel and the
+indexer's ``_head_weights`` are GEMMs); ``quant`` holds the token-KV quant/dequant kernels, the fp8 linear layers'
+activation quantisation (``_act_quant``, ``_swiglu_quant``) and every torch kernel converting to or from fp8.
+The fused elementwise kernels that quantise as they go (``_add_rms_norm``, ``_token_rows``, ``_index_rows``) count
+as elementwise.
 ``host_gap`` = wall time - GPU busy time (the union of kernel intervals): time the GPU waited for the host.
 Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
 than the busy time. No torch import.
@@ -29,7 +30,7 @@ _RULES = (  # first match wins
     ("topk", re.compile(r"topk")),
     ("attention", re.compile(r"sparse_mla")),
     ("compose", re.compile(r"page_gather|_barrier")),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk|_grouped_v|_grouped_ws", re.I)),  # fp8 GEMMs too
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk|_grouped_v|_grouped_ws|_head_weights", re.I)),  # fp8 GEMMs too
     ("quant", re.compile(r"^_?(de)?quant\b|_act_quant|_swiglu_quant|float8|fp8|e4m3", re.I)),
 )
 

@@ -117,24 +117,27 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     page ids), called once the first layer's projections are launched, then ``plan.complete``;
     ``plan``: this rank's ``rank_plan`` of the batch.
     """
-    h, topk = model.embed(plan.ids), None  # topk: the last full indexer layer's, reused by shared layers
-    p = model.layers[0].project(h, plan.rot) if plan.num_tokens and model.layers else None
+    # topk: the last full indexer layer's, reused by shared layers; delta: the last layer's MLP output, added by
+    # the next layer's fused input norm (or before the final norm)
+    h, delta, topk = model.embed(plan.ids), None, None
+    p = model.layers[0].project(h, plan.rot, delta) if plan.num_tokens and model.layers else None
     compose = prepare()  # the plan's host work while the GPU runs the first projections
     attn = plan.complete(model)
     rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):
         if n:
-            p = layer.project(h, plan.rot) if plan.num_tokens else None
+            p = layer.project(h, plan.rot, delta) if plan.num_tokens else None
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
         dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
         if p is not None:
-            h, topk = layer.attend(h, p, dense, attn, topk, plan.ep)
+            h, delta, topk = layer.attend_split(p.h, p, dense, attn, topk, plan.ep)
         elif plan.ep is not None and layer.is_moe:
             layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
     if not plan.last:
         return {}
-    logits = model.logits(h.index_select(0, plan.last_rows))
+    rows = plan.last_rows
+    logits = model.logits(h.index_select(0, rows), None if delta is None else delta.index_select(0, rows))
     return {req: logits[i] for i, (req, _) in enumerate(plan.last)}

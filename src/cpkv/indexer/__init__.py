@@ -7,6 +7,8 @@
     IndexerPlan.build(requests, device, chunk_max_bytes=None) -- once per batch, reused by every layer
     IndexerPlan.work_items(chunk, shape) -- the logits kernel's non-empty programs (cpkv.kernels.mqa_logits.work)
     quantize_index_keys / dequantize_index_rows / quantize_queries -- the 132-byte index rows
+    prepare_index_keys / prepare_index_queries -- the same from the projections (norm, RoPE, Hadamard fused)
+    head_weights -- the indexer's float32 head weights from the layer's input (no float32 copy of it)
 
 Triton kernels (cpkv.kernels.mqa_logits, cpkv.kernels.topk) run on CUDA; the references in
 cpkv.indexer.ref run everywhere else and define the edge cases.
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 from cpkv.indexer.logits import mqa_logits
 from cpkv.indexer.plan import IndexerChunk, IndexerPlan
-from cpkv.indexer.quant import dequantize_index_keys, dequantize_index_rows, quantize_index_keys, quantize_queries
+from cpkv.indexer.quant import (dequantize_index_keys, dequantize_index_rows, head_weights, prepare_index_keys,
+                                prepare_index_queries, quantize_index_keys, quantize_queries)
 from cpkv.indexer.ref import mqa_logits_ref, topk_ref
 from cpkv.indexer.topk import index_topk, topk, topk_to_slots
 
@@ -24,9 +27,12 @@ __all__ = [
     "IndexerPlan",
     "dequantize_index_keys",
     "dequantize_index_rows",
+    "head_weights",
     "index_topk",
     "mqa_logits",
     "mqa_logits_ref",
+    "prepare_index_keys",
+    "prepare_index_queries",
     "quantize_index_keys",
     "quantize_queries",
     "topk",

@@ -9,6 +9,11 @@ GLM-5 / DeepSeek-V3.2: D = 128, so 132 B per token.
 
 Queries get one scale per (token, head); since relu(s * x) = s * relu(x) for s > 0 it is folded
 into the indexer weights: weights_folded[t, h] = weights[t, h] * q_scale[t, h].
+
+``head_weights``: the head weights from the layer's input (``weights_proj`` in float32, no float32 copy of x).
+``prepare_index_keys`` / ``prepare_index_queries``: the layer's whole way from the projections (LayerNorm of the
+keys, RoPE on the first dims, Hadamard rotation, quantisation): one Triton kernel each on CUDA
+(``cpkv.kernels.index_rows``), the torch ops of ``cpkv.kernels.index_rows.ref`` elsewhere.
 """
 from __future__ import annotations
 
@@ -71,3 +76,73 @@ def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tens
     scale = _amax_scale(q)
     q_fp8 = (q.float() / scale[..., None]).to(FP8)
     return q_fp8, weights.float() * scale
+
+
+def prepare_index_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, rope_dims: int, interleaved: bool, eps: float = 1e-6) -> torch.Tensor:
+    """k [T, D] (the wk projection), LayerNorm weight / bias [D], cos / sin float32 [T, rope_dims / 2] -> uint8
+    index rows [T, D + 4] of the normed, first-dims-rotated, Hadamard-rotated keys (module docstring)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.index_rows import ref
+
+    if k.dim() != 2 or k.shape[1] % 4:
+        raise IndexerError(f"index keys must be [S, D] with D % 4 == 0, got shape {tuple(k.shape)}")
+    if not (platform.use_triton(k) and _fits(k.shape[1], rope_dims)):
+        return ref.index_keys_ref(k, weight, bias, cos, sin, rope_dims, interleaved, eps)
+    from cpkv.kernels.index_rows import triton as kern
+    from cpkv.model.ops import hadamard_matrix
+
+    t, d = k.shape
+    rows = torch.empty(t, d + 4, dtype=torch.uint8, device=k.device)
+    fp8, scale = dequantize_index_rows(rows)
+    kern.index_rows(_unit_cols(k), 1, cos, sin, rope_dims, interleaved, hadamard_matrix(d, k.device), fp8, scale,
+                    norm=(weight.contiguous(), bias.contiguous(), eps))
+    return rows
+
+
+def prepare_index_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          rope_dims: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] (the wq_b projection), weights float32 [T, H] -> (fp8 [T, H, D], weights_folded float32 [T, H])
+    of the first-dims-rotated, Hadamard-rotated queries (``quantize_queries`` after the rotations)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.index_rows import ref
+
+    if q.dim() != 3 or weights.shape != q.shape[:2]:
+        raise IndexerError(f"expected q [T, H, D] and weights [T, H], got {tuple(q.shape)} and {tuple(weights.shape)}")
+    if not (platform.use_triton(q) and _fits(q.shape[2], rope_dims)):
+        return ref.index_queries_ref(q, weights, cos, sin, rope_dims, interleaved)
+    from cpkv.kernels.index_rows import triton as kern
+    from cpkv.model.ops import hadamard_matrix
+
+    t, h, d = q.shape
+    q_fp8 = torch.empty(t, h, d, dtype=FP8, device=q.device)
+    folded = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    kern.index_rows(_unit_cols(q).reshape(t * h, d), h, cos, sin, rope_dims, interleaved, hadamard_matrix(d, q.device),
+                    q_fp8.view(t * h, d), folded.view(-1), weights=weights.float().contiguous().view(-1))
+    return q_fp8, folded
+
+
+def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, K] (the layer's normed input, compute dtype), weight float32 [N, K] (``weights_proj``) -> float32
+    [T, N] = F.linear(float32(x), weight) * scale: a Triton kernel on CUDA reading x as it is (no float32 copy;
+    float32 products and sums, in another order than cuBLAS's: within float32 rounding of it)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.index_rows import ref
+
+    if not (platform.use_triton(x) and x.dim() == 2 and weight.dtype == torch.float32):
+        return ref.head_weights_ref(x, weight, scale)
+    from cpkv.kernels.index_rows import triton as kern
+
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    kern.head_weights(_unit_cols(x), weight.contiguous(), scale, out)
+    return out
+
+
+def _fits(d: int, rope_dims: int) -> bool:
+    from cpkv.kernels.index_rows import triton as kern
+
+    return kern.supported(d, rope_dims)
+
+
+def _unit_cols(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

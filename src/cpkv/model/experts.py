@@ -62,12 +62,21 @@ def _grouped_ok(xs: torch.Tensor, ew: ExpertWeights) -> bool:
     return dtype_ok and all((n * es) % 16 == 0 for n in (xs.shape[1], ew.gate_up.shape[1], ew.down.shape[2]))
 
 
-def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
-    """xs [N, D] sorted by local expert, offs int32 [E] row ends, rw float32 [N] -> weighted outputs [N, D]."""
+def grouped_takes_quantised(x: torch.Tensor, ew: ExpertWeights) -> bool:
+    """True when ``grouped_swiglu`` runs the fp8 grouped kernel for x's device: it takes rows quantised already."""
     from cpkv.kernels import platform
 
-    if ew.fp8 and platform.use_triton(xs):
-        return grouped_swiglu_fp8(xs, offs, rw, ew)
+    return ew.fp8 and platform.use_triton(x)
+
+
+def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
+                   xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """xs [N, D] sorted by local expert, offs int32 [E] row ends, rw float32 [N] -> weighted outputs [N, D].
+    ``xq``: xs quantised already (fp8 [N, D], float32 [N, ceil(D/128)] row-major; only where
+    ``grouped_takes_quantised``): xs then only gives the shape, dtype and device (an expanded empty view will do)."""
+    if grouped_takes_quantised(xs, ew):
+        return grouped_swiglu_fp8(xs, offs, rw, ew, xq)
+    assert xq is None, "quantised rows need the fp8 grouped kernel (grouped_takes_quantised)"
     if _grouped_ok(xs, ew):
         try:
             return _grouped(xs, offs, rw, ew)
@@ -78,23 +87,40 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
 
 def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
     gu = torch._grouped_mm(xs, ew.gate_up.transpose(1, 2), offs=offs)
-    g, u = gu.chunk(2, dim=-1)
     # the routing weight scales the activation (down is linear), so the outputs come out weighted in xs' dtype
-    act = F.silu(g).mul_(u).mul_(rw[:, None])
-    return torch._grouped_mm(act, ew.down.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(swiglu_weighted(gu, rw), ew.down.transpose(1, 2), offs=offs)
 
 
-def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
+def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
+    """gu [N, 2I] (gate | up), rw float32 [N] -> silu(g) * u * rw [N, I] in gu's dtype, rounded after each op as
+    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel on CUDA)."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
+
+    if not (platform.use_triton(gu) and gu.stride(-1) == 1):
+        return swiglu_weighted_ref(gu, rw)
+    from cpkv.kernels.swiglu import triton as kern
+
+    out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
+    kern.swiglu_weighted(gu, rw.float().contiguous(), out)
+    return out
+
+
+def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
+                       xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``grouped_swiglu`` with fp8 block-scaled experts through the Triton kernels (CUDA): the tile map, the
-    quantisation, gate_up, SwiGLU x routing weight + quantisation, down; no host sync; rows at or past
-    offs[-1] come out unspecified."""
+    quantisation (unless ``xq`` brings it), gate_up, SwiGLU x routing weight + quantisation, down; no host
+    sync; rows at or past offs[-1] come out unspecified."""
     from cpkv.kernels.fp8_gemm import triton as kern
 
     r, d = xs.shape
     i = ew.down.shape[2]
     tiles = kern.tile_ends(offs)  # the tile map of both GEMMs
-    q, s = _quant_buffers(r, d, xs.device)
-    kern.act_quant(xs.contiguous(), q, s)
+    if xq is None:
+        q, s = _quant_buffers(r, d, xs.device)
+        kern.act_quant(xs.contiguous(), q, s)
+    else:
+        q, s = xq
     gu = torch.empty(r, 2 * i, dtype=xs.dtype, device=xs.device)
     kern.grouped_gemm(q, s, offs, ew.gate_up, ew.gate_up_scale, gu, tiles)
     q, s = _quant_buffers(r, i, xs.device)

@@ -1,17 +1,25 @@
 """One DSA decoder layer, decomposed so that a CP rank can run it around the per-layer compose.
 
-    project(h, rotary)                     h [T, hidden] (a rank's own query tokens)
-        -> Projected: q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
-                      token uint8 [T, token row_bytes]  latent KV + rope key (fp8: quant_token_kv)
-                      index uint8 [T, index row_bytes]  indexer key (fp8: quantize_index_keys); None on a
+    project(h, rotary, delta)              h [T, hidden] (a rank's own query tokens), delta: the previous
+                                           layer's MLP output not yet added (None: h is the layer's input)
+        -> Projected: h     [T, hidden]               the layer's input h + delta (added in its norm)
+                      q     [T, H, kv_lora + rope]    absorbed MLA query (latent | rotated rope)
+                      token uint8 [T, token row_bytes]  latent KV + rope key (fp8: attention.token_rows)
+                      index uint8 [T, index row_bytes]  indexer key (fp8: indexer.prepare_index_keys); None on a
                                                         shared layer, which keeps no index rows
                       iq [T, Hi, Di], iw float32 [T, Hi]  indexer queries and head weights (full layers)
     ... the rank writes the layer's kinds of rows, compose builds the batch's dense buffers ...
     attend(h, proj, dense, plan, topk) -> (h' [T, hidden], topk)
+    attend_split(...) -> (h + attention [T, hidden], the MLP's output [T, hidden], topk): the MLP's output
+        not added, for the next layer's ``project`` to add in its fused norm (the model loops run this form)
         full layer: indexer top-k over dense["index"] rows [ks, ke) (or every key when each row sees
         <= top-k); shared layer: the previous full layer's ``topk`` (dense rows of the same batch);
         sparse MLA over dense["token"], W_UV and o_proj, residual; RMSNorm + dense SwiGLU MLP or MoE
         (``cpkv.model.moe``), residual.
+
+Each residual add runs with the RMSNorm after it and the fp8 quantisation of the normed rows
+(``cpkv.model.ops.add_rms_norm``: one Triton kernel on CUDA): h + o_proj(...) with the post-attention norm,
+h + mlp(...) with the next layer's input norm; the quantised rows feed every fp8 Linear reading them.
 
 Absorbed MLA (DeepSeek-V3 / GLM-5): kv_b_proj [H*(nope+v), kv_lora] splits into W_UK [H, nope, kv_lora]
 and W_UV [H, v, kv_lora]; scores are q_nope W_UK . c + q_rope . k_rope over kv_lora + rope dims with
@@ -39,8 +47,8 @@ import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
 from cpkv.model.experts import ExpertWeights
-from cpkv.model.linear import Linear, swiglu
-from cpkv.model.ops import Rotary, hadamard_rotate, layer_norm, rms_norm, softmax_scale
+from cpkv.model.linear import Linear, QuantAct, swiglu
+from cpkv.model.ops import Rotary, add_rms_norm, layer_norm, rms_norm, softmax_scale
 
 LATENT_NORM_EPS = 1e-6
 LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
@@ -56,6 +64,7 @@ class Projected:
     index: torch.Tensor | None
     iq: torch.Tensor | None
     iw: torch.Tensor | None
+    h: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,20 +166,33 @@ class DSALayer:
         return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
-    def project(self, h: torch.Tensor, rot: Rotary) -> Projected:
-        """h [T, hidden] (compute dtype) -> Projected (module docstring)."""
-        cfg, w = self.cfg, self.w
-        x = rms_norm(h, w["input_layernorm.weight"], cfg.rms_norm_eps)
+    def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None) -> Projected:
+        """h [T, hidden] (compute dtype), delta [T, hidden] or None (the previous layer's MLP output, not yet
+        added) -> Projected (module docstring)."""
         lin = self.lin
-        xa = lin["self_attn.q_a_proj"].prepare(x)  # quantised once (fp8) for q_a, kv_a and the indexer's wk
-        qr = rms_norm(lin["self_attn.q_a_proj"](xa), w["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS)
-        kv = lin["self_attn.kv_a_proj_with_mqa"](xa)
-        token = self._token_rows(self._token_kv(kv, rot))
-        qa = lin["self_attn.q_b_proj"].prepare(qr)  # for q_b and the indexer's wq_b
+        # x quantised once (fp8) for q_a, kv_a and the indexer's wk, in the add + norm kernel
+        h, x, xa = self._add_norm(h, delta, "input_layernorm.weight", lin["self_attn.q_a_proj"])
+        # the query latent, normed and quantised once (fp8) for q_b and the indexer's wq_b in one kernel
+        qa = self._add_norm(lin["self_attn.q_a_proj"](xa), None, "self_attn.q_a_layernorm.weight",
+                            lin["self_attn.q_b_proj"], LATENT_NORM_EPS)[2]
+        token = self._token_rows(lin["self_attn.kv_a_proj_with_mqa"](xa), rot)
         if not self.full:
-            return Projected(self._query(qa, rot), token, None, None, None)
+            return Projected(self._query(qa, rot), token, None, None, None, h)
         iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
-        return Projected(self._query(qa, rot), token, index, iq, iw)
+        return Projected(self._query(qa, rot), token, index, iq, iw, h)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None,
+                  eps: float | None = None):
+        """(h + delta, x = RMSNorm(h + delta) with weight ``norm`` (eps: the layer norms' by default), x as the
+        input of ``reader``: its QuantAct when ``reader`` quantises its input (made in the same kernel), else x)."""
+        eps = self.cfg.rms_norm_eps if eps is None else eps
+        if self.exact:  # --precision exact keeps torch's separate add, norm and (fp8 weights) quantisation
+            h = h if delta is None else h + delta
+            x = rms_norm(h, self.w[norm], eps)
+            return h, x, reader.prepare(x) if reader is not None else x
+        quant = reader is not None and reader.quantises(h)
+        h, x, qa = add_rms_norm(h, delta, self.w[norm], eps, quant)
+        return h, x, qa if qa is not None else x
 
     def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent |
@@ -183,13 +205,15 @@ class DSALayer:
         rot.interleaved(kv[:, kr:], out=out[:, kr:])
         return out
 
-    def _token_rows(self, kv: torch.Tensor) -> torch.Tensor:
-        """kv float [T, kv_lora + rope] -> uint8 token rows (fp8 quantised, or exact in the KV dtype)."""
+    def _token_rows(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
+        """kv_a output [T, kv_lora + rope] -> uint8 token rows: fp8 (``cpkv.attention.token_rows``: norm, RoPE and
+        quantisation, one kernel on CUDA) or exact rows of ``_token_kv``'s values in the KV dtype."""
         if self.exact:
             from cpkv.model.exact import pack_rows
-            return pack_rows(kv, self.cfg.token_format)
-        from cpkv.attention import quant_token_kv
-        return quant_token_kv(kv, self.cfg.token_format)
+            return pack_rows(self._token_kv(kv, rot), self.cfg.token_format)
+        from cpkv.attention import token_rows
+        return token_rows(kv, self.w["self_attn.kv_a_layernorm.weight"], rot.cos, rot.sin, LATENT_NORM_EPS,
+                          self.cfg.token_format)
 
     def _query(self, qr, rot: Rotary) -> torch.Tensor:
         """qr [T, q_lora] (or its QuantAct) -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or
@@ -208,7 +232,10 @@ class DSALayer:
             torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
         else:
             lat.copy_(torch.einsum("thn,hnc->thc", q_nope, self.w_uk))
-        rot.interleaved(q_rope, out=out[..., kr:])
+        if self.exact:
+            rot.interleaved(q_rope, out=out[..., kr:])
+        else:  # one kernel writing the slice on CUDA
+            rot.interleaved_into(q_rope, out[..., kr:])
         return out
 
     def _indexer_inputs(self, x: torch.Tensor, xa, qa, rot: Rotary):
@@ -217,17 +244,22 @@ class DSALayer:
         cfg, w, lin = self.cfg, self.w, self.lin
         t, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
         q = lin["self_attn.indexer.wq_b"](qa).view(t, hi, di)
-        k = layer_norm(lin["self_attn.indexer.wk"](xa), w["self_attn.indexer.k_norm.weight"],
-                       w["self_attn.indexer.k_norm.bias"])
-        q, k = self._rope_first(q, rot), self._rope_first(k, rot)
-        weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
+        k = lin["self_attn.indexer.wk"](xa)
+        kw, kb = w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"]
         if self.exact:
             from cpkv.model.exact import pack_rows
-            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
-        from cpkv.indexer import quantize_index_keys, quantize_queries
 
-        iq, iw = quantize_queries(hadamard_rotate(q), weights * di ** -0.5)
-        return iq, iw, quantize_index_keys(hadamard_rotate(k))
+            weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
+            q, k = self._rope_first(q, rot), self._rope_first(layer_norm(k, kw, kb), rot)
+            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
+        from cpkv.indexer import head_weights, prepare_index_keys, prepare_index_queries
+
+        weights = head_weights(x, w["self_attn.indexer.weights_proj.weight"], hi ** -0.5)
+
+        # LayerNorm (keys), RoPE on the first dims, Hadamard rotation and quantisation: one kernel each on CUDA
+        r, turn = cfg.qk_rope_head_dim, cfg.indexer_rope == "interleaved"
+        iq, iw = prepare_index_queries(q, weights * di ** -0.5, rot.cos, rot.sin, r, turn)
+        return iq, iw, prepare_index_keys(k, kw, kb, rot.cos, rot.sin, r, turn)
 
     def _rope_first(self, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (interleaved or halves), the rest pass."""
@@ -244,12 +276,21 @@ class DSALayer:
         """h [T, hidden]; dense {"token": uint8 [S, token row], "index": uint8 [S, index row] (full layers)};
         ``topk``: the previous full layer's selection (shared layers) -> (h' [T, hidden], this layer's topk).
         ``ep``: the batch's expert-parallel exchange (``mlp``)."""
+        h, out, topk = self.attend_split(h, p, dense, plan, topk, ep)
+        return h + out, topk
+
+    def attend_split(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
+                     topk: torch.Tensor | None = None, ep: Any = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``attend`` without its last residual add -> (h + attention [T, hidden], the MLP's output [T, hidden],
+        topk); h + MLP output is the layer's output (the next layer's ``project`` adds it in its norm)."""
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
-        h = h + self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
-        return h + self.mlp(h, ep), topk
+        o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
+        h, x, xa = self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
+        return h, self._mlp(x, xa, ep), topk
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
@@ -300,23 +341,34 @@ class DSALayer:
         """h [T, hidden] -> the MLP's output [T, hidden] (RMSNorm, then dense SwiGLU or MoE). With ``ep`` (the
         batch's ``cpkv.compose.dispatch.EPBatch``) the routed experts run where they live: every rank of the
         group must call it for every MoE layer, also with T = 0 (it serves its experts to the others)."""
+        _, x, xa = self._add_norm(h, None, "post_attention_layernorm.weight", self._mlp_reader)
+        return self._mlp(x, xa, ep)
+
+    @property
+    def _mlp_reader(self) -> Linear | None:
+        """The Linear whose quantisation decides the MLP's normed input's: the dense MLP's or the shared experts'
+        gate_up (the routed experts, without expert parallelism, gather the same quantised rows per pair)."""
+        pair = self.dense_mlp or self.shared_mlp
+        return pair[0] if pair else None
+
+    def _mlp(self, x: torch.Tensor, xa: Any, ep: Any = None) -> torch.Tensor:
+        """x [T, hidden] (normed), xa: x or its QuantAct -> the MLP's output [T, hidden] (``mlp``)."""
         from cpkv.model.moe import experts, experts_ep, route
 
         w = self.w
-        x = rms_norm(h, w["post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         if self.moe is None:
-            return swiglu(x, *self.dense_mlp)
+            return swiglu(xa, *self.dense_mlp)
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
+        shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
-        elif len(self.experts) == self.cfg.n_routed_experts:
-            out = experts(x, idx, weights, self.moe)
-        else:
+            return out if shared is None else out + shared
+        if len(self.experts) != self.cfg.n_routed_experts:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
-        if self.shared_mlp is not None:
-            out = out + swiglu(x, *self.shared_mlp)
-        return out
+        # x's fp8 rows (made by the norm) gathered per pair; the shared experts' output added in the combine
+        xq = (xa.q, xa.s) if isinstance(xa, QuantAct) else None
+        return experts(x, idx, weights, self.moe, xq=xq, add=shared, fused=not self.exact)
 
 
 def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,10 +63,17 @@ class Linear:
             return fp8_linear(x, self.weight, self.scale)
         return F.linear(x.dequant() if isinstance(x, QuantAct) else x, self.weight)
 
-    def prepare(self, x: torch.Tensor) -> torch.Tensor | QuantAct:
+    def prepare(self, x: torch.Tensor | QuantAct) -> torch.Tensor | QuantAct:
         """x itself, or (an fp8 weight on the ``_scaled_mm`` path) x quantised, to be shared by every fp8
-        layer reading x."""
-        return quant_act(x) if self.fp8 and scaled_mm_ok(x, self.weight) else x
+        layer reading x. A QuantAct (x quantised already, e.g. by its fused norm) is returned as it is."""
+        if isinstance(x, QuantAct):
+            return x
+        return quant_act(x) if self.quantises(x) else x
+
+    def quantises(self, x: torch.Tensor) -> bool:
+        """True when ``prepare`` quantises an input with x's device, dtype and shape (the fused norms ask
+        before they write x, to quantise it in the same pass)."""
+        return self.fp8 and scaled_mm_ok(x, self.weight)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] in ``dtype`` (fp8 dequantised)."""
@@ -168,9 +175,9 @@ def _room(t: torch.Tensor, elements: int) -> bool:
     return t.untyped_storage().nbytes() >= (t.storage_offset() + elements) * t.element_size()
 
 
-def swiglu(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
-    """x [T, D] -> down(silu(g) * u) [T, D], (g | u) = gate_up(x) [T, 2I]. fp8 ``down`` on the ``_scaled_mm``
-    path: SiLU, product and the 1 x 128 quantisation in one Triton kernel."""
+def swiglu(x: torch.Tensor | QuantAct, gate_up: Linear, down: Linear) -> torch.Tensor:
+    """x [T, D] (or its QuantAct) -> down(silu(g) * u) [T, D], (g | u) = gate_up(x) [T, 2I]. fp8 ``down`` on the
+    ``_scaled_mm`` path: SiLU, product and the 1 x 128 quantisation in one Triton kernel."""
     from cpkv.kernels import platform
 
     gu = gate_up(gate_up.prepare(x))

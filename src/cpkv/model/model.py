@@ -107,8 +107,10 @@ class DSAModel:
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary.build(positions.to(self.device), self.cfg.qk_rope_head_dim, self.cfg.rope)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, hidden] -> float32 [N, vocab] after the final norm and the LM head."""
+    def logits(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """h [N, hidden] (plus ``delta`` [N, hidden], the last layer's MLP output not yet added) -> float32
+        [N, vocab] after the final norm and the LM head."""
+        h = h if delta is None else h + delta
         x = rms_norm(h, self.weights["model.norm.weight"], self.cfg.rms_norm_eps)
         return F.linear(x, self.weights["lm_head.weight"]).float()
 
@@ -125,15 +127,15 @@ class DSAModel:
         ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
         rot = self.rotary(torch.arange(n, device=self.device))
         plan = AttnPlan.build([0] * n, list(range(1, n + 1)), self.cfg.index_topk, self.device)
-        h, topk = self.embed(ids), None
+        h, delta, topk = self.embed(ids), None, None  # delta: the last layer's MLP output, not yet added
         if after_layer is not None:
             after_layer(-1, h)
         for i, layer in enumerate(self.layers):
-            p = layer.project(h, rot)
-            h, topk = layer.attend(h, p, {"token": p.token, "index": p.index}, plan, topk)
+            p = layer.project(h, rot, delta)
+            h, delta, topk = layer.attend_split(p.h, p, {"token": p.token, "index": p.index}, plan, topk)
             if after_layer is not None:
-                after_layer(i, h)
-        return self.logits(h[-1:])[0]
+                after_layer(i, h + delta)
+        return self.logits(h[-1:], None if delta is None else delta[-1:])[0]
 
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
 from cpkv.errors import ConfigError
-from cpkv.model.experts import ExpertWeights, grouped_swiglu
+from cpkv.model.experts import ExpertWeights, grouped_swiglu, grouped_takes_quantised
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,18 +45,30 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor | ExpertWeights,
-            down: torch.Tensor | None = None) -> torch.Tensor:
+            down: torch.Tensor | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+            add: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
     """x [T, D], idx int64 [T, k], w float32 [T, k], gate_up [E, 2I, D], down [E, D, I] (or ExpertWeights as
-    ``gate_up``, fp8 ones included) -> [T, D] (x's dtype).
+    ``gate_up``, fp8 ones included) -> [T, D] (x's dtype). ``xq``: x quantised already (fp8 [T, D], float32
+    scales (T, ceil(D/128)), any strides: a QuantAct's q, s), for fp8 experts on the grouped kernel. ``add``
+    [T, D]: added to the result in its combine (the shared experts' output). ``fused`` False: the combine as
+    torch's gather, reduction and add also on CUDA (``--precision exact`` runs).
 
     Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
-    one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs."""
+    one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs. With ``xq`` the
+    pairs' rows are gathered from x's quantised rows (the quantisation is per row: the bytes a quantisation of
+    the gathered rows would give) instead of gathered and quantised again."""
     ew = gate_up if isinstance(gate_up, ExpertWeights) else ExpertWeights(gate_up, down)
     t, k = idx.shape
     order, offs = sort_pairs(idx, ew.num_experts)
-    xs = x.index_select(0, order // k)
-    y = grouped_swiglu(xs, offs, w.reshape(-1)[order], ew)
-    return combine_pairs(y, order, t, k)
+    rows = order // k
+    if xq is not None and grouped_takes_quantised(x, ew):
+        q, s = xq
+        pairs = (q.view(torch.uint8).index_select(0, rows).view(q.dtype), s.index_select(0, rows))
+        shape = x.new_empty(1, x.shape[1]).expand(rows.shape[0], -1)  # the rows' shape, dtype and device only
+        y = grouped_swiglu(shape, offs, w.reshape(-1)[order], ew, pairs)
+    else:
+        y = grouped_swiglu(x.index_select(0, rows), offs, w.reshape(-1)[order], ew)
+    return combine_pairs(y, order, t, k, add, fused)
 
 
 def expert_block(rank: int, cp: int, num_experts: int) -> range:
@@ -88,11 +100,24 @@ def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     return order, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (one reduction, float32
-    accumulation, one rounding)."""
+def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None,
+                  fused: bool = True) -> torch.Tensor:
+    """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (float32 accumulation, one
+    rounding), plus ``add`` [T, D] when given (one more rounding). One Triton kernel on CUDA (the k rows gathered
+    and summed in one pass, ``cpkv.kernels.combine``: within one ulp of the reduction's other summation order);
+    elsewhere the gather, the reduction and the add."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.combine.ref import combine_ref
+
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=y.device))
-    return y.index_select(0, inv).view(t, k, y.shape[1]).sum(dim=1)
+    fits = y.stride(-1) == 1 and (add is None or add.stride(-1) == 1 and add.dtype == y.dtype)
+    if not (fused and platform.use_triton(y) and fits):
+        return combine_ref(y, inv, t, k, add)
+    from cpkv.kernels.combine import triton as kern
+
+    out = torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+    kern.combine(y, inv, add, out)
+    return out
 
 
 def experts_loop(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,

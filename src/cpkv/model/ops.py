@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import math
 
@@ -18,6 +19,9 @@ import torch.nn.functional as F
 
 from cpkv.config import RopeConfig
 from cpkv.upload import upload
+
+if TYPE_CHECKING:
+    from cpkv.model.linear import QuantAct
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,6 +40,37 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 quant: bool = False) -> tuple[torch.Tensor, torch.Tensor, "QuantAct | None"]:
+    """h [T, D], delta [T, D] or None (a residual not yet added) -> (h' = h + delta [T, D], x = rms_norm(h') [T, D],
+    the QuantAct of x when ``quant`` (fp8 1 x 128 groups, ``cpkv.model.linear.quant_act``'s bytes for this x)).
+
+    One Triton kernel on CUDA (``cpkv.kernels.add_norm``: the add, the norm and the quantisation in one pass,
+    x within one ulp of ``rms_norm``'s: only the order of the sum of squares differs); elsewhere the torch ops
+    it replaces (``add_rms_norm_ref``'s order: add, ``rms_norm``, ``quant_act``)."""
+    from cpkv.kernels import platform
+    from cpkv.model.linear import QuantAct, empty_quant, quant_act
+
+    if platform.use_triton(h) and _norm_fusable(h, delta, weight):
+        from cpkv.kernels.add_norm import triton as kern
+
+        t, d = h.shape
+        hs = h if delta is None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        x = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        q, s = empty_quant(t, d, h.device) if quant else (None, None)
+        kern.add_rms_norm(h, delta, weight, eps, None if delta is None else hs, x, q, s)
+        return hs, x, QuantAct(q, s, x.dtype, x) if quant else None
+    hs = h if delta is None else h + delta
+    x = rms_norm(hs, weight, eps)
+    return hs, x, quant_act(x) if quant else None
+
+
+def _norm_fusable(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """True when the fused kernel takes these tensors: rows of unit column stride, delta like h, weight [D]."""
+    ok = h.dim() == 2 and h.stride(-1) == 1 and weight.shape == (h.shape[1],) and weight.stride(0) == 1
+    return ok and (delta is None or delta.shape == h.shape and delta.dtype == h.dtype and delta.stride(-1) == 1)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,6 +176,21 @@ class Rotary:
         y = torch.view_as_real(z * cis).flatten(-2)
         return y if out is None else out.copy_(y)
 
+    def interleaved_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [T, H, r] -> ``out`` [T, H, r] (a slice, any float dtype; returned): the rotation rounded once to out's
+        dtype. One Triton kernel on CUDA (``cpkv.kernels.rope``: ``interleaved_ref``'s separate float32 products,
+        its bytes; ``interleaved``'s complex product may round an FMA differently there); elsewhere
+        ``interleaved(x, out=out)`` (bit-identical to ``interleaved_ref`` on CPU)."""
+        from cpkv.kernels import platform
+
+        if platform.use_triton(x) and x.dim() == 3 and x.stride(-1) == 1 and out.stride(-1) == 1:
+            from cpkv.kernels.rope import triton as kern
+
+            if kern.supported(x.shape[-1]):
+                kern.rope_interleaved(x, self.cos, self.sin, out)
+                return out
+        return self.interleaved(x, out=out)
+
     def interleaved_ref(self, x: torch.Tensor) -> torch.Tensor:
         """``interleaved`` as separate float32 products and a stack (the reference of the complex form)."""
         c, s = self._cs(x)
@@ -175,6 +225,11 @@ def _hadamard(n: int, device: str) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return (h * n ** -0.5).to(device)
+
+
+def hadamard_matrix(n: int, device: torch.device | str) -> torch.Tensor:
+    """float32 [n, n] H_n / sqrt(n) on ``device`` (built once per size and device), n a power of two."""
+    return _hadamard(n, str(torch.device(device)))
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
