@@ -241,7 +241,14 @@ def test_model_with_the_fused_kernels_near_the_torch_path(spec, layers, fp8, mon
     monkeypatch.setenv("CPKV_DISABLE_TRITON", "1")
     want = model.reference_prefill(tokens)
     assert bool(torch.isfinite(got).all())
-    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    # bf16 weights: the two paths differ by bf16 roundings; fp8 weights: a norm output one bf16 ulp apart can
+    # land in another fp8 step (an e4m3 step is 6-12 % of the value) and every layer compounds it: the engine's
+    # CUDA verification tolerance (cpkv.engine.engine.TOLERANCE), as two valid quantisations of one model
+    from cpkv.engine.engine import TOLERANCE
+
+    atol, rtol = TOLERANCE["cuda"] if fp8 else (0.0, 0.02)
+    diff, top = float((got - want).abs().max()), float(want.abs().max())
+    assert diff <= atol + (rtol if fp8 else 0.02) * top, (diff, top)
 
 
 @pytest.mark.parametrize("t", TOKENS)
@@ -259,4 +266,10 @@ def test_query_rope_kernel(t):
     _no_sync(lambda: rot.interleaved_into(q, out[..., 512:]))
     assert torch.equal(out[..., 512:], rope_interleaved_ref(q, rot.cos, rot.sin, torch.bfloat16))
     assert not out[..., :512].any()
-    assert _within_ulp(out[..., 512:], rot.interleaved(q, out=torch.empty_like(out[..., 512:])))
+    # the complex product (torch's, with FMA) rounds each float32 product differently: a result much smaller than
+    # its products (cancellation) can then differ by more than its own bf16 ulp, never by more than the products'
+    # float32 rounding (2 x 2^-24 x |q|, cos and sin at most 1 here) plus one bf16 ulp
+    cplx = rot.interleaved(q, out=torch.empty_like(out[..., 512:])).float()
+    _, e = torch.frexp(cplx)
+    ulp = torch.ldexp(torch.ones_like(cplx), e - 8)
+    assert bool(((out[..., 512:].float() - cplx).abs() <= ulp + 2.0 ** -23 * float(q.abs().max())).all())

@@ -16,7 +16,8 @@ BLOCK_R rows per program, each row a [D] vector (token = row // heads):
                        folded head weight)
     head_weights(x [T, K] bf16/f32, w float32 [N, K], scale, out float32 [T, N])
         out = (float32(x) @ w^T) * scale: the indexer's head weights (``weights_proj`` kept in float32) without
-        a float32 copy of x; ``tl.dot`` in ieee float32 (FMA units: N is 32), BLOCK_M rows per program
+        a float32 copy of x; ``tl.dot`` in DOT_PRECISION (tf32x3 on the tensor cores: float32-level accuracy;
+        ieee float32 on the FMA units ran at a sixth of the bandwidth of x), BLOCK_M rows per program
 
 Compiled without floating-point contraction. Not bit-equal to the reference: LayerNorm's reductions and the
 Hadamard sums run in another order than torch's (float32 values within a few ulps): scales agree within 2e-5
@@ -29,7 +30,8 @@ import torch
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
 
-BLOCK_R = 32  # rows per program (tl.dot wants >= 16)
+BLOCK_R = 64  # rows per program at 8 warps (tl.dot wants >= 16; the 64 KB Hadamard matrix is read once per
+#               program; ptxas for sm_90a: 160 registers, no spills; 32 rows at 4 warps spilled 404 bytes)
 DOT_PRECISION = "tf32x3"  # three tf32 products: float32-level accuracy on the tensor cores ("ieee": FMA units)
 
 
@@ -99,15 +101,15 @@ def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
         x, lw, lb, cos, sin, had, weights if weights is not None else out, fp8, out, rows, heads, float(eps),
         x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
         INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=BLOCK_R,
-        PRECISION=DOT_PRECISION, num_warps=4, enable_fp_fusion=False)
+        PRECISION=DOT_PRECISION, num_warps=8, enable_fp_fusion=False)
 
 
-HEAD_BLOCKS = (64, 64)  # head_weights: (rows, K) per tile
+HEAD_BLOCKS = (64, 64)  # head_weights: (rows, K) per tile (155 registers at tf32x3; 128 rows: 255)
 
 
 @_jit
 def _head_weights(X, W, OUT, T, N, scale, stride_x, stride_w, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < T
     r64 = rows.to(tl.int64)
@@ -121,7 +123,7 @@ def _head_weights(X, W, OUT, T, N, scale, stride_x, stride_w, stride_o, K: tl.co
                     other=0.0).to(tl.float32)
         b = tl.load(W + cols[None, :].to(tl.int64) * stride_w + (k0 + ks)[:, None],
                     mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     tl.store(OUT + r64[:, None] * stride_o + cols[None, :], acc * scale, mask=rmask[:, None] & cmask[None, :])
 
 
@@ -134,4 +136,5 @@ def head_weights(x: torch.Tensor, w: torch.Tensor, scale: float, out: torch.Tens
     bm, bk = HEAD_BLOCKS
     _head_weights[check_grid((cdiv(t, bm),))](
         x, w, out, t, n, float(scale), x.stride(0), w.stride(0), out.stride(0), K=k, BLOCK_M=bm,
-        BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_K=bk, num_warps=4, enable_fp_fusion=False)
+        BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_K=bk, PRECISION=DOT_PRECISION, num_warps=4,
+        num_stages=3, enable_fp_fusion=False)
