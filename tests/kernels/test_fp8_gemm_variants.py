@@ -114,20 +114,25 @@ def _compile_sm90(fn, args: tuple, consts: dict, **options):
     return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32):
-    """The Gluon kernel at GLM-5's gate_up shapes (e experts, 32,768 rows)."""
+def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_tma: bool = False,
+                   ahead: bool = False, down: bool = False):
+    """The Gluon kernel at GLM-5's gate_up (``down``: down) shapes (e experts, 32,768 rows)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    n, k, r = 4096, 6144, 32768
+    (n, k), r = ((6144, 2048) if down else (4096, 6144)), 32768
     a, b = torch.empty(r, k, dtype=FP8), torch.empty(e * n, k, dtype=FP8)
     a_s, b_s = torch.empty(r, k // 128), torch.empty(e, n // 128, k // 128)
     offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
     layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
-    args = (TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout),
-            TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), a_s, offs, offs, b_s, c, e, n, k,
-            *a_s.stride(), *b_s.stride(), c.stride(0))
+    a_desc = TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout)
+    c_desc = (TensorDescriptor(c, [r, n], [n, 1], [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128],
+                                                                                                 gl.bfloat16))
+              if epi_tma else a_desc)
+    args = (a_desc, TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), c_desc, a_s, offs, offs, b_s, c,
+            e, n, k, *a_s.stride(), *b_s.stride(), c.stride(0))
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
+              "EPI_TMA": epi_tma, "AHEAD": ahead,
               "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
     return _compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
 

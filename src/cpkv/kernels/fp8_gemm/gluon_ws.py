@@ -56,6 +56,7 @@ PRODUCER_REGS = 40   # per thread of the producer's warpgroup
 STAGES = 4           # default ring depth (32 KB a stage)
 MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
 FP8 = torch.float8_e4m3fn
+_C_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # c dtypes of the TMA epilogue (Gluon's names)
 
 
 @lru_cache(maxsize=1)
@@ -63,7 +64,8 @@ def load() -> Any:
     """The compiled-on-demand kernel (imports Gluon lazily)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
 
     @gluon.jit
     def _uniform(x):
@@ -139,10 +141,54 @@ def load() -> Any:
         mbarrier.arrive(free.index(it % STAGES))
 
     @gluon.jit
-    def _consumer(AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg,
-                  stride_c, a_bufs, b_bufs, ready, free,
+    def _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as, stride_asg, stride_bse, stride_bsn,
+                stride_bsg, row_l: gl.constexpr, PAIR: gl.constexpr, WG: gl.constexpr):
+        """The activation-scale pointers of this warpgroup's 64 rows of the tile (rows clamped into the expert,
+        and to row 0: in bounds for any tile index, even past the map), the weight-scale pointer (expert clamped
+        to E - 1), and the first K block's scales (PAIR: the first two blocks'; else the first block's twice)."""
+        rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
+        a_sc = AS + gl.maximum(gl.minimum(rows, row_end - 1), 0).to(gl.int64) * stride_as
+        b_sc = BS + gl.minimum(expert, E - 1).to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
+        sa0 = gl.load(a_sc)
+        sb0 = gl.load(b_sc)
+        if PAIR:
+            sa1 = gl.load(a_sc + stride_asg)
+            sb1 = gl.load(b_sc + stride_bsg)
+        else:
+            sa1 = sa0
+            sb1 = sb0
+        return a_sc, b_sc, sa0, sa1, sb0, sb1
+
+    @gluon.jit
+    def _epilogue(C, c_desc, c_buf, acc, row0, row_end, col_tile, stride_c, row_l: gl.constexpr,
+                  col_l: gl.constexpr, EPI_TMA: gl.constexpr, WG: gl.constexpr):
+        """acc (this warpgroup's 64 x 128 fp32) -> c's dtype -> rows < row_end of c. EPI_TMA: a half tile wholly
+        inside the expert goes through this warpgroup's shared buffer and one asynchronous TMA store (waited
+        for only before the buffer is written again, a tile later); the expert's last, partial half tile is
+        stored from registers, masked (a TMA box would write the next expert's rows or the padding)."""
+        out = acc.to(C.dtype.element_ty)
+        row_lo = row0 + WG * 64
+        rows = row_lo + gl.arange(0, 64, row_l)
+        cols = col_tile * 128 + gl.arange(0, 128, col_l)
+        if EPI_TMA:
+            if row_lo + 64 <= row_end:  # warp-uniform (row0, row_end are)
+                tma.store_wait(0)     # this warpgroup's previous store has read the buffer (issuing thread) ...
+                gl.thread_barrier()   # ... before any thread of it writes the buffer again
+                c_buf.store(out)
+                fence_async_shared()  # the generic-proxy writes, visible to the TMA (async proxy)
+                gl.thread_barrier()   # every thread's part written before the store is issued
+                tma.async_copy_shared_to_global(c_desc, [row_lo, col_tile * 128], c_buf)
+            else:
+                gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], out,
+                         mask=(rows < row_end)[:, None])
+        else:
+            gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], out, mask=(rows < row_end)[:, None])
+
+    @gluon.jit
+    def _consumer(AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
+                  stride_bsg, stride_c, a_bufs, b_bufs, ready, free,
                   EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
-                  WG: gl.constexpr):
+                  EPI_TMA: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr):
         """Rows WG * 64 .. WG * 64 + 63 of every tile of this program."""
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
@@ -151,19 +197,28 @@ def load() -> Any:
         idx, ends, e_rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 4)
         n_tiles = N // 128
         kbs = K // 128
+        total = m_tiles * n_tiles
+        step = gl.num_programs(0)
         zero = gl.zeros([64, 128], gl.float32, mma_l)
+        if EPI_TMA:
+            c_buf = c_bufs.index(WG)
+        else:
+            c_buf = c_bufs
+        if AHEAD:  # a tile's expert, rows and first scales are found (and loaded) before the previous tile's
+            # epilogue; the first tile's here (index clamped into the map: an empty map stores nothing)
+            t0 = gl.maximum(gl.minimum(gl.program_id(0), total - 1), 0)
+            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t0, n_tiles, m_tiles, GROUP_M)
+            a_sc, b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as, stride_asg,
+                                                     stride_bse, stride_bsn, stride_bsg, row_l, PAIR, WG)
         it = 0
-        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
-            rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
-            a_sc = AS + gl.minimum(rows, row_end - 1).to(gl.int64) * stride_as  # clamped: always in bounds
-            b_sc = BS + expert.to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
+        for t in range(gl.program_id(0), total, step):
+            if not AHEAD:
+                expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
+                a_sc, b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as,
+                                                         stride_asg, stride_bse, stride_bsn, stride_bsg, row_l, PAIR,
+                                                         WG)
             acc = gl.zeros([64, 128], gl.float32, mma_l)
             if PAIR:  # K blocks in pairs (the launcher sets PAIR only when K / 128 is even)
-                sa0 = gl.load(a_sc)
-                sa1 = gl.load(a_sc + stride_asg)
-                sb0 = gl.load(b_sc)
-                sb1 = gl.load(b_sc + stride_bsg)
                 for kp in range(kbs // 2):
                     kn = gl.minimum(2 * kp + 2, kbs - 2).to(gl.int64)
                     sa0_n = gl.load(a_sc + kn * stride_asg)
@@ -184,8 +239,6 @@ def load() -> Any:
                     sb1 = sb1_n
                     it += 2
             else:
-                sa = gl.load(a_sc)
-                sb = gl.load(b_sc)
                 for kb in range(kbs):
                     kn = gl.minimum(kb + 1, kbs - 1).to(gl.int64)
                     sa_n = gl.load(a_sc + kn * stride_asg)
@@ -193,31 +246,52 @@ def load() -> Any:
                     tok = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG)
                     d = warpgroup_mma_wait(0, deps=[tok])
                     _release(free, it, STAGES)
-                    acc = acc + d * (sa * sb)[:, None]
-                    sa = sa_n
-                    sb = sb_n
+                    acc = acc + d * (sa0 * sb0)[:, None]
+                    sa0 = sa_n
+                    sb0 = sb_n
                     it += 1
-            cols = col_tile * 128 + gl.arange(0, 128, col_l)
-            gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
-                     mask=(rows < row_end)[:, None])
+            if AHEAD:  # the next tile's map lookup and first scale loads, in flight during this epilogue
+                nx_expert, nx_row0, nx_row_end, nx_col = _tile(idx, ends, e_rows, gl.minimum(t + step, total - 1),
+                                                              n_tiles, m_tiles, GROUP_M)
+                nx_a_sc, nx_b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, nx_expert, nx_row0, nx_row_end, nx_col, E,
+                                                               stride_as, stride_asg, stride_bse, stride_bsn,
+                                                               stride_bsg, row_l, PAIR, WG)
+                _epilogue(C, c_desc, c_buf, acc, row0, row_end, col_tile, stride_c, row_l, col_l, EPI_TMA, WG)
+                expert = nx_expert
+                row0 = nx_row0
+                row_end = nx_row_end
+                col_tile = nx_col
+                a_sc = nx_a_sc
+                b_sc = nx_b_sc
+            else:
+                _epilogue(C, c_desc, c_buf, acc, row0, row_end, col_tile, stride_c, row_l, col_l, EPI_TMA, WG)
+        if EPI_TMA:
+            tma.store_wait(0)  # the last store has read shared memory before the program ends
 
     @gluon.jit
-    def _grouped_ws(a_desc, b_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
+    def _grouped_ws(a_desc, b_desc, c_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
                     stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
                     EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
+                    EPI_TMA: gl.constexpr, AHEAD: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        if EPI_TMA:  # one 64 x 128 output buffer per consumer warpgroup
+            c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        else:
+            c_bufs = a_bufs  # unused
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)  # the producer's expect; completed by the TMA bytes
             mbarrier.init(free.index(s), count=2)   # one arrival per consumer warpgroup
         gl.warp_specialize([
-            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 0)),
-            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 1)),
+            (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
+                         stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
+                         EPI_TMA, AHEAD, 0)),
+            (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
+                         stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
+                         EPI_TMA, AHEAD, 1)),
             (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -265,12 +339,22 @@ def _check(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
                              f"got {x.dtype} {list(x.shape)} on {x.device}")
 
 
+def tma_epilogue_applies(c: torch.Tensor) -> bool:
+    """True when c [R, N] can take the TMA-store epilogue: 16-bit floats (bf16 / fp16), 16-byte aligned base and
+    row stride (else the EPI_TMA variants store from registers, as the others)."""
+    return c.dtype in _C_TYPES and c.data_ptr() % 16 == 0 and (c.stride(0) * c.element_size()) % 16 == 0
+
+
 def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1) -> None:
+           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1,
+           epi_tma: bool = False, ahead: bool = False) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled grouped product (module docstring); ``tiles`` =
     ``tile_ends(offs, 128)``; ``stages``: ring depth (2..6); ``pair``: two K blocks per iteration (used when
-    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest). Raises
-    ValueError where the kernel does not apply (``applies``)."""
+    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest); ``epi_tma``:
+    full half tiles stored through shared memory by asynchronous TMA stores (used where
+    ``tma_epilogue_applies(c)``; 2 x 16 KB more shared memory); ``ahead``: each tile's expert lookup and first
+    scale loads issued before the previous tile's epilogue. Raises ValueError where the kernel does not apply
+    (``applies``)."""
     _check(a, a_s, offs, b, b_s, c, tiles)
     if not 2 <= stages <= 6:
         raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
@@ -283,10 +367,15 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
     a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, BLOCK], layout)
     b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [BLOCK, BLOCK], layout)
+    epi_tma = bool(epi_tma) and tma_epilogue_applies(c)
+    c_desc = a_desc  # unused without the TMA epilogue
+    if epi_tma:  # one warpgroup's half tile: 64 rows x 128 columns
+        c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, BLOCK], getattr(gl, _C_TYPES[c.dtype]))
+        c_desc = TensorDescriptor(c, [r, n], [c.stride(0), 1], [BLOCK // 2, BLOCK], c_layout)
     bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
     grid = check_grid((min(bound, platform.sm_count(a)),))
     load()[grid](
-        a_desc, b_desc, a_s, offs, tiles, b_s, c, e, n, k,
+        a_desc, b_desc, c_desc, a_s, offs, tiles, b_s, c, e, n, k,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
         EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0, GROUP_M=max(1, int(group_m)),
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
+        EPI_TMA=epi_tma, AHEAD=bool(ahead), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
