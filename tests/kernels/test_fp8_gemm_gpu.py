@@ -134,7 +134,8 @@ def _variant_configs() -> list[tuple[str, dict]]:
 
 # the variants added for issue 22's second round (the warp-specialised Gluon kernel, scale prefetch, K-major scales)
 NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "gluon_ws_g8", "gluon_ws_pair_g8",
-                "v13", "v14", "v15", "v16", "v17", "v18", "v19")
+                "v13", "v14", "v15", "v16", "v17", "v18", "v19", *(
+                    f"gluon_ws_{p}g8_tma{a}" for p in ("pair_", "") for a in ("", "_ah")))  # the TMA-store epilogue
 
 
 def _scales_for(variant: str, s: torch.Tensor, kmajor: bool | None = None) -> torch.Tensor:
@@ -252,6 +253,48 @@ def test_new_variants_on_a_big_ragged_load(variant, n, k, kmajor):
     done = sum(BIG_LOAD)
     assert _rel(c[:done], want[:done]) <= GEMM_TOL
     assert bool((c[done:] == 3.0).all())
+
+
+# rows per expert around the 64-row halves the TMA epilogue stores whole: ends on a half, one row short of and
+# past one, a single row, empty experts; 13 padding rows past them
+HALVES = [64, 0, 191, 128, 1, 63, 65, 0, 320, 127]
+
+
+@pytest.mark.parametrize("variant", ["gluon_ws_pair_g8_tma", "gluon_ws_g8_tma_ah", "gluon_ws_pair_g8_tma_ah"])
+@pytest.mark.parametrize("stages", [4, 6])
+def test_tma_epilogue_writes_only_the_experts_rows(variant, stages):
+    """The TMA-store epilogue (whole 64-row halves by TMA, the expert's partial half from registers) gives the
+    bytes of the register epilogue (gluon_ws_pair_g8 / gluon_ws_g8: the same accumulation) into a strided view
+    of a wider, taller buffer: nothing outside the view, no padding row written; and into a c whose rows are not
+    16-byte aligned (the register epilogue then runs): the same bytes."""
+    from cpkv.kernels.fp8_gemm import gluon_ws
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    n, k, pad = 384, 512, 13
+    e, rows = len(HALVES), sum(HALVES) + pad
+    w, ws = _weight(n, k, 23, e)
+    x = _x(rows, k, 24)
+    x[64, :128] = 0  # a zero group
+    q, s = act_quant_ref(x)
+    offs = torch.tensor(HALVES, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": stages}
+    base = "gluon_ws_pair_g8" if kern.VARIANTS[variant].get("PAIR") else "gluon_ws_g8"
+    want = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
+    kern.grouped_gemm(q, s, offs, w, ws, want, config=cfg, variant=base)
+    done = sum(HALVES)
+    assert _rel(want[:done], grouped_fp8_ref(q, s, offs, w, ws)[:done]) <= GEMM_TOL
+    big = torch.full((rows + 5, n + 192), 3.0, dtype=torch.bfloat16, device="cuda")
+    c = big[2:2 + rows, 64:64 + n]  # 16-byte aligned base and row stride: the TMA epilogue
+    assert gluon_ws.tma_epilogue_applies(c)
+    kern.grouped_gemm(q, s, offs, w, ws, c, config=cfg, variant=variant)
+    assert torch.equal(c, want)
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[2:2 + rows, 64:64 + n] = False
+    assert bool((big[outside] == 3.0).all())
+    odd = torch.full((rows, n + 1), 3.0, dtype=torch.bfloat16, device="cuda")[:, :n]  # 770-byte rows
+    assert not gluon_ws.tma_epilogue_applies(odd)
+    kern.grouped_gemm(q, s, offs, w, ws, odd, config=cfg, variant=variant)
+    assert torch.equal(odd, want)
 
 
 @pytest.mark.parametrize("load", ["ragged", "none", "one"])

@@ -35,7 +35,9 @@ def test_activation_scales_follow_the_variant():
     assert km.shape == rm.shape == (5, 3)
     assert km.stride() == (1, 5) and rm.stride() == (3, 1)
     assert kern.kmajor_scales("gluon_ws_k") and not kern.kmajor_scales("gluon_ws")
-    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} for f in kern.VARIANTS.values())
+    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M", "EPI_TMA", "AHEAD"}
+               for f in kern.VARIANTS.values())
+    assert all(f.get("GLUON") or not ({"EPI_TMA", "AHEAD"} & set(f)) for f in kern.VARIANTS.values())
 
 
 def test_gluon_variant_rejects_other_tiles():
@@ -89,6 +91,29 @@ def test_gluon_launch_checks_its_operands(hopper):
     with pytest.raises(ValueError, match="2 to 6 stages"):
         gluon_ws.launch(*args, op["offs"], stages=7)
     assert [gluon_ws.expert_slots(e) for e in (1, 32, 33, 256)] == [32, 32, 64, 256]
+
+
+@pytest.mark.parametrize("variant,want", [
+    ("gluon_ws_pair_g8", {"pair": True, "group_m": 8, "epi_tma": False, "ahead": False}),
+    ("gluon_ws_pair_g8_tma", {"pair": True, "group_m": 8, "epi_tma": True, "ahead": False}),
+    ("gluon_ws_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True}),
+])
+def test_gluon_variants_pass_their_switches(hopper, monkeypatch, variant, want):
+    """The dispatcher hands a GLUON variant's switches and ring depth to the kernel's launcher."""
+    got = {}
+    monkeypatch.setattr(gluon_ws, "launch", lambda *args, **kw: got.update(kw))
+    op = _operands([3, 0, 5], 256, 384)
+    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant=variant,
+                      config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 6})
+    assert got == {"stages": 6, **want}
+
+
+def test_tma_epilogue_needs_aligned_16_bit_rows():
+    c = torch.empty(10, 256, dtype=torch.bfloat16)
+    assert gluon_ws.tma_epilogue_applies(c) and gluon_ws.tma_epilogue_applies(c.half())
+    assert not gluon_ws.tma_epilogue_applies(c.float())  # fp32 output: the register epilogue
+    assert not gluon_ws.tma_epilogue_applies(torch.empty(10, 260, dtype=torch.bfloat16)[:, :256])  # 520-byte rows
+    assert not gluon_ws.tma_epilogue_applies(torch.empty(10, 264, dtype=torch.bfloat16)[:, 4:])  # base + 8 bytes
 
 
 def _compile_sm90(fn, args: tuple, consts: dict, **options):
@@ -197,6 +222,45 @@ def test_new_triton_variants_compile_for_sm90_without_spills(variant, cfg, tmp_p
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                           timeout=300).stdout
     assert "QGMMA" in sass and not re.search(r"\b(STL|LDL)\b", sass)
+
+
+def _ptxas_and_sass(ck, tmp_path) -> tuple[str, str]:
+    """ptxas -v's report of the compiled kernel's PTX for sm_90a and the SASS of its cubin."""
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
+                          str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    return out.stderr, sass
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("pair,ahead,stages,experts", [(True, False, 4, 32), (True, True, 6, 32),
+                                                       (False, True, 4, gluon_ws.MAX_EXPERTS)])
+def test_tma_epilogue_compiles_for_sm90_without_spills(pair, ahead, stages, experts, tmp_path):
+    """The EPI_TMA kernel at GLM-5's down shapes: no spills, no serialised wgmma, the wgmma count of its PAIR
+    setting; shared memory = the ring + two 16 KB output buffers (6 stages fit the 227 KB); per consumer one
+    TMA store of its half tile from a stmatrix-written buffer, fenced for the async proxy and issued after a
+    barrier of the warpgroup, the buffer written only after the previous store is waited for; the partial
+    half's masked register store kept."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ck = _compile_gluon(pair, stages=stages, group_m=8, e=experts, epi_tma=True, ahead=ahead, down=True)
+    report, sass = _ptxas_and_sass(ck, tmp_path)
+    assert "Performance Loss" not in report and "warning" not in report.lower(), report
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4 * (2 if pair else 1)
+    assert stages * 32768 + 2 * 16384 <= ck.metadata.shared <= stages * 32768 + 2 * 16384 + 1024 <= 232448
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == 2 and len(re.findall(r"\bSTSM\b", sass)) == 2 * 8
+    assert len(re.findall(r"\bSTG\.E", sass)) == 2 * 32  # the partial halves: 32 bf16 pairs per thread
+    ptx = ck.asm["ptx"]
+    for store in re.finditer(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx):
+        before = ptx[:store.start()]
+        wait, stm = before.rfind("cp.async.bulk.wait_group.read"), before.rfind("stmatrix")
+        fence, bar = before.rfind("fence.proxy.async.shared::cta"), before.rfind("bar.sync")
+        assert 0 <= wait < stm < fence < bar, (wait, stm, fence, bar)
 
 
 _INTERPRET = r'''

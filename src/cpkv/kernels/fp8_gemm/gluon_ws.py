@@ -30,9 +30,20 @@ by mbarriers only:
   PAIR: two K blocks per iteration, both wgmmas issued before the first is waited for (wait(1)), so the
   first block's promotion also overlaps the warpgroup's own second wgmma (a third 64-register tile).
   Epilogue: acc -> c's dtype, stored from registers masked to the expert's rows (rows < offs[e]).
+  EPI_TMA: a half tile wholly inside its expert is written to the warpgroup's own 64 x 128 shared buffer
+  (stmatrix), fenced for the async proxy and stored by one asynchronous TMA store; the warpgroup goes straight on
+  to its next tile and waits for that store (``store_wait``) only before it writes the buffer again, a tile
+  later. The expert's last, partial half tile is stored from registers, masked (a TMA box cannot stop at the
+  expert's end: it would write the next expert's rows, whose program may already have stored them, or the
+  padding rows the contract leaves untouched; a per-expert descriptor is no cheap device-side option).
+  AHEAD: the next tile's expert lookup and first scale loads are issued after the K loop, before this tile's
+  epilogue, so they are in flight while it stores (and off the next tile's first promotion).
+  Nothing else couples the consumers: each waits only on the ring's "ready" barriers, and the producer's wait
+  for both releases of a stage bounds their drift to STAGES K blocks (no per-tile barrier of both), so one
+  consumer's epilogue can overlap the other's wgmma up to that drift.
 
 A zero activation group (scale 0) adds tile * 0 = 0 (the wgmma result is finite), never NaN.
-Shared memory: STAGES x 32 KB (A + B) + barriers. Registers: launch cap MAX_REGS x 12 warps (the 1-warp
+Shared memory: STAGES x 32 KB (A + B) + barriers (EPI_TMA: + 2 x 16 KB; 6 stages: 229,672 B of 232,448). Registers: launch cap MAX_REGS x 12 warps (the 1-warp
 producer's warpgroup is padded), re-split CONSUMER_REGS per consumer, PRODUCER_REGS for the producer.
 ptxas pitfalls (cpkv.kernels.sparse_mla.gluon_ws): no wgmma result in flight across a loop's back edge (every
 iteration waits for its own), loop bounds and tile coordinates made provably warp-uniform (``_uniform``).

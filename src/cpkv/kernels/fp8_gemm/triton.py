@@ -131,6 +131,12 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               order, as above; persistent programs, one per SM). Config: BLOCK_M and
 #               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
 #               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
+#   EPI_TMA     (GLUON) the epilogue through shared memory: each consumer warpgroup writes its 64 x 128 half tile
+#               to its own buffer and issues an asynchronous TMA store, waited for only a tile later, before the
+#               buffer is reused; the expert's last, partial half tile is stored from registers, masked (a TMA
+#               box would write the next expert's rows or the padding). 32 KB more shared memory (6 stages fit)
+#   AHEAD       (GLUON) a tile's expert lookup and first scale loads issued before the previous tile's epilogue,
+#               so their latency is off the next tile's first promotion
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
     "gluon_ws": {"GLUON": True},
@@ -139,6 +145,10 @@ VARIANTS: dict[str, dict] = {
     "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
     "gluon_ws_g8": {"GLUON": True, "GROUP_M": 8},
     "gluon_ws_pair_g8": {"GLUON": True, "PAIR": True, "GROUP_M": 8},
+    "gluon_ws_pair_g8_tma": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True},
+    "gluon_ws_pair_g8_tma_ah": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
+    "gluon_ws_g8_tma": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True},
+    "gluon_ws_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -533,5 +543,6 @@ def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor,
         return False
     flags = VARIANTS[variant]
     gluon_ws.launch(a, a_s, offs, b, b_s, c, tile_ends(offs, 128) if tiles is None else tiles,
-                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)))
+                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)),
+                    epi_tma=bool(flags.get("EPI_TMA")), ahead=bool(flags.get("AHEAD")))
     return True
