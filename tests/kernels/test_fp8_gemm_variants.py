@@ -35,9 +35,13 @@ def test_activation_scales_follow_the_variant():
     assert km.shape == rm.shape == (5, 3)
     assert km.stride() == (1, 5) and rm.stride() == (3, 1)
     assert kern.kmajor_scales("gluon_ws_k") and not kern.kmajor_scales("gluon_ws")
-    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M", "EPI_TMA", "AHEAD"}
+    gluon_only = {"EPI_TMA", "AHEAD", "WIDE"}
+    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} | gluon_only
                for f in kern.VARIANTS.values())
-    assert all(f.get("GLUON") or not ({"EPI_TMA", "AHEAD"} & set(f)) for f in kern.VARIANTS.values())
+    assert all(f.get("GLUON") or not (gluon_only & set(f)) for f in kern.VARIANTS.values())
+    # WIDE only where ptxas keeps its K loops spill-free: with the TMA epilogue and the tile lookup ahead
+    assert all(not f.get("WIDE") or (f.get("EPI_TMA") and f.get("AHEAD") and not f.get("PAIR"))
+               for f in kern.VARIANTS.values())
 
 
 def test_gluon_variant_rejects_other_tiles():
@@ -94,26 +98,56 @@ def test_gluon_launch_checks_its_operands(hopper):
 
 
 @pytest.mark.parametrize("variant,want", [
-    ("gluon_ws_pair_g8", {"pair": True, "group_m": 8, "epi_tma": False, "ahead": False}),
-    ("gluon_ws_pair_g8_tma", {"pair": True, "group_m": 8, "epi_tma": True, "ahead": False}),
-    ("gluon_ws_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True}),
+    ("gluon_ws_pair_g8", {"pair": True, "group_m": 8, "epi_tma": False, "ahead": False, "wide": False}),
+    ("gluon_ws_pair_g8_tma", {"pair": True, "group_m": 8, "epi_tma": True, "ahead": False, "wide": False}),
+    ("gluon_ws_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True, "wide": False}),
+    ("gluon_ws_n256_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True, "wide": True}),
 ])
 def test_gluon_variants_pass_their_switches(hopper, monkeypatch, variant, want):
-    """The dispatcher hands a GLUON variant's switches and ring depth to the kernel's launcher."""
+    """The dispatcher hands a GLUON variant's switches and ring depth (given, or the default for its tile
+    width) to the kernel's launcher."""
     got = {}
     monkeypatch.setattr(gluon_ws, "launch", lambda *args, **kw: got.update(kw))
     op = _operands([3, 0, 5], 256, 384)
     kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant=variant,
-                      config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 6})
-    assert got == {"stages": 6, **want}
+                      config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2})
+    assert got == {"stages": 2, **want}
+    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant=variant)
+    assert got["stages"] == (gluon_ws.WIDE_STAGES if want["wide"] else gluon_ws.STAGES)
 
 
-def test_tma_epilogue_needs_aligned_16_bit_rows():
-    c = torch.empty(10, 256, dtype=torch.bfloat16)
-    assert gluon_ws.tma_epilogue_applies(c) and gluon_ws.tma_epilogue_applies(c.half())
-    assert not gluon_ws.tma_epilogue_applies(c.float())  # fp32 output: the register epilogue
-    assert not gluon_ws.tma_epilogue_applies(torch.empty(10, 260, dtype=torch.bfloat16)[:, :256])  # 520-byte rows
-    assert not gluon_ws.tma_epilogue_applies(torch.empty(10, 264, dtype=torch.bfloat16)[:, 4:])  # base + 8 bytes
+def test_gluon_launch_refuses_rings_past_shared_memory(hopper):
+    """256-column tiles with the TMA epilogue: 3 stages fit (48 KB each + 64 KB of output buffers), 4 do not."""
+    assert gluon_ws.shared_bytes(3, 256, True) <= gluon_ws.SHARED_MAX < gluon_ws.shared_bytes(4, 256, True)
+    assert gluon_ws.shared_bytes(6, 128, True) <= gluon_ws.SHARED_MAX  # the largest ring of 128-column tiles
+    op = _operands([3, 0, 5], 512, 384)
+    args = [op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")]
+    with pytest.raises(ValueError, match="4 stages of 256-column tiles and the TMA epilogue need 263168 B"):
+        gluon_ws.launch(*args, op["offs"], stages=4, epi_tma=True, ahead=True, wide=True)
+
+
+@pytest.mark.parametrize("n,pair,wide,stages,bn", [(512, False, True, 3, 256), (384, False, True, 4, 128),
+                                                   (512, True, True, 4, 128), (512, False, False, 6, 128)])
+def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pair, wide, stages, bn):
+    """What the launcher hands the kernel: 256-row B boxes only for WIDE at N % 256 == 0 without PAIR, the TMA
+    epilogue's 64 x 128 output box on c, one program per SM at most."""
+    from cpkv.kernels import platform
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((grid, args, meta))
+
+    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
+    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    op = _operands([3, 0, 5], n, 512)  # 4 K blocks: PAIR stays on
+    gluon_ws.launch(*[op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")], op["offs"], stages=stages, pair=pair,
+                    group_m=8, epi_tma=True, ahead=True, wide=wide)
+    (grid, args, meta), = calls
+    assert grid == (4,) and args[1].block_shape == [bn, 128] and args[2].block_shape == [64, 128]
+    assert args[2].base is op["c"] and meta["EPI_TMA"] and meta["AHEAD"] and meta["PAIR"] == pair
+    assert (meta["STAGES"], meta["GROUP_M"], meta["EP"]) == (stages, 8, 32)
 
 
 def _compile_sm90(fn, args: tuple, consts: dict, **options):
@@ -140,8 +174,9 @@ def _compile_sm90(fn, args: tuple, consts: dict, **options):
 
 
 def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_tma: bool = False,
-                   ahead: bool = False, down: bool = False):
-    """The Gluon kernel at GLM-5's gate_up (``down``: down) shapes (e experts, 32,768 rows)."""
+                   ahead: bool = False, down: bool = False, wide: bool = False):
+    """The Gluon kernel at GLM-5's gate_up (``down``: down) shapes (e experts, 32,768 rows; ``wide``: 256-column
+    tiles)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -154,7 +189,10 @@ def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_t
     c_desc = (TensorDescriptor(c, [r, n], [n, 1], [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128],
                                                                                                  gl.bfloat16))
               if epi_tma else a_desc)
-    args = (a_desc, TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), c_desc, a_s, offs, offs, b_s, c,
+    bn = 256 if wide else 128
+    b_desc = TensorDescriptor(b, [e * n, k], [k, 1], [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128],
+                                                                                                   gl.float8e4nv))
+    args = (a_desc, b_desc, c_desc, a_s, offs, offs, b_s, c,
             e, n, k, *a_s.stride(), *b_s.stride(), c.stride(0))
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
               "EPI_TMA": epi_tma, "AHEAD": ahead,
@@ -261,6 +299,41 @@ def test_tma_epilogue_compiles_for_sm90_without_spills(pair, ahead, stages, expe
         wait, stm = before.rfind("cp.async.bulk.wait_group.read"), before.rfind("stmatrix")
         fence, bar = before.rfind("fence.proxy.async.shared::cta"), before.rfind("bar.sync")
         assert 0 <= wait < stm < fence < bar, (wait, stm, fence, bar)
+
+
+def _k_loop_spills(sass: str) -> tuple[int, int]:
+    """(local-memory instructions inside the innermost loops that hold wgmmas, how many such loops) of a SASS
+    listing: loops found by their backward branches."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, ins in lines:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [i for a, i in lines if int(m.group(1), 16) <= a <= addr]
+            if any("QGMMA" in i for i in body):
+                loops.append((int(m.group(1), 16), addr, body))
+    inner = [x for x in loops if not any(y is not x and x[0] <= y[0] and y[1] <= x[1] for y in loops)]
+    return sum(bool(re.search(r"\b(STL|LDL)\b", i)) for x in inner for i in x[2]), len(inner)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("experts", [32, gluon_ws.MAX_EXPERTS])
+def test_wide_tiles_compile_for_sm90_without_k_loop_spills(experts, tmp_path):
+    """WIDE (128 x 256 tiles) with the TMA epilogue and AHEAD at GLM-5's down shapes, 3 stages: no serialised
+    wgmma, 2 x 2 x 4 wgmmas (two n128 halves per consumer), no local-memory access inside the K loops (a few
+    per tile outside them at small expert maps, at most 16 instructions), shared memory = 3 x 48 KB + four
+    16 KB output buffers, per consumer two TMA stores of 64 x 128 (each split in two 64-column boxes)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ck = _compile_gluon(False, stages=gluon_ws.WIDE_STAGES, group_m=8, e=experts, epi_tma=True, ahead=True,
+                        down=True, wide=True)
+    report, sass = _ptxas_and_sass(ck, tmp_path)
+    assert "Performance Loss" not in report and "warning" not in report.lower(), report
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 2 * 4
+    in_loops, loops = _k_loop_spills(sass)
+    assert loops >= 2 and in_loops == 0
+    assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 16
+    assert 3 * 49152 + 4 * 16384 <= ck.metadata.shared <= gluon_ws.shared_bytes(3, 256, True)
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == 4 and len(re.findall(r"\bSTSM\b", sass)) == 2 * 16
 
 
 _INTERPRET = r'''
