@@ -118,7 +118,8 @@ def load() -> Any:
         else:
             width = GROUP_M * n_tiles
             first_m = (t // width) * GROUP_M
-            size_m = gl.minimum(m_tiles - first_m, GROUP_M)
+            size_m = gl.maximum(gl.minimum(m_tiles - first_m, GROUP_M), 1)  # (>= 1 for t in the map; AHEAD's
+            # clamped first lookup of an empty map, t 0 of 0 tiles, must not divide by 0)
             pid_m = first_m + (t % width) % size_m
             col_tile = (t % width) // size_m
         expert = _uniform(gl.sum((ends <= pid_m).to(gl.int32), axis=0))
