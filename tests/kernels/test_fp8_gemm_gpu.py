@@ -271,8 +271,8 @@ def test_tma_epilogue_writes_only_the_experts_rows(variant, stages, n):
     """The TMA-store epilogue (whole 64-row halves by TMA, the expert's partial half from registers; WIDE: two
     128-column halves each) gives the bytes of the register epilogue (gluon_ws_pair_g8 / gluon_ws_g8: the same
     accumulation) into a strided view of a wider, taller buffer: nothing outside the view, no padding row
-    written; and into a c whose rows are not 16-byte aligned (the register epilogue then runs): the same
-    bytes."""
+    written; and into a c whose rows are not 16-byte aligned (the register epilogue then runs, WIDE on
+    128-column tiles): the same bytes."""
     from cpkv.kernels.fp8_gemm import gluon_ws
     from cpkv.kernels.fp8_gemm import triton as kern
 

@@ -126,11 +126,13 @@ def test_gluon_launch_refuses_rings_past_shared_memory(hopper):
         gluon_ws.launch(*args, op["offs"], stages=4, epi_tma=True, ahead=True, wide=True)
 
 
-@pytest.mark.parametrize("n,pair,wide,stages,bn", [(512, False, True, 3, 256), (384, False, True, 4, 128),
-                                                   (512, True, True, 4, 128), (512, False, False, 6, 128)])
-def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pair, wide, stages, bn):
-    """What the launcher hands the kernel: 256-row B boxes only for WIDE at N % 256 == 0 without PAIR, the TMA
-    epilogue's 64 x 128 output box on c, one program per SM at most."""
+@pytest.mark.parametrize("n,pair,wide,stages,bn,aligned", [
+    (512, False, True, 3, 256, True), (384, False, True, 4, 128, True), (512, True, True, 4, 128, True),
+    (512, False, False, 6, 128, True), (512, False, True, 4, 128, False), (512, True, False, 6, 128, False)])
+def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pair, wide, stages, bn, aligned):
+    """What the launcher hands the kernel: 256-row B boxes only for WIDE at N % 256 == 0 without PAIR and with
+    the TMA epilogue, that epilogue's 64 x 128 output box on c where c's rows allow it (else the register
+    epilogue, and 128-row B boxes), one program per SM at most."""
     from cpkv.kernels import platform
 
     calls = []
@@ -142,11 +144,14 @@ def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pai
     monkeypatch.setattr(platform, "sm_count", lambda x: 4)
     monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
     op = _operands([3, 0, 5], n, 512)  # 4 K blocks: PAIR stays on
+    if not aligned:  # rows of 2 (N + 4) bytes: not 16-byte multiples
+        op["c"] = torch.empty(op["c"].shape[0], n + 4, dtype=torch.bfloat16)[:, :n]
     gluon_ws.launch(*[op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")], op["offs"], stages=stages, pair=pair,
                     group_m=8, epi_tma=True, ahead=True, wide=wide)
     (grid, args, meta), = calls
-    assert grid == (4,) and args[1].block_shape == [bn, 128] and args[2].block_shape == [64, 128]
-    assert args[2].base is op["c"] and meta["EPI_TMA"] and meta["AHEAD"] and meta["PAIR"] == pair
+    assert grid == (4,) and args[1].block_shape == [bn, 128] and meta["EPI_TMA"] == aligned
+    assert (args[2].base is op["c"] and args[2].block_shape == [64, 128]) if aligned else args[2] is args[0]
+    assert meta["AHEAD"] and meta["PAIR"] == pair
     assert (meta["STAGES"], meta["GROUP_M"], meta["EP"]) == (stages, 8, 32)
 
 

@@ -38,7 +38,7 @@ by mbarriers only:
   padding rows the contract leaves untouched; a per-expert descriptor is no cheap device-side option).
   AHEAD: the next tile's expert lookup and first scale loads are issued after the K loop, before this tile's
   epilogue, so they are in flight while it stores (and off the next tile's first promotion).
-  WIDE (N % 256 == 0, not PAIR): 128 x 256 tiles, B stages of 256 rows (48 KB a stage); per K block each
+  WIDE (N % 256 == 0, not PAIR, EPI_TMA applies): 128 x 256 tiles, B stages of 256 rows (48 KB a stage); per K block each
   consumer issues an m64 n128 wgmma on the first 128 weight rows, waits, promotes it into its first accumulator,
   then the same on the other 128 rows into its second (a second result tile in flight would need 64 more
   registers than the 232: the other consumer's wgmma covers each promotion instead). Half as many tiles, so
@@ -430,16 +430,16 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
     K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest); ``epi_tma``:
     full half tiles stored through shared memory by asynchronous TMA stores (used where
     ``tma_epilogue_applies(c)``; 2 x 16 KB more shared memory); ``ahead``: each tile's expert lookup and first
-    scale loads issued before the previous tile's epilogue; ``wide``: 256-column tiles (used when N % 256 == 0
-    and not ``pair``; a stage is 48 KB). Raises ValueError where the kernel does not apply (``applies``) or the
+    scale loads issued before the previous tile's epilogue; ``wide``: 256-column tiles (used when N % 256 == 0,
+    not ``pair`` and with the TMA epilogue; a stage is 48 KB). Raises ValueError where the kernel does not apply (``applies``) or the
     ring and output buffers exceed the shared memory (``shared_bytes``)."""
     _check(a, a_s, offs, b, b_s, c, tiles)
     if not 2 <= stages <= 6:
         raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
     (r, k), (e, n, _) = a.shape, b.shape
     pair = bool(pair) and (k // BLOCK) % 2 == 0
-    bn = 2 * BLOCK if wide and not pair and n % (2 * BLOCK) == 0 else BLOCK
     epi_tma = bool(epi_tma) and tma_epilogue_applies(c)
+    bn = 2 * BLOCK if wide and epi_tma and not pair and n % (2 * BLOCK) == 0 else BLOCK  # (spills without EPI_TMA)
     if shared_bytes(stages, bn, epi_tma) > SHARED_MAX:
         raise ValueError(f"grouped fp8 GEMM (Gluon): {stages} stages of {bn}-column tiles"
                          f"{' and the TMA epilogue' if epi_tma else ''} need {shared_bytes(stages, bn, epi_tma)} B "

@@ -137,7 +137,7 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               box would write the next expert's rows or the padding). 32 KB more shared memory (6 stages fit)
 #   AHEAD       (GLUON) a tile's expert lookup and first scale loads issued before the previous tile's epilogue,
 #               so their latency is off the next tile's first promotion
-#   WIDE        (GLUON, not PAIR; N % 256 == 0, else 128-column tiles) 128 x 256 tiles: per K block each consumer
+#   WIDE        (GLUON, not PAIR; N % 256 == 0 and c fit for EPI_TMA, else 128-column tiles) 128 x 256 tiles: per K block each consumer
 #               runs two m64 n128 wgmmas, each waited for and promoted into its own accumulator; half the tiles
 #               (per-tile costs) and a quarter less L2 -> shared traffic per FLOP; 48 KB stages (3 with EPI_TMA).
 #               Registered only with EPI_TMA and AHEAD: the other combinations spill in the K loop (ptxas)
