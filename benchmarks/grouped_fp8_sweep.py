@@ -48,18 +48,27 @@ def _cfg(bm: int, bn: int, w: int, st: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
 
-# (variant, config), the likeliest first (--budget-s skips the tail): 34 compiles of a second or two each.
+# (variant, config), the likeliest first (--budget-s skips the tail): 65 configs, compiles of a second or two each.
 # ptxas (sm_90a, Triton 3.6) registers per thread at 128 x 128 x 8 warps: the deleted first kernel 237, v1 178, v3 155, RESCALE
 # (v6 / v7) 107-118, so two programs fit an SM only there (and at 64 x 128 x 4 warps, about 180); PAIR 254
 # (two K blocks a stage: 3 stages at most). BLOCK_N 256 and 128 x 128 at 4 warps spill: left out.
 # First the warp-specialised Gluon kernel (GLUON variants: 128 x 128 tiles, two consumer warpgroups of 4 warps,
-# num_stages = TMA ring depth; compiled offline for sm_90a without spills), then the Triton ones with scales
+# num_stages = TMA ring depth; compiled offline for sm_90a without spills; the EPI_TMA ones (TMA-store epilogue,
+# ``_tma``; ``_ah``: next tile's lookup and scales before the epilogue; ``_n256``: 128 x 256 tiles, BLOCK_N in
+# the config stays 128, the variant sets it) first: 6 stages + their 32 KB of output buffers = 229,672 B of
+# shared memory, n256 3 stages + 64 KB 213,248 B), then the Triton ones with scales
 # prefetched a K block ahead (v13-v19), the expert map in registers (v16-v19) and the flattened persistent loop
 # (v18, v19). ptxas: v16 196 registers at 128 x 128 x 8 warps, v18 203-209; v17 128 at 128 x 128 x 8 and
 # 64 x 128 x 4 (two programs per SM); v19 156-159, so two programs per SM only at 64 x 128 x 4.
+_GLUON = [  # (variant, stages): the likeliest of the TMA-epilogue ones, then the two best of the first GPU run
+    ("gluon_ws_pair_g8_tma", 4), ("gluon_ws_pair_g8_tma_ah", 4), ("gluon_ws_n256_g8_tma_ah", 3),
+    ("gluon_ws_g8_tma_ah", 6), ("gluon_ws_g8_tma", 6), ("gluon_ws_pair_g8", 4), ("gluon_ws_g8", 6),
+    ("gluon_ws_pair_g8_tma", 6), ("gluon_ws_pair_g8_tma_ah", 6), ("gluon_ws_g8_tma_ah", 4), ("gluon_ws_g8_tma", 4),
+    ("gluon_ws_n256_g8_tma_ah", 2)]  # (n256: 128 x 256 tiles, 48 KB stages)
 SWEEP = (
-    [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_g8", "gluon_ws_g8")
-     for st in (4, 6)]
+    [(v, _cfg(128, 128, 4, st)) for v, st in _GLUON]
+    + [(v, _cfg(128, 128, 4, st)) for v in ("gluon_ws_pair", "gluon_ws", "gluon_ws_pair_g8", "gluon_ws_g8")
+       for st in (4, 6) if (v, st) not in _GLUON]
     + [(v, _cfg(128, 128, 4, 4)) for v in ("gluon_ws_pair_k", "gluon_ws_k")]
     + [(v, _cfg(*c)) for v in ("v18", "v16", "v13", "v14") for c in ((128, 128, 8, 4), (128, 128, 8, 3))]
     + [("v19", _cfg(64, 128, 4, 3))]

@@ -125,7 +125,8 @@ def _variant_configs() -> list[tuple[str, dict]]:
     out = []
     for v in VARIANTS:
         if VARIANTS[v].get("GLUON"):  # 128 x 128 tiles, 4 warps per warpgroup; the shallowest ring and an odd one
-            out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": st}) for st in (2, 5)]
+            deep = 3 if VARIANTS[v].get("WIDE") else 5  # (WIDE: 48 KB stages)
+            out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": st}) for st in (2, deep)]
             continue
         out += [(v, {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}),
                 (v, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4})]
@@ -134,7 +135,9 @@ def _variant_configs() -> list[tuple[str, dict]]:
 
 # the variants added for issue 22's second round (the warp-specialised Gluon kernel, scale prefetch, K-major scales)
 NEW_VARIANTS = ("gluon_ws", "gluon_ws_pair", "gluon_ws_k", "gluon_ws_pair_k", "gluon_ws_g8", "gluon_ws_pair_g8",
-                "v13", "v14", "v15", "v16", "v17", "v18", "v19")
+                "v13", "v14", "v15", "v16", "v17", "v18", "v19", *(
+                    f"gluon_ws_{p}g8_tma{a}" for p in ("pair_", "") for a in ("", "_ah")),  # the TMA-store epilogue
+                "gluon_ws_n256_g8_tma_ah")
 
 
 def _scales_for(variant: str, s: torch.Tensor, kmajor: bool | None = None) -> torch.Tensor:
@@ -244,14 +247,60 @@ def test_new_variants_on_a_big_ragged_load(variant, n, k, kmajor):
     q, s = act_quant_ref(x)
     offs = torch.tensor(BIG_LOAD, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
     c = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
-    cfg = ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4} if kern.VARIANTS[variant].get("GLUON")
-           else {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
+    cfg = ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3 if kern.VARIANTS[variant].get("WIDE") else 4}
+           if kern.VARIANTS[variant].get("GLUON") else {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
     kern.grouped_gemm(q, _scales_for(variant, s, kmajor), offs, w, ws, c, kern.tile_ends(offs, 128), config=cfg,
                       variant=variant)
     want = grouped_fp8_ref(q, s, offs, w, ws)
     done = sum(BIG_LOAD)
     assert _rel(c[:done], want[:done]) <= GEMM_TOL
     assert bool((c[done:] == 3.0).all())
+
+
+# rows per expert around the 64-row halves the TMA epilogue stores whole: ends on a half, one row short of and
+# past one, a single row, empty experts; 13 padding rows past them
+HALVES = [64, 0, 191, 128, 1, 63, 65, 0, 320, 127]
+
+
+@pytest.mark.parametrize("variant,stages,n", [
+    ("gluon_ws_pair_g8_tma", 4, 384), ("gluon_ws_pair_g8_tma", 6, 512), ("gluon_ws_g8_tma_ah", 4, 384),
+    ("gluon_ws_g8_tma_ah", 6, 512), ("gluon_ws_pair_g8_tma_ah", 4, 512), ("gluon_ws_g8_tma", 5, 384),
+    ("gluon_ws_n256_g8_tma_ah", 3, 512), ("gluon_ws_n256_g8_tma_ah", 2, 768),
+    ("gluon_ws_n256_g8_tma_ah", 3, 384)])  # (N 384: 128-column tiles)
+def test_tma_epilogue_writes_only_the_experts_rows(variant, stages, n):
+    """The TMA-store epilogue (whole 64-row halves by TMA, the expert's partial half from registers; WIDE: two
+    128-column halves each) gives the bytes of the register epilogue (gluon_ws_pair_g8 / gluon_ws_g8: the same
+    accumulation) into a strided view of a wider, taller buffer: nothing outside the view, no padding row
+    written; and into a c whose rows are not 16-byte aligned (the register epilogue then runs, WIDE on
+    128-column tiles): the same bytes."""
+    from cpkv.kernels.fp8_gemm import gluon_ws
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    k, pad = 512, 13
+    e, rows = len(HALVES), sum(HALVES) + pad
+    w, ws = _weight(n, k, 23, e)
+    x = _x(rows, k, 24)
+    x[64, :128] = 0  # a zero group
+    q, s = act_quant_ref(x)
+    offs = torch.tensor(HALVES, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": stages}
+    base = "gluon_ws_pair_g8" if kern.VARIANTS[variant].get("PAIR") else "gluon_ws_g8"
+    want = torch.full((rows, n), 3.0, dtype=torch.bfloat16, device="cuda")
+    kern.grouped_gemm(q, s, offs, w, ws, want, config=cfg, variant=base)
+    done = sum(HALVES)
+    assert _rel(want[:done], grouped_fp8_ref(q, s, offs, w, ws)[:done]) <= GEMM_TOL
+    big = torch.full((rows + 5, n + 192), 3.0, dtype=torch.bfloat16, device="cuda")
+    c = big[2:2 + rows, 64:64 + n]  # 16-byte aligned base and row stride: the TMA epilogue
+    assert gluon_ws.tma_epilogue_applies(c)
+    kern.grouped_gemm(q, s, offs, w, ws, c, config=cfg, variant=variant)
+    assert torch.equal(c, want)
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[2:2 + rows, 64:64 + n] = False
+    assert bool((big[outside] == 3.0).all())
+    odd = torch.full((rows, n + 1), 3.0, dtype=torch.bfloat16, device="cuda")[:, :n]  # rows of 2 (N + 1) bytes
+    assert not gluon_ws.tma_epilogue_applies(odd)
+    kern.grouped_gemm(q, s, offs, w, ws, odd, config=cfg, variant=variant)
+    assert torch.equal(odd, want)
 
 
 @pytest.mark.parametrize("load", ["ragged", "none", "one"])

@@ -35,7 +35,13 @@ def test_activation_scales_follow_the_variant():
     assert km.shape == rm.shape == (5, 3)
     assert km.stride() == (1, 5) and rm.stride() == (3, 1)
     assert kern.kmajor_scales("gluon_ws_k") and not kern.kmajor_scales("gluon_ws")
-    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} for f in kern.VARIANTS.values())
+    gluon_only = {"EPI_TMA", "AHEAD", "WIDE"}
+    assert all(not f.get("GLUON") or set(f) <= {"GLUON", "PAIR", "KMAJOR", "GROUP_M"} | gluon_only
+               for f in kern.VARIANTS.values())
+    assert all(f.get("GLUON") or not (gluon_only & set(f)) for f in kern.VARIANTS.values())
+    # WIDE only where ptxas keeps its K loops spill-free: with the TMA epilogue and the tile lookup ahead
+    assert all(not f.get("WIDE") or (f.get("EPI_TMA") and f.get("AHEAD") and not f.get("PAIR"))
+               for f in kern.VARIANTS.values())
 
 
 def test_gluon_variant_rejects_other_tiles():
@@ -91,6 +97,64 @@ def test_gluon_launch_checks_its_operands(hopper):
     assert [gluon_ws.expert_slots(e) for e in (1, 32, 33, 256)] == [32, 32, 64, 256]
 
 
+@pytest.mark.parametrize("variant,want", [
+    ("gluon_ws_pair_g8", {"pair": True, "group_m": 8, "epi_tma": False, "ahead": False, "wide": False}),
+    ("gluon_ws_pair_g8_tma", {"pair": True, "group_m": 8, "epi_tma": True, "ahead": False, "wide": False}),
+    ("gluon_ws_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True, "wide": False}),
+    ("gluon_ws_n256_g8_tma_ah", {"pair": False, "group_m": 8, "epi_tma": True, "ahead": True, "wide": True}),
+])
+def test_gluon_variants_pass_their_switches(hopper, monkeypatch, variant, want):
+    """The dispatcher hands a GLUON variant's switches and ring depth (given, or the default for its tile
+    width) to the kernel's launcher."""
+    got = {}
+    monkeypatch.setattr(gluon_ws, "launch", lambda *args, **kw: got.update(kw))
+    op = _operands([3, 0, 5], 256, 384)
+    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant=variant,
+                      config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2})
+    assert got == {"stages": 2, **want}
+    kern.grouped_gemm(op["a"], op["a_s"], op["offs"], op["b"], op["b_s"], op["c"], variant=variant)
+    assert got["stages"] == (gluon_ws.WIDE_STAGES if want["wide"] else gluon_ws.STAGES)
+
+
+def test_gluon_launch_refuses_rings_past_shared_memory(hopper):
+    """256-column tiles with the TMA epilogue: 3 stages fit (48 KB each + 64 KB of output buffers), 4 do not."""
+    assert gluon_ws.shared_bytes(3, 256, True) <= gluon_ws.SHARED_MAX < gluon_ws.shared_bytes(4, 256, True)
+    assert gluon_ws.shared_bytes(6, 128, True) <= gluon_ws.SHARED_MAX  # the largest ring of 128-column tiles
+    op = _operands([3, 0, 5], 512, 384)
+    args = [op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")]
+    with pytest.raises(ValueError, match="4 stages of 256-column tiles and the TMA epilogue need 263168 B"):
+        gluon_ws.launch(*args, op["offs"], stages=4, epi_tma=True, ahead=True, wide=True)
+
+
+@pytest.mark.parametrize("n,pair,wide,stages,bn,aligned", [
+    (512, False, True, 3, 256, True), (384, False, True, 4, 128, True), (512, True, True, 4, 128, True),
+    (512, False, False, 6, 128, True), (512, False, True, 4, 128, False), (512, True, False, 6, 128, False)])
+def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pair, wide, stages, bn, aligned):
+    """What the launcher hands the kernel: 256-row B boxes only for WIDE at N % 256 == 0 without PAIR and with
+    the TMA epilogue, that epilogue's 64 x 128 output box on c where c's rows allow it (else the register
+    epilogue, and 128-row B boxes), one program per SM at most."""
+    from cpkv.kernels import platform
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((grid, args, meta))
+
+    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
+    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    op = _operands([3, 0, 5], n, 512)  # 4 K blocks: PAIR stays on
+    if not aligned:  # rows of 2 (N + 4) bytes: not 16-byte multiples
+        op["c"] = torch.empty(op["c"].shape[0], n + 4, dtype=torch.bfloat16)[:, :n]
+    gluon_ws.launch(*[op[x] for x in ("a", "a_s", "offs", "b", "b_s", "c")], op["offs"], stages=stages, pair=pair,
+                    group_m=8, epi_tma=True, ahead=True, wide=wide)
+    (grid, args, meta), = calls
+    assert grid == (4,) and args[1].block_shape == [bn, 128] and meta["EPI_TMA"] == aligned
+    assert (args[2].base is op["c"] and args[2].block_shape == [64, 128]) if aligned else args[2] is args[0]
+    assert meta["AHEAD"] and meta["PAIR"] == pair
+    assert (meta["STAGES"], meta["GROUP_M"], meta["EP"]) == (stages, 8, 32)
+
+
 def _compile_sm90(fn, args: tuple, consts: dict, **options):
     """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (what the launcher would specialise)."""
     import triton
@@ -114,20 +178,29 @@ def _compile_sm90(fn, args: tuple, consts: dict, **options):
     return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32):
-    """The Gluon kernel at GLM-5's gate_up shapes (e experts, 32,768 rows)."""
+def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_tma: bool = False,
+                   ahead: bool = False, down: bool = False, wide: bool = False):
+    """The Gluon kernel at GLM-5's gate_up (``down``: down) shapes (e experts, 32,768 rows; ``wide``: 256-column
+    tiles)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    n, k, r = 4096, 6144, 32768
+    (n, k), r = ((6144, 2048) if down else (4096, 6144)), 32768
     a, b = torch.empty(r, k, dtype=FP8), torch.empty(e * n, k, dtype=FP8)
     a_s, b_s = torch.empty(r, k // 128), torch.empty(e, n // 128, k // 128)
     offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=torch.bfloat16)
     layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
-    args = (TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout),
-            TensorDescriptor(b, [e * n, k], [k, 1], [128, 128], layout), a_s, offs, offs, b_s, c, e, n, k,
-            *a_s.stride(), *b_s.stride(), c.stride(0))
+    a_desc = TensorDescriptor(a, [r, k], [k, 1], [128, 128], layout)
+    c_desc = (TensorDescriptor(c, [r, n], [n, 1], [64, 128], gl.NVMMASharedLayout.get_default_for([64, 128],
+                                                                                                 gl.bfloat16))
+              if epi_tma else a_desc)
+    bn = 256 if wide else 128
+    b_desc = TensorDescriptor(b, [e * n, k], [k, 1], [bn, 128], gl.NVMMASharedLayout.get_default_for([bn, 128],
+                                                                                                   gl.float8e4nv))
+    args = (a_desc, b_desc, c_desc, a_s, offs, offs, b_s, c,
+            e, n, k, *a_s.stride(), *b_s.stride(), c.stride(0))
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
+              "EPI_TMA": epi_tma, "AHEAD": ahead,
               "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
     return _compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
 
@@ -192,6 +265,80 @@ def test_new_triton_variants_compile_for_sm90_without_spills(variant, cfg, tmp_p
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                           timeout=300).stdout
     assert "QGMMA" in sass and not re.search(r"\b(STL|LDL)\b", sass)
+
+
+def _ptxas_and_sass(ck, tmp_path) -> tuple[str, str]:
+    """ptxas -v's report of the compiled kernel's PTX for sm_90a and the SASS of its cubin."""
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
+                          str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    return out.stderr, sass
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("pair,ahead,stages,experts", [(True, False, 4, 32), (True, True, 6, 32),
+                                                       (False, True, 4, gluon_ws.MAX_EXPERTS)])
+def test_tma_epilogue_compiles_for_sm90_without_spills(pair, ahead, stages, experts, tmp_path):
+    """The EPI_TMA kernel at GLM-5's down shapes: no spills, no serialised wgmma, the wgmma count of its PAIR
+    setting; shared memory = the ring + two 16 KB output buffers (6 stages fit the 227 KB); per consumer one
+    TMA store of its half tile from a stmatrix-written buffer, fenced for the async proxy and issued after a
+    barrier of the warpgroup, the buffer written only after the previous store is waited for; the partial
+    half's masked register store kept."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ck = _compile_gluon(pair, stages=stages, group_m=8, e=experts, epi_tma=True, ahead=ahead, down=True)
+    report, sass = _ptxas_and_sass(ck, tmp_path)
+    assert "Performance Loss" not in report and "warning" not in report.lower(), report
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4 * (2 if pair else 1)
+    assert stages * 32768 + 2 * 16384 <= ck.metadata.shared <= stages * 32768 + 2 * 16384 + 1024 <= 232448
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == 2 and len(re.findall(r"\bSTSM\b", sass)) == 2 * 8
+    assert len(re.findall(r"\bSTG\.E", sass)) == 2 * 32  # the partial halves: 32 bf16 pairs per thread
+    ptx = ck.asm["ptx"]
+    for store in re.finditer(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx):
+        before = ptx[:store.start()]
+        wait, stm = before.rfind("cp.async.bulk.wait_group.read"), before.rfind("stmatrix")
+        fence, bar = before.rfind("fence.proxy.async.shared::cta"), before.rfind("bar.sync")
+        assert 0 <= wait < stm < fence < bar, (wait, stm, fence, bar)
+
+
+def _k_loop_spills(sass: str) -> tuple[int, int]:
+    """(local-memory instructions inside the innermost loops that hold wgmmas, how many such loops) of a SASS
+    listing: loops found by their backward branches."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, ins in lines:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [i for a, i in lines if int(m.group(1), 16) <= a <= addr]
+            if any("QGMMA" in i for i in body):
+                loops.append((int(m.group(1), 16), addr, body))
+    inner = [x for x in loops if not any(y is not x and x[0] <= y[0] and y[1] <= x[1] for y in loops)]
+    return sum(bool(re.search(r"\b(STL|LDL)\b", i)) for x in inner for i in x[2]), len(inner)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("experts", [32, gluon_ws.MAX_EXPERTS])
+def test_wide_tiles_compile_for_sm90_without_k_loop_spills(experts, tmp_path):
+    """WIDE (128 x 256 tiles) with the TMA epilogue and AHEAD at GLM-5's down shapes, 3 stages: no serialised
+    wgmma, 2 x 2 x 4 wgmmas (two n128 halves per consumer), no local-memory access inside the K loops (a few
+    per tile outside them at small expert maps, at most 16 instructions), shared memory = 3 x 48 KB + four
+    16 KB output buffers, per consumer two TMA stores of 64 x 128 (each split in two 64-column boxes)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ck = _compile_gluon(False, stages=gluon_ws.WIDE_STAGES, group_m=8, e=experts, epi_tma=True, ahead=True,
+                        down=True, wide=True)
+    report, sass = _ptxas_and_sass(ck, tmp_path)
+    assert "Performance Loss" not in report and "warning" not in report.lower(), report
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 2 * 4
+    in_loops, loops = _k_loop_spills(sass)
+    assert loops >= 2 and in_loops == 0
+    assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 16
+    assert 3 * 49152 + 4 * 16384 <= ck.metadata.shared <= gluon_ws.shared_bytes(3, 256, True)
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == 4 and len(re.findall(r"\bSTSM\b", sass)) == 2 * 16
 
 
 _INTERPRET = r'''

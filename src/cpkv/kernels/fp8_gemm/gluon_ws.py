@@ -30,13 +30,33 @@ by mbarriers only:
   PAIR: two K blocks per iteration, both wgmmas issued before the first is waited for (wait(1)), so the
   first block's promotion also overlaps the warpgroup's own second wgmma (a third 64-register tile).
   Epilogue: acc -> c's dtype, stored from registers masked to the expert's rows (rows < offs[e]).
+  EPI_TMA: a half tile wholly inside its expert is written to the warpgroup's own 64 x 128 shared buffer
+  (stmatrix), fenced for the async proxy and stored by one asynchronous TMA store; the warpgroup goes straight on
+  to its next tile and waits for that store (``store_wait``) only before it writes the buffer again, a tile
+  later. The expert's last, partial half tile is stored from registers, masked (a TMA box cannot stop at the
+  expert's end: it would write the next expert's rows, whose program may already have stored them, or the
+  padding rows the contract leaves untouched; a per-expert descriptor is no cheap device-side option).
+  AHEAD: the next tile's expert lookup and first scale loads are issued after the K loop, before this tile's
+  epilogue, so they are in flight while it stores (and off the next tile's first promotion).
+  WIDE (N % 256 == 0, not PAIR, EPI_TMA applies): 128 x 256 tiles, B stages of 256 rows (48 KB a stage); per K block each
+  consumer issues an m64 n128 wgmma on the first 128 weight rows, waits, promotes it into its first accumulator,
+  then the same on the other 128 rows into its second (a second result tile in flight would need 64 more
+  registers than the 232: the other consumer's wgmma covers each promotion instead). Half as many tiles, so
+  half the per-tile costs, and 48 KB of A + B per 2 x 128 x 256 x 128 FLOPs instead of 64 KB. Spill-free in
+  the K loops with EPI_TMA and AHEAD only (ptxas: the register-epilogue and non-AHEAD forms spill there).
+  Nothing else couples the consumers: each waits only on the ring's "ready" barriers, and the producer's wait
+  for both releases of a stage bounds their drift to STAGES K blocks (no per-tile barrier of both), so one
+  consumer's epilogue can overlap the other's wgmma up to that drift.
 
 A zero activation group (scale 0) adds tile * 0 = 0 (the wgmma result is finite), never NaN.
-Shared memory: STAGES x 32 KB (A + B) + barriers. Registers: launch cap MAX_REGS x 12 warps (the 1-warp
-producer's warpgroup is padded), re-split CONSUMER_REGS per consumer, PRODUCER_REGS for the producer.
+Shared memory (``shared_bytes``): STAGES x 32 KB (A + B; WIDE 48 KB) + barriers, EPI_TMA + 2 x 16 KB (WIDE 4 x):
+6 stages with EPI_TMA take 229,672 B of the 232,448, WIDE 3 stages 213,248 B. Registers: launch cap MAX_REGS x
+12 warps (the 1-warp producer's warpgroup is padded), re-split CONSUMER_REGS per consumer, PRODUCER_REGS for
+the producer.
 ptxas pitfalls (cpkv.kernels.sparse_mla.gluon_ws): no wgmma result in flight across a loop's back edge (every
 iteration waits for its own), loop bounds and tile coordinates made provably warp-uniform (``_uniform``).
-Compiled offline for sm_90a (tests/kernels/test_fp8_gemm_variants.py): no spills, no serialised wgmma.
+Compiled offline for sm_90a (tests/kernels/test_fp8_gemm_variants.py): no spills (WIDE: none in the K loops,
+a few per tile outside them at small expert maps), no serialised wgmma.
 Triton / Gluon are imported lazily (``load``).
 """
 from __future__ import annotations
@@ -54,8 +74,11 @@ MAX_REGS = 168       # launch-wide cap: 12 warps x 32 x 168 = 64,512 of the 65,5
 CONSUMER_REGS = 232  # per thread of each consumer warpgroup after the re-split (the default gets the rest: 232)
 PRODUCER_REGS = 40   # per thread of the producer's warpgroup
 STAGES = 4           # default ring depth (32 KB a stage)
+WIDE_STAGES = 3      # default ring depth of 256-column tiles (48 KB a stage; 3 + the TMA epilogue's 64 KB fit)
+SHARED_MAX = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
 FP8 = torch.float8_e4m3fn
+_C_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # c dtypes of the TMA epilogue (Gluon's names)
 
 
 @lru_cache(maxsize=1)
@@ -63,7 +86,8 @@ def load() -> Any:
     """The compiled-on-demand kernel (imports Gluon lazily)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
 
     @gluon.jit
     def _uniform(x):
@@ -94,7 +118,8 @@ def load() -> Any:
         else:
             width = GROUP_M * n_tiles
             first_m = (t // width) * GROUP_M
-            size_m = gl.minimum(m_tiles - first_m, GROUP_M)
+            size_m = gl.maximum(gl.minimum(m_tiles - first_m, GROUP_M), 1)  # (>= 1 for t in the map; AHEAD's
+            # clamped first lookup of an empty map, t 0 of 0 tiles, must not divide by 0)
             pid_m = first_m + (t % width) % size_m
             col_tile = (t % width) // size_m
         expert = _uniform(gl.sum((ends <= pid_m).to(gl.int32), axis=0))
@@ -108,12 +133,13 @@ def load() -> Any:
     def _producer(a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free,
                   EP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         idx, ends, rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 1)
-        n_tiles = N // 128
+        BN: gl.constexpr = b_desc.block_type.shape[0]  # columns per tile: 128, or 256 (WIDE)
+        n_tiles = N // BN
         kbs = K // 128
         it = 0
         for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
             expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M)
-            b_row = expert * N + col_tile * 128
+            b_row = expert * N + col_tile * BN
             for kb in range(kbs):
                 s = it % STAGES
                 mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -124,12 +150,18 @@ def load() -> Any:
                 it += 1
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, ready, it, zero, STAGES: gl.constexpr, WG: gl.constexpr):
-        """Wait for ring stage ``it`` and issue this warpgroup's m64 n128 wgmma on it (a token)."""
+    def _mma(a_bufs, b_bufs, ready, it, zero, STAGES: gl.constexpr, WG: gl.constexpr, HALF: gl.constexpr = 0,
+             WAIT: gl.constexpr = True):
+        """Wait for ring stage ``it`` (unless not WAIT: already waited for) and issue this warpgroup's m64 n128
+        wgmma on it (a token); HALF: which 128 of a WIDE stage's 256 weight rows."""
         gl.static_assert(WG < 2)  # (also makes ``gl`` a closure name of this function: its annotations need it)
         s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(s).slice(WG * 64, 64), b_bufs.index(s).permute((1, 0)), zero,
+        if WAIT:
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        b = b_bufs.index(s)
+        if b.shape[0] > 128:
+            b = b.slice(HALF * 128, 128)
+        return warpgroup_mma(a_bufs.index(s).slice(WG * 64, 64), b.permute((1, 0)), zero,
                              use_acc=False, is_async=True)
 
     @gluon.jit
@@ -139,31 +171,122 @@ def load() -> Any:
         mbarrier.arrive(free.index(it % STAGES))
 
     @gluon.jit
-    def _consumer(AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg,
-                  stride_c, a_bufs, b_bufs, ready, free,
+    def _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as, stride_asg, stride_bse, stride_bsn,
+                stride_bsg, row_l: gl.constexpr, PAIR: gl.constexpr, WIDE: gl.constexpr, WG: gl.constexpr):
+        """The activation-scale pointers of this warpgroup's 64 rows of the tile (rows clamped into the expert,
+        and to row 0: in bounds for any tile index, even past the map), the weight-scale pointer (expert clamped
+        to E - 1; WIDE: the tile's first 128 columns'), and the first K block's scales (PAIR: the first two
+        blocks'; WIDE: the block's activation scales twice, both column halves' weight scales; else the first
+        block's twice)."""
+        rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
+        a_sc = AS + gl.maximum(gl.minimum(rows, row_end - 1), 0).to(gl.int64) * stride_as
+        b_sc = (BS + gl.minimum(expert, E - 1).to(gl.int64) * stride_bse
+                + (col_tile * (2 if WIDE else 1)).to(gl.int64) * stride_bsn)
+        sa0 = gl.load(a_sc)
+        sb0 = gl.load(b_sc)
+        if PAIR:
+            sa1 = gl.load(a_sc + stride_asg)
+            sb1 = gl.load(b_sc + stride_bsg)
+        elif WIDE:
+            sa1 = sa0
+            sb1 = gl.load(b_sc + stride_bsn)
+        else:
+            sa1 = sa0
+            sb1 = sb0
+        return a_sc, b_sc, sa0, sa1, sb0, sb1
+
+    @gluon.jit
+    def _store_masked(C, out, rows, row_end, col0, stride_c, col_l: gl.constexpr):
+        cols = col0 + gl.arange(0, 128, col_l)
+        gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], out, mask=(rows < row_end)[:, None])
+
+    @gluon.jit
+    def _epilogue(C, c_desc, c_bufs, acc0, acc1, row0, row_end, col0, stride_c, row_l: gl.constexpr,
+                  col_l: gl.constexpr, EPI_TMA: gl.constexpr, WIDE: gl.constexpr, WG: gl.constexpr):
+        """acc0 (this warpgroup's 64 x 128 fp32 of columns col0..; WIDE: and acc1 of the next 128) -> c's dtype
+        -> rows < row_end of c. EPI_TMA: a half tile wholly inside the expert goes through this warpgroup's
+        shared buffer(s) and asynchronous TMA stores (waited for only before the buffers are written again, a
+        tile later); the expert's last, partial half tile is stored from registers, masked (a TMA box would
+        write the next expert's rows or the padding)."""
+        row_lo = row0 + WG * 64
+        rows = row_lo + gl.arange(0, 64, row_l)
+        if EPI_TMA:
+            if row_lo + 64 <= row_end:  # warp-uniform (row0, row_end are)
+                tma.store_wait(0)     # this warpgroup's previous stores have read the buffers (issuing thread) ...
+                gl.thread_barrier()   # ... before any thread of it writes them again
+                buf0 = c_bufs.index(WG * (2 if WIDE else 1))
+                buf0.store(acc0.to(C.dtype.element_ty))
+                if WIDE:
+                    buf1 = c_bufs.index(WG * 2 + 1)
+                    buf1.store(acc1.to(C.dtype.element_ty))
+                fence_async_shared()  # the generic-proxy writes, visible to the TMA (async proxy)
+                gl.thread_barrier()   # every thread's part written before the stores are issued
+                tma.async_copy_shared_to_global(c_desc, [row_lo, col0], buf0)
+                if WIDE:
+                    tma.async_copy_shared_to_global(c_desc, [row_lo, col0 + 128], buf1)
+            else:
+                _store_masked(C, acc0.to(C.dtype.element_ty), rows, row_end, col0, stride_c, col_l)
+                if WIDE:
+                    _store_masked(C, acc1.to(C.dtype.element_ty), rows, row_end, col0 + 128, stride_c, col_l)
+        else:
+            _store_masked(C, acc0.to(C.dtype.element_ty), rows, row_end, col0, stride_c, col_l)
+            if WIDE:
+                _store_masked(C, acc1.to(C.dtype.element_ty), rows, row_end, col0 + 128, stride_c, col_l)
+
+    @gluon.jit
+    def _consumer(AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
+                  stride_bsg, stride_c, a_bufs, b_bufs, ready, free,
                   EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
-                  WG: gl.constexpr):
-        """Rows WG * 64 .. WG * 64 + 63 of every tile of this program."""
+                  EPI_TMA: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr):
+        """Rows WG * 64 .. WG * 64 + 63 of every tile of this program. WIDE (256-column tiles, the B stage's
+        height): per K block two m64 n128 wgmmas, each waited for and promoted into its own accumulator (a
+        second result tile in flight would need 64 registers more than the 232)."""
+        BN: gl.constexpr = b_bufs.shape[1]
+        WIDE: gl.constexpr = BN > 128
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
         idx, ends, e_rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 4)
-        n_tiles = N // 128
+        n_tiles = N // BN
         kbs = K // 128
+        total = m_tiles * n_tiles
+        step = gl.num_programs(0)
         zero = gl.zeros([64, 128], gl.float32, mma_l)
+        if AHEAD:  # a tile's expert, rows and first scales are found (and loaded) before the previous tile's
+            # epilogue; the first tile's here (index clamped into the map: an empty map stores nothing)
+            t0 = gl.maximum(gl.minimum(gl.program_id(0), total - 1), 0)
+            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t0, n_tiles, m_tiles, GROUP_M)
+            a_sc, b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as, stride_asg,
+                                                     stride_bse, stride_bsn, stride_bsg, row_l, PAIR, WIDE, WG)
         it = 0
-        for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-            expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
-            rows = row0 + WG * 64 + gl.arange(0, 64, row_l)
-            a_sc = AS + gl.minimum(rows, row_end - 1).to(gl.int64) * stride_as  # clamped: always in bounds
-            b_sc = BS + expert.to(gl.int64) * stride_bse + col_tile.to(gl.int64) * stride_bsn
+        for t in range(gl.program_id(0), total, step):
+            if not AHEAD:
+                expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
+                a_sc, b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as,
+                                                         stride_asg, stride_bse, stride_bsn, stride_bsg, row_l, PAIR,
+                                                         WIDE, WG)
             acc = gl.zeros([64, 128], gl.float32, mma_l)
-            if PAIR:  # K blocks in pairs (the launcher sets PAIR only when K / 128 is even)
-                sa0 = gl.load(a_sc)
-                sa1 = gl.load(a_sc + stride_asg)
-                sb0 = gl.load(b_sc)
-                sb1 = gl.load(b_sc + stride_bsg)
+            acc1 = acc
+            if WIDE:  # (the launcher sets WIDE only without PAIR)
+                for kb in range(kbs):
+                    kn = gl.minimum(kb + 1, kbs - 1).to(gl.int64)
+                    sa_n = gl.load(a_sc + kn * stride_asg)
+                    sb0_n = gl.load(b_sc + kn * stride_bsg)
+                    sb1_n = gl.load(b_sc + stride_bsn + kn * stride_bsg)
+                    t1 = sa0 * sb1
+                    tok = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG, 0)
+                    d = warpgroup_mma_wait(0, deps=[tok])
+                    acc = acc + d * (sa0 * sb0)[:, None]
+                    tok = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG, 1, False)
+                    d = warpgroup_mma_wait(0, deps=[tok])
+                    _release(free, it, STAGES)
+                    acc1 = acc1 + d * t1[:, None]
+                    sa0 = sa_n
+                    sb0 = sb0_n
+                    sb1 = sb1_n
+                    it += 1
+            elif PAIR:  # K blocks in pairs (the launcher sets PAIR only when K / 128 is even)
                 for kp in range(kbs // 2):
                     kn = gl.minimum(2 * kp + 2, kbs - 2).to(gl.int64)
                     sa0_n = gl.load(a_sc + kn * stride_asg)
@@ -184,8 +307,6 @@ def load() -> Any:
                     sb1 = sb1_n
                     it += 2
             else:
-                sa = gl.load(a_sc)
-                sb = gl.load(b_sc)
                 for kb in range(kbs):
                     kn = gl.minimum(kb + 1, kbs - 1).to(gl.int64)
                     sa_n = gl.load(a_sc + kn * stride_asg)
@@ -193,31 +314,55 @@ def load() -> Any:
                     tok = _mma(a_bufs, b_bufs, ready, it, zero, STAGES, WG)
                     d = warpgroup_mma_wait(0, deps=[tok])
                     _release(free, it, STAGES)
-                    acc = acc + d * (sa * sb)[:, None]
-                    sa = sa_n
-                    sb = sb_n
+                    acc = acc + d * (sa0 * sb0)[:, None]
+                    sa0 = sa_n
+                    sb0 = sb_n
                     it += 1
-            cols = col_tile * 128 + gl.arange(0, 128, col_l)
-            gl.store(C + rows.to(gl.int64)[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
-                     mask=(rows < row_end)[:, None])
+            if AHEAD:  # the next tile's map lookup and first scale loads, in flight during this epilogue
+                nx_expert, nx_row0, nx_row_end, nx_col = _tile(idx, ends, e_rows, gl.minimum(t + step, total - 1),
+                                                              n_tiles, m_tiles, GROUP_M)
+                nx_a_sc, nx_b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, nx_expert, nx_row0, nx_row_end, nx_col, E,
+                                                               stride_as, stride_asg, stride_bse, stride_bsn,
+                                                               stride_bsg, row_l, PAIR, WIDE, WG)
+                _epilogue(C, c_desc, c_bufs, acc, acc1, row0, row_end, col_tile * BN, stride_c, row_l, col_l, EPI_TMA,
+                          WIDE, WG)
+                expert = nx_expert
+                row0 = nx_row0
+                row_end = nx_row_end
+                col_tile = nx_col
+                a_sc = nx_a_sc
+                b_sc = nx_b_sc
+            else:
+                _epilogue(C, c_desc, c_bufs, acc, acc1, row0, row_end, col_tile * BN, stride_c, row_l, col_l, EPI_TMA,
+                          WIDE, WG)
+        if EPI_TMA:
+            tma.store_wait(0)  # the last store has read shared memory before the program ends
 
     @gluon.jit
-    def _grouped_ws(a_desc, b_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
+    def _grouped_ws(a_desc, b_desc, c_desc, AS, OFFS, TILE_END, BS, C, E, N, K,
                     stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
                     EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
+                    EPI_TMA: gl.constexpr, AHEAD: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        if EPI_TMA:  # one 64 x 128 output buffer per consumer warpgroup and 128 columns of the tile
+            c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * (b_desc.block_type.shape[0] // 128)]
+                                               + c_desc.block_type.shape, c_desc.layout)
+        else:
+            c_bufs = a_bufs  # unused
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)  # the producer's expect; completed by the TMA bytes
             mbarrier.init(free.index(s), count=2)   # one arrival per consumer warpgroup
         gl.warp_specialize([
-            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 0)),
-            (_consumer, (AS, BS, C, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
-                         stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M, 1)),
+            (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
+                         stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
+                         EPI_TMA, AHEAD, 0)),
+            (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
+                         stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
+                         EPI_TMA, AHEAD, 1)),
             (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -265,16 +410,40 @@ def _check(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
                              f"got {x.dtype} {list(x.shape)} on {x.device}")
 
 
+def shared_bytes(stages: int, bn: int = BLOCK, epi_tma: bool = False) -> int:
+    """Shared memory of the kernel: the ring (A 128 x 128 + B bn x 128 fp8 a stage), the TMA epilogue's 64 x 128
+    16-bit output buffers (two per consumer warpgroup at bn 256), 1 KB of barriers and alignment."""
+    return stages * BLOCK * (BLOCK + bn) + (2 * (bn // BLOCK) * 64 * BLOCK * 2 if epi_tma else 0) + 1024
+
+
+def tma_epilogue_applies(c: torch.Tensor) -> bool:
+    """True when c [R, N] can take the TMA-store epilogue: 16-bit floats (bf16 / fp16), 16-byte aligned base and
+    row stride (else the EPI_TMA variants store from registers, as the others)."""
+    return c.dtype in _C_TYPES and c.data_ptr() % 16 == 0 and (c.stride(0) * c.element_size()) % 16 == 0
+
+
 def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
-           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1) -> None:
+           c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1,
+           epi_tma: bool = False, ahead: bool = False, wide: bool = False) -> None:
     """c [R, N] (rows < offs[-1]) = the block-scaled grouped product (module docstring); ``tiles`` =
     ``tile_ends(offs, 128)``; ``stages``: ring depth (2..6); ``pair``: two K blocks per iteration (used when
-    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest). Raises
-    ValueError where the kernel does not apply (``applies``)."""
+    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest); ``epi_tma``:
+    full half tiles stored through shared memory by asynchronous TMA stores (used where
+    ``tma_epilogue_applies(c)``; 2 x 16 KB more shared memory); ``ahead``: each tile's expert lookup and first
+    scale loads issued before the previous tile's epilogue; ``wide``: 256-column tiles (used when N % 256 == 0,
+    not ``pair`` and with the TMA epilogue; a stage is 48 KB). Raises ValueError where the kernel does not apply (``applies``) or the
+    ring and output buffers exceed the shared memory (``shared_bytes``)."""
     _check(a, a_s, offs, b, b_s, c, tiles)
     if not 2 <= stages <= 6:
         raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
     (r, k), (e, n, _) = a.shape, b.shape
+    pair = bool(pair) and (k // BLOCK) % 2 == 0
+    epi_tma = bool(epi_tma) and tma_epilogue_applies(c)
+    bn = 2 * BLOCK if wide and epi_tma and not pair and n % (2 * BLOCK) == 0 else BLOCK  # (spills without EPI_TMA)
+    if shared_bytes(stages, bn, epi_tma) > SHARED_MAX:
+        raise ValueError(f"grouped fp8 GEMM (Gluon): {stages} stages of {bn}-column tiles"
+                         f"{' and the TMA epilogue' if epi_tma else ''} need {shared_bytes(stages, bn, epi_tma)} B "
+                         f"of shared memory, expected at most {SHARED_MAX}")
     if r == 0 or e == 0:
         return
     from triton.experimental.gluon import language as gl
@@ -282,11 +451,17 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
 
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
     a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, BLOCK], layout)
-    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [BLOCK, BLOCK], layout)
+    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [bn, BLOCK],
+                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK], gl.float8e4nv))
+    c_desc = a_desc  # unused without the TMA epilogue
+    if epi_tma:  # one warpgroup's half tile: 64 rows x 128 columns
+        c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, BLOCK], getattr(gl, _C_TYPES[c.dtype]))
+        c_desc = TensorDescriptor(c, [r, n], [c.stride(0), 1], [BLOCK // 2, BLOCK], c_layout)
     bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
     grid = check_grid((min(bound, platform.sm_count(a)),))
     load()[grid](
-        a_desc, b_desc, a_s, offs, tiles, b_s, c, e, n, k,
+        a_desc, b_desc, c_desc, a_s, offs, tiles, b_s, c, e, n, k,
         a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
-        EP=expert_slots(e), STAGES=stages, PAIR=bool(pair) and (k // BLOCK) % 2 == 0, GROUP_M=max(1, int(group_m)),
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_REGS)
+        EP=expert_slots(e), STAGES=stages, PAIR=pair, GROUP_M=max(1, int(group_m)),
+        EPI_TMA=epi_tma, AHEAD=bool(ahead), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        maxnreg=MAX_REGS)

@@ -131,6 +131,16 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               order, as above; persistent programs, one per SM). Config: BLOCK_M and
 #               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
 #               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
+#   EPI_TMA     (GLUON) the epilogue through shared memory: each consumer warpgroup writes its 64 x 128 half tile
+#               to its own buffer and issues an asynchronous TMA store, waited for only a tile later, before the
+#               buffer is reused; the expert's last, partial half tile is stored from registers, masked (a TMA
+#               box would write the next expert's rows or the padding). 32 KB more shared memory (6 stages fit)
+#   AHEAD       (GLUON) a tile's expert lookup and first scale loads issued before the previous tile's epilogue,
+#               so their latency is off the next tile's first promotion
+#   WIDE        (GLUON, not PAIR; N % 256 == 0 and c fit for EPI_TMA, else 128-column tiles) 128 x 256 tiles: per K block each consumer
+#               runs two m64 n128 wgmmas, each waited for and promoted into its own accumulator; half the tiles
+#               (per-tile costs) and a quarter less L2 -> shared traffic per FLOP; 48 KB stages (3 with EPI_TMA).
+#               Registered only with EPI_TMA and AHEAD: the other combinations spill in the K loop (ptxas)
 # At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
     "gluon_ws": {"GLUON": True},
@@ -139,6 +149,11 @@ VARIANTS: dict[str, dict] = {
     "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
     "gluon_ws_g8": {"GLUON": True, "GROUP_M": 8},
     "gluon_ws_pair_g8": {"GLUON": True, "PAIR": True, "GROUP_M": 8},
+    "gluon_ws_pair_g8_tma": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True},
+    "gluon_ws_pair_g8_tma_ah": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
+    "gluon_ws_g8_tma": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True},
+    "gluon_ws_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
+    "gluon_ws_n256_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True, "WIDE": True},
     "v1": {"CLAMP": True},
     "v2": {"CLAMP": True, "GROUP_M": 8},
     "v3": {"TMA": True},
@@ -525,7 +540,8 @@ def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor,
     config other than 128 x 128 tiles at 4 warps per warpgroup raises ValueError (a caller's mistake)."""
     from cpkv.kernels.fp8_gemm import gluon_ws
 
-    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": gluon_ws.STAGES, **(config or {})}
+    stages = gluon_ws.WIDE_STAGES if VARIANTS[variant].get("WIDE") else gluon_ws.STAGES
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": stages, **(config or {})}
     if (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) != (128, 128, 4):
         raise ValueError(f"grouped GEMM {variant} (Gluon, warp-specialised): expected BLOCK_M 128, BLOCK_N 128, "
                          f"num_warps 4, got {cfg['BLOCK_M']}, {cfg['BLOCK_N']}, {cfg['num_warps']}")
@@ -533,5 +549,6 @@ def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor,
         return False
     flags = VARIANTS[variant]
     gluon_ws.launch(a, a_s, offs, b, b_s, c, tile_ends(offs, 128) if tiles is None else tiles,
-                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)))
+                    stages=int(cfg["num_stages"]), pair=bool(flags.get("PAIR")), group_m=int(flags.get("GROUP_M", 1)),
+                    epi_tma=bool(flags.get("EPI_TMA")), ahead=bool(flags.get("AHEAD")), wide=bool(flags.get("WIDE")))
     return True
