@@ -181,7 +181,7 @@ GLUON_FALLBACK = ("v4", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_st
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # (benchmarks/grouped_fp8_sweep.py measures them and prints the line to put here).
-GROUPED: dict = {"variant": "gluon_ws_pair_g8", "config": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}
+GROUPED: dict = {"variant": "gluon_ws_n256_g8_tma_ah", "config": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}}
 # the generic variants' autotune configs when GROUPED's config is None: (BLOCK_N, num_warps, num_stages)
 V_CONFIGS = [(128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3), (128, 4, 4)]
 
