@@ -40,6 +40,9 @@ def test_prepared_work_items_equal_the_lazily_built_ones(shape):
             assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
     assert len(ahead._items) == len(built)
     none = IndexerPlan.from_bounds(ks, ke, "cpu", budget)
+    first = IndexerPlan.from_bounds(ks, ke, "cpu", chunk_max_bytes=budget)
+    first.prepare_items(shape, topk=64, chunks=1)  # the batch plan's share: the first logits chunk only
+    assert list(first._items) == [next(k for k in built if k[0].max_len > 64)]
     none.prepare_items(None, topk=64)  # no Gluon work items on this device: nothing built
     assert not none._items
     short = IndexerPlan.from_bounds(ks, ke, "cpu", budget)

@@ -61,12 +61,13 @@ class RankPlan:
         return int(self.ids.shape[0])
 
     def complete(self, model: DSAModel) -> AttnPlan:
-        """The attention plan from the host bounds (built once; the indexer's work items built and uploaded
-        here too, so no layer does host work for them)."""
+        """The attention plan from the host bounds (built once), with the indexer's work items of its first
+        logits chunk (the first full layer builds the others as it reaches them, behind the GPU's work on the
+        chunks before: ``IndexerPlan.prepare_items``)."""
         if self.attn is None:
             ks, ke = self.bounds
             self.attn = AttnPlan.build(ks, ke, self.topk, model.device)
-            self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk)
+            self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk, chunks=1)
         return self.attn
 
 
