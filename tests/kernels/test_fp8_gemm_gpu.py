@@ -42,6 +42,29 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
 
 
+def test_quantisation_bounded_by_a_device_row_count():
+    """``rows`` (an int32 device value: the expert exchange's real row count): the rows before it quantised as
+    without a bound, the rows past it untouched; the SwiGLU quantisation alike; no host sync."""
+    from cpkv.kernels.fp8_gemm import triton as kern
+
+    m, k, live = 300, 2048, 133
+    x = _x(m, k, 5)
+    rows = torch.tensor([live], dtype=torch.int32, device="cuda")
+    q = torch.full((m, k), 7.0, device="cuda").to(torch.float8_e4m3fn)
+    s = torch.full((m, k // 128), -1.0, device="cuda")
+    kern.act_quant(x, q, s, rows)
+    qa, sa = act_quant_ref(x[:live])
+    assert torch.equal(q[:live].view(torch.uint8), qa.view(torch.uint8)) and torch.equal(s[:live], sa)
+    assert bool((q[live:].float() == 7.0).all()) and bool((s[live:] == -1.0).all())
+    gu = _x(m, 2 * k, 6)
+    q2 = torch.full((m, k), 7.0, device="cuda").to(torch.float8_e4m3fn)
+    s2 = torch.full((m, k // 128), -1.0, device="cuda")
+    want_q, want_s = q2.clone(), s2.clone()
+    kern.swiglu_quant(gu, None, q2, s2, rows)
+    kern.swiglu_quant(gu[:live], None, want_q[:live], want_s[:live])
+    assert torch.equal(q2.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s2, want_s)
+
+
 @pytest.mark.parametrize("m,k", [(1, 128), (77, 6144), (4096, 2048), (3, 300), (0, 512)])
 def test_triton_activation_quant_equals_reference(m, k):
     """Same IEEE quotient, same round-to-nearest-even to e4m3: bytes and scales equal; scales outer-dim-major."""

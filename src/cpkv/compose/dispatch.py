@@ -219,6 +219,11 @@ class EPBatch:
             outs.append(ex.all_reduce(buf))
         return tuple(outs)
 
+    def output_rows(self) -> torch.Tensor | None:
+        """[N, D]: where this rank's expert outputs may be written for ``combine`` to find them without a copy
+        (its return region in peer memory), or None without peer memory."""
+        return self.ex.own["y"][: self.rows] if self.ex.peer else None
+
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """y [N, D]: this rank's weighted expert outputs (``dispatch``'s row order) -> [T, D] for this rank's
         tokens: each token's k outputs summed."""
@@ -229,7 +234,9 @@ class EPBatch:
         t, o, k = self.num_tokens, self.offsets[ex.rank], ex.k
         p = o * k
         if ex.peer:
-            ex.own["y"][: self.rows].copy_(y)
+            region = ex.own["y"][: self.rows]
+            if y.data_ptr() != region.data_ptr():  # (the grouped kernels wrote it in place: ``output_rows``)
+                region.copy_(y)
             ex.rt.barrier_round()  # round 2: every rank's outputs are written
             inv = torch.empty_like(s.order).scatter_(0, s.order, torch.arange(s.order.numel(), device=ex.device))
             owner = s.idx.reshape(-1) // ex.local

@@ -70,19 +70,22 @@ def grouped_takes_quantised(x: torch.Tensor, ew: ExpertWeights) -> bool:
 
 
 def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
-                   xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   xq: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """xs [N, D] sorted by local expert, offs int32 [E] row ends, rw float32 [N] -> weighted outputs [N, D].
     ``xq``: xs quantised already (fp8 [N, D], float32 [N, ceil(D/128)] row-major; only where
-    ``grouped_takes_quantised``): xs then only gives the shape, dtype and device (an expanded empty view will do)."""
+    ``grouped_takes_quantised``): xs then only gives the shape, dtype and device (an expanded empty view will do).
+    ``out`` [N, D] (xs' dtype): where the outputs go (the fp8 kernels write it; other paths copy into it)."""
     if grouped_takes_quantised(xs, ew):
-        return grouped_swiglu_fp8(xs, offs, rw, ew, xq)
+        return grouped_swiglu_fp8(xs, offs, rw, ew, xq, out)
     assert xq is None, "quantised rows need the fp8 grouped kernel (grouped_takes_quantised)"
+    y = None
     if _grouped_ok(xs, ew):
         try:
-            return _grouped(xs, offs, rw, ew)
+            y = _grouped(xs, offs, rw, ew)
         except RuntimeError:  # a build or device without this grouped GEMM layout: remember, use the loop
             _GROUPED_FAILED.add(xs.device.type)
-    return grouped_swiglu_loop(xs, offs, rw, ew)
+    y = grouped_swiglu_loop(xs, offs, rw, ew) if y is None else y
+    return y if out is None else out.copy_(y)
 
 
 def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
@@ -107,25 +110,29 @@ def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
-                       xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """``grouped_swiglu`` with fp8 block-scaled experts through the Triton kernels (CUDA): the tile map, the
-    quantisation (unless ``xq`` brings it), gate_up, SwiGLU x routing weight + quantisation, down; no host
-    sync; rows at or past offs[-1] come out unspecified."""
+    quantisation (unless ``xq`` brings it), gate_up, SwiGLU x routing weight + quantisation, down (into
+    ``out`` when given); no host sync. Rows at or past offs[-1] are neither quantised nor computed (a static
+    buffer of worst-case rows costs only its real rows: at cp 8 the expert exchange's N is 8x the average)
+    and come out unspecified."""
     from cpkv.kernels.fp8_gemm import triton as kern
 
     r, d = xs.shape
     i = ew.down.shape[2]
     tiles = kern.tile_ends(offs)  # the tile map of both GEMMs
+    live = offs[-1:]  # the real row count, on the device
     if xq is None:
         q, s = _quant_buffers(r, d, xs.device)
-        kern.act_quant(xs.contiguous(), q, s)
+        kern.act_quant(xs.contiguous(), q, s, live)
     else:
         q, s = xq
     gu = torch.empty(r, 2 * i, dtype=xs.dtype, device=xs.device)
     kern.grouped_gemm(q, s, offs, ew.gate_up, ew.gate_up_scale, gu, tiles)
     q, s = _quant_buffers(r, i, xs.device)
-    kern.swiglu_quant(gu, rw.float().contiguous(), q, s)
-    out = torch.empty(r, d, dtype=xs.dtype, device=xs.device)
+    kern.swiglu_quant(gu, rw.float().contiguous(), q, s, live)
+    out = torch.empty(r, d, dtype=xs.dtype, device=xs.device) if out is None else out
     kern.grouped_gemm(q, s, offs, ew.down, ew.down_scale, out, tiles)
     return out
 

@@ -87,7 +87,7 @@ def experts_ep(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, ew: ExpertWe
     float32 [T, k]; ``ew`` this rank's experts (gate_up [El, 2I, D], down [El, D, I]); ``ep`` the batch's exchange
     (``cpkv.compose.dispatch.EPBatch``) -> [T, D]. Every rank calls it for every MoE layer."""
     xs, offs, rw = ep.dispatch(x, idx, w)
-    return ep.combine(grouped_swiglu(xs, offs, rw, ew))
+    return ep.combine(grouped_swiglu(xs, offs, rw, ew, out=ep.output_rows()))
 
 
 def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,12 +71,21 @@ def _store_quant(x, rows, rmask, cols, cmask, Q, S, g, stride_q, stride_sm, stri
 
 
 @_jit
-def _act_quant(X, Q, S, M, K, stride_x, stride_q, stride_sm, stride_sg, G, BLOCK_M: tl.constexpr):
+def _live_rows(M, NROWS, HAS_NROWS: tl.constexpr):
+    """The rows a quantisation kernel covers: M, or at most the device count at NROWS (the rest untouched)."""
+    if HAS_NROWS:
+        return tl.minimum(M, tl.load(NROWS))
+    return M
+
+
+@_jit
+def _act_quant(X, Q, S, M, K, stride_x, stride_q, stride_sm, stride_sg, G, NROWS, HAS_NROWS: tl.constexpr,
+               BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)
     g, mb = pid % G, pid // G
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = g * 128 + tl.arange(0, 128)
-    rmask, cmask = rows < M, cols < K
+    rmask, cmask = rows < _live_rows(M, NROWS, HAS_NROWS), cols < K
     r64 = rows.to(tl.int64)
     x = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
@@ -84,13 +93,13 @@ def _act_quant(X, Q, S, M, K, stride_x, stride_q, stride_sm, stride_sg, G, BLOCK
 
 
 @_jit
-def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg, G,
-                  HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr):
+def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg, G, NROWS,
+                  HAS_NROWS: tl.constexpr, HAS_RW: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)
     g, mb = pid % G, pid // G
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = g * 128 + tl.arange(0, 128)
-    rmask, cmask = rows < M, cols < I
+    rmask, cmask = rows < _live_rows(M, NROWS, HAS_NROWS), cols < I
     m2 = rmask[:, None] & cmask[None, :]
     base = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
     gate = tl.load(base, mask=m2, other=0.0).to(tl.float32)
@@ -404,25 +413,31 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
                   BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
 
 
-def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
-    """x [M, K] -> q fp8 [M, K] (contiguous rows), s float32 (M, ceil(K/128)) in its own strides."""
+def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """x [M, K] -> q fp8 [M, K] (contiguous rows), s float32 (M, ceil(K/128)) in its own strides. ``rows``: an
+    int32 device tensor whose first value bounds the rows quantised (rows past it untouched; a static buffer
+    whose real row count stays on the device, as the expert exchange's)."""
     m, k = x.shape
     if m == 0:
         return
     g = cdiv(k, GROUP)
     _act_quant[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
-        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), g, BLOCK_M=QUANT_ROWS, num_warps=4)
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), g, s if rows is None else rows,
+        HAS_NROWS=rows is not None, BLOCK_M=QUANT_ROWS, num_warps=4)
 
 
-def swiglu_quant(gu: torch.Tensor, rw: torch.Tensor | None, q: torch.Tensor, s: torch.Tensor) -> None:
-    """gu [M, 2I] (gate | up), rw float32 [M] or None -> q fp8 [M, I], s float32 (M, ceil(I/128))."""
+def swiglu_quant(gu: torch.Tensor, rw: torch.Tensor | None, q: torch.Tensor, s: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
+    """gu [M, 2I] (gate | up), rw float32 [M] or None -> q fp8 [M, I], s float32 (M, ceil(I/128)); ``rows`` as
+    ``act_quant``'s."""
     m, i = q.shape
     if m == 0:
         return
     g = cdiv(i, GROUP)
     _swiglu_quant[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
         gu, gu if rw is None else rw, q, s, m, i, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), g,
-        HAS_RW=rw is not None, BLOCK_M=QUANT_ROWS, num_warps=4)
+        s if rows is None else rows, HAS_NROWS=rows is not None, HAS_RW=rw is not None, BLOCK_M=QUANT_ROWS,
+        num_warps=4)
 
 
 def tile_m() -> int:
