@@ -78,7 +78,6 @@ def expert_counts(load: str, experts: int, tokens: int, seed: int = 0) -> list[i
 def _operands(counts: list[int], n: int, k: int):
     import torch
 
-    from cpkv.kernels.fp8_gemm import triton as kern
     from cpkv.model.linear import empty_quant
 
     e, r = len(counts), sum(counts)
@@ -86,8 +85,7 @@ def _operands(counts: list[int], n: int, k: int):
     w = (torch.randn(e, n, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
     ws = torch.rand(e, -(-n // 128), -(-k // 128), device=dev) * 0.01 + 0.001
     a = (torch.randn(r, k, device=dev) * 0.5).to(torch.float8_e4m3fn)
-    a_s = kern.act_scales(r, k, torch.device(dev))  # in the layout the model's grouped kernel reads (GROUPED)
-    a_s.copy_(torch.rand(r, -(-k // 128), device=dev) + 0.5)
+    a_s = torch.rand(r, -(-k // 128), device=dev) + 0.5  # row-major, as the model's expert MLP allocates them
     a_col = empty_quant(r, k, torch.device(dev))[1]
     a_col.copy_(a_s)
     offs = torch.tensor(counts, dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)

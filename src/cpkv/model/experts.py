@@ -138,11 +138,9 @@ def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, e
 
 
 def _quant_buffers(r: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [r, k], float32 [r, ceil(k/128)]): the grouped kernel's activation layout (its scales row-major or
-    K-major, as the selected variant reads them best: ``kernels.fp8_gemm.triton.act_scales``)."""
-    from cpkv.kernels.fp8_gemm import triton as kern
-
-    return torch.empty(r, k, dtype=torch.float8_e4m3fn, device=device), kern.act_scales(r, k, device)
+    """(fp8 [r, k], float32 [r, ceil(k/128)] row-major): the grouped kernel's activation operands."""
+    return (torch.empty(r, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(r, -(-k // 128), dtype=torch.float32, device=device))
 
 
 def grouped_swiglu_loop(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:

@@ -5,23 +5,23 @@
         strides are the caller's (``torch._scaled_mm`` wants them outer-dim-major: strides (1, M))
     swiglu_quant(gu [M, 2I], rw float32 [M] | None, q fp8 [M, I], s float32 [M, ceil(I/128)])
         a = silu(g) * u (* rw), g = gu[:, :I], u = gu[:, I:], quantised as act_quant
-    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (any strides: ``act_scales`` allocates them in the
-                 layout the selected variant reads best), offs int32 [E], b fp8 [E, N, K],
+    grouped_gemm(a fp8 [R, K], a_s float32 [R, ceil(K/128)] (any strides; the callers allocate them row-major),
+                 offs int32 [E], b fp8 [E, N, K],
                  b_s float32 [E, ceil(N/128), ceil(K/128)] (unit stride along K), c bf16 [R, N])
         rows sorted by expert: row i of expert e (offs[e-1] <= i < offs[e]) gets
         c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for every group g of 128 along K.
         Rows at or past offs[-1] are not written.
 
 The grouped GEMM never reads the offsets on the host: it launches cdiv(R, BLOCK_M) + E row tiles of BLOCK_M
-rows (each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles (or one or two programs
-per SM looping over them); ``tile_ends`` (three small torch ops on the device) counts each expert's tiles
-cumulatively, a program finds its expert by a binary search over those counts, and a program past the last
-expert's tiles returns. Any R (0 included), any expert loads (empty experts included), any K and N (masked or
-clamped). Several variants of it (``VARIANTS``); ``GROUPED`` selects the one the model runs. The GLUON variants
-run the warp-specialised Gluon kernel of ``gluon_ws.py`` instead (Hopper, N and K multiples of 128: a TMA
-producer warp and two consumer warpgroups, so one warpgroup's per-K-block scaling overlaps the other's
-wgmma; elsewhere they run ``GLUON_FALLBACK``). The dispatch
-points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
+rows (each expert adds at most one partial tile) times cdiv(N, BLOCK_N) column tiles (or one program per SM
+looping over them); ``tile_ends`` (three small torch ops on the device) counts each expert's tiles cumulatively,
+a program finds its expert by a binary search over those counts (or reductions over them held in registers),
+and a program past the last expert's tiles returns. Any R (0 included), any expert loads (empty experts
+included), any K and N (loads at clamped indices, stores masked). A few variants of it (``VARIANTS``);
+``GROUPED`` selects the one the model runs. The GLUON variants run the warp-specialised Gluon kernel of
+``gluon_ws.py`` instead (Hopper, N and K multiples of 128: a TMA producer warp and two consumer warpgroups, so
+one warpgroup's per-K-block scaling overlaps the other's wgmma; elsewhere they run ``GLUON_FALLBACK``, the
+fastest Triton variant). The dispatch points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
 kernels raise ImportError when launched).
 """
 from __future__ import annotations
@@ -111,35 +111,27 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
 
 
 TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
-# Variants of the grouped GEMM: ``_grouped_v`` with these compile-time switches (absent: off). The first kernel
-# (masked loads, 128-row tiles, a [BLOCK_N] vector of weight scales per K block: 0.50 of the dense GEMM on the
-# H200) was deleted after the sweep (BENCHMARKS.md); its last commit is 2f67d26.
-#   CLAMP       (implied by TMA) row / column indices clamped to the expert's last row / N - 1 instead of
-#               masked loads (the stores stay masked); the K masks are dropped whenever K % 128 == 0 (every real shape)
+# Variants of the grouped GEMM: ``_grouped_v`` with these compile-time switches (absent: off), or the Gluon kernel.
+# Its loads clamp row / column indices to the expert's last row / N - 1 (the stores stay masked) and drop the K
+# masks whenever K % 128 == 0 (every real shape). The first kernel (masked loads: 0.50 of the dense GEMM on the
+# H200) was deleted after the first sweep (its last commit is 2f67d26); the switches and variants the later sweeps
+# measured slower (RESCALE, PAIR and FLATTEN of this kernel, K-major activation scales, GROUP_M and
+# non-persistent forms, the Gluon kernel's register-epilogue names) after them (last commit 57fe63d; BENCHMARKS.md).
 #   TMA         A [R, K] and B [E * N, K] read through device-side TMA descriptors (out-of-range rows: zeros;
-#               where TMA's stride rules are not met, e.g. K % 16 != 0, the call runs as CLAMP)
-#   GROUP_M     programs walk GROUP_M row tiles per column tile (neighbours share weight column tiles in L2)
-#   PERSISTENT  PERSISTENT programs per SM, each looping over tiles
-#   RESCALE     the accumulator is kept in the current K block's scale frame, acc = dot(a, b, acc * t_prev / t)
-#               (t = a_s * b_s per row, BLOCK_N <= 128): the dot accumulates in place, no second accumulator
-#   PAIR        two K blocks per loop iteration, both dots issued before either is scaled (one wait on the
-#               tensor cores' results per 256 of K instead of per 128; BLOCK_N <= 128; K % 256 != 0: off)
-#   PREFETCH    (CLAMP or TMA, BLOCK_N <= 128) the next K block's two scales loaded one iteration ahead into
-#               registers, so their latency is off the path from one block's dot to the next
+#               where TMA's stride rules are not met, e.g. K % 16 != 0, the call runs clamped pointer loads)
+#   PERSISTENT  PERSISTENT programs per SM, each looping over tiles (column tiles fastest)
+#   PREFETCH    (BLOCK_N <= 128) the next K block's two scales loaded one iteration ahead into registers, so
+#               their latency is off the path from one block's dot to the next
 #   EMAP        (E <= EMAP_MAX) every expert's tile count and row end loaded once per program into registers, a
 #               tile's expert found by reductions over them instead of a binary search of dependent loads (a
 #               chain of several microseconds at every tile start of a persistent program)
-#   FLATTEN     (PERSISTENT and EMAP) the persistent loop as ``tl.range(..., flatten=True)``: Triton flattens the
-#               tile and K loops into one software pipeline, so the next tile's first loads are issued during the
-#               current tile's last blocks instead of a pipeline drain and refill at every tile
-#   KMAJOR      not a kernel switch: the variant wants the activation scales K-major (strides (1, R): one K
-#               block's scales of all rows contiguous); ``act_scales`` allocates them so for the GROUPED variant
 #   GLUON       not ``_grouped_v``: the warp-specialised Gluon kernel (``gluon_ws.py``: a TMA producer warp, two
 #               consumer warpgroups that wgmma / wait / scale independently, so one's scaling overlaps the
-#               other's wgmma); its own PAIR (two K blocks' wgmmas in flight per warpgroup) and GROUP_M (tile
-#               order, as above; persistent programs, one per SM). Config: BLOCK_M and
-#               BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA ring depth (2-6). Where it does not
-#               apply (not Hopper, N or K not multiples of 128, strides) the call runs GLUON_FALLBACK.
+#               other's wgmma; persistent programs, one per SM); its own PAIR (two K blocks' wgmmas in flight per
+#               warpgroup) and GROUP_M (GROUP_M row tiles walked per column tile: neighbours share weight column
+#               tiles in L2). Config: BLOCK_M and BLOCK_N 128, num_warps 4 (per warpgroup), num_stages the TMA
+#               ring depth (2-6). Where it does not apply (not Hopper, N or K not multiples of 128, strides) the
+#               call runs GLUON_FALLBACK.
 #   EPI_TMA     (GLUON) the epilogue through shared memory: each consumer warpgroup writes its 64 x 128 half tile
 #               to its own buffer and issues an asynchronous TMA store, waited for only a tile later, before the
 #               buffer is reused; the expert's last, partial half tile is stored from registers, masked (a TMA
@@ -150,48 +142,25 @@ TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 #               runs two m64 n128 wgmmas, each waited for and promoted into its own accumulator; half the tiles
 #               (per-tile costs) and a quarter less L2 -> shared traffic per FLOP; 48 KB stages (3 with EPI_TMA).
 #               Registered only with EPI_TMA and AHEAD: the other combinations spill in the K loop (ptxas)
-# At BLOCK_N <= 128 the weight scale of a K block is one scalar per program (loaded once, not per column).
+# Kept: the model's kernel (GROUPED), the next two Gluon forms as sweep baselines, and two Triton ones: v16 (the
+# fastest Triton variant, GLUON_FALLBACK) and v4 (its baseline). At BLOCK_N <= 128 the weight scale of a K block
+# is one scalar per program (loaded once, not per column).
 VARIANTS: dict[str, dict] = {
-    "gluon_ws": {"GLUON": True},
-    "gluon_ws_pair": {"GLUON": True, "PAIR": True},
-    "gluon_ws_k": {"GLUON": True, "KMAJOR": True},
-    "gluon_ws_pair_k": {"GLUON": True, "PAIR": True, "KMAJOR": True},
-    "gluon_ws_g8": {"GLUON": True, "GROUP_M": 8},
-    "gluon_ws_pair_g8": {"GLUON": True, "PAIR": True, "GROUP_M": 8},
-    "gluon_ws_pair_g8_tma": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True},
-    "gluon_ws_pair_g8_tma_ah": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
-    "gluon_ws_g8_tma": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True},
-    "gluon_ws_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
     "gluon_ws_n256_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True, "WIDE": True},
-    "v1": {"CLAMP": True},
-    "v2": {"CLAMP": True, "GROUP_M": 8},
-    "v3": {"TMA": True},
+    "gluon_ws_pair_g8_tma_ah": {"GLUON": True, "PAIR": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
+    "gluon_ws_g8_tma_ah": {"GLUON": True, "GROUP_M": 8, "EPI_TMA": True, "AHEAD": True},
     "v4": {"TMA": True, "PERSISTENT": 1},
-    "v5": {"CLAMP": True, "PERSISTENT": 1},
-    "v6": {"CLAMP": True, "RESCALE": True},
-    "v7": {"TMA": True, "RESCALE": True},
-    "v8": {"TMA": True, "PERSISTENT": 2},
-    "v9": {"TMA": True, "RESCALE": True, "PERSISTENT": 2},
-    "v10": {"CLAMP": True, "PAIR": True},
-    "v11": {"TMA": True, "PAIR": True},
-    "v12": {"TMA": True, "PAIR": True, "PERSISTENT": 2},
-    "v13": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True},
-    "v14": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "KMAJOR": True},
-    "v15": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "KMAJOR": True},
     "v16": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True},
-    "v17": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "KMAJOR": True},
-    "v18": {"TMA": True, "PERSISTENT": 1, "PREFETCH": True, "EMAP": True, "FLATTEN": True},
-    "v19": {"TMA": True, "RESCALE": True, "PERSISTENT": 2, "PREFETCH": True, "EMAP": True, "FLATTEN": True,
-            "KMAJOR": True},
 }
 EMAP_MAX = 1024  # experts the EMAP switch holds in registers (more: the binary search)
-# the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map)
-GLUON_FALLBACK = ("v4", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
+# the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map): the
+# fastest Triton variant at its measured config (BENCHMARKS.md: 873 / 723 TFLOP/s on GLM-5's gate_up / down)
+GLUON_FALLBACK = ("v16", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
 # (benchmarks/grouped_fp8_sweep.py measures them and prints the line to put here).
 GROUPED: dict = {"variant": "gluon_ws_n256_g8_tma_ah", "config": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}}
-# the generic variants' autotune configs when GROUPED's config is None: (BLOCK_N, num_warps, num_stages)
+# the Triton variants' autotune configs when no config is given: (BLOCK_N, num_warps, num_stages)
 V_CONFIGS = [(128, 8, 3), (128, 8, 4), (256, 8, 3), (128, 4, 3), (128, 4, 4)]
 
 
@@ -210,41 +179,23 @@ def _expert_of(TILE_END, pid_m, E, LOG_E: tl.constexpr):
 
 
 @_jit
-def _tile_order(t, n_tiles, m_tiles, GROUP_M: tl.constexpr):
-    """Tile t of m_tiles x n_tiles -> (pid_m, pid_n): column-fastest, or GROUP_M row tiles per column tile."""
-    if GROUP_M == 1:
-        pid_m = t // n_tiles
-        pid_n = t % n_tiles
-    else:
-        width = GROUP_M * n_tiles
-        first_m = (t // width) * GROUP_M
-        size_m = tl.minimum(m_tiles - first_m, GROUP_M)
-        pid_m = first_m + (t % width) % size_m
-        pid_n = (t % width) // size_m
-    return pid_m, pid_n
-
-
-@_jit
-def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as, stride_asg,
+def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, t, n_tiles, E, N, K, stride_a, stride_as, stride_asg,
           stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows,
           LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-          CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr,
-          PREFETCH: tl.constexpr, EMAP: tl.constexpr, NOCHECK: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile of the generic variants (switches: VARIANTS' comment); NOCHECK (only
-    with EMAP, persistent programs: the tile exists) drops the branch around the tile (a flattenable loop nest)."""
+          TMA: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr):
+    """Output tile t (row tile t // n_tiles, column tile t % n_tiles) of ``_grouped_v``: finds its expert
+    (switches: VARIANTS' comment) and runs ``_tile_body`` unless the row tile lies past the last expert's."""
+    pid_m = t // n_tiles
+    pid_n = t % n_tiles
     if EMAP:  # the expert map in registers (``_grouped_v``): reductions, no dependent loads
         expert = tl.sum((e_ends <= pid_m).to(tl.int32), axis=0)
         first_tile = tl.sum(tl.where(e_idx == expert - 1, e_ends, 0), axis=0)
         row_start = tl.sum(tl.where(e_idx == expert - 1, e_rows, 0), axis=0)
         row_end = tl.sum(tl.where(e_idx == expert, e_rows, 0), axis=0)
-        if NOCHECK:
+        if expert < E:
             _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
                        stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
-                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
-        elif expert < E:
-            _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
-                       stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
-                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+                       BLOCK_M, BLOCK_N, EVEN_K, TMA, PREFETCH)
     else:
         expert = _expert_of(TILE_END, pid_m, E, LOG_E)
         if expert < E:
@@ -253,30 +204,24 @@ def _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K
             row_end = tl.load(OFFS + expert)
             _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
                        stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
-                       BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH)
+                       BLOCK_M, BLOCK_N, EVEN_K, TMA, PREFETCH)
 
 
 @_jit
 def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile, row_start, row_end, N, K,
                stride_a, stride_as, stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, CLAMP: tl.constexpr,
-               TMA: tl.constexpr, RESCALE: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+               PREFETCH: tl.constexpr):
     """The tile of rows row_start + (pid_m - first_tile) * BLOCK_M ... (< row_end) of ``expert``, columns
-    pid_n * BLOCK_N ...: the K loop and the masked store."""
+    pid_n * BLOCK_N ...: the K loop (loads at clamped indices) and the masked store."""
     row0 = row_start + (pid_m - first_tile) * BLOCK_M
     col0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     rmask = rows < row_end
     cmask = cols < N
-    if CLAMP:
-        rows_ld = tl.minimum(rows, row_end - 1)
-        cols_ld = tl.minimum(cols, N - 1)
-    else:
-        rows_ld = rows
-        cols_ld = cols
-    r64 = rows_ld.to(tl.int64)
-    c64 = cols_ld.to(tl.int64)
+    r64 = tl.minimum(rows, row_end - 1).to(tl.int64)
+    c64 = tl.minimum(cols, N - 1).to(tl.int64)
     e64 = expert.to(tl.int64)
     ks = tl.arange(0, 128)
     a_ptr = A + r64[:, None] * stride_a + ks[None, :]
@@ -287,83 +232,36 @@ def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile
     else:
         bs_ptr = BS + e64 * stride_bse + (c64 // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    prev = tl.full((BLOCK_M,), 1.0, tl.float32)
-    # PAIR (the launcher sets it only with K % 256 == 0, CLAMP, BLOCK_N <= 128 and without RESCALE):
-    # two K blocks per iteration, both dots issued before either result is scaled
-    if PAIR:
-        for kp in range(0, tl.cdiv(K, 256)):
-            kb = kp * 2
-            if TMA:
-                a0 = a_desc.load([row0, kb * 128])
-                b0 = b_desc.load([expert * N + col0, kb * 128]).T
-                a1 = a_desc.load([row0, kb * 128 + 128])
-                b1 = b_desc.load([expert * N + col0, kb * 128 + 128]).T
-            else:
-                a0 = tl.load(a_ptr)
-                b0 = tl.load(b_ptr)
-                a1 = tl.load(a_ptr + 128)
-                b1 = tl.load(b_ptr + 128)
-            t0 = tl.load(as_ptr + kb * stride_asg) * tl.load(bs_ptr + kb)
-            t1 = tl.load(as_ptr + (kb + 1) * stride_asg) * tl.load(bs_ptr + kb + 1)
-            d0 = tl.dot(a0, b0, out_dtype=tl.float32)
-            d1 = tl.dot(a1, b1, out_dtype=tl.float32)
-            acc += d0 * t0[:, None] + d1 * t1[:, None]
-            a_ptr += 256
-            b_ptr += 256
-    else:
-        n_kb = tl.cdiv(K, 128)
-        if PREFETCH:  # (the launcher sets it only with CLAMP and BLOCK_N <= 128): block 0's scales
-            sa_n = tl.load(as_ptr)
-            sb_n = tl.load(bs_ptr)
-        for kb in range(0, n_kb):
-            if TMA:
-                a = a_desc.load([row0, kb * 128])
-                b = b_desc.load([expert * N + col0, kb * 128]).T
-            elif EVEN_K:
-                if CLAMP:
-                    a = tl.load(a_ptr)
-                    b = tl.load(b_ptr)
-                else:
-                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
-            else:
-                kmask = kb * 128 + ks < K
-                if CLAMP:
-                    a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
-                sa = sa_n
-                sb = sb_n
-                kn = tl.minimum(kb + 1, n_kb - 1)
-                sa_n = tl.load(as_ptr + kn * stride_asg)
-                sb_n = tl.load(bs_ptr + kn)
-            elif CLAMP:
-                sa = tl.load(as_ptr + kb * stride_asg)
-            else:
-                sa = tl.load(as_ptr + kb * stride_asg, mask=rmask, other=0.0)
-            if BLOCK_N <= 128:
-                if not PREFETCH:
-                    sb = tl.load(bs_ptr + kb)
-                if RESCALE:
-                    t = sa * sb
-                    t = tl.where(t > 0, t, prev)  # a zero group adds 0 whatever its scale: keep the frame
-                    acc = tl.dot(a, b, acc * (prev / t)[:, None], out_dtype=tl.float32)
-                    prev = t
-                else:
-                    acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
-            else:
-                if CLAMP:
-                    sb = tl.load(bs_ptr + kb)
-                else:
-                    sb = tl.load(bs_ptr + kb, mask=cmask, other=0.0)
-                acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-            a_ptr += 128
-            b_ptr += 128
-    if RESCALE:
-        acc = acc * prev[:, None]
+    n_kb = tl.cdiv(K, 128)
+    if PREFETCH:  # (the launcher sets it only with BLOCK_N <= 128): block 0's scales
+        sa_n = tl.load(as_ptr)
+        sb_n = tl.load(bs_ptr)
+    for kb in range(0, n_kb):
+        if TMA:
+            a = a_desc.load([row0, kb * 128])
+            b = b_desc.load([expert * N + col0, kb * 128]).T
+        elif EVEN_K:
+            a = tl.load(a_ptr)
+            b = tl.load(b_ptr)
+        else:
+            kmask = kb * 128 + ks < K
+            a = tl.load(a_ptr, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=kmask[:, None], other=0.0)
+        if PREFETCH:  # this block's scales were loaded one iteration ago; load the next block's now
+            sa = sa_n
+            sb = sb_n
+            kn = tl.minimum(kb + 1, n_kb - 1)
+            sa_n = tl.load(as_ptr + kn * stride_asg)
+            sb_n = tl.load(bs_ptr + kn)
+        else:
+            sa = tl.load(as_ptr + kb * stride_asg)
+            sb = tl.load(bs_ptr + kb)
+        if BLOCK_N <= 128:
+            acc += tl.dot(a, b, out_dtype=tl.float32) * (sa * sb)[:, None]
+        else:
+            acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+        a_ptr += 128
+        b_ptr += 128
     tl.store(C + rows.to(tl.int64)[:, None] * stride_c + cols.to(tl.int64)[None, :], acc.to(C.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
@@ -372,9 +270,8 @@ def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile
 def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as, stride_asg, stride_be, stride_bn,
                stride_bse, stride_bsn, stride_c,
                LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-               CLAMP: tl.constexpr, TMA: tl.constexpr, RESCALE: tl.constexpr, GROUP_M: tl.constexpr,
-               PERSISTENT: tl.constexpr, PAIR: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr,
-               EP: tl.constexpr, FLATTEN: tl.constexpr):
+               TMA: tl.constexpr, PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, EMAP: tl.constexpr,
+               EP: tl.constexpr):
     if TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[R, K], strides=[stride_a, 1], block_shape=[BLOCK_M, 128])
         b_desc = tl.make_tensor_descriptor(B, shape=[E * N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, 128])
@@ -382,8 +279,7 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
         a_desc = A
         b_desc = B
     n_tiles = tl.cdiv(N, BLOCK_N)
-    m_tiles = tl.load(TILE_END + E - 1)
-    total = m_tiles * n_tiles
+    total = tl.load(TILE_END + E - 1) * n_tiles
     if EMAP:  # every expert's cumulative tile count and row end, loaded once per program (padding: INT_MAX, 0)
         e_idx = tl.arange(0, EP)
         e_ends = tl.load(TILE_END + e_idx, mask=e_idx < E, other=2147483647)
@@ -392,25 +288,17 @@ def _grouped_v(A, AS, OFFS, TILE_END, B, BS, C, R, E, N, K, stride_a, stride_as,
         e_idx = 0
         e_ends = 0
         e_rows = 0
-    if PERSISTENT and FLATTEN:  # (the launcher sets FLATTEN only with EMAP) one loop nest the pipeliner flattens
-        for t in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
-            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
-                  stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
-                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, True)
-    elif PERSISTENT:
+    if PERSISTENT:
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
-            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
-            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, t, n_tiles, E, N, K, stride_a, stride_as,
                   stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
-                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
+                  BLOCK_M, BLOCK_N, EVEN_K, TMA, PREFETCH, EMAP)
     else:
         t = tl.program_id(0)
         if t < total:
-            pid_m, pid_n = _tile_order(t, n_tiles, m_tiles, GROUP_M)
-            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, pid_m, pid_n, E, N, K, stride_a, stride_as,
+            _tile(A, AS, OFFS, TILE_END, B, BS, C, a_desc, b_desc, t, n_tiles, E, N, K, stride_a, stride_as,
                   stride_asg, stride_be, stride_bn, stride_bse, stride_bsn, stride_c, e_idx, e_ends, e_rows, LOG_E,
-                  BLOCK_M, BLOCK_N, EVEN_K, CLAMP, TMA, RESCALE, PAIR, PREFETCH, EMAP, False)
+                  BLOCK_M, BLOCK_N, EVEN_K, TMA, PREFETCH, EMAP)
 
 
 def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -454,21 +342,7 @@ def tile_ends(offs: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
     return torch.cumsum(torch.div(counts + (bm - 1), bm, rounding_mode="floor"), 0, dtype=torch.int32)
 
 
-_SCALAR_N = ("RESCALE", "PAIR", "PREFETCH")  # switches that need BLOCK_N <= 128 (one weight scale per K block)
-
-
-def kmajor_scales(variant: str | None = None) -> bool:
-    """True when ``variant`` (default: GROUPED's) wants K-major activation scales (VARIANTS' KMAJOR)."""
-    return bool(VARIANTS[GROUPED["variant"] if variant is None else variant].get("KMAJOR"))
-
-
-def act_scales(r: int, k: int, device: torch.device, variant: str | None = None) -> torch.Tensor:
-    """An uninitialised float32 (r, ceil(k/128)) activation-scale buffer in the layout ``variant`` (default:
-    GROUPED's) reads best: row-major, or K-major (strides (1, r)) for a KMAJOR variant."""
-    g = cdiv(k, GROUP)
-    if kmajor_scales(variant):
-        return torch.empty(g, r, dtype=torch.float32, device=device).t()
-    return torch.empty(r, g, dtype=torch.float32, device=device)
+_SCALAR_N = ("PREFETCH",)  # switches that need BLOCK_N <= 128 (one weight scale per K block)
 
 
 @functools.cache
@@ -518,10 +392,10 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
     tiles = tile_ends(offs, bm) if tiles is None else tiles
     flags = dict(VARIANTS[variant])
     if flags.get("TMA"):
-        # TMA wants unit K strides, 16-byte row strides and b's experts back to back; elsewhere: clamped loads
+        # TMA wants unit K strides, 16-byte row strides and b's experts back to back; elsewhere: pointer loads
         if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
                 or b.stride(1) % 16):
-            flags["TMA"], flags["CLAMP"] = False, True
+            flags["TMA"] = False
         else:
             _tma_allocator()
     persistent = int(flags.get("PERSISTENT", 0))
@@ -538,14 +412,9 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
 
     args = (a, a_s, offs, tiles, b, b_s, c, r, e, n, k, a.stride(0), a_s.stride(0), a_s.stride(1), b.stride(0),
             b.stride(1), b_s.stride(0), b_s.stride(1), c.stride(0))
-    clamp = bool(flags.get("CLAMP") or flags.get("TMA"))
-    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0, "CLAMP": clamp,
-            "TMA": bool(flags.get("TMA")), "RESCALE": bool(flags.get("RESCALE")),
-            "GROUP_M": int(flags.get("GROUP_M", 1)), "PERSISTENT": persistent,
-            "PAIR": bool(flags.get("PAIR")) and k % 256 == 0 and not flags.get("RESCALE"),
-            "PREFETCH": bool(flags.get("PREFETCH")) and clamp,
+    meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0, "TMA": bool(flags.get("TMA")),
+            "PERSISTENT": persistent, "PREFETCH": bool(flags.get("PREFETCH")),
             "EMAP": bool(flags.get("EMAP")) and e <= EMAP_MAX, "EP": expert_slots(e)}
-    meta["FLATTEN"] = bool(flags.get("FLATTEN")) and meta["EMAP"] and persistent > 0
     (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
 
 
