@@ -65,6 +65,22 @@ SWEEP = (
 )
 
 
+def _interpreter_index_patch() -> None:
+    """--smoke-cpu: Triton 3.6's interpreter takes int() of 1-element arrays for loop bounds, which numpy >= 2.3
+    refuses; give its tensors an ``__index__`` through .item() (as tests/kernels/test_fp8_gemm_variants.py)."""
+    import triton.runtime.interpreter as ti
+
+    patch = getattr(ti, "_patch_lang_tensor", None)
+    if patch is None:
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    ti._patch_lang_tensor = patched
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -149,6 +165,7 @@ def main() -> int:
         global DEV, PROJS, CHECK_SHAPES
         DEV, PROJS, CHECK_SHAPES = "cpu", {"gate_up": (256, 384), "down": (384, 256)}, [(384, 256), (256, 384)]
         kern._sm_count = lambda index: 2
+        _interpreter_index_patch()
     t0 = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     only = {v for v in args.variants.split(",") if v}
