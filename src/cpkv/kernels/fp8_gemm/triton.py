@@ -220,8 +220,10 @@ def _tile_body(A, AS, B, BS, C, a_desc, b_desc, pid_m, pid_n, expert, first_tile
     cols = col0 + tl.arange(0, BLOCK_N)
     rmask = rows < row_end
     cmask = cols < N
-    r64 = tl.minimum(rows, row_end - 1).to(tl.int64)
-    c64 = tl.minimum(cols, N - 1).to(tl.int64)
+    rows_ld = tl.minimum(rows, row_end - 1)
+    cols_ld = tl.minimum(cols, N - 1)
+    r64 = rows_ld.to(tl.int64)
+    c64 = cols_ld.to(tl.int64)
     e64 = expert.to(tl.int64)
     ks = tl.arange(0, 128)
     a_ptr = A + r64[:, None] * stride_a + ks[None, :]
