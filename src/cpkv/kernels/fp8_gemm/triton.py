@@ -113,10 +113,10 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
 TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 # Variants of the grouped GEMM: ``_grouped_v`` with these compile-time switches (absent: off), or the Gluon kernel.
 # Its loads clamp row / column indices to the expert's last row / N - 1 (the stores stay masked) and drop the K
-# masks whenever K % 128 == 0 (every real shape). The first kernel (masked loads: 0.50 of the dense GEMM on the
-# H200) was deleted after the first sweep (its last commit is 2f67d26); the switches and variants the later sweeps
-# measured slower (RESCALE, PAIR and FLATTEN of this kernel, K-major activation scales, GROUP_M and
-# non-persistent forms, the Gluon kernel's register-epilogue names) after them (last commit 57fe63d; BENCHMARKS.md).
+# masks whenever K % 128 == 0 (every real shape). Deleted after the sweeps (BENCHMARKS.md): the first kernel
+# (masked loads: 0.50 of the dense GEMM on the H200; last commit 2f67d26), then what the later sweeps measured
+# slower (this kernel's RESCALE, PAIR, FLATTEN and GROUP_M switches, its masked-load and non-persistent variants,
+# K-major activation scales, the Gluon kernel's register-epilogue names; last commit 57fe63d).
 #   TMA         A [R, K] and B [E * N, K] read through device-side TMA descriptors (out-of-range rows: zeros;
 #               where TMA's stride rules are not met, e.g. K % 16 != 0, the call runs clamped pointer loads)
 #   PERSISTENT  PERSISTENT programs per SM, each looping over tiles (column tiles fastest)
