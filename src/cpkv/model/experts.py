@@ -122,7 +122,7 @@ def grouped_swiglu_fp8(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, e
     r, d = xs.shape
     i = ew.down.shape[2]
     tiles = kern.tile_ends(offs)  # the tile map of both GEMMs
-    live = offs[-1:]  # the real row count, on the device
+    live = offs[-1:] if offs.numel() else None  # the real row count, on the device
     if xq is None:
         q, s = _quant_buffers(r, d, xs.device)
         kern.act_quant(xs.contiguous(), q, s, live)
