@@ -107,3 +107,23 @@ def test_weights_modes_and_dense_split():
             weights_modes(bad)
     assert dense_split(load_model_config("glm5", 4)) == 3
     assert dense_split(load_model_config("glm5", 3)) is None and dense_split(load_model_config("tiny", 1)) is None
+
+
+@pytest.mark.slow
+def test_bench_engine_trace_dir_writes_each_batch_timeline(tmp_path, capsys):
+    """``--trace-dir``: one more profiled run whose batches land as gzipped Chrome traces with the Python
+    frames of the plan and the forward (on the CPU: host ops alone)."""
+    import gzip
+
+    from cpkv.cli import main
+
+    rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128",
+               "--long", "0", "--chunk-size", "128", "--page-size", "16", "--runs", "1", "--no-profile",
+               "--trace-dir", str(tmp_path), "--json"])
+    assert rc == 0
+    json.loads(capsys.readouterr().out)
+    files = sorted((tmp_path / "auto").glob("rank0_batch*.json.gz"))
+    assert len(files) >= 2  # the cold and the cached batch at least
+    events = json.load(gzip.open(files[-1]))["traceEvents"]
+    names = {e.get("name", "") for e in events if e.get("cat") == "python_function"}
+    assert any(n.endswith(": run_batch") for n in names) and any("rank_plan" in n for n in names)

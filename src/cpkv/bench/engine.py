@@ -22,6 +22,7 @@ pass bound by the host shows it at once.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 HELP = "Prefill throughput of long prompts through the CP engine, with a per-part breakdown of each batch."
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run with each batch's host side under cProfile: each case's top host functions")
+    p.add_argument("--trace-dir", metavar="DIR",
+                   help="one more profiled run, with Python stacks, writing each batch's timeline (host ops and "
+                        "kernels) to DIR as gzipped Chrome traces (its own timings, inflated by the stacks, are unused)")
     p.add_argument("--weights", default="auto", metavar="W[,W]",
                    help="linear weights, comma-separated to compare in one run: fp8, bf16, auto (default auto)")
     p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
@@ -112,6 +116,9 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["prof"] = [(_replace(cfg, profile=True), trace)]
     if getattr(args, "host_profile", False):
         jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
+    if getattr(args, "trace_dir", None):
+        where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
+        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where), trace)]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
         jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)

@@ -54,6 +54,8 @@ class EngineConfig:
     profile: bool = False  # benchmarks (CUDA): record each timed batch's kernels (name, start, end)
     host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
     #                             with the most cumulative time: where a host-bound batch spends its wall)
+    trace_dir: str | None = None  # benchmarks (with profile): each profiled batch's timeline, host ops with their
+    #                               Python stacks and kernels, as a gzipped Chrome trace rank<r>_batch<k>.json.gz
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""

@@ -203,7 +203,9 @@ class RankEngine:
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
-        if prof is not None:
+        if prof is not None and self.cfg.trace_dir:  # the trace alone (torch's event parse fails after stacks)
+            _export_trace(prof, os.path.join(self.cfg.trace_dir, f"rank{self.rank}_batch{self.batches}.json.gz"))
+        elif prof is not None:
             self.kernels.append(_kernel_spans(prof))
             self.host_ops.append(_host_ops(prof))
         if hp is not None:
@@ -234,12 +236,15 @@ class RankEngine:
         return _sync_debug_error()
 
     def _profiled(self):
-        """With cfg.profile on CUDA: a torch profiler recording the batch's kernels (else yields None)."""
-        if not (self.cfg.profile and self.model.device.type == "cuda"):
+        """With cfg.profile on CUDA: a torch profiler recording the batch's kernels (else yields None); with
+        cfg.trace_dir too, with Python stacks, on any device (the CPU's trace holds host ops alone)."""
+        cuda = self.model.device.type == "cuda"
+        if not (self.cfg.profile and (cuda or self.cfg.trace_dir)):
             return contextlib.nullcontext()
         from torch.profiler import ProfilerActivity, profile
 
-        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        return profile(activities=acts, with_stack=bool(self.cfg.trace_dir))
 
     def _sync_time(self) -> float:
         if self.model.device.type == "cuda":
@@ -425,6 +430,20 @@ def host_functions(prof, top: int = HOST_FUNCS_TOP) -> list[tuple[str, float, fl
     rows = sorted(st.items(), key=lambda kv: -kv[1][3])[:top]
     return [(f"{os.path.basename(f)}:{ln} {name}"[:100], round(ct * 1e3, 3), round(tt * 1e3, 3), nc)
             for (f, ln, name), (_, nc, tt, ct, _) in rows]
+
+
+def _export_trace(prof, path: str) -> None:
+    """The profiled batch as a gzipped Chrome trace (chrome://tracing, Perfetto) at ``path``."""
+    import gzip
+    import shutil
+    import tempfile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def _host_ops(prof) -> list[tuple[str, float, int]]:
