@@ -373,6 +373,21 @@ def test_index_topk_with_plan_ragged_requests():
     assert bool(((slots == -1) | ((slots >= plan.ks[:, None]) & (slots < plan.ke[:, None]))).all())
 
 
+@pytest.mark.parametrize("budget", [None, 3000])
+def test_index_topk_absolute_is_topk_to_slots(budget):
+    """``absolute=True``: the key rows themselves (index + ks, -1 kept), chunked or not, short rows included."""
+    g = torch.Generator().manual_seed(9)
+    requests = [(0, list(range(0, 8)) + list(range(40, 48))), (60, list(range(20, 30))), (100, [0, 1])]
+    plan = IndexerPlan.build(requests, "cpu", chunk_max_bytes=budget)
+    T = plan.num_tokens
+    q, w = quantize_queries(torch.randn(T, 8, 64, generator=g), torch.randn(T, 8, generator=g))
+    k, k_scale = dequantize_index_rows(quantize_index_keys(torch.randn(140, 64, generator=g)))
+    for kk in (12, 64):  # 64: every row short (no logits)
+        rel = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=kk, plan=plan)
+        got = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=kk, plan=plan, absolute=True)
+        assert torch.equal(got, topk_to_slots(rel, plan.ks)) and bool((rel == -1).any())
+
+
 def test_index_topk_skips_logits_when_all_rows_short(monkeypatch):
     import sys
 

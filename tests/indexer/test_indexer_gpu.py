@@ -195,6 +195,27 @@ def test_index_topk_plan_zigzag():
     assert len(plan.chunks) > 1 and torch.equal(got, want)
 
 
+def test_index_topk_absolute_written_by_the_kernel():
+    """The top-k kernel adds each row's ks itself (``absolute``): ``topk_to_slots`` of the relative result, byte for
+    byte, over chunks with and without logits, with no host sync."""
+    from cpkv.indexer import topk_to_slots
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    requests = [(0, list(range(0, 256)) + list(range(3840, 4096))), (4096, list(range(6000, 6300))), (10400, [0, 5])]
+    plan = IndexerPlan.build(requests, "cuda", chunk_max_bytes=2 << 20)
+    T = plan.num_tokens
+    q, w = quantize_queries(torch.randn(T, 32, 128, device="cuda", generator=g),
+                            torch.randn(T, 32, device="cuda", generator=g))
+    k, k_scale = dequantize_index_rows(quantize_index_keys(torch.randn(10402, 128, device="cuda", generator=g)))
+    rel = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=2048, plan=plan)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = index_topk(q, k, k_scale, w, plan.ks, plan.ke, topk=2048, plan=plan, absolute=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(plan.chunks) > 1 and torch.equal(got, topk_to_slots(rel, plan.ks))
+
+
 def test_logits_default_takes_gluon_kernel_on_hopper():
     # the bench shapes (fp8, H = 32, D = 128) must reach the Gluon kernel, not its Triton fallback
     if torch.cuda.get_device_capability() != (9, 0):

@@ -235,6 +235,34 @@ def case_swiglu() -> None:
     kern.swiglu_weighted(torch.zeros(0, 256), torch.zeros(0), torch.zeros(0, 128))  # N = 0
 
 
+def case_swiglu_plain() -> None:
+    """No row weights (the dense MLPs): ``F.silu(g) * u``'s two roundings; the dispatch in ``model.linear.swiglu``
+    with ``use_triton`` forced on gives the kernel's bytes."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.swiglu import triton as kern
+    from cpkv.kernels.swiglu.ref import swiglu_ref
+    from cpkv.model.linear import Linear, swiglu
+
+    for n, i in [(5, 256), (19, 200), (1, 128)]:
+        gen = _gen(n * i + 1)
+        gu = (torch.randn(n, 2 * i + 6, generator=gen) * 3).bfloat16()[:, 6:]
+        out = torch.full((n, i), float("nan"), dtype=torch.bfloat16)
+        kern.swiglu_weighted(gu, None, out)
+        want = swiglu_ref(gu)
+        assert within_ulp(out, want, 2), f"at {(n, i)}"
+        assert (out == want).float().mean() >= 0.9, f"mostly equal at {(n, i)}"
+    gen = _gen(7)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    gate_up, down = Linear(torch.randn(256, 64, generator=gen).bfloat16()), Linear(torch.randn(64, 128, generator=gen).bfloat16())
+    want = swiglu(x, gate_up, down)
+    platform.use_triton = lambda *a, **k: True  # noqa: E731  (this subprocess only)
+    got = swiglu(x, gate_up, down)
+    gu = gate_up(x)
+    a = torch.empty(9, 128, dtype=torch.bfloat16)
+    kern.swiglu_weighted(gu, None, a)
+    assert torch.equal(got, down(a)) and within_ulp(got, want, 64)
+
+
 def case_dispatch() -> None:
     """The dispatch points' Triton branches (buffers, views, strides) on CPU tensors: ``use_triton`` forced on for
     them only, their results against the same calls' torch path."""

@@ -39,14 +39,17 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
-              config=None) -> torch.Tensor:
+              config=None, base: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, k] int32 <- top-k of x[i, lo[i]:hi[i]] relative to lo[i] (inputs already checked;
-    0 <= lo, hi <= N required where hi > lo + k). config: a cpkv.kernels.topk.TopkConfig (None: default)."""
+    0 <= lo, hi <= N required where hi > lo + k); with ``base`` (int32 [T]) each index plus base[i], -1 kept
+    (``topk_to_slots`` of the result, written by the kernel itself). config: a cpkv.kernels.topk.TopkConfig
+    (None: default)."""
     if use_triton(x):
         from cpkv.kernels.topk.triton import topk_triton
 
-        return topk_triton(_kernel_ready(x), lo, hi, k, out, config=config)
-    out.copy_(topk_ref(x, lo, hi, k))
+        return topk_triton(_kernel_ready(x), lo, hi, k, out, config=config, base=base)
+    rel = topk_ref(x, lo, hi, k)
+    out.copy_(rel if base is None else topk_to_slots(rel, base))
     return out
 
 
@@ -80,9 +83,11 @@ def index_topk(
     plan: IndexerPlan | None = None,
     logits_config=None,
     topk_config=None,
+    absolute: bool = False,
 ) -> torch.Tensor:
     """Inputs as mqa_logits -> int32 [T, topk] indices relative to ks, equal to
-    ``topk(mqa_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk)``.
+    ``topk(mqa_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk)``; ``absolute``: the key rows themselves
+    (``topk_to_slots(indices, ks)``: index + ks, -1 kept), which the top-k kernel writes directly.
 
     Query rows run in the plan's chunks: one logits block rows x (max ke - min ks) x 4 B at a time,
     within ``chunk_max_bytes`` (default CPKV_MQA_LOGITS_CHUNK_MAX_GB GiB). A chunk whose rows all see
@@ -98,24 +103,28 @@ def index_topk(
         raise IndexerError(f"plan has {plan.num_tokens} query rows, q has {q.shape[0]}")
     out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
     if plan.max_len <= topk:
-        return short_rows_topk(plan.ke - plan.ks, topk)
+        rel = short_rows_topk(plan.ke - plan.ks, topk)
+        return topk_to_slots(rel, plan.ks) if absolute else rel
     if use_triton(q):
         k, k_scale = aligned_keys(k), aligned_scales(k_scale)
     buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
     for c in plan.chunks:
-        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config, reused)
+        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config, reused, absolute)
     return out
 
 
 def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int,
-               logits_config=None, topk_config=None, items: bool = True) -> None:
-    """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out. items: launch
-    the logits kernel over the plan's work items (built on the host on first use, then cached in the plan)."""
+               logits_config=None, topk_config=None, items: bool = True, absolute: bool = False) -> None:
+    """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out (``absolute``:
+    plus each row's ks). items: launch the logits kernel over the plan's work items (built on the host on first
+    use, then cached in the plan)."""
     r = slice(c.row_start, c.row_end)
     if c.max_len <= topk:
-        out[r] = short_rows_topk(plan.ke[r] - plan.ks[r], topk)
+        rel = short_rows_topk(plan.ke[r] - plan.ks[r], topk)
+        out[r] = topk_to_slots(rel, plan.ks[r]) if absolute else rel
         return
     logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
     logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False,
                 config=logits_config, work=(lambda shape: plan.work_items(c, shape)) if items else None)
-    topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config)
+    topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config,
+              base=plan.ks[r] if absolute else None)

@@ -13,6 +13,7 @@
     index_rows    indexer.quant.prepare_index_keys/_queries kernels.index_rows.ref          index_rows/triton.py
                   indexer.quant.head_weights
     swiglu        model.experts.swiglu_weighted          kernels.swiglu.ref                 swiglu/triton.py
+                  model.linear.swiglu (dense MLPs)
     combine       model.moe.combine_pairs                kernels.combine.ref                combine/triton.py
     rope          model.ops.Rotary.interleaved_into      kernels.rope.ref                   rope/triton.py
 

@@ -327,11 +327,11 @@ class DSALayer:
 
             k = unpack_rows(index_dense, self.cfg.index_format)
             return index_topk_exact(p.iq, k, p.iw, plan.ks, plan.ke, plan.topk, self.cfg.index_head_dim ** -0.5)
-        from cpkv.indexer import dequantize_index_rows, index_topk, topk_to_slots
+        from cpkv.indexer import dequantize_index_rows, index_topk
 
         k_fp8, k_scale = dequantize_index_rows(index_dense)
-        rel = index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk, plan=plan.indexer)
-        return topk_to_slots(rel, plan.ks)
+        return index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk, plan=plan.indexer,
+                          absolute=True)
 
     @property
     def is_moe(self) -> bool:

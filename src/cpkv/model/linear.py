@@ -188,5 +188,11 @@ def swiglu(x: torch.Tensor | QuantAct, gate_up: Linear, down: Linear) -> torch.T
         q, s = empty_quant(m, i, gu.device)
         kern.swiglu_quant(gu, None, q, s)
         return down(QuantAct(q, s, gu.dtype))
+    if platform.use_triton(gu) and gu.stride(-1) == 1:  # SiLU and product in one pass (F.silu(g) * u's bytes)
+        from cpkv.kernels.swiglu import triton as act
+
+        a = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+        act.swiglu_weighted(gu, None, a)
+        return down(a)
     g, u = gu.chunk(2, dim=-1)
     return down(F.silu(g) * u)

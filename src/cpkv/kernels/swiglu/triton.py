@@ -1,9 +1,10 @@
 """Triton kernel: the weighted SwiGLU activation (reference: ``cpkv.kernels.swiglu.ref``).
 
-    swiglu_weighted(gu [N, 2I] (gate | up), rw float32 [N], out [N, I])
+    swiglu_weighted(gu [N, 2I] (gate | up), rw float32 [N] | None, out [N, I])
 
 Per element, in float32 with the reference's three roundings to out's dtype:
     a = rne(div_rn(g, 1 + exp(-g)));  a = rne(a * u);  a = rne(a * rw)
+``rw`` None: the plain SwiGLU of the dense MLPs (the first two roundings: ``F.silu(g) * u``'s bytes).
 ``exp`` is libdevice's ``expf`` on the GPU (the function torch's SiLU kernel calls: the same bytes as
 ``F.silu``), ``tl.exp`` under Triton's interpreter (which cannot run libdevice: a SiLU an ulp off at times, the
 products after it a few ulps at most).
@@ -27,8 +28,8 @@ BLOCK_M, BLOCK_N = 16, 128
 
 
 @_jit
-def _swiglu_weighted(GU, RW, OUT, M, I, stride_gu, stride_o, G, LIBDEVICE: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr):
+def _swiglu_weighted(GU, RW, OUT, M, I, stride_gu, stride_o, G, LIBDEVICE: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0)
     g, mb = pid % G, pid // G
     rows = mb * BM + tl.arange(0, BM)
@@ -45,18 +46,20 @@ def _swiglu_weighted(GU, RW, OUT, M, I, stride_gu, stride_o, G, LIBDEVICE: tl.co
         e = tl.exp(-gate)
     a = tl.div_rn(gate, 1.0 + e).to(OUT.dtype.element_ty)
     a = (a.to(tl.float32) * up).to(OUT.dtype.element_ty)
-    rw = tl.load(RW + rows, mask=rmask, other=0.0)
-    a = (a.to(tl.float32) * rw[:, None]).to(OUT.dtype.element_ty)
+    if WEIGHTED:
+        rw = tl.load(RW + rows, mask=rmask, other=0.0)
+        a = (a.to(tl.float32) * rw[:, None]).to(OUT.dtype.element_ty)
     tl.store(OUT + r64[:, None] * stride_o + cols[None, :], a, mask=m2)
 
 
-def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes out [N, I] from gu [N, 2I] and rw float32 [N] (module docstring); unit column strides."""
+def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Writes out [N, I] from gu [N, 2I] and rw float32 [N] or None (module docstring); unit column strides."""
     m, i = out.shape
     if m == 0 or i == 0:
         return
     g = cdiv(i, BLOCK_N)
     exact_exp = libdevice is not None and not os.environ.get("TRITON_INTERPRET")
     _swiglu_weighted[check_grid(flat_grid(g, cdiv(m, BLOCK_M)))](
-        gu, rw, out, m, i, gu.stride(0), out.stride(0), g, LIBDEVICE=exact_exp, BM=BLOCK_M, BN=BLOCK_N,
+        gu, out if rw is None else rw, out, m, i, gu.stride(0), out.stride(0), g, LIBDEVICE=exact_exp,
+        WEIGHTED=rw is not None, BM=BLOCK_M, BN=BLOCK_N,
         num_warps=4, enable_fp_fusion=False)

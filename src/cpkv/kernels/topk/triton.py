@@ -63,8 +63,8 @@ def _count_ge_row(base, n, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_row(base, n, thr, remaining, out, BLOCK: tl.constexpr):
-    """Write, in index order, every column with key > thr and the first `remaining` equal to it."""
+def _write_row(base, n, thr, remaining, out, ob, BLOCK: tl.constexpr):
+    """Write, in index order, every column (+ ob) with key > thr and the first `remaining` equal to it."""
     n_sel = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for c in range(0, n, BLOCK):
@@ -74,7 +74,7 @@ def _write_row(base, n, thr, remaining, out, BLOCK: tl.constexpr):
         eq = (m & (sk == thr)).to(tl.int32)
         sel = (m & (sk > thr)) | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq + n_eq) < remaining))
         seli = sel.to(tl.int32)
-        tl.store(out + tl.cumsum(seli, axis=0) - seli + n_sel, offs, mask=sel)
+        tl.store(out + tl.cumsum(seli, axis=0) - seli + n_sel, offs + ob, mask=sel)
         n_sel += tl.sum(seli, axis=0)
         n_eq += tl.sum(eq, axis=0)
 
@@ -156,8 +156,8 @@ def _compact(rowp, lo, hi, t_low, scols, skeys, C: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _select_from_scratch(scols, skeys, m, out, K: tl.constexpr, C: tl.constexpr, CBLOCK: tl.constexpr):
-    """Exact top-K of the m (K <= m <= C) scratch candidates, written to out in index order."""
+def _select_from_scratch(scols, skeys, m, out, ob, K: tl.constexpr, C: tl.constexpr, CBLOCK: tl.constexpr):
+    """Exact top-K of the m (K <= m <= C) scratch candidates, written (+ ob) to out in index order."""
     slot = tl.arange(0, C)
     valid = slot < m
     sk_all = tl.load(skeys + slot, mask=valid, other=-2147483648)
@@ -172,14 +172,14 @@ def _select_from_scratch(scols, skeys, m, out, K: tl.constexpr, C: tl.constexpr,
         eq = (v & (sk == thr)).to(tl.int32)
         sel = (v & (sk > thr)) | ((eq != 0) & ((tl.cumsum(eq, axis=0) - eq + n_eq) < remaining))
         si = sel.to(tl.int32)
-        tl.store(out + tl.cumsum(si, axis=0) - si + n_sel, tl.load(scols + o, mask=v, other=0), mask=sel)
+        tl.store(out + tl.cumsum(si, axis=0) - si + n_sel, tl.load(scols + o, mask=v, other=0) + ob, mask=sel)
         n_sel += tl.sum(si, axis=0)
         n_eq += tl.sum(eq, axis=0)
 
 
 @triton.jit
-def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, stride_x4, stride_out,
-                       K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
+def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, scratch_ptr, T, nprog, stride_x4, stride_out,
+                       BASE: tl.constexpr, K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
                        SAMPLE: tl.constexpr, KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr,
                        DEPTH: tl.constexpr):
     """Variant "stream" (module docstring of topk_triton_stream); stride_x4 = x's row stride / 4."""
@@ -194,10 +194,13 @@ def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, st
         skeys = scols + C
         rowp = x_ptr + row.to(tl.int64) * stride_x4 * 4
         out = out_ptr + row.to(tl.int64) * stride_out
+        ob = tl.zeros([], tl.int32)
+        if BASE:
+            ob = tl.load(base_ptr + row)
         if n <= K:
             for c in range(0, K, KBLOCK):
                 offs = c + tl.arange(0, KBLOCK)
-                tl.store(out + offs, tl.where(offs < n, offs, -1), mask=offs < K)
+                tl.store(out + offs, tl.where(offs < n, offs + ob, -1), mask=offs < K)
         else:
             base = rowp + lo
             r = tl.minimum(tl.maximum((TARGET * SAMPLE + n - 1) // n, 1), SAMPLE)
@@ -217,11 +220,11 @@ def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, out_ptr, scratch_ptr, T, nprog, st
                 tries = tl.where(n > C, tries + 1, RETRIES + 1)
             tl.debug_barrier()
             if (m >= K) & (m <= C):
-                _select_from_scratch(scols, skeys, m, out, K, C, CBLOCK)
+                _select_from_scratch(scols, skeys, m, out, ob, K, C, CBLOCK)
             else:
                 thr = _kth_largest_row_loop(base, n, K, CBLOCK)
                 remaining = K - _count_ge_row(base, n, thr, CBLOCK) + _count_eq_row(base, n, thr, CBLOCK)
-                _write_row(base, n, thr, remaining, out, CBLOCK)
+                _write_row(base, n, thr, remaining, out, ob, CBLOCK)
             tl.debug_barrier()
 
 
@@ -242,9 +245,10 @@ RETRIES = 2
 
 
 def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
-                config: TopkConfig | None = None) -> torch.Tensor:
+                config: TopkConfig | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
     """Fill out [T, k] int32 with the top-k relative indices of each row's x[i, lo[i]:hi[i]]
-    (module docstring). Inputs must already be validated (cpkv.indexer.topk does it)."""
+    (module docstring), each plus base[i] when ``base`` (int32 [T]) is given (-1 fill kept): the absolute
+    rows the attention reads, without a pass over out. Inputs must already be validated (cpkv.indexer.topk does it)."""
     cfg = config or DEFAULT_CONFIG
     T = x.shape[0]
     if T == 0:
@@ -255,8 +259,8 @@ def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     target = int((k * c) ** 0.5)
     scratch = torch.empty(programs, 2 * c, dtype=torch.int32, device=x.device)
     topk_stream_kernel[(programs,)](
-        x, lo, hi, out, scratch, T, programs, x.stride(0) // 4, out.stride(0),
-        K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, CBLOCK=1024, RETRIES=RETRIES,
+        x, lo, hi, lo if base is None else base, out, scratch, T, programs, x.stride(0) // 4, out.stride(0),
+        BASE=base is not None, K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, CBLOCK=1024, RETRIES=RETRIES,
         DEPTH=cfg.depth,
         num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
