@@ -10,6 +10,10 @@ inside ``staging(device)`` uploads take consecutive slices of one pinned buffer 
 
 The buffer grows when a scope needs more; a replaced buffer is kept until the next scope starts. Outside
 a scope each upload pins its own copy (torch's caching host allocator keeps it until the copy has run).
+
+``staging(device, slot)`` picks one of two buffers: the engine builds batch n+1's plan (slot 1 - s) while batch
+n's copies from slot s may still be queued; a scope nested in another uses its own slot and gives the outer
+one back when it ends. A slot is entered again (and reset) only after a synchronisation that covers its copies.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import numpy as np
 import torch
 
 ALIGN = 256
-_STAGES: dict[torch.device, "_Stage"] = {}
+SLOTS = 2
+_STAGES: dict[tuple[torch.device, int], "_Stage"] = {}
+_ACTIVE: dict[torch.device, "_Stage"] = {}  # the innermost open scope's stage per device
 
 
 class _Stage:
@@ -43,19 +49,30 @@ class _Stage:
 
 
 @contextlib.contextmanager
-def staging(device: torch.device | str) -> Iterator[None]:
-    """Uploads to ``device`` inside use one reused pinned buffer (module docstring). No-op off CUDA."""
+def staging(device: torch.device | str, slot: int = 0) -> Iterator[None]:
+    """Uploads to ``device`` inside use the reused pinned buffer ``slot`` (0 or 1; module docstring). No-op off
+    CUDA."""
+    if slot not in range(SLOTS):
+        raise ValueError(f"staging slot must be 0 or 1, got {slot!r}")
     device = _key(device)
     if device.type != "cuda":
         yield
         return
-    st = _STAGES.setdefault(device, _Stage())
+    st = _STAGES.setdefault((device, slot), _Stage())
+    if st.active:
+        raise RuntimeError(f"staging slot {slot} of {device} is already open")
+    outer = _ACTIVE.get(device)
     st.used, st.active = 0, True
     st.retired.clear()
+    _ACTIVE[device] = st
     try:
         yield
     finally:
         st.active = False
+        if outer is not None:
+            _ACTIVE[device] = outer
+        else:
+            _ACTIVE.pop(device, None)
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -64,7 +81,7 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = _key(device)
     if device.type != "cuda":
         return host.to(device)
-    st = _STAGES.get(device)
+    st = _ACTIVE.get(device)
     if st is None or not st.active or not host.numel():
         return host.pin_memory().to(device, non_blocking=True)
     src = host.contiguous()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,10 @@ def cp2_runs():
     jobs.append((dataclasses.replace(BASE, pages_per_rank=64), oversized))
     jobs.append((BASE, SHORT))
     return run_jobs(jobs, timeout_s=300)
+
+
+# no parents: every batch after the first is formed and planned while the one before runs (look-ahead)
+AHEAD = [req("x0", 700), req("y0", 300), req("z0", 90)]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -187,3 +192,13 @@ def test_bad_config():
         EngineConfig(mode="nope")
     with pytest.raises(ConfigError, match="multiple of page_size"):
         EngineConfig(chunk_size=100)
+
+
+def test_look_ahead_plans_the_next_batch_without_changing_anything(reference):
+    """The next batch formed and planned while the one before runs: the same batches, the same logits bytes."""
+    ahead, plain = run_jobs([(BASE, AHEAD), (dataclasses.replace(BASE, look_ahead=False), AHEAD)], timeout_s=300)
+    assert_verified(ahead, AHEAD, reference)
+    assert ahead.stats["batch_log"] == plain.stats["batch_log"] and len(ahead.stats["batch_log"]) >= 3
+    assert ahead.stats["planned_ahead"] == len(ahead.stats["batch_log"]) - 1 and plain.stats["planned_ahead"] == 0
+    a, b = logits(ahead), logits(plain)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -52,10 +52,10 @@ def _worker(ctx, job, marks):
                                       HostTier.load, ComposeRuntime.gather)
     marker = os.path.join(marks, MARKER)
 
-    def tracked_batch(self, batch):
+    def tracked_batch(self, batch, *args, **kwargs):
         state["batch"] = self.batches
         lay = batch.layout(self.model.cfg.max_context)
-        done = run_batch(self, batch)
+        done = run_batch(self, batch, *args, **kwargs)
         state["prefix"] = {p.page_id for p in lay.logical_pages if p.kind == "prefix" and p.rank == self.rank}
         return done
 

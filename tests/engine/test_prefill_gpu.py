@@ -184,3 +184,28 @@ def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
     torch.cuda.synchronize()
     for h, g in zip(host + [torch.tensor([4, 5, 6], dtype=torch.int32)], got):
         assert g.is_cuda and g.dtype == h.dtype and torch.equal(g.cpu(), h)
+
+
+def test_staging_slots_nest_without_sharing_bytes():
+    """Batch n+1's plan uploads into the other staging slot while batch n's scope is open: both slots' copies
+    land intact (a copy still queued from one slot is never overwritten by the other), the outer scope gets its
+    slot back after the inner one, and a slot cannot be opened twice."""
+    from cpkv.upload import staging, upload
+
+    torch.cuda.synchronize()
+    a, b, c = (torch.arange(1 << 20, dtype=torch.int64) * k for k in (3, 5, 7))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with staging("cuda", 0):
+            torch.cuda._sleep(50_000_000)  # the copies below queue behind this (nothing has run when they are made)
+            ga = upload(a, "cuda")
+            with staging("cuda", 1):
+                gb = upload(b, "cuda")
+            gc = upload(c, "cuda")  # back in slot 0, after a's bytes
+            with pytest.raises(RuntimeError, match="already open"):
+                with staging("cuda", 0):
+                    pass
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(ga.cpu(), a) and torch.equal(gb.cpu(), b) and torch.equal(gc.cpu(), c)

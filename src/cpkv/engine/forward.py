@@ -60,14 +60,15 @@ class RankPlan:
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
 
-    def complete(self, model: DSAModel) -> AttnPlan:
+    def complete(self, model: DSAModel, chunks: int | None = 1) -> AttnPlan:
         """The attention plan from the host bounds (built once), with the indexer's work items of its first
-        logits chunk (the first full layer builds the others as it reaches them, behind the GPU's work on the
-        chunks before: ``IndexerPlan.prepare_items``)."""
+        ``chunks`` logits chunks (None: all; the first full layer builds the others as it reaches them, behind
+        the GPU's work on the chunks before: ``IndexerPlan.prepare_items``). A plan built ahead, while the GPU
+        runs the batch before, takes them all."""
         if self.attn is None:
             ks, ke = self.bounds
             self.attn = AttnPlan.build(ks, ke, self.topk, model.device)
-            self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk, chunks=1)
+        self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk, chunks=chunks)
         return self.attn
 
 
@@ -110,19 +111,21 @@ def _logits_work_shape(model: DSAModel):
     return planned_work_shape(cfg.index_n_heads, cfg.index_head_dim, model.device)
 
 
-def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], ComposePlan]",
+def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], ComposePlan] | ComposePlan",
               plan: RankPlan) -> dict[int, torch.Tensor]:
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
     ``prepare``: builds the batch's compose plan (``rt.prepare``: it persists current pages into the batch's
-    page ids), called once the first layer's projections are launched, then ``plan.complete``;
+    page ids), called once the first layer's projections are launched, then ``plan.complete``; or the compose
+    plan itself, built ahead (``plan`` completed then too);
     ``plan``: this rank's ``rank_plan`` of the batch.
     """
     # topk: the last full indexer layer's, reused by shared layers; delta: the last layer's MLP output, added by
     # the next layer's fused input norm (or before the final norm)
     h, delta, topk = model.embed(plan.ids), None, None
     p = model.layers[0].project(h, plan.rot, delta) if plan.num_tokens and model.layers else None
-    compose = prepare()  # the plan's host work while the GPU runs the first projections
+    compose = prepare() if callable(prepare) else prepare  # the plan's host work while the GPU runs the first
+    #                                                           projections (unless it was built ahead)
     attn = plan.complete(model)
     rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):

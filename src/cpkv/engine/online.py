@@ -126,7 +126,7 @@ class OnlineRankEngine(RankEngine):
     # -- batches -----------------------------------------------------------------------------------
     def _step(self, batch: Batch) -> list:
         """Run the batch; each finished step's token (agreed by every rank) extends its generation."""
-        finished, logits = self._run_batch(batch)
+        finished, logits, _ = self._run_batch(batch)
         self.batch_log.clear()  # per-batch records are for a trace's report; a server keeps none
         self.batch_s.clear()
         mine = [int(torch.argmax(logits[r.rid])) if r.rid in logits else -1 for r in finished]

@@ -8,6 +8,10 @@
                their owner's pool (the owner copies the bytes; every rank updates its mirror)
     batch      next_batch -> layout -> compose plan (current pages persist into the entries' pages)
                -> forward -> finish (full pages enter the prefix cache, owned by their writers)
+    look ahead once a batch's forward is launched and no request waits on a parent, the batch is finished in
+               the bookkeeping right away, the next batch formed and its whole plan built (uploads in the
+               other staging slot) while the GPU still runs this one: the next batch's kernels start
+               as soon as this one's end (a long prompt's chunks run back to back; cfg.look_ahead)
 
 Only the owner of a page touches its bytes (spill, reload); the bookkeeping is replicated.
 """
@@ -33,6 +37,15 @@ from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
 from cpkv.upload import staging
+
+
+@dataclass
+class Ahead:
+    """The next batch with its plan, built while the GPU ran the batch before (``RankEngine._plan_ahead``)."""
+
+    batch: Batch
+    plan: Any     # cpkv.engine.forward.RankPlan, completed (every logits chunk's work items)
+    compose: Any  # cpkv.compose.plan.ComposePlan
 
 
 @dataclass
@@ -75,7 +88,9 @@ class RankEngine:
         self.batches = 0
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
         self._keys: dict[Hashable, np.ndarray] = {}  # the running requests' tokens as arrays (_token_arrays)
-        self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced)
+        self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced); a batch
+        #                                          planned ahead: from the end of the batch before
+        self.planned_ahead = 0                   # batches whose plan was built during the batch before
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
         #                                                           end us) of every kernel, from the batch start
         self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
@@ -141,16 +156,21 @@ class RankEngine:
         blocked, released, done = list(trace), {}, set()
         self.ctx.barrier()
         t0 = time.perf_counter()
+        ahead: Ahead | None = None
         while True:
             blocked = self._release(blocked, tokens, released, done, time.perf_counter() - t0)
-            self._reload_waiting()
-            batch = self.sched.next_batch()
+            if ahead is None:
+                self._reload_waiting()
+                batch = self.sched.next_batch()
+                self._note_rejections(done)
+                if batch is None:
+                    if not self.sched.has_work and not self._ready(blocked, done):
+                        break
+                    continue
+            else:
+                batch = ahead.batch
+            finished, logits, ahead = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead(blocked))
             self._note_rejections(done)
-            if batch is None:
-                if not self.sched.has_work and not self._ready(blocked, done):
-                    break
-                continue
-            finished, logits = self._run_batch(batch)
             self.out.logits.update({rid: v.cpu().numpy() for rid, v in logits.items()})
             now = self._sync_time() - t0
             for req in finished:
@@ -164,6 +184,12 @@ class RankEngine:
         self.out.wall_s = time.perf_counter() - t0
         self._finish_stats()
         return self.out
+
+    def _may_look_ahead(self, blocked: list[TraceRequest]) -> bool:
+        """Form the next batch before this one ends: with cfg.look_ahead, no host tier (its spills and reloads
+        synchronise between batches) and no request waiting on a parent (one finishing now must be able to join
+        the next batch, as without look-ahead)."""
+        return self.cfg.look_ahead and self.host is None and not blocked
 
     def _ready(self, blocked: list[TraceRequest], done: set) -> bool:
         return any(r.parent is None or r.parent in done for r in blocked)
@@ -187,19 +213,31 @@ class RankEngine:
                 self.out.rejected[req.rid] = req.reason
                 done.add(req.rid)
 
-    def _run_batch(self, batch: Batch) -> tuple[list[Request], dict[Hashable, torch.Tensor]]:
+    def _run_batch(self, batch: Batch, ahead: Ahead | None = None, look_ahead: Any = None):
         """Run one batch (the tokens are the requests' keys) -> (the requests whose last chunk this was,
-        {request id: float32 [vocab] last-token logits on the device} for those whose last token is here)."""
-        layout = batch.layout(self.model.cfg.max_context)
-        page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
-        assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
-        spec = BatchSpec(layout, self._token_arrays(batch), page_ids)
+        {request id: float32 [vocab] last-token logits on the device} for those whose last token is here,
+        the next batch built ahead or None). ``ahead``: this batch with its plan, built during the batch before;
+        ``look_ahead``: a function saying, once the forward is launched, whether to form and plan the next
+        batch now (module docstring)."""
+        slot, nxt, finished = self.batches & 1, None, None  # staging slot: batch n+1 plans while n's copies run
+        if ahead is None:
+            layout, page_ids, spec = self._spec(batch)
         with self._profiled() as prof:
             start = self._sync_time()
-            with self._sync_checked(), staging(self.model.device):  # plan + forward: no device->host sync ...
+            with self._sync_checked(), staging(self.model.device, slot):  # plan + forward: no device->host sync
                 with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp:
-                    out = run_batch(self.model, self.rt, lambda: self.rt.prepare(layout, page_ids),
-                                    rank_plan(spec, self.rank, self.model, self.ep))
+                    if ahead is None:
+                        out = run_batch(self.model, self.rt, lambda: self.rt.prepare(layout, page_ids),
+                                        rank_plan(spec, self.rank, self.model, self.ep))
+                    else:
+                        out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
+                    if look_ahead is not None and look_ahead():
+                        finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
+                        following = self.sched.next_batch()  # after this one's on the stream
+                        if following is not None:
+                            with staging(self.model.device, slot ^ 1):
+                                nxt = self._plan_ahead(following)
+                            self.planned_ahead += 1
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
         self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
@@ -214,7 +252,25 @@ class RankEngine:
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
-        return self.sched.finish(batch), {batch.entries[i].rid: v for i, v in logits.items()}
+        if finished is None:
+            finished = self.sched.finish(batch)
+        return finished, {batch.entries[i].rid: v for i, v in logits.items()}, nxt
+
+    def _spec(self, batch: Batch) -> tuple[Any, tuple[int, ...], BatchSpec]:
+        """(layout, the current pages' pool ids, BatchSpec) of ``batch``."""
+        layout = batch.layout(self.model.cfg.max_context)
+        page_ids = tuple(pid for e in batch.entries for _, pid in e.pages)
+        assert [o for e in batch.entries for o, _ in e.pages] == [c.writer for c in layout.current_pages]
+        return layout, page_ids, BatchSpec(layout, self._token_arrays(batch), page_ids)
+
+    def _plan_ahead(self, batch: Batch) -> Ahead:
+        """``batch``'s whole plan now (the batch before still on the GPU): rank plan, compose plan, attention plan
+        with every logits chunk's work items. Its uploads and device work queue behind the running batch."""
+        layout, page_ids, spec = self._spec(batch)
+        plan = rank_plan(spec, self.rank, self.model, self.ep)
+        compose = self.rt.prepare(layout, page_ids)
+        plan.complete(self.model, chunks=None)
+        return Ahead(batch, plan, compose)
 
     def _token_arrays(self, batch: Batch) -> tuple[np.ndarray, ...]:
         """Each entry's tokens [0, seq_len) as an int64 array view: one conversion per request, kept while its
@@ -278,7 +334,7 @@ class RankEngine:
             "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
-            "gpu_memory": self._gpu_memory(),
+            "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead,
         }
 
     def _experts_held(self) -> int:
