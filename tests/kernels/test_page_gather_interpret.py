@@ -30,8 +30,14 @@ from cpkv.bench.compose import GATHER_CONFIGS
 from cpkv.kernels.page_gather import triton as pg
 from cpkv.kernels.page_gather.ref import SKIP, page_gather_ref
 
-# every swept config, at blocks small enough that a page is several units (sub-page blocks, masked tails)
-CONFIGS = [dict(c) for c in GATHER_CONFIGS] + [{**c, "block": 64} for c in GATHER_CONFIGS if c.get("waves")]
+# every swept (block, variant) pair once (warps and cache hints do not change the interpreter's result; the
+# hint keys still pass through, via the .cg config), and the persistent configs at blocks small enough that a
+# page is several units (sub-page blocks, masked tails, several units per program)
+shapes = {}
+for c in GATHER_CONFIGS:
+    shapes.setdefault((c["block"], bool(c.get("waves")), c.get("load", "evict_first")), dict(c))
+CONFIGS = list(shapes.values()) + [{"block": 64, "num_warps": 4, "waves": w}
+                                   for w in sorted({c["waves"] for c in GATHER_CONFIGS if c.get("waves")})]
 g = torch.Generator().manual_seed(0)
 
 

@@ -34,8 +34,9 @@ from cpkv.layout import BatchLayout, build_layout
 from cpkv.scheduler.costs import unit_costs_compose
 
 GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves 0: one program per unit, k: the
-    # persistent variant (k programs per SM, two units in flight per program); load / store: cache hints
-    # (missing keys: page_gather.triton.DEFAULT_CONFIG's, the first entry)
+    # persistent variant (k programs per SM, two units in flight per program; k of them must fit an SM at
+    # once, tests/kernels/test_page_gather_sm90.py checks it); load / store: cache hints (missing keys:
+    # page_gather.triton.DEFAULT_CONFIG's, the first entry)
     {"block": 16384, "num_warps": 8},
     {"block": 16384, "num_warps": 4},
     {"block": 16384, "num_warps": 16},
@@ -49,7 +50,8 @@ GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves
     {"block": 4096, "num_warps": 4, "waves": 4},
     {"block": 2048, "num_warps": 4, "waves": 8},
     {"block": 16384, "num_warps": 16, "waves": 1, "load": ".cg"},
-    {"block": 16384, "num_warps": 16, "waves": 2},
+    {"block": 8192, "num_warps": 16, "waves": 2},
+    {"block": 4096, "num_warps": 8, "waves": 3},
 )
 
 

@@ -33,8 +33,9 @@ import torch
 
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``)
-# waves 0: one program per unit (the persistent variant: k > 0); load / store: the cache hints (a load hint
-# starting with "." is a cache modifier, else an eviction policy; "" = none)
+# waves 0: one program per unit (the persistent variant: k > 0 programs per SM, which must all be resident at
+# once: a program beyond would start only when one of the first ends, doubling the time); load / store: the
+# cache hints (a load hint starting with "." is a cache modifier, else an eviction policy; "" = none)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "waves": 0, "load": "evict_first", "store": ".cs"}
 LOAD_HINTS = ("evict_first", ".cg", "")
 STORE_HINTS = (".cs", "")
@@ -105,6 +106,7 @@ def load() -> Any:
                LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
         # the persistent variant: units start, start + step, ... < n_units, two deep: while unit a's data
         # arrives, unit b's loads and unit c's index loads are issued; then a is stored
+        tl.static_assert(BLOCK % VEC == 0)  # (also makes tl a free variable here, for the annotations)
         ua = start
         sa, da, ea = _index(BASES, DEST, SRC, PAGE, out_addr, ua, n, PAGE_ELEMS, ELEM_BYTES, VEC)
         xa = _fetch(OUT, sa, ea, ua, n, n_units, PAGE_ELEMS, BLOCK, LOAD_CM, LOAD_EP)
