@@ -50,8 +50,9 @@ GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves
     {"block": 4096, "num_warps": 4, "waves": 4},
     {"block": 2048, "num_warps": 4, "waves": 8},
     {"block": 16384, "num_warps": 16, "waves": 1, "load": ".cg"},
-    {"block": 8192, "num_warps": 16, "waves": 2},
+    {"block": 4096, "num_warps": 16, "waves": 2},
     {"block": 4096, "num_warps": 8, "waves": 3},
+    {"block": 16384, "num_warps": 32, "waves": 1},
 )
 
 

@@ -17,9 +17,11 @@ The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address ar
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
 copies one unit with no inner loop, so all of a thread's loads are in flight before its stores, with
 streaming cache hints. Config ``waves`` k > 0 selects the persistent variant instead: k programs per SM, each
-walking its units with a two-deep register pipeline (unit j+1's loads and unit j+2's index loads are issued
-before unit j's stores), so a program never waits on the index loads at the head of a unit; ``load`` / ``store``
-select the cache hints. ``cpkv bench compose`` (``kernel_bench``) sweeps the variants against ``copy_`` in
+walking its units pipelined: before unit j's stores it issues unit j+1's data loads (address resolved an
+iteration ago), unit j+2's source-base load (entry read an iteration ago) and unit j+3's entry loads, so no load
+waits on another inside an iteration and a program never stalls on index loads at the head of a unit (the
+default pays two dependent index loads per program before its first data load); ``load`` / ``store`` select
+the cache hints. ``cpkv bench compose`` (``kernel_bench``) sweeps the variants against ``copy_`` in
 device time.
 Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
@@ -75,20 +77,22 @@ def load() -> Any:
         return tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
 
     @triton.jit
-    def _index(BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-               VEC: tl.constexpr):
-        # unit u's (source index, destination page's element offset from OUT, source page's element offset
-        # from OUT as q * VEC); the source offset is meaningless (never dereferenced) unless the source >= 0
+    def _raw(DEST, SRC, PAGE, u, n, PAGE_ELEMS: tl.constexpr):
+        # unit u's entry: (source index, destination page's element offset from OUT, page id in the source)
         i = u % n
-        s = tl.load(SRC + i)
-        dst = tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS
-        addr = tl.load(BASES + tl.maximum(s, 0)) + tl.load(PAGE + i).to(tl.int64) * (PAGE_ELEMS * ELEM_BYTES)
-        return s, dst, ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
+        return tl.load(SRC + i), tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS, tl.load(PAGE + i).to(tl.int64)
 
     @triton.jit
-    def _fetch(OUT, s, delta, u, n, n_units, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
-               LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr):
-        # unit u's data: its source block, zeros where its source is -1 or SKIP or u is past the last unit
+    def _base(BASES, s):
+        # the source's byte address (source 0's for -1 / SKIP: never dereferenced then)
+        return tl.load(BASES + tl.maximum(s, 0))
+
+    @triton.jit
+    def _fetch(OUT, out_addr, s, base, page, u, n, n_units, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+               VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr):
+        # unit u's data: its source block, zeros where its source is -1 or SKIP or u is past the last unit;
+        # the source page's element offset from OUT written as q * VEC (its 16-byte alignment, as in _unit)
+        delta = (((base + page * (PAGE_ELEMS * ELEM_BYTES)) - out_addr) // (ELEM_BYTES * VEC)) * VEC
         offs = _offs(u, n, BLOCK)
         return tl.load(OUT + delta + offs, mask=(offs < PAGE_ELEMS) & (s >= 0) & (u < n_units), other=0,
                        cache_modifier=LOAD_CM, eviction_policy=LOAD_EP)
@@ -104,23 +108,32 @@ def load() -> Any:
     def _units(OUT, BASES, DEST, SRC, PAGE, out_addr, start, step, n, n_units, PAGE_ELEMS: tl.constexpr,
                ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr,
                LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
-        # the persistent variant: units start, start + step, ... < n_units, two deep: while unit a's data
-        # arrives, unit b's loads and unit c's index loads are issued; then a is stored
+        # the persistent variant: units start, start + step, ... < n_units, pipelined so that no load waits on
+        # another inside an iteration: while unit a's data is stored, unit b's data loads (its address
+        # resolved an iteration ago), unit c's source base (its entry read an iteration ago) and unit d's
+        # entry are in flight
         tl.static_assert(BLOCK % VEC == 0)  # (also makes tl a free variable here, for the annotations)
         ua = start
-        sa, da, ea = _index(BASES, DEST, SRC, PAGE, out_addr, ua, n, PAGE_ELEMS, ELEM_BYTES, VEC)
-        xa = _fetch(OUT, sa, ea, ua, n, n_units, PAGE_ELEMS, BLOCK, LOAD_CM, LOAD_EP)
-        ub = start + step
-        sb, db, eb = _index(BASES, DEST, SRC, PAGE, out_addr, ub, n, PAGE_ELEMS, ELEM_BYTES, VEC)
+        sa, da, pa = _raw(DEST, SRC, PAGE, ua, n, PAGE_ELEMS)
+        xa = _fetch(OUT, out_addr, sa, _base(BASES, sa), pa, ua, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
+                    LOAD_CM, LOAD_EP)
+        ub = ua + step
+        sb, db, pb = _raw(DEST, SRC, PAGE, ub, n, PAGE_ELEMS)
+        bb = _base(BASES, sb)
+        uc = ub + step
+        sc, dc, pc = _raw(DEST, SRC, PAGE, uc, n, PAGE_ELEMS)
         for _ in range(start, n_units, step):
-            xb = _fetch(OUT, sb, eb, ub, n, n_units, PAGE_ELEMS, BLOCK, LOAD_CM, LOAD_EP)
-            uc = ub + step
-            sc, dc, ec = _index(BASES, DEST, SRC, PAGE, out_addr, uc, n, PAGE_ELEMS, ELEM_BYTES, VEC)
+            xb = _fetch(OUT, out_addr, sb, bb, pb, ub, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, LOAD_CM,
+                        LOAD_EP)
+            bc = _base(BASES, sc)
+            ud = uc + step
+            sd, dd, pd = _raw(DEST, SRC, PAGE, ud, n, PAGE_ELEMS)
             _put(OUT, xa, sa, da, ua, n, n_units, PAGE_ELEMS, BLOCK, STORE_CM)
             ua, sa, da, xa = ub, sb, db, xb
-            ub, sb, db, eb = uc, sc, dc, ec
+            ub, sb, db, pb, bb = uc, sc, dc, pc, bc
+            uc, sc, dc, pc = ud, sd, dd, pd
 
-    for f in (_unit, _offs, _index, _fetch, _put, _units):  # the kernels find their helpers as module globals
+    for f in (_unit, _offs, _raw, _base, _fetch, _put, _units):  # the kernels find their helpers as module globals
         globals()[f.__name__] = f  # (also in TRITON_INTERPRET)
 
     @triton.jit
