@@ -133,8 +133,14 @@ def load() -> Any:
             ub, sb, db, pb, bb = uc, sc, dc, pc, bc
             uc, sc, dc, pc = ud, sd, dd, pd
 
-    for f in (_unit, _offs, _raw, _base, _fetch, _put, _units):  # the kernels find their helpers as module globals
-        globals()[f.__name__] = f  # (also in TRITON_INTERPRET)
+    # the kernels find their helpers as module globals (also in TRITON_INTERPRET)
+    globals()["_unit"] = _unit
+    globals()["_offs"] = _offs
+    globals()["_raw"] = _raw
+    globals()["_base"] = _base
+    globals()["_fetch"] = _fetch
+    globals()["_put"] = _put
+    globals()["_units"] = _units
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, n, n_units, PAGE_ELEMS: tl.constexpr,
