@@ -444,14 +444,16 @@ def _shared(cp: int) -> bool:
 
 
 def kernel_main(argv: list[str] | None = None) -> int:
-    """``python -m cpkv.bench.compose [--json] [--model glm5] [--page-size 64]``: the gather sweep alone
-    (one GPU, no ranks), token pages then index pages of the model; a table (or ``--json``) on stdout."""
+    """``python -m cpkv.bench.compose [--json] [--save PATH] [--model glm5] [--page-size 64]``: the gather
+    sweep alone (one GPU, no ranks), token pages then index pages of the model; a table (or ``--json``) on
+    stdout, the JSON also written to ``--save``."""
     import argparse
     import json
     import sys
 
     p = argparse.ArgumentParser(prog="python -m cpkv.bench.compose", description=kernel_main.__doc__)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--save", default=None, help="also write the JSON result to this file")
     p.add_argument("--model", default="glm5")
     p.add_argument("--page-size", type=int, default=64)
     args = p.parse_args(argv)
@@ -465,6 +467,9 @@ def kernel_main(argv: list[str] | None = None) -> int:
         print(f"gather sweep: {kind} pages of {page_bytes} B", file=sys.stderr, flush=True)
         runs[kind] = kernel_bench(dev, page_bytes=page_bytes, pool_pages=pool_pages, gather_pages=pool_pages // 2)
         torch.cuda.empty_cache()
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(runs, f, indent=1)
     if args.json:
         print(json.dumps(runs, indent=1))
         return 0
