@@ -9,6 +9,7 @@ from cpkv.kernels.page_gather.ref import page_gather_ref
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 
 PAGE_BYTES = [64 * 656, 64 * 132, 16 * 196, 196, 132, 3]
+PERSISTENT = [{"waves": 1, "block": 16384, "num_warps": 16}, {"waves": 4, "block": 512, "num_warps": 4}]
 
 
 def _case(page_bytes, n, seed, offset=0):
@@ -25,7 +26,8 @@ def _case(page_bytes, n, seed, offset=0):
 
 
 @pytest.mark.parametrize("page_bytes", PAGE_BYTES)
-@pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4}, {"block": 2048, "num_warps": 8}])
+@pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4}, {"block": 2048, "num_warps": 8},
+                                    {"load": ".cg", "store": ""}, *PERSISTENT])
 def test_triton_gather_matches_reference(page_bytes, config):
     from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 300, seed=page_bytes)
@@ -44,13 +46,14 @@ def test_triton_gather_matches_reference(page_bytes, config):
 
 
 @pytest.mark.parametrize("page_bytes", [64 * 656, 16 * 196, 132])
-def test_prepared_launcher_matches_reference(page_bytes):
+@pytest.mark.parametrize("config", [None, PERSISTENT[1]])
+def test_prepared_launcher_matches_reference(page_bytes, config):
     """gather_launcher: resolved once, then each call gathers the sources' current bytes, on the current stream."""
     from cpkv.kernels.page_gather.triton import gather_launcher
     sources, bases, dest, src, page = _case(page_bytes, 200, seed=page_bytes + 1)
     want = torch.full((200, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
     got = want.clone()
-    launch = gather_launcher(got, bases, dest, src, page)
+    launch = gather_launcher(got, bases, dest, src, page, config=config)
     side = torch.cuda.Stream()
     for it in range(3):
         for s in sources:
@@ -68,14 +71,15 @@ def test_prepared_launcher_matches_reference(page_bytes):
 
 
 @pytest.mark.parametrize("sizes", [(64 * 656, 64 * 132), (16 * 196, 132), (132, 3)])
-def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes):
+@pytest.mark.parametrize("config", [None, {"waves": 2, "block": 4096, "num_warps": 8}])
+def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes, config):
     """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one launch."""
     from cpkv.kernels.page_gather.triton import gather_pair_launcher
     cases = [_case(pb, 150 + 20 * i, seed=pb + 5) for i, pb in enumerate(sizes)]
     wants = [torch.full((150 + 20 * i, pb), 0xEE, dtype=torch.uint8, device="cuda") for i, pb in enumerate(sizes)]
     gots = [w.clone() for w in wants]
     launch = gather_pair_launcher(*((got, bases, dest, src, page, True)
-                                    for got, (_, bases, dest, src, page) in zip(gots, cases)))
+                                    for got, (_, bases, dest, src, page) in zip(gots, cases)), config=config)
     for _ in range(2):
         for want, got, (sources, _, dest, src, page) in zip(wants, gots, cases):
             for s in sources:
@@ -88,13 +92,14 @@ def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes):
 
 
 @pytest.mark.parametrize("page_bytes", [64 * 132, 16 * 196])
-def test_triton_gather_unaligned_sources(page_bytes):
+@pytest.mark.parametrize("config", [None, PERSISTENT[0]])
+def test_triton_gather_unaligned_sources(page_bytes, config):
     from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 100, seed=7, offset=4)
     want = torch.full((100, page_bytes), 0xEE, dtype=torch.uint8, device="cuda")
     got = want.clone()
     page_gather_ref(want, sources, dest, src, page)
-    page_gather_triton(got, bases, dest, src, page, aligned16=False)
+    page_gather_triton(got, bases, dest, src, page, aligned16=False, config=config)
     assert torch.equal(got, want)
 
 

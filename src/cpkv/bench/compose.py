@@ -18,7 +18,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,13 +33,26 @@ from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
 from cpkv.scheduler.costs import unit_costs_compose
 
-GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page), one program per unit
+GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves 0: one program per unit, k: the
+    # persistent variant (k programs per SM, two units in flight per program; k of them must fit an SM at
+    # once, tests/kernels/test_page_gather_sm90.py checks it); load / store: cache hints (missing keys:
+    # page_gather.triton.DEFAULT_CONFIG's, the first entry)
     {"block": 16384, "num_warps": 8},
     {"block": 16384, "num_warps": 4},
     {"block": 16384, "num_warps": 16},
     {"block": 4096, "num_warps": 8},
-    {"block": 2048, "num_warps": 8},
     {"block": 2048, "num_warps": 4},
+    {"block": 16384, "num_warps": 8, "load": ".cg"},
+    {"block": 16384, "num_warps": 8, "load": "", "store": ""},
+    {"block": 16384, "num_warps": 16, "waves": 1},
+    {"block": 16384, "num_warps": 8, "waves": 1},
+    {"block": 8192, "num_warps": 8, "waves": 2},
+    {"block": 4096, "num_warps": 4, "waves": 4},
+    {"block": 2048, "num_warps": 4, "waves": 8},
+    {"block": 16384, "num_warps": 16, "waves": 1, "load": ".cg"},
+    {"block": 4096, "num_warps": 16, "waves": 2},
+    {"block": 4096, "num_warps": 8, "waves": 3},
+    {"block": 16384, "num_warps": 32, "waves": 1},
 )
 
 
@@ -144,7 +157,7 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         from cpkv.kernels.page_gather import triton as page_gather
         kern = kernel_bench(rt.device) if ctx.rank == 0 else None
         kern = ctx.all_gather_object(kern)[0]
-        best = {k: v for k, v in kern["best"].items() if k in page_gather.DEFAULT_CONFIG}
+        best = {k: v for k, v in kern.get("best", {}).items() if k in page_gather.DEFAULT_CONFIG}
         page_gather.DEFAULT_CONFIG.update(best)
         out["kernel"] = kern if ctx.rank == 0 else None
     plan = rt.prepare(layout, ids)
@@ -280,26 +293,53 @@ def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
 # the gather kernel against a device copy ------------------------------------------------------------
 
 def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: int = 16384,
-                 gather_pages: int = 8192) -> dict[str, Any]:
-    """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy."""
-    from cpkv.kernels.page_gather.triton import gather_launcher, load, page_gather_triton
+                 gather_pages: int = 8192, configs: tuple[dict, ...] = GATHER_CONFIGS) -> dict[str, Any]:
+    """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy.
+
+    Every gather config is first checked byte-exact against ``index_select``, then timed. Figures: bytes
+    read + written per second of *device* time (``_device_median_s``: the stream is held by a spin kernel
+    while the host enqueues, so a launch's host cost is not counted: the 170-190 µs calls here are short
+    enough for a 5-30 µs launch to show), ``ratio_to_copy`` against ``copy_`` timed the same way; the
+    ``*_event`` figures time each call from its host launch on an idle device (``event_median_s``, the
+    measure before 2026-12-01's sweep: a per-call Triton launch costs more host time than ``copy_``'s)."""
+    from cpkv.kernels.page_gather.triton import DEFAULT_CONFIG, gather_launcher, load, page_gather_triton
     pool = torch.randint(0, 256, (pool_pages, page_bytes), dtype=torch.uint8, device=device)
     out = torch.empty((gather_pages, page_bytes), dtype=torch.uint8, device=device)
     flat = torch.empty_like(out)
     idx = torch.randperm(pool_pages, device=device)[:gather_pages]
+    want = pool.index_select(0, idx)
     dest = torch.arange(gather_pages, dtype=torch.int32, device=device)
     src = torch.zeros(gather_pages, dtype=torch.int32, device=device)
     bases = torch.tensor([pool.data_ptr()], dtype=torch.int64, device=device)
     nbytes = 2 * gather_pages * page_bytes
-    res: dict[str, Any] = {"page_bytes": page_bytes, "pages": gather_pages, "bytes_moved": nbytes}
-    res["copy_GBps"] = nbytes / event_median_s(lambda: flat.copy_(pool[:gather_pages])) / 1e9
-    res["index_select_GBps"] = nbytes / event_median_s(lambda: torch.index_select(pool, 0, idx, out=out)) / 1e9
+    res: dict[str, Any] = {"page_bytes": page_bytes, "pages": gather_pages, "bytes_moved": nbytes,
+                           "default": dict(DEFAULT_CONFIG)}
+
+    def gbps(fn) -> float:
+        return nbytes / _device_median_s(fn) / 1e9
+
+    def copy() -> None:
+        flat.copy_(pool[:gather_pages])
+    res["copy_GBps"] = gbps(copy)
+    res["copy_GBps_event"] = nbytes / event_median_s(copy) / 1e9
+    res["index_select_GBps"] = gbps(lambda: torch.index_select(pool, 0, idx, out=out))
+    res["index_select_ratio"] = res["index_select_GBps"] / res["copy_GBps"]
     variants = []
-    for cfg in GATHER_CONFIGS:
-        t = event_median_s(lambda: page_gather_triton(out, bases, dest, src, idx, config=cfg))
-        ok = bool(torch.equal(out, pool.index_select(0, idx)))
-        variants.append({**cfg, "GBps": nbytes / t / 1e9, "ratio_to_copy": nbytes / t / 1e9 / res["copy_GBps"],
-                         "correct": ok})
+    for cfg in configs:
+        full = {**DEFAULT_CONFIG, **cfg}
+        out.zero_()
+        launch = gather_launcher(out, bases, dest, src, idx, config=full)  # what compose runs
+        launch()
+        ok = bool(torch.equal(out, want))  # byte-exact before timing
+        row = {**full, "correct": ok}
+        if ok:
+            row["GBps"] = gbps(launch)
+            row["ratio_to_copy"] = row["GBps"] / res["copy_GBps"]
+            row["GBps_event"] = nbytes / event_median_s(
+                lambda: page_gather_triton(out, bases, dest, src, idx, config=full)) / 1e9
+            row["ratio_to_copy_event"] = row["GBps_event"] / res["copy_GBps_event"]
+            row["correct"] = bool(torch.equal(out, want))  # and still after the timed runs
+        variants.append(row)
     res["variants"] = variants
     # host cost of one launch, on a one-page gather so that the GPU never holds the launches back
     one = (out[:1], bases, dest[:1], src[:1], idx[:1])
@@ -307,13 +347,38 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     res["launch_host_us"] = _launch_us(gather_launcher(*one))  # prepared once per plan: what compose runs
     tiny = torch.zeros(1, device=device)
     res["torch_launch_host_us"] = _launch_us(lambda: tiny.add_(1))  # the host's launch floor, same run
-    best = max(variants, key=lambda v: v["GBps"])
-    cfg = {k: best[k] for k in ("block", "num_warps")}
-    ordered = idx.sort().values  # same pages in address order: separates access pattern from kernel cost
-    res["sorted_GBps"] = nbytes / event_median_s(lambda: page_gather_triton(out, bases, dest, src, ordered, config=cfg)) / 1e9
-    res["best"] = max(variants, key=lambda v: v["GBps"])
+    timed = [v for v in variants if v["correct"]]
+    res["all_correct"] = len(timed) == len(variants)
+    if not timed:
+        return res
+    best = max(timed, key=lambda v: v["GBps"])
+    cfg = {k: best[k] for k in DEFAULT_CONFIG}
+    # same pages in address order, and contiguous pages (a plain copy through the same kernel): separate the
+    # access pattern from the kernel's cost
+    for name, pages in (("sorted", idx.sort().values), ("contiguous", torch.arange(gather_pages, device=device))):
+        res[f"{name}_GBps"] = gbps(gather_launcher(out, bases, dest, src, pages, config=cfg))
+        res[f"{name}_ratio"] = res[f"{name}_GBps"] / res["copy_GBps"]
+    res["best"] = best
     res["ptx_v4_loads"] = _count_v4(load())
     return res
+
+
+def _device_median_s(fn: Callable[[], object], reps: int = 30) -> float:
+    """Median device seconds of ``fn``'s work: before each timed call a ~1 ms spin kernel holds the stream,
+    so the call is enqueued behind it and the start event does not count the host's launch cost."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # ~1 ms of clock cycles
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
 
 
 def _count_v4(kernel: Any) -> list[int] | None:
@@ -376,3 +441,49 @@ def run_bench(cfg: BenchConfig, on_progress=None) -> dict[str, Any]:
 
 def _shared(cp: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() < cp
+
+
+def kernel_main(argv: list[str] | None = None) -> int:
+    """``python -m cpkv.bench.compose [--json] [--save PATH] [--model glm5] [--page-size 64]``: the gather
+    sweep alone (one GPU, no ranks), token pages then index pages of the model; a table (or ``--json``) on
+    stdout, the JSON also written to ``--save``."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m cpkv.bench.compose", description=kernel_main.__doc__)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--save", default=None, help="also write the JSON result to this file")
+    p.add_argument("--model", default="glm5")
+    p.add_argument("--page-size", type=int, default=64)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m cpkv.bench.compose: error: the gather sweep needs a CUDA device, found none", file=sys.stderr)
+        return 2
+    model, dev = preset(args.model), torch.device("cuda")
+    runs = {}
+    for kind, pool_pages in (("token", 16384), ("index", 65536)):  # GLM-5: 344 / 277 MB gathered from 2x that
+        page_bytes = model.row_bytes(kind) * args.page_size
+        print(f"gather sweep: {kind} pages of {page_bytes} B", file=sys.stderr, flush=True)
+        runs[kind] = kernel_bench(dev, page_bytes=page_bytes, pool_pages=pool_pages, gather_pages=pool_pages // 2)
+        torch.cuda.empty_cache()
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(runs, f, indent=1)
+    if args.json:
+        print(json.dumps(runs, indent=1))
+        return 0
+    for kind, r in runs.items():
+        print(f"{kind} pages {r['page_bytes']} B x {r['pages']}: copy_ {r['copy_GBps']:.0f} GB/s device time "
+              f"({r['copy_GBps_event']:.0f} launch included), index_select {r['index_select_ratio']:.3f}, "
+              f"sorted {r.get('sorted_ratio', float('nan')):.3f}, contiguous {r.get('contiguous_ratio', float('nan')):.3f}")
+        for v in r["variants"]:
+            cfg = " ".join(f"{k}={v[k]!r}" for k in r["default"])
+            fig = (f"{v['GBps']:7.0f} GB/s  {v['ratio_to_copy']:.3f}  (launch incl. {v['ratio_to_copy_event']:.3f})"
+                   if "GBps" in v else "")
+            print(f"  {'ok ' if v['correct'] else 'BAD'} {cfg:<72} {fig}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(kernel_main())

@@ -90,13 +90,17 @@ def run(args: argparse.Namespace) -> int:
           f"{out['host_us_per_layer_symm']:.1f} us per layer (slowest rank)")
     k = out.get("kernel")
     if k:
-        print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B; device copy {k['copy_GBps']:.0f} GB/s, "
-              f"index_select {k['index_select_GBps']:.0f} GB/s ({k['index_select_GBps'] / k['copy_GBps']:.3f})")
-        table(["block", "warps", "GB/s", "x copy", "correct"],
-              [(v["block"], v["num_warps"], v["GBps"], v["ratio_to_copy"], v["correct"])
+        nan = float("nan")
+        print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B, device time; device copy "
+              f"{k['copy_GBps']:.0f} GB/s ({k['copy_GBps_event']:.0f} with its launch), index_select "
+              f"{k['index_select_GBps']:.0f} GB/s ({k['index_select_ratio']:.3f})")
+        table(["block", "warps", "waves", "load", "store", "GB/s", "x copy", "x copy, launch incl.", "correct"],
+              [(v["block"], v["num_warps"], v["waves"], v["load"] or "-", v["store"] or "-", v.get("GBps", nan),
+                v.get("ratio_to_copy", nan), v.get("ratio_to_copy_event", nan), v["correct"])
                for v in k["variants"]])
-        print(f"compose modes above ran with the best gather config: {k['best']}")
+        print(f"compose modes above ran with the best gather config: {k.get('best', 'none (no variant was correct)')}")
         print(f"gather launch host time {k['launch_host_us']:.1f} us (a one-element torch op: "
-              f"{k['torch_launch_host_us']:.1f} us); best config on pages in address order {k['sorted_GBps']:.0f} GB/s;"
+              f"{k['torch_launch_host_us']:.1f} us); best config on pages in address order "
+              f"{k.get('sorted_ratio', nan):.3f} of copy, on contiguous pages {k.get('contiguous_ratio', nan):.3f};"
               f" 16-byte loads per compiled variant (PTX): {k['ptx_v4_loads']}")
     return 0

@@ -16,8 +16,13 @@
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
 copies one unit with no inner loop, so all of a thread's loads are in flight before its stores, with
-streaming cache hints. A plain contiguous Triton copy, not the gather's indexing, bounds this kernel
-(cudaMemcpy's copy path is out of reach of ld/st.global); ``cpkv bench compose`` measures both.
+streaming cache hints. Config ``waves`` k > 0 selects the persistent variant instead: k programs per SM, each
+walking its units pipelined: before unit j's stores it issues unit j+1's data loads (address resolved an
+iteration ago), unit j+2's source-base load (entry read an iteration ago) and unit j+3's entry loads, so no load
+waits on another inside an iteration and a program never stalls on index loads at the head of a unit (the
+default pays two dependent index loads per program before its first data load); ``load`` / ``store`` select
+the cache hints. ``cpkv bench compose`` (``kernel_bench``) sweeps the variants against ``copy_`` in
+device time.
 Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -30,7 +35,12 @@ import torch
 
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``)
-DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
+# waves 0: one program per unit (the persistent variant: k > 0 programs per SM, which must all be resident at
+# once: a program beyond would start only when one of the first ends, doubling the time); load / store: the
+# cache hints (a load hint starting with "." is a cache modifier, else an eviction policy; "" = none)
+DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "waves": 0, "load": "evict_first", "store": ".cs"}
+LOAD_HINTS = ("evict_first", ".cg", "")
+STORE_HINTS = (".cs", "")
 
 
 @lru_cache(maxsize=1)
@@ -41,13 +51,13 @@ def load() -> Any:
 
     @triton.jit
     def _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-              VEC: tl.constexpr, BLOCK: tl.constexpr):
+              VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr,
+              STORE_CM: tl.constexpr):
         # unit u = (entry i = u % n, block c = u // n): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's
         # page; every load of a thread is issued before its stores (no inner loop); streaming cache hints
         # (each byte is read once and written once)
         i = u % n
-        offs = (u // n) * BLOCK + tl.arange(0, BLOCK)
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        offs = _offs(u, n, BLOCK)
         mask = offs < PAGE_ELEMS
         s = tl.load(SRC + i)
         out_page = OUT + tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS
@@ -55,19 +65,95 @@ def load() -> Any:
             addr = tl.load(BASES + s) + tl.load(PAGE + i).to(tl.int64) * (PAGE_ELEMS * ELEM_BYTES)
             # element offset from OUT, written as q * VEC so the compiler knows its 16-byte alignment
             delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
-            x = tl.load(OUT + delta + offs, mask=mask, eviction_policy="evict_first")
-            tl.store(out_page + offs, x, mask=mask, cache_modifier=".cs")
+            x = tl.load(OUT + delta + offs, mask=mask, cache_modifier=LOAD_CM, eviction_policy=LOAD_EP)
+            tl.store(out_page + offs, x, mask=mask, cache_modifier=STORE_CM)
         elif s == -1:
             tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
-    globals()["_unit"] = _unit  # the kernel below finds its helper as a module global (also in TRITON_INTERPRET)
+    @triton.jit
+    def _offs(u, n, BLOCK: tl.constexpr):
+        # unit u's element offsets inside its page (block u // n), BLOCK-aligned and contiguous
+        offs = (u // n) * BLOCK + tl.arange(0, BLOCK)
+        return tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+
+    @triton.jit
+    def _raw(DEST, SRC, PAGE, u, n, PAGE_ELEMS: tl.constexpr):
+        # unit u's entry: (source index, destination page's element offset from OUT, page id in the source)
+        i = u % n
+        return tl.load(SRC + i), tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS, tl.load(PAGE + i).to(tl.int64)
+
+    @triton.jit
+    def _base(BASES, s):
+        # the source's byte address (source 0's for -1 / SKIP: never dereferenced then)
+        return tl.load(BASES + tl.maximum(s, 0))
+
+    @triton.jit
+    def _fetch(OUT, out_addr, s, base, page, u, n, n_units, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+               VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr):
+        # unit u's data: its source block, zeros where its source is -1 or SKIP or u is past the last unit;
+        # the source page's element offset from OUT written as q * VEC (its 16-byte alignment, as in _unit)
+        delta = (((base + page * (PAGE_ELEMS * ELEM_BYTES)) - out_addr) // (ELEM_BYTES * VEC)) * VEC
+        offs = _offs(u, n, BLOCK)
+        return tl.load(OUT + delta + offs, mask=(offs < PAGE_ELEMS) & (s >= 0) & (u < n_units), other=0,
+                       cache_modifier=LOAD_CM, eviction_policy=LOAD_EP)
+
+    @triton.jit
+    def _put(OUT, x, s, dst, u, n, n_units, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
+             STORE_CM: tl.constexpr):
+        # unit u's store (nothing for SKIP, or past the last unit)
+        offs = _offs(u, n, BLOCK)
+        tl.store(OUT + dst + offs, x, mask=(offs < PAGE_ELEMS) & (s >= -1) & (u < n_units), cache_modifier=STORE_CM)
+
+    @triton.jit
+    def _units(OUT, BASES, DEST, SRC, PAGE, out_addr, start, step, n, n_units, PAGE_ELEMS: tl.constexpr,
+               ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr,
+               LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
+        # the persistent variant: units start, start + step, ... < n_units, pipelined so that no load waits on
+        # another inside an iteration: while unit a's data is stored, unit b's data loads (its address
+        # resolved an iteration ago), unit c's source base (its entry read an iteration ago) and unit d's
+        # entry are in flight
+        tl.static_assert(BLOCK % VEC == 0)  # (also makes tl a free variable here, for the annotations)
+        ua = start
+        sa, da, pa = _raw(DEST, SRC, PAGE, ua, n, PAGE_ELEMS)
+        xa = _fetch(OUT, out_addr, sa, _base(BASES, sa), pa, ua, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
+                    LOAD_CM, LOAD_EP)
+        ub = ua + step
+        sb, db, pb = _raw(DEST, SRC, PAGE, ub, n, PAGE_ELEMS)
+        bb = _base(BASES, sb)
+        uc = ub + step
+        sc, dc, pc = _raw(DEST, SRC, PAGE, uc, n, PAGE_ELEMS)
+        for _ in range(start, n_units, step):
+            xb = _fetch(OUT, out_addr, sb, bb, pb, ub, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, LOAD_CM,
+                        LOAD_EP)
+            bc = _base(BASES, sc)
+            ud = uc + step
+            sd, dd, pd = _raw(DEST, SRC, PAGE, ud, n, PAGE_ELEMS)
+            _put(OUT, xa, sa, da, ua, n, n_units, PAGE_ELEMS, BLOCK, STORE_CM)
+            ua, sa, da, xa = ub, sb, db, xb
+            ub, sb, db, pb, bb = uc, sc, dc, pc, bc
+            uc, sc, dc, pc = ud, sd, dd, pd
+
+    # the kernels find their helpers as module globals (also in TRITON_INTERPRET)
+    globals()["_unit"] = _unit
+    globals()["_offs"] = _offs
+    globals()["_raw"] = _raw
+    globals()["_base"] = _base
+    globals()["_fetch"] = _fetch
+    globals()["_put"] = _put
+    globals()["_units"] = _units
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, n, n_units, PAGE_ELEMS: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, PERSIST: tl.constexpr,
+                     LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
         # 1-D grid, entry-fastest: consecutive programs copy the same block of different entries' pages
-        # (faster than page-major order on H200)
-        _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK)
+        # (faster than page-major order on H200); PERSIST: fewer programs than units, each striding over them
+        if PERSIST:
+            _units(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), tl.num_programs(0), n, n_units,
+                   PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, LOAD_CM, LOAD_EP, STORE_CM)
+        else:
+            _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
+                  LOAD_CM, LOAD_EP, STORE_CM)
 
     return _page_gather
 
@@ -77,21 +163,30 @@ def load_pair() -> Any:
     """The two-segment kernel (both KV kinds of a layer in one launch), compiled on first use."""
     import triton
     import triton.language as tl
-    load()  # defines _unit
+    load()  # defines the helpers
 
     @triton.jit
     def _page_gather_pair(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, n0, units0,
-                          OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1,
+                          OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1, units1,
                           PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
                           BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
-                          VEC1: tl.constexpr, BLOCK1: tl.constexpr):
-        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
+                          VEC1: tl.constexpr, BLOCK1: tl.constexpr, PERSIST: tl.constexpr, LOAD_CM: tl.constexpr,
+                          LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
+        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would);
+        # PERSIST: every program strides over segment 0's units, then over segment 1's (units1 of them)
         u = tl.program_id(0)
-        if u < units0:
-            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0)
+        if PERSIST:
+            p = tl.num_programs(0)
+            _units(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, p, n0, units0, PAGE_ELEMS0, ELEM_BYTES0, VEC0,
+                   BLOCK0, LOAD_CM, LOAD_EP, STORE_CM)
+            _units(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u, p, n1, units1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
+                   BLOCK1, LOAD_CM, LOAD_EP, STORE_CM)
+        elif u < units0:
+            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0,
+                  LOAD_CM, LOAD_EP, STORE_CM)
         else:
             _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
-                  BLOCK1)
+                  BLOCK1, LOAD_CM, LOAD_EP, STORE_CM)
 
     return _page_gather_pair
 
@@ -120,8 +215,10 @@ FAST_LAUNCH = [True]  # cleared for good if a direct launch of a compiled kernel
 def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
     """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
-    address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``:
-    block (elements per program) and num_warps. See the module docstring for the semantics."""
+    address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``
+    (missing keys: DEFAULT_CONFIG's): block (elements per unit), num_warps, waves (0: one program per unit;
+    k: the persistent variant, k programs per SM), load / store (cache hints: LOAD_HINTS, STORE_HINTS). See
+    the module docstring for the semantics."""
     if dest.numel() == 0:
         return
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
@@ -155,21 +252,40 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
     """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
     ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
-    The same contract as :func:`gather_launcher`; ``config``'s block and warps apply to both. Falls back to
+    The same contract as :func:`gather_launcher`; ``config`` applies to both (persistent: one grid of
+    ``waves`` programs per SM walks the first segment's units, then the second's). Falls back to
     two launches where a direct launch is not possible."""
     if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
         return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
-    segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
+    segs, args, grid, kw = _pair(first, second, config)
     a, b = segs[0].args, segs[1].args
-    args = (*a[:8], *b[:7], *a[8:12], *b[8:12])  # the pair kernel's signature order
-    grid = (a[7] + b[7], 1, 1)
 
     def compile_pair() -> Any:
-        return load_pair().warmup(*args[:15], grid=grid, PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11],
-                                  PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9], VEC1=b[10], BLOCK1=b[11],
-                                  num_warps=segs[0].warps)
+        return load_pair().warmup(*args[:16], grid=grid, **kw)
     return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device,
                    segments=(0, 8))  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
+
+
+def page_gather_pair_triton(first: tuple, second: tuple, *, config: dict | None = None) -> None:
+    """The two-segment kernel through Triton's JIT launcher (``first`` / ``second`` as for
+    :func:`gather_pair_launcher`, both non-empty): what that launcher's prepared launch runs."""
+    _, args, grid, kw = _pair(first, second, config)
+    load_pair()[grid](*args[:16], **kw)
+
+
+def _pair(first: tuple, second: tuple, config: dict | None) -> tuple[list, tuple, tuple[int, int, int], dict]:
+    """The two-segment launch: (both segments' _Launch, the kernel's arguments in signature order, grid,
+    the keyword arguments of a JIT launch: constexprs and warps)."""
+    segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
+    a, b = segs[0].args, segs[1].args
+    args = (*a[:8], *b[:8], *a[8:12], *b[8:12], *a[12:])  # the pair kernel's signature order
+    programs = a[7] + b[7]
+    if a[12]:  # persistent: one grid for both segments
+        programs = min(programs, segs[0].waves * _sm_count(first[0].device))
+    kw = dict(PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9],
+              VEC1=b[10], BLOCK1=b[11], PERSIST=a[12], LOAD_CM=a[13], LOAD_EP=a[14], STORE_CM=a[15],
+              num_warps=segs[0].warps)
+    return segs, args, (programs, 1, 1), kw
 
 
 def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -247,22 +363,44 @@ def _noop() -> None:
     return None
 
 
+def hints(config: dict) -> tuple[str, str, str]:
+    """(load cache modifier, load eviction policy, store cache modifier) of a config's ``load`` / ``store``."""
+    load_hint, store_hint = config["load"], config["store"]
+    if load_hint not in LOAD_HINTS or store_hint not in STORE_HINTS:
+        raise ValueError(f"page gather config: expected load in {LOAD_HINTS} and store in {STORE_HINTS}, got "
+                         f"{load_hint!r} / {store_hint!r}")
+    return (load_hint, "", store_hint) if load_hint.startswith(".") else ("", load_hint, store_hint)
+
+
+@lru_cache(maxsize=16)
+def _sm_count_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter, where it only shapes the grid)."""
+    return _sm_count_cached(device.index or 0) if device.type == "cuda" else 4
+
+
 class _Launch:
     """One gather's launch: grid, positional arguments, the compile-cache key, and how to JIT it."""
 
-    __slots__ = ("grid", "args", "key", "warps")
+    __slots__ = ("grid", "args", "key", "warps", "waves")
 
     def __init__(self, out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                  page: torch.Tensor, aligned16: bool, config: dict | None) -> None:
         n = dest.numel()
-        cfg = config or DEFAULT_CONFIG
+        cfg = {**DEFAULT_CONFIG, **(config or {})}
         addr = out.data_ptr()
         dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
-                                                                  cfg.get("block", DEFAULT_CONFIG["block"]))
+                                                                  cfg["block"])
         units = n * nblocks
-        self.grid = (units, 1, 1)
-        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block)
-        self.warps = cfg.get("num_warps", DEFAULT_CONFIG["num_warps"])
+        self.waves = int(cfg["waves"])
+        programs = min(units, self.waves * _sm_count(out.device)) if self.waves > 0 else units
+        self.grid = (programs, 1, 1)
+        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
+                     self.waves > 0, *hints(cfg))
+        self.warps = cfg["num_warps"]
         # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
         self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
                     *(t.data_ptr() % 16 == 0 for t in self.args[:5]), addr % 16 == 0, n == 1, n % 16 == 0,
@@ -272,7 +410,8 @@ class _Launch:
         """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
         a = self.args
         kernel = load()
-        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], num_warps=self.warps)
+        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], PERSIST=a[12], LOAD_CM=a[13],
+                  LOAD_EP=a[14], STORE_CM=a[15], num_warps=self.warps)
         if warmup:
             return kernel.warmup(*a[:8], grid=self.grid, **kw)
         return kernel[self.grid](*a[:8], **kw)
