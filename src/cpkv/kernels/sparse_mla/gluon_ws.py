@@ -30,6 +30,7 @@ by :func:`load`.
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -39,11 +40,66 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
+# kernel variants by name -> their constexpr switches (module docstring); "gluon_ws" is the default
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224},
+    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224},
+    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208},
+    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208},
+}
+DEFAULT_VARIANT = "gluon_ws"
+L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
+L2_POLICY = "%cpkv_l2_policy"
+_CP_ASYNC_CG = re.compile(r"cp\.async\.cg\.shared\.global (\[[^\]]*\]), (\[[^\]]*\]), (0x10|16), (%r\d+);")
+
+
+def l2_hint_ptx(ptx: str) -> str:
+    """PTX of a kernel marked with ``L2_MARK``: every 16-byte ``cp.async.cg`` after the mark (the key gathers; Q's
+    copies come before it) gets FlashMLA's L2 hints: ``.L2::cache_hint`` with an ``evict_last`` policy made once
+    at entry, and a ``.L2::256B`` prefetch. Unmarked PTX is returned unchanged. Gluon's ``async_copy`` cannot
+    emit these (it drops its eviction_policy argument)."""
+    mark = ptx.find(L2_MARK)
+    if mark < 0:
+        return ptx
+    tail, n = _CP_ASYNC_CG.subn(
+        lambda m: f"cp.async.cg.shared.global.L2::cache_hint.L2::256B {m[1]}, {m[2]}, 16, {m[4]}, {L2_POLICY};",
+        ptx[mark:])
+    entry = re.search(r"\.entry [^{]*\{\n", ptx)
+    if n == 0 or entry is None or entry.end() > mark:
+        raise RuntimeError(f"l2_hint_ptx: expected a kernel entry before the mark and 16-byte cp.async.cg copies "
+                           f"after it, got {n} copies")
+    decls = re.compile(r"[ \t]*(\.reg|\.shared|\.local)[^\n]*\n").match
+    pos = entry.end()
+    while (m := decls(ptx, pos)) is not None:
+        pos = m.end()
+    init = f"\t.reg .b64 \t{L2_POLICY};\n\tcreatepolicy.fractional.L2::evict_last.b64 \t{L2_POLICY}, 1.0;\n"
+    return ptx[:pos] + init + ptx[pos:mark] + tail
+
+
+def install_ptx_hook() -> None:
+    """Route every Triton compile's PTX through :func:`l2_hint_ptx` (chained after any hook already set; a no-op
+    for unmarked kernels). Installed by :func:`load` before the kernel can compile."""
+    from triton import knobs
+
+    prev = knobs.runtime.add_stages_inspection_hook
+    if getattr(prev, "cpkv_l2_hint", False):
+        return
+
+    def hook(backend: Any, stages: dict, options: Any, language: Any, capability: Any) -> None:
+        if prev is not None:
+            prev(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is not None:
+            stages["ptx"] = lambda src, metadata: l2_hint_ptx(make_ptx(src, metadata))
+
+    hook.cpkv_l2_hint = True  # type: ignore[attr-defined]
+    knobs.runtime.add_stages_inspection_hook = hook
 
 
 @lru_cache(maxsize=1)
 def load() -> Any:
-    """Compile-on-demand kernel (imports Gluon lazily)."""
+    """Compile-on-demand kernel (imports Gluon lazily); its constexprs L2_HINT / AHEAD pick the variant."""
+    install_ptx_hook()
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -100,8 +156,14 @@ def load() -> Any:
         async_copy.async_copy_global_to_shared(buf, ptr, mask=valid[:, None], cache_modifier=".cg")
 
     @gluon.jit
+    def _l2_mark(x):
+        """Marks the kernel's PTX for :func:`l2_hint_ptx` (a comment; the mov is dead)."""
+        return gl.inline_asm_elementwise("// cpkv-sparse-mla-l2-v1\n\tmov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
     def _producer(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr):
+                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr, L2_HINT: gl.constexpr):
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
         pid_h, t = _program(H)
@@ -114,6 +176,8 @@ def load() -> Any:
         _gather(qb, stride_qh, hq, qv, 256, q_b.index(0), lg, 256)
         _gather(qb, stride_qh, hq, qv, 512, q_r.index(0), lg, 64)
         async_copy.mbarrier_arrive(bar_q, increment_count=False)
+        if L2_HINT:
+            _l2_mark(pid_h)  # the key copies after this get L2 hints (Q read once: none for it)
 
         ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         for i in range(gl.cdiv(n_keys, 128)):
@@ -151,29 +215,47 @@ def load() -> Any:
         return s, gl.maximum(m_ref, mx)
 
     @gluon.jit
+    def _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph):
+        """Consumer 0's scores of buffer 0 (waits for A0 and BR0 of parity ``ph``), waited for."""
+        mbarrier.wait(bars.index(1), ph)  # A0 ready
+        fence_async_shared()
+        s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
+        mbarrier.wait(bars.index(2), ph)  # BR0 ready
+        fence_async_shared()
+        s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(0, deps=[s])
+
+    @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
-                   DENSE: gl.constexpr):
-        """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max)."""
+                   DENSE: gl.constexpr, AHEAD: gl.constexpr):
+        """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
+
+        AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
+        (FlashMLA's warpgroup 0 order), so the tensor cores are not idle between pairs; the scores are
+        waited for inside the iteration (nothing in flight across the back edge)."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE, s_l, o_l)
         mbarrier.wait(bars.index(0), 0)
-        for i in range(gl.cdiv(n_keys, 128)):
+        n_pairs = gl.cdiv(n_keys, 128)
+        s_next = s0
+        if AHEAD:
+            if n_pairs > 0:
+                s_next = _scores0(q_a.index(0), q_b.index(0), q_r.index(0), k_a.index(0), k_b.index(0), k_r.index(0),
+                                  s0, bars, 0)
+        for i in range(n_pairs):
             ph = i & 1
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
             _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
-            mbarrier.wait(bars.index(1), ph)  # A0 ready
-            fence_async_shared()
-            s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(bars.index(2), ph)  # BR0 ready
-            fence_async_shared()
-            s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
+            if AHEAD:
+                s = s_next
+            else:
+                s = _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph)
             s, m_new = _softmax_in(s, valid, m_run, scale_log2)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
@@ -198,12 +280,33 @@ def load() -> Any:
             m_run = m1
             mbarrier.wait(bars.index(12), ph)  # P1 ready
             fence_async_shared()
-            o = warpgroup_mma(p1, ka1, o, is_async=True)
-            # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
-            # accumulator in flight across the loop's back edge and would serialise every wgmma
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(7))  # A1 and P1 free
+            if AHEAD:
+                if i + 1 < n_pairs:
+                    o = warpgroup_mma(p1, ka1, o, is_async=True)
+                    # the next pair's scores: its A0 part issued while this value wgmma runs
+                    mbarrier.wait(bars.index(1), ph ^ 1)  # A0 ready (next pair)
+                    fence_async_shared()
+                    sn = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
+                    o = warpgroup_mma_wait(1, deps=[o])
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                    mbarrier.wait(bars.index(2), ph ^ 1)  # BR0 ready (next pair)
+                    fence_async_shared()
+                    sn = warpgroup_mma(qb, kb.permute((1, 0)), sn, is_async=True)
+                    sn = warpgroup_mma(qr, kr.permute((1, 0)), sn, is_async=True)
+                    s_next = warpgroup_mma_wait(0, deps=[sn])
+                else:
+                    o = warpgroup_mma(p1, ka1, o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+            else:
+                o = warpgroup_mma(p1, ka1, o, is_async=True)
+                # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
+                # accumulator in flight across the loop's back edge and would serialise every wgmma
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(7))  # A1 and P1 free
         return o, l_run, m_run
 
     @gluon.jit
@@ -276,9 +379,9 @@ def load() -> Any:
 
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
+                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr):
         o, l_run, _ = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm,
-                                 bars, DENSE)
+                                 bars, DENSE, AHEAD)
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
@@ -300,7 +403,8 @@ def load() -> Any:
         Q, KV, IDX, KS, KE, OUT, LSE,
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
-        DENSE: gl.constexpr,
+        DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
+        C1_REGS: gl.constexpr = 224,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -324,19 +428,22 @@ def load() -> Any:
         mbarrier.init(bars.index(13), count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                           q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE)),
-        ], [4, 4], [224, 56])  # registers: consumer 1, producer (consumer 0 gets the rest)
+                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT)),
+        ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
 
     return _sparse_mla_ws
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: torch.Tensor | None,
-           ke: torch.Tensor | None, sm_scale: float, out: torch.Tensor, lse: torch.Tensor) -> Any:
-    """Run on ``q`` [T, H, 576], ``kv`` [S, 576] (last dims contiguous), filling ``out`` and ``lse``."""
+           ke: torch.Tensor | None, sm_scale: float, out: torch.Tensor, lse: torch.Tensor,
+           variant: str = DEFAULT_VARIANT) -> Any:
+    """Run ``variant`` (a key of VARIANTS) on ``q`` [T, H, 576], ``kv`` [S, 576] (last dims contiguous), filling
+    ``out`` and ``lse``."""
+    flags = variant_flags(variant)
     t, h, _ = q.shape
     dense = indices is None
     idx = ks if dense else indices
@@ -346,5 +453,14 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: 
         kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
         out.stride(0), out.stride(1), lse.stride(0),
-        DENSE=dense, num_warps=4, maxnreg=MAX_REGS,
+        DENSE=dense, **flags, num_warps=4, maxnreg=MAX_REGS,
     )
+
+
+def variant_flags(variant: str) -> dict[str, Any]:
+    """The constexpr switches of a variant name (AttentionError naming the known ones if unknown)."""
+    if variant not in VARIANTS:
+        from cpkv.errors import AttentionError
+
+        raise AttentionError(f"sparse MLA Gluon variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    return VARIANTS[variant]
