@@ -25,6 +25,39 @@ Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barrier
 no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
 flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
 
+Against FlashMLA's sm90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``, read at 9241ae3), same:
+64 heads x one query token per CTA (h 128 is two CTAs, each gathering the same keys: FlashMLA does not share a
+gather across 128 heads either), 64-key blocks in two 72 KB buffers split into dims 0..255 / 256..575 with
+their own ready / free barriers and the same fill order (A0, BR1, BR0, A1), 16-byte ``cp.async`` from 128
+producer threads completing by ``cp.async.mbarrier.arrive.noinc``, the two-consumer seesaw with each consumer
+owning half of d_v, P of block 0 over block 0's rope dims. Different:
+
+1. L2 hints on the key gathers: FlashMLA's ``cp.async.cg...L2::cache_hint.L2::256B`` with an ``evict_last``
+   policy (keys are re-read by ~128 queries; 75-151 MB of keys at s_kv 64K-128K exceed the 50 MB L2). Gluon's
+   ``async_copy`` drops ``eviction_policy``: variant ``gluon_ws_l2`` gets them by a PTX rewrite
+   (:func:`l2_hint_ptx`, hooked into Triton's ptx stage; only kernels carrying ``L2_MARK`` change).
+2. Consumer 0's next scores: FlashMLA's warpgroup 0 peels the first block's score GEMM and issues the next
+   pair's score wgmmas right after its last value wgmma, waiting for that one (wait 1) only to free the
+   buffer, so its tensor-core work runs back to back. Ours waits for the value wgmma, frees, and starts the
+   next scores at the loop head. Variant ``gluon_ws_ahead`` has FlashMLA's order (it needs 240 registers for
+   consumer 0, 208 for consumer 1, else 96 B spill).
+3. Masking: FlashMLA's producer writes the 64 validity bits of each block to shared memory; our consumers
+   load the 64 indices themselves (an L1 hit, issued before their barrier waits).
+4. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
+   ours: Q by the producer's ``cp.async``, O and lse by register stores from the wgmma layout.
+5. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
+   are mbarriers, each arrive after a warpgroup barrier.
+6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
+   FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
+
+A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
+whole register file) and Q alone 144 KB of the 227 KB shared memory.
+
+Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
+attention --variants all``): ``gluon_ws`` (default, unchanged), ``gluon_ws_l2`` (1.), ``gluon_ws_ahead`` (2.),
+``gluon_ws_l2_ahead`` (both). All: 168 registers at launch, no spills, 230,792 B shared (sm_90a, offline:
+tests/attention/test_sparse_mla_variants.py).
+
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
 """
