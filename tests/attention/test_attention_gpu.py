@@ -204,3 +204,28 @@ def test_gluon_variants_dense(variant: str) -> None:
     out, lse, _ = kernel.launch(q, kv, None, ks, ke, 0.04, 512, cfg)
     ref = sparse_mla_ref(q.cpu(), kv.cpu(), dense_indices(ks, ke).cpu(), 0.04, 512, dtype=torch.float64)
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", [v for v in _variant_names() if "persist" in v])
+@pytest.mark.parametrize("h,topk,t", [(128, 333, 300), (64, 2048, 200), (64, 64, 401)])
+def test_gluon_persistent_variants_many_tiles(variant: str, h: int, topk: int, t: int) -> None:
+    """Persistent variants with more tiles than SMs (each program loops over tiles; barrier parities run on
+    across them) against float64 on the device: every row, a row of -1 among them."""
+    from cpkv.kernels.sparse_mla import triton as kernel
+
+    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    _skip_unless_gluon(cfg)
+    assert t * h // 64 > torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(t + h)
+    q = (torch.randn(t, h, 576, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    kv = torch.randn(5000, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = gpu_indices(t, topk, 5000, gen)
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, cfg)
+    ref = sparse_mla_ref(q, kv, idx, 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), ref[0].cpu(), ref[1].cpu(), lse_atol=1e-3)
+    ks = torch.randint(0, 5000, (t,), generator=gen, device="cuda", dtype=torch.int32)
+    ke = (ks + torch.randint(0, 700, (t,), generator=gen, device="cuda", dtype=torch.int32)).clamp(max=5000)
+    ke[::7] = ks[::7]  # empty ranges: tiles of no key pairs between full ones
+    out, lse, _ = kernel.launch(q, kv, None, ks, ke, 0.1, 512, cfg)
+    ref = sparse_mla_ref(q, kv, dense_indices(ks, ke), 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), ref[0].cpu(), ref[1].cpu(), lse_atol=1e-3)
