@@ -505,7 +505,7 @@ def load() -> Any:
                  mask=(ho < H)[:, None])
         return n_pairs
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["N_TILES"])  # PERSIST's tile count: one compile for any T
     def _sparse_mla_ws(
         Q, KV, IDX, KS, KE, OUT, LSE,
         S, H, TOPK, scale_log2,
@@ -566,7 +566,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: 
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), sparse_mla_grid(t, h, 64)[0],
+        out.stride(0), out.stride(1), lse.stride(0), sparse_mla_grid(t, h, 64)[0] if flags["PERSIST"] else 0,
         DENSE=dense, **flags, num_warps=4, maxnreg=MAX_REGS,
     )
 
