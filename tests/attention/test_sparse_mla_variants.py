@@ -65,6 +65,24 @@ def test_l2_hint_leaves_unmarked_ptx_and_refuses_a_mark_without_copies() -> None
         gluon_ws.l2_hint_ptx(head + "\tret;\n}\n")
 
 
+@pytest.mark.triton
+def test_ptx_hook_chains_and_installs_once(monkeypatch) -> None:
+    from triton import knobs
+
+    seen = []
+    prev = lambda backend, stages, options, language, capability: seen.append(capability)  # noqa: E731
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", prev)
+    gluon_ws.install_ptx_hook()
+    hook = knobs.runtime.add_stages_inspection_hook
+    gluon_ws.install_ptx_hook()
+    assert knobs.runtime.add_stages_inspection_hook is hook is not prev
+    stages = {"ptx": lambda src, metadata: src, "cubin": None}
+    hook(None, stages, None, None, 90)
+    assert seen == [90]
+    assert stages["ptx"](PTX, {}) == gluon_ws.l2_hint_ptx(PTX) != PTX
+    assert stages["ptx"]("// plain", {}) == "// plain"
+
+
 def test_variant_registry() -> None:
     from cpkv.kernels.sparse_mla import triton as kernel
 
