@@ -52,8 +52,9 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
 7. Neither is persistent: one CTA per tile (64 heads x 1 token) and one CTA per SM (230 KB shared), so each
    tile's Q load and first key gathers, and its epilogue, are exposed (a tile is ~36 us at h 128; Q and O alone
    move 72 + 64 KB per tile). Variant ``gluon_ws_persist`` keeps one program per SM looping over tiles
-   (barrier parities run on across tiles; a "Q free" barrier, arrived by both consumers after their last
-   score wgmma of a tile, lets the producer load the next Q and keys while the consumers normalise and store).
+   (barrier parities run on across tiles; a "Q free" barrier, arrived by both consumers once their last
+   score wgmmas of a tile are waited for, lets the producer load the next Q, then its keys, while the consumers
+   finish the last pair and normalise and store).
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
@@ -269,6 +270,12 @@ def load() -> Any:
         return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _q_free(bars):
+        """PERSIST: this consumer's score wgmmas of the tile are done (waited), so Q may be reloaded."""
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(14))
+
+    @gluon.jit
     def _softmax_in(s, valid, m_ref, scale_log2):
         """Masked scores -> (row max of the scaled scores, max with m_ref)."""
         s = gl.where(valid[None, :], s, float("-inf"))
@@ -289,7 +296,7 @@ def load() -> Any:
 
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
-                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr):
+                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -318,6 +325,9 @@ def load() -> Any:
                 s = s_next
             else:
                 s = _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph)
+            if PERSIST:
+                if i == n_pairs - 1:
+                    _q_free(bars)  # the tile's last scores are in: the next Q loads under the rest
             s, m_new = _softmax_in(s, valid, m_run, scale_log2)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
@@ -413,6 +423,9 @@ def load() -> Any:
             fence_async_shared()
             s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
+            if PERSIST:
+                if i == n_pairs - 1:
+                    _q_free(bars)
             mbarrier.wait(bars.index(9), ph)  # max of consumer 0
             m0 = sm.index(0).load(row_l)
             s, m_new = _softmax_in(s, valid, m0, scale_log2)
@@ -441,8 +454,8 @@ def load() -> Any:
             m_run = m_new
         o = warpgroup_mma_wait(0, deps=[o])
         if PERSIST:
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(14))  # my scores of this tile done: Q free
+            if n_pairs == 0:
+                _q_free(bars)
         # combine the row sums of both consumers, write columns 256..511 and the lse
         sb = (j & 1) * 2  # PERSIST: a tile's row sums in the half of sl of its parity
         sl.index(sb + 1).store(l_run)
@@ -483,10 +496,10 @@ def load() -> Any:
                       AHEAD: gl.constexpr, PERSIST: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST)
         if PERSIST:
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(14))  # my scores of this tile done: Q free
+            if n_pairs == 0:
+                _q_free(bars)
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
