@@ -79,3 +79,20 @@ def test_variant_list_and_summary() -> None:
     assert a["shapes_timed"] == 2 and a["min_over_default"] == 0.99 and a["min_over_peer"] == pytest.approx(0.729)
     assert a["geo_mean_over_peer"] == pytest.approx(0.81) and b == {"variant": "b", "shapes_timed": 0}
     assert "min_over_peer" not in _variant_summary(cases, ["a"], False)[0]
+
+
+def test_rel_err_sampled_reads_start_middle_and_end_rows() -> None:
+    from cpkv.attention import sparse_mla_ref
+    from cpkv.bench.attention import _rel_err_sampled
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(20, 4, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(50, 576, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(50, generator=g)[:16] for _ in range(20)]).to(torch.int32)
+    inp = {"q": q, "kv": kv, "idx": idx, "scale": 0.05}
+    out, _ = sparse_mla_ref(q, kv, idx, 0.05, 512, dtype=torch.float64)
+    assert _rel_err_sampled(inp, out) < 1e-12
+    for row, hit in ((2, True), (10, True), (19, True), (6, False), (15, False)):
+        bad = out.clone()
+        bad[row] *= 2
+        assert (_rel_err_sampled(inp, bad) > 0.1) is hit, row
