@@ -158,3 +158,74 @@ def test_token_kv_kernels_bit_exact(fmt) -> None:
     raw[:, fmt.scale_offset : fmt.rope_offset].view(torch.float32).uniform_(0.001, 2.0)
     got, want = dequant_token_kv(raw, fmt), dequant_token_kv_ref(raw, fmt)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def _variant_names() -> list[str]:
+    from cpkv.kernels.sparse_mla.gluon_ws import VARIANTS
+
+    return list(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", _variant_names())
+@pytest.mark.parametrize("h,topk,t", [(64, 1000, 6), (16, 64, 3), (128, 333, 4), (64, 2048, 2), (64, 0, 2)])
+def test_gluon_variants_against_reference(variant: str, h: int, topk: int, t: int) -> None:
+    """Every Gluon variant (gluon_ws.VARIANTS) against float64: 0, 1, 3 and 16 key-block pairs, heads padded
+    (16) or in two blocks (128), large-magnitude scores, leading and trailing invalid tiles, a row of -1."""
+    from cpkv.kernels.sparse_mla import triton as kernel
+
+    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    _skip_unless_gluon(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(h * 7 + topk)
+    q = (torch.randn(t, h, 576, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    kv = torch.randn(3000, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = gpu_indices(t, topk, 3000, gen) if topk else torch.empty(t, 0, dtype=torch.int32, device="cuda")
+    if topk >= 1000:
+        idx[0, :700] = -1  # leading invalid tiles
+        idx[1, 130:] = -1  # trailing invalid tiles
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, cfg)
+    ref = sparse_mla_ref(q.cpu(), kv.cpu(), idx.cpu(), 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", _variant_names())
+def test_gluon_variants_dense(variant: str) -> None:
+    """Every Gluon variant's dense causal form (ks .. ke - 1, empty and clipped ranges) against float64."""
+    from cpkv.kernels.sparse_mla import triton as kernel
+
+    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    _skip_unless_gluon(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    t, s = 9, 3000
+    q = torch.randn(t, 64, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(s, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    ke = torch.randint(0, s + 1, (t,), generator=gen, device="cuda", dtype=torch.int32)
+    ks = (ke - torch.randint(0, 2048, (t,), generator=gen, device="cuda", dtype=torch.int32)).clamp(min=0)
+    ks[0] = ke[0]  # empty range
+    out, lse, _ = kernel.launch(q, kv, None, ks, ke, 0.04, 512, cfg)
+    ref = sparse_mla_ref(q.cpu(), kv.cpu(), dense_indices(ks, ke).cpu(), 0.04, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", [v for v in _variant_names() if "persist" in v])
+@pytest.mark.parametrize("h,topk,t", [(128, 333, 300), (64, 2048, 200), (64, 64, 401)])
+def test_gluon_persistent_variants_many_tiles(variant: str, h: int, topk: int, t: int) -> None:
+    """Persistent variants with more tiles than SMs (each program loops over tiles; barrier parities run on
+    across them) against float64 on the device: every row, a row of -1 among them."""
+    from cpkv.kernels.sparse_mla import triton as kernel
+
+    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    _skip_unless_gluon(cfg)
+    assert t * h // 64 > torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(t + h)
+    q = (torch.randn(t, h, 576, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    kv = torch.randn(5000, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = gpu_indices(t, topk, 5000, gen)
+    out, lse, _ = kernel.launch(q, kv, idx, None, None, 0.1, 512, cfg)
+    ref = sparse_mla_ref(q, kv, idx, 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), ref[0].cpu(), ref[1].cpu(), lse_atol=1e-3)
+    ks = torch.randint(0, 5000, (t,), generator=gen, device="cuda", dtype=torch.int32)
+    ke = (ks + torch.randint(0, 700, (t,), generator=gen, device="cuda", dtype=torch.int32)).clamp(max=5000)
+    ke[::7] = ks[::7]  # empty ranges: tiles of no key pairs between full ones
+    out, lse, _ = kernel.launch(q, kv, None, ks, ke, 0.1, 512, cfg)
+    ref = sparse_mla_ref(q, kv, dense_indices(ks, ke), 0.1, 512, dtype=torch.float64)
+    assert_close_attention(out.cpu(), lse.cpu(), ref[0].cpu(), ref[1].cpu(), lse_atol=1e-3)

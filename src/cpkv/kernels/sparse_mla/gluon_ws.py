@@ -25,11 +25,52 @@ Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barrier
 no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
 flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
 
+Against FlashMLA's sm90 sparse prefill (``csrc/sm90/prefill/sparse/phase1.cuh``, read at 9241ae3), same:
+64 heads x one query token per CTA (h 128 is two CTAs, each gathering the same keys: FlashMLA does not share a
+gather across 128 heads either), 64-key blocks in two 72 KB buffers split into dims 0..255 / 256..575 with
+their own ready / free barriers and the same fill order (A0, BR1, BR0, A1), 16-byte ``cp.async`` from 128
+producer threads completing by ``cp.async.mbarrier.arrive.noinc``, the two-consumer seesaw with each consumer
+owning half of d_v, P of block 0 over block 0's rope dims. Different:
+
+1. L2 hints on the key gathers: FlashMLA's ``cp.async.cg...L2::cache_hint.L2::256B`` with an ``evict_last``
+   policy (keys are re-read by ~128 queries; 75-151 MB of keys at s_kv 64K-128K exceed the 50 MB L2). Gluon's
+   ``async_copy`` drops ``eviction_policy``: variant ``gluon_ws_l2`` gets them by a PTX rewrite
+   (:func:`l2_hint_ptx`, hooked into Triton's ptx stage; only kernels carrying ``L2_MARK`` change).
+2. Consumer 0's next scores: FlashMLA's warpgroup 0 peels the first block's score GEMM and issues the next
+   pair's score wgmmas right after its last value wgmma, waiting for that one (wait 1) only to free the
+   buffer, so its tensor-core work runs back to back. Ours waits for the value wgmma, frees, and starts the
+   next scores at the loop head. Variant ``gluon_ws_ahead`` has FlashMLA's order (it needs 240 registers for
+   consumer 0, 208 for consumer 1, else 96 B spill).
+3. Masking: FlashMLA's producer writes the 64 validity bits of each block to shared memory; our consumers
+   load the 64 indices themselves (an L1 hit, issued before their barrier waits).
+4. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
+   ours: Q by the producer's ``cp.async``, O and lse by register stores from the wgmma layout.
+5. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
+   are mbarriers, each arrive after a warpgroup barrier.
+6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
+   FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
+7. Neither is persistent: one CTA per tile (64 heads x 1 token) and one CTA per SM (230 KB shared), so each
+   tile's Q load and first key gathers, and its epilogue, are exposed (a tile is ~36 us at h 128; Q and O alone
+   move 72 + 64 KB per tile). Variant ``gluon_ws_persist`` keeps one program per SM looping over tiles
+   (barrier parities run on across tiles; a "Q free" barrier, arrived by both consumers once their last
+   score wgmmas of a tile are waited for, lets the producer load the next Q, then its keys, while the consumers
+   finish the last pair and normalise and store).
+
+A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
+whole register file) and Q alone 144 KB of the 227 KB shared memory.
+
+Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
+attention --variants all``): ``gluon_ws`` (default, unchanged), ``gluon_ws_l2`` (1.), ``gluon_ws_ahead`` (2.),
+``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_persist`` (7.), ``gluon_ws_l2_persist`` (1. + 7.). All: 168
+registers at launch, no spills, 230,792 B shared (persistent: 231,312 B) (sm_90a, offline:
+tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spills (800 B at any consumer split): left out.
+
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -39,11 +80,68 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
+# kernel variants by name -> their constexpr switches (module docstring); "gluon_ws" is the default
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
+    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
+    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
+    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
+    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
+    "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
+}
+DEFAULT_VARIANT = "gluon_ws"
+L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
+L2_POLICY = "%cpkv_l2_policy"
+_CP_ASYNC_CG = re.compile(r"cp\.async\.cg\.shared\.global (\[[^\]]*\]), (\[[^\]]*\]), (0x10|16), (%r\d+);")
+
+
+def l2_hint_ptx(ptx: str) -> str:
+    """PTX of a kernel marked with ``L2_MARK``: every 16-byte ``cp.async.cg`` after the mark (the key gathers; Q's
+    copies come before it) gets FlashMLA's L2 hints: ``.L2::cache_hint`` with an ``evict_last`` policy made once
+    at entry, and a ``.L2::256B`` prefetch. Unmarked PTX is returned unchanged. Gluon's ``async_copy`` cannot
+    emit these (it drops its eviction_policy argument)."""
+    mark = ptx.find(L2_MARK)
+    if mark < 0:
+        return ptx
+    tail, n = _CP_ASYNC_CG.subn(
+        lambda m: f"cp.async.cg.shared.global.L2::cache_hint.L2::256B {m[1]}, {m[2]}, 16, {m[4]}, {L2_POLICY};",
+        ptx[mark:])
+    entry = re.search(r"\.entry [^{]*\{\n", ptx)
+    if n == 0 or entry is None or entry.end() > mark:
+        raise RuntimeError(f"l2_hint_ptx: expected a kernel entry before the mark and 16-byte cp.async.cg copies "
+                           f"after it, got {n} copies")
+    decls = re.compile(r"[ \t]*(\.reg|\.shared|\.local)[^\n]*\n").match
+    pos = entry.end()
+    while (m := decls(ptx, pos)) is not None:
+        pos = m.end()
+    init = f"\t.reg .b64 \t{L2_POLICY};\n\tcreatepolicy.fractional.L2::evict_last.b64 \t{L2_POLICY}, 1.0;\n"
+    return ptx[:pos] + init + ptx[pos:mark] + tail
+
+
+def install_ptx_hook() -> None:
+    """Route every Triton compile's PTX through :func:`l2_hint_ptx` (chained after any hook already set; a no-op
+    for unmarked kernels). Installed by :func:`load` before the kernel can compile."""
+    from triton import knobs
+
+    prev = knobs.runtime.add_stages_inspection_hook
+    if getattr(prev, "cpkv_l2_hint", False):
+        return
+
+    def hook(backend: Any, stages: dict, options: Any, language: Any, capability: Any) -> None:
+        if prev is not None:
+            prev(backend, stages, options, language, capability)
+        make_ptx = stages.get("ptx")
+        if make_ptx is not None:
+            stages["ptx"] = lambda src, metadata: l2_hint_ptx(make_ptx(src, metadata))
+
+    hook.cpkv_l2_hint = True  # type: ignore[attr-defined]
+    knobs.runtime.add_stages_inspection_hook = hook
 
 
 @lru_cache(maxsize=1)
 def load() -> Any:
-    """Compile-on-demand kernel (imports Gluon lazily)."""
+    """Compile-on-demand kernel (imports Gluon lazily); its constexprs L2_HINT / AHEAD pick the variant."""
+    install_ptx_hook()
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -52,11 +150,11 @@ def load() -> Any:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     @gluon.jit
-    def _program(H):
-        """(head block, query token as int64) of this program in the flat grid (cpkv.kernels.grid)."""
+    def _program(H, tile):
+        """(head block, query token as int64) of a tile of the flat grid (cpkv.kernels.grid): its program id, or
+        in a PERSIST kernel the tile the program is on."""
         n_hb = (H + 63) // 64
-        pid = gl.program_id(0)
-        return pid % n_hb, (pid // n_hb).to(gl.int64)
+        return tile % n_hb, (tile // n_hb).to(gl.int64)
 
     @gluon.jit
     def _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE: gl.constexpr):
@@ -70,9 +168,10 @@ def load() -> Any:
         return ks_t, n_keys, IDX + t * stride_it
 
     @gluon.jit
-    def _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+    def _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE: gl.constexpr, s_l: gl.constexpr,
+                        o_l: gl.constexpr):
         """A consumer's token, key range and empty softmax state (row max, row sum, O half, a zero S)."""
-        _, t = _program(H)
+        _, t = _program(H, tile)
         ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         m_run = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
         l_run = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
@@ -100,11 +199,34 @@ def load() -> Any:
         async_copy.async_copy_global_to_shared(buf, ptr, mask=valid[:, None], cache_modifier=".cg")
 
     @gluon.jit
-    def _producer(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr):
+    def _l2_mark(x):
+        """Marks the kernel's PTX for :func:`l2_hint_ptx` (a comment; the mov is dead)."""
+        return gl.inline_asm_elementwise("// cpkv-sparse-mla-l2-v1\n\tmov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _producer(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
+                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr, L2_HINT: gl.constexpr,
+                  PERSIST: gl.constexpr):
+        if PERSIST:
+            g = 0  # key-block pairs done (barrier parities run on across tiles)
+            j = 0  # tiles done
+            for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
+                mbarrier.wait(bars.index(14), (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
+                g += _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
+                                    q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g, DENSE, L2_HINT)
+                j += 1
+        else:
+            _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
+                           q_a, q_b, q_r, k_a, k_b, k_r, bars, gl.program_id(0), 0, DENSE, L2_HINT)
+
+    @gluon.jit
+    def _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
+                       q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g0, DENSE: gl.constexpr, L2_HINT: gl.constexpr):
+        """Q and the key blocks of one tile (``g0`` pairs done before it) -> its number of pairs."""
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
-        pid_h, t = _program(H)
+        pid_h, t = _program(H, tile)
         bar_q = bars.index(0)
         # Q rows (heads >= H zero-filled)
         hq = pid_h * 64 + gl.arange(0, 64, rl)
@@ -114,10 +236,13 @@ def load() -> Any:
         _gather(qb, stride_qh, hq, qv, 256, q_b.index(0), lg, 256)
         _gather(qb, stride_qh, hq, qv, 512, q_r.index(0), lg, 64)
         async_copy.mbarrier_arrive(bar_q, increment_count=False)
+        if L2_HINT:
+            _l2_mark(pid_h)  # the key copies after this get L2 hints (Q read once: none for it)
 
         ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
-        for i in range(gl.cdiv(n_keys, 128)):
-            ph = (i & 1) ^ 1  # a fresh barrier passes a wait on parity 1
+        n_pairs = gl.cdiv(n_keys, 128)
+        for i in range(n_pairs):
+            ph = ((g0 + i) & 1) ^ 1  # a fresh barrier passes a wait on parity 1
             r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
             r1, v1 = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, rl, DENSE)
             # order of need: A0 (consumer 0 starts its scores there), BR1, BR0, A1
@@ -135,6 +260,7 @@ def load() -> Any:
             mbarrier.wait(bars.index(7), ph)  # free A1
             _gather(KV, stride_kv, r1, v1, 0, k_a.index(1), lg, 256)
             async_copy.mbarrier_arrive(bars.index(3), increment_count=False)
+        return n_pairs
 
     @gluon.jit
     def _opaque_zero(x):
@@ -144,6 +270,12 @@ def load() -> Any:
         return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _q_free(bars):
+        """PERSIST: this consumer's score wgmmas of the tile are done (waited), so Q may be reloaded."""
+        gl.thread_barrier()
+        mbarrier.arrive(bars.index(14))
+
+    @gluon.jit
     def _softmax_in(s, valid, m_ref, scale_log2):
         """Masked scores -> (row max of the scaled scores, max with m_ref)."""
         s = gl.where(valid[None, :], s, float("-inf"))
@@ -151,29 +283,51 @@ def load() -> Any:
         return s, gl.maximum(m_ref, mx)
 
     @gluon.jit
+    def _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph):
+        """Consumer 0's scores of buffer 0 (waits for A0 and BR0 of parity ``ph``), waited for."""
+        mbarrier.wait(bars.index(1), ph)  # A0 ready
+        fence_async_shared()
+        s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
+        mbarrier.wait(bars.index(2), ph)  # BR0 ready
+        fence_async_shared()
+        s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(0, deps=[s])
+
+    @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
-                   DENSE: gl.constexpr):
-        """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max)."""
+                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+        """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
+
+        AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
+        (FlashMLA's warpgroup 0 order), so the tensor cores are not idle between pairs; the scores are
+        waited for inside the iteration (nothing in flight across the back edge)."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE, s_l, o_l)
-        mbarrier.wait(bars.index(0), 0)
-        for i in range(gl.cdiv(n_keys, 128)):
-            ph = i & 1
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
+                                                                         s_l, o_l)
+        mbarrier.wait(bars.index(0), j & 1)  # Q
+        n_pairs = gl.cdiv(n_keys, 128)
+        s_next = s0
+        if AHEAD:
+            if n_pairs > 0:
+                s_next = _scores0(q_a.index(0), q_b.index(0), q_r.index(0), k_a.index(0), k_b.index(0), k_r.index(0),
+                                  s0, bars, g0 & 1)
+        for i in range(n_pairs):
+            ph = (g0 + i) & 1
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
             _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
-            mbarrier.wait(bars.index(1), ph)  # A0 ready
-            fence_async_shared()
-            s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(bars.index(2), ph)  # BR0 ready
-            fence_async_shared()
-            s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
+            if AHEAD:
+                s = s_next
+            else:
+                s = _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph)
+            if PERSIST:
+                if i == n_pairs - 1:
+                    _q_free(bars)  # the tile's last scores are in: the next Q loads under the rest
             s, m_new = _softmax_in(s, valid, m_run, scale_log2)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
@@ -198,26 +352,65 @@ def load() -> Any:
             m_run = m1
             mbarrier.wait(bars.index(12), ph)  # P1 ready
             fence_async_shared()
-            o = warpgroup_mma(p1, ka1, o, is_async=True)
-            # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
-            # accumulator in flight across the loop's back edge and would serialise every wgmma
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(7))  # A1 and P1 free
-        return o, l_run, m_run
+            if AHEAD:
+                if i + 1 < n_pairs:
+                    o = warpgroup_mma(p1, ka1, o, is_async=True)
+                    # the next pair's scores: its A0 part issued while this value wgmma runs
+                    mbarrier.wait(bars.index(1), ph ^ 1)  # A0 ready (next pair)
+                    fence_async_shared()
+                    sn = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
+                    o = warpgroup_mma_wait(1, deps=[o])
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                    mbarrier.wait(bars.index(2), ph ^ 1)  # BR0 ready (next pair)
+                    fence_async_shared()
+                    sn = warpgroup_mma(qb, kb.permute((1, 0)), sn, is_async=True)
+                    sn = warpgroup_mma(qr, kr.permute((1, 0)), sn, is_async=True)
+                    s_next = warpgroup_mma_wait(0, deps=[sn])
+                else:
+                    o = warpgroup_mma(p1, ka1, o, is_async=True)
+                    o = warpgroup_mma_wait(0, deps=[o])
+                    gl.thread_barrier()
+                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+            else:
+                o = warpgroup_mma(p1, ka1, o, is_async=True)
+                # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
+                # accumulator in flight across the loop's back edge and would serialise every wgmma
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(7))  # A1 and P1 free
+        return o, l_run, m_run, n_pairs
 
     @gluon.jit
-    def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
-        """Odd key block of each pair (buffer 1); output columns 256..511 and the lse."""
+    def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
+                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr):
+        if PERSIST:
+            g = 0
+            j = 0
+            for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
+                g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                                     stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
+                                     PERSIST)
+                j += 1
+        else:
+            _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
+                            q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST)
+
+    @gluon.jit
+    def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
+                        PERSIST: gl.constexpr):
+        """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, DENSE, s_l, o_l)
-        mbarrier.wait(bars.index(0), 0)
-        for i in range(gl.cdiv(n_keys, 128)):
-            ph = i & 1
+        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
+                                                                         s_l, o_l)
+        mbarrier.wait(bars.index(0), j & 1)  # Q
+        n_pairs = gl.cdiv(n_keys, 128)
+        for i in range(n_pairs):
+            ph = (g0 + i) & 1
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
@@ -230,6 +423,9 @@ def load() -> Any:
             fence_async_shared()
             s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
+            if PERSIST:
+                if i == n_pairs - 1:
+                    _q_free(bars)
             mbarrier.wait(bars.index(9), ph)  # max of consumer 0
             m0 = sm.index(0).load(row_l)
             s, m_new = _softmax_in(s, valid, m0, scale_log2)
@@ -257,15 +453,19 @@ def load() -> Any:
             mbarrier.arrive(bars.index(6))  # BR0 free (its values and P0 read)
             m_run = m_new
         o = warpgroup_mma_wait(0, deps=[o])
+        if PERSIST:
+            if n_pairs == 0:
+                _q_free(bars)
         # combine the row sums of both consumers, write columns 256..511 and the lse
-        sl.index(1).store(l_run)
+        sb = (j & 1) * 2  # PERSIST: a tile's row sums in the half of sl of its parity
+        sl.index(sb + 1).store(l_run)
         gl.thread_barrier()
         mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), 0)
-        l_tot = l_run + sl.index(0).load(row_l)
+        mbarrier.wait(bars.index(13), j & 1)
+        l_tot = l_run + sl.index(sb).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
-        pid_h, _ = _program(H)
+        pid_h, _ = _program(H, tile)
         ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
         co = 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
         gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
@@ -273,34 +473,58 @@ def load() -> Any:
         lse = gl.where(empty, float("inf"), (m_run + gl.log2(gl.where(empty, 1.0, l_tot))) / 1.4426950408889634)
         hl = pid_h * 64 + gl.arange(0, 64, row_l)
         gl.store(LSE + t * stride_lt + hl, lse, mask=hl < H)
+        return n_pairs
 
     @gluon.jit
-    def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
-        o, l_run, _ = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm,
-                                 bars, DENSE)
+    def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
+                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
+                 PERSIST: gl.constexpr):
+        if PERSIST:
+            g = 0
+            j = 0
+            for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
+                g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST)
+                j += 1
+        else:
+            _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST)
+
+    @gluon.jit
+    def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
+                      q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
+                      AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+        """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
+        o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST)
+        if PERSIST:
+            if n_pairs == 0:
+                _q_free(bars)
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        sl.index(0).store(l_run)
+        sb = (j & 1) * 2
+        sl.index(sb).store(l_run)
         gl.thread_barrier()
         mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), 0)
-        l_tot = l_run + sl.index(1).load(row_l)
+        mbarrier.wait(bars.index(13), j & 1)
+        l_tot = l_run + sl.index(sb + 1).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
-        pid_h, t = _program(H)
+        pid_h, t = _program(H, tile)
         ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
         co = gl.arange(0, 256, gl.SliceLayout(0, o_l))
         gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
                  mask=(ho < H)[:, None])
+        return n_pairs
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["N_TILES"])  # PERSIST's tile count: one compile for any T
     def _sparse_mla_ws(
         Q, KV, IDX, KS, KE, OUT, LSE,
         S, H, TOPK, scale_log2,
-        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
-        DENSE: gl.constexpr,
+        stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
+        DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
+        C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -313,38 +537,62 @@ def load() -> Any:
         p1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sh)
         # row maxima / row sums exchanged between the consumers: [consumer, head]
         sm = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
-        sl = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
         # 0 Q ready | 1 A0, 2 BR0, 3 A1, 4 BR1 ready | 5 A0, 6 BR0, 7 A1, 8 BR1 free |
-        # 9 max0, 10 max1, 11 P0, 12 P1 ready | 13 row sums exchanged
-        bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+        # 9 max0, 10 max1, 11 P0, 12 P1 ready | 13 row sums exchanged | PERSIST: 14 Q free
+        if PERSIST:
+            sl = gl.allocate_shared_memory(gl.float32, [4, 64], flat)  # by tile parity: [parity * 2 + consumer]
+            bars = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(bars.index(14), count=2)
+        else:
+            sl = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
+            bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(5):
             mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
         for j in gl.static_range(5, 13):
             mbarrier.init(bars.index(j), count=1)
         mbarrier.init(bars.index(13), count=2)
         gl.warp_specialize([
-            (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+            (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
-            (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE)),
-        ], [4, 4], [224, 56])  # registers: consumer 1, producer (consumer 0 gets the rest)
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST)),
+            (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
+                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
+        ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
 
     return _sparse_mla_ws
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: torch.Tensor | None,
-           ke: torch.Tensor | None, sm_scale: float, out: torch.Tensor, lse: torch.Tensor) -> Any:
-    """Run on ``q`` [T, H, 576], ``kv`` [S, 576] (last dims contiguous), filling ``out`` and ``lse``."""
+           ke: torch.Tensor | None, sm_scale: float, out: torch.Tensor, lse: torch.Tensor,
+           variant: str = DEFAULT_VARIANT) -> Any:
+    """Run ``variant`` (a key of VARIANTS) on ``q`` [T, H, 576], ``kv`` [S, 576] (last dims contiguous), filling
+    ``out`` and ``lse``."""
+    flags = variant_flags(variant)
     t, h, _ = q.shape
     dense = indices is None
     idx = ks if dense else indices
     grid = sparse_mla_grid(t, h, 64)
+    if flags["PERSIST"]:
+        grid = (min(grid[0], _sm_count(q.device)),)
     return load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        DENSE=dense, num_warps=4, maxnreg=MAX_REGS,
+        out.stride(0), out.stride(1), lse.stride(0), sparse_mla_grid(t, h, 64)[0] if flags["PERSIST"] else 0,
+        DENSE=dense, **flags, num_warps=4, maxnreg=MAX_REGS,
     )
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def variant_flags(variant: str) -> dict[str, Any]:
+    """The constexpr switches of a variant name (AttentionError naming the known ones if unknown)."""
+    if variant not in VARIANTS:
+        from cpkv.errors import AttentionError
+
+        raise AttentionError(f"sparse MLA Gluon variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    return VARIANTS[variant]

@@ -49,8 +49,8 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int
-    # "triton" (any sm_80+) or "gluon_ws" (Hopper wgmma, blocks of 64 heads, 512 + 64 dims, warp-specialised:
-    # producer + two consumers, sparse_mla_ws.py)
+    # "triton" (any sm_80+) or a Gluon variant, a key of gluon_ws.VARIANTS ("gluon_ws", the default on Hopper:
+    # wgmma, blocks of 64 heads, 512 + 64 dims, warp-specialised: producer + two consumers; see gluon_ws.py)
     impl: str = "triton"
 
     def tag(self) -> str:
@@ -60,6 +60,13 @@ class Config:
 
 
 GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws")  # 12 warps; 2 key buffers
+
+
+def gluon_variant_configs() -> list[Config]:
+    """One Config per warp-specialised Gluon variant (gluon_ws.VARIANTS, the default first)."""
+    from cpkv.kernels.sparse_mla import gluon_ws
+
+    return [Config(64, 64, 12, 2, impl=name) for name in gluon_ws.VARIANTS]
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -175,10 +182,10 @@ def launch(
     dense = indices is None
     idx = ks if dense else indices
     topk = 0 if dense else indices.shape[1]
-    if cfg.impl == "gluon_ws":
+    if cfg.impl != "triton":
         from cpkv.kernels.sparse_mla import gluon_ws as sparse_mla_ws
 
-        return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
+        return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse, cfg.impl)
     grid = sparse_mla_grid(t, h, cfg.block_h)
     compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,

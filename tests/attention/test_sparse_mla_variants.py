@@ -1,0 +1,168 @@
+"""The warp-specialised Gluon sparse MLA variants (cpkv.kernels.sparse_mla.gluon_ws.VARIANTS) without a GPU.
+
+The L2-hint PTX rewrite on synthetic PTX; every variant compiled offline for sm_90a (Triton ships ptxas; skipped
+without Triton's NVIDIA tools or Gluon): no spills, 168 registers, no ptxas warning (a serialised wgmma is one),
+the wgmma count of its schedule, 230,792 B (persistent: 231,312 B) of the 232,448 B shared memory, L2 hints on
+exactly the key gathers.
+Their outputs against the float64 reference: tests/attention/test_attention_gpu.py (CUDA).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from cpkv.errors import AttentionError
+from cpkv.kernels.sparse_mla import gluon_ws
+
+SMEM_BYTES = 230_792  # Q 72 KB + 2 x 72 KB keys + P1 8 KB + row stats + 14 barriers
+SMEM_BYTES_PERSIST = 231_312  # + row sums by tile parity (512 B) + the Q-free barrier, aligned
+SMEM_LIMIT = 232_448  # sm_90's largest dynamic shared memory per block
+
+PTX = """.visible .entry k(
+\t.param .u64 k_param_0
+)
+{
+\t.reg .pred \t%p<3>;
+\t.reg .b32 \t%r<50>;
+\t.reg .b64 \t%rd<40>;
+\tmov.b32 \t%r1, 0;
+\tcp.async.cg.shared.global [ %r44 + 0 ], [ %rd29 + 0 ], 0x10, %r45;
+\t// begin inline asm
+\t// cpkv-sparse-mla-l2-v1
+\tmov.b32 $0, 0;
+\t// end inline asm
+\tcp.async.cg.shared.global [ %r46 + 0 ], [ %rd30 + 0 ], 0x10, %r45;
+\tcp.async.cg.shared.global [ %r47 + 1024 ], [ %rd31 + 128 ], 0x10, %r48;
+\tcp.async.ca.shared.global [ %r47 + 0 ], [ %rd31 + 0 ], 0x8, %r48;
+\tret;
+}
+"""
+
+
+def test_l2_hint_rewrites_the_copies_after_the_mark() -> None:
+    out = gluon_ws.l2_hint_ptx(PTX)
+    hinted = re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint\.L2::256B (.*);", out)
+    assert hinted == ["[ %r46 + 0 ], [ %rd30 + 0 ], 16, %r45, %cpkv_l2_policy",
+                      "[ %r47 + 1024 ], [ %rd31 + 128 ], 16, %r48, %cpkv_l2_policy"]
+    assert "cp.async.cg.shared.global [ %r44 + 0 ], [ %rd29 + 0 ], 0x10, %r45;" in out  # before the mark (Q)
+    assert "cp.async.ca.shared.global [ %r47 + 0 ], [ %rd31 + 0 ], 0x8, %r48;" in out  # 8-byte .ca: untouched
+    lines = out.splitlines()
+    decl = lines.index("\t.reg .b64 \t%cpkv_l2_policy;")
+    assert lines[decl - 1] == "\t.reg .b64 \t%rd<40>;"  # after the entry's declarations, before any instruction
+    assert lines[decl + 1] == "\tcreatepolicy.fractional.L2::evict_last.b64 \t%cpkv_l2_policy, 1.0;"
+    assert out.count("createpolicy") == 1
+
+
+def test_l2_hint_leaves_unmarked_ptx_and_refuses_a_mark_without_copies() -> None:
+    plain = PTX.replace(gluon_ws.L2_MARK, "something else")
+    assert gluon_ws.l2_hint_ptx(plain) == plain
+    head, _, _ = PTX.partition("\tcp.async.cg.shared.global [ %r46")
+    with pytest.raises(RuntimeError, match="got 0 copies"):
+        gluon_ws.l2_hint_ptx(head + "\tret;\n}\n")
+
+
+@pytest.mark.triton
+def test_ptx_hook_chains_and_installs_once(monkeypatch) -> None:
+    from triton import knobs
+
+    seen = []
+    prev = lambda backend, stages, options, language, capability: seen.append(capability)  # noqa: E731
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", prev)
+    gluon_ws.install_ptx_hook()
+    hook = knobs.runtime.add_stages_inspection_hook
+    gluon_ws.install_ptx_hook()
+    assert knobs.runtime.add_stages_inspection_hook is hook is not prev
+    stages = {"ptx": lambda src, metadata: src, "cubin": None}
+    hook(None, stages, None, None, 90)
+    assert seen == [90]
+    assert stages["ptx"](PTX, {}) == gluon_ws.l2_hint_ptx(PTX) != PTX
+    assert stages["ptx"]("// plain", {}) == "// plain"
+
+
+def test_variant_registry() -> None:
+    from cpkv.kernels.sparse_mla import triton as kernel
+
+    assert list(gluon_ws.VARIANTS)[0] == gluon_ws.DEFAULT_VARIANT == kernel.GLUON_WS.impl
+    assert [c.impl for c in kernel.gluon_variant_configs()] == list(gluon_ws.VARIANTS)
+    assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws_l2"
+    for flags in gluon_ws.VARIANTS.values():
+        # setmaxnreg re-split of 168 x 3 warpgroups: consumer 0 gets 504 - consumer 1 - producer (56)
+        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST"} and flags["C1_REGS"] % 8 == 0
+        assert 3 * gluon_ws.MAX_REGS - flags["C1_REGS"] - 56 <= 256
+    with pytest.raises(AttentionError, match="expected one of gluon_ws, .*got 'nope'"):
+        gluon_ws.variant_flags("nope")
+
+
+# offline sm_90a compiles ---------------------------------------------------------------------------------
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
+    return path
+
+
+def _compile_sm90(variant: str, dense: bool = False):
+    """The kernel of ``variant`` compiled for sm_90a from CPU stand-ins of GLM-5 launch arguments (64 heads)."""
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    fn = gluon_ws.load()
+    q, kv = torch.empty(4, 64, 576, dtype=torch.bfloat16), torch.empty(100, 576, dtype=torch.bfloat16)
+    idx, out, lse = torch.empty(4, 2048, dtype=torch.int32), torch.empty(4, 64, 512, dtype=torch.bfloat16), torch.empty(4, 64)
+    consts = {"DENSE": dense, **gluon_ws.variant_flags(variant)}
+    args = (q, kv, idx, idx, idx, out, lse, 100, 64, 2048, 0.1, 36864, 576, 576, 2048, 32768, 512, 64, 8)
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], cx[(i,)] = "constexpr", consts[name]
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            cx[(i,)] = args[i]
+        elif isinstance(spec, str) and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": gluon_ws.MAX_REGS})
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("variant", list(gluon_ws.VARIANTS))
+def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    flags = gluon_ws.variant_flags(variant)
+    ck = _compile_sm90(variant)
+    ptx = ck.asm["ptx"]
+    (tmp_path / "k.ptx").write_text(ptx)
+    rep = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    assert "warning" not in rep.stderr.lower(), rep.stderr  # a serialised wgmma is reported as one
+    assert "0 bytes spill stores, 0 bytes spill loads" in rep.stderr, rep.stderr
+    assert f"Used {gluon_ws.MAX_REGS} registers" in rep.stderr, rep.stderr
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    assert ck.metadata.shared == (SMEM_BYTES_PERSIST if flags["PERSIST"] else SMEM_BYTES) <= SMEM_LIMIT
+    # score wgmmas (n64, k16): 576 / 16 = 36 per consumer, 36 more in AHEAD (the peeled first block's and the
+    # look-ahead's are two copies); value wgmmas (n256, k16): 64 keys / 16 = 4 per P x V product, two products
+    # per consumer, 4 more in AHEAD (its last pair's product has its own branch)
+    n64, n256 = (108, 20) if flags["AHEAD"] else (72, 16)
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == n64
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == n256
+    # 16-byte copies per producer thread: Q 36, keys 72 (2 blocks x 64 rows x 576 dims x 2 B / 16 B / 128)
+    hinted = len(re.findall(r"LDGSTS\.E\.BYPASS\.LTC256B\.128", sass))
+    plain = len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass))
+    assert (hinted, plain) == ((72, 36) if flags["L2_HINT"] else (0, 108))
+    assert ptx.count("createpolicy.fractional.L2::evict_last") == int(flags["L2_HINT"])
