@@ -88,12 +88,12 @@ def test_variant_registry() -> None:
 
     assert list(gluon_ws.VARIANTS)[0] == gluon_ws.DEFAULT_VARIANT == kernel.GLUON_WS.impl
     assert [c.impl for c in kernel.gluon_variant_configs()] == list(gluon_ws.VARIANTS)
-    assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws_l2"
+    assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws"
     for flags in gluon_ws.VARIANTS.values():
         # setmaxnreg re-split of 168 x 3 warpgroups: consumer 0 gets 504 - consumer 1 - producer (56)
         assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST"} and flags["C1_REGS"] % 8 == 0
         assert 3 * gluon_ws.MAX_REGS - flags["C1_REGS"] - 56 <= 256
-    with pytest.raises(AttentionError, match="expected one of gluon_ws, .*got 'nope'"):
+    with pytest.raises(AttentionError, match="expected one of gluon_ws_persist, .*got 'nope'"):
         gluon_ws.variant_flags("nope")
 
 

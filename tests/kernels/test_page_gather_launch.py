@@ -70,7 +70,7 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
     assert (named["n"], named["n_units"]) == (5, 5)  # one unit per page
     assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [
         64 * 656 // 4, 4, 4, 16384]  # int32 elements, 16-byte vectors, one program per page
-    assert [named[x] for x in ("PERSIST", "LOAD_CM", "LOAD_EP", "STORE_CM")] == [False, "", "evict_first", ".cs"]
+    assert [named[x] for x in ("PERSIST", "LOAD_CM", "LOAD_EP", "STORE_CM")] == [False, "", "", ""]  # no cache hints
     assert len(compiled.calls) == 3 and all(c == compiled.calls[0] for c in compiled.calls)
     assert launch.tensors[2] is dest
 
@@ -91,7 +91,7 @@ def test_pair_launcher_orders_both_segments_for_one_launch(fake):
         assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 4, 7, 7)
-    assert (named["PERSIST"], kw["PERSIST"], kw["STORE_CM"]) == (False, False, ".cs")
+    assert (named["PERSIST"], kw["PERSIST"], kw["STORE_CM"]) == (False, False, "")
     assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 16384]
     assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
     assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4

@@ -82,6 +82,9 @@ def test_gather_variant_compiles_for_sm90_with_16_byte_vectors(config, tmp_path)
         assert (len(loads), len(stores)) == (vecs, 2 * vecs), sass
     assert all(x.endswith(".128") for x in re.findall(r"\bSTG\.E\S*", sass))  # no narrower stores
     assert not re.search(r"\b(STL|LDL)\b", sass)
-    if (config.get("load", "evict_first"), config.get("store", ".cs")) == ("evict_first", ".cs"):
+    hints = {**pg.DEFAULT_CONFIG, **config}
+    if (hints["load"], hints["store"]) == ("evict_first", ".cs"):
         assert all(".EF." in x for x in loads) and sum(".EF." in x for x in stores) == len(stores) // (
             1 if launch.waves else 2)  # streaming: evict-first loads, .cs stores (the zero fill's are plain)
+    elif (hints["load"], hints["store"]) == ("", ""):  # no hints (the default): plain 128-bit loads and stores
+        assert not any(".EF." in x for x in loads + stores)

@@ -80,16 +80,16 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
-# kernel variants by name -> their constexpr switches (module docstring); "gluon_ws" is the default
+# kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
 VARIANTS: dict[str, dict[str, Any]] = {
+    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
     "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
     "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
     "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
     "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
-    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
     "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
 }
-DEFAULT_VARIANT = "gluon_ws"
+DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
 L2_POLICY = "%cpkv_l2_policy"
 _CP_ASYNC_CG = re.compile(r"cp\.async\.cg\.shared\.global (\[[^\]]*\]), (\[[^\]]*\]), (0x10|16), (%r\d+);")

@@ -59,7 +59,7 @@ class Config:
         return f"h{self.block_h} k{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
-GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws")  # 12 warps; 2 key buffers
+GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws_persist")  # 12 warps; 2 key buffers; one program per SM (the default)
 
 
 def gluon_variant_configs() -> list[Config]:
