@@ -83,6 +83,90 @@ def _index_rows(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, stride_x
     tl.store(OUT + r64 * stride_o, scale, mask=rmask)
 
 
+@_jit
+def _index_rows_v2(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, hscale, stride_x, stride_c, stride_s,
+                   stride_f, stride_o, D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   NORM: tl.constexpr, FOLD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    # ``_index_rows`` with the loop-invariant work out of the row loop: programs walk blocks program_id,
+    # program_id + num_programs, ... (a persistent grid when fewer programs than blocks are launched), the
+    # Hadamard operand, the partner / frequency maps and LayerNorm's weight and bias read once per program.
+    # SPLIT: y = hscale * ((y_lo @ S + y_mid @ S) + y_hi @ S), S = sign(had) (+-1, exact in bf16), y = y_hi + y_mid
+    # + y_lo three bfloat16 parts (each the rne rounding of what the previous left: y less them is 2^-27 |y| at
+    # most), bf16 products exact in the float32 accumulator; else one tf32x3 dot with had itself.
+    d = tl.arange(0, D)
+    half = ROPE // 2
+    if INTERLEAVED:
+        partner = tl.where(d < ROPE, d ^ 1, d)
+        freq = d // 2
+        first = d % 2 == 0
+    else:
+        partner = tl.where(d < half, d + half, tl.where(d < ROPE, d - half, d))
+        freq = tl.where(d < half, d, d - half)
+        first = d < half
+    turn = (d < ROPE)[None, :]
+    hm = tl.load(HAD + d[:, None] * D + d[None, :])
+    if SPLIT:
+        hm = tl.where(hm > 0, 1.0, -1.0).to(tl.bfloat16)
+    if NORM:
+        lw = tl.load(LW + d).to(tl.float32)[None, :]
+        lb = tl.load(LB + d).to(tl.float32)[None, :]
+        lwp = tl.load(LW + partner).to(tl.float32)[None, :]
+        lbp = tl.load(LB + partner).to(tl.float32)[None, :]
+    for blk in range(tl.program_id(0), tl.cdiv(R, BLOCK), tl.num_programs(0)):
+        rows = blk * BLOCK + tl.arange(0, BLOCK)
+        rmask = rows < R
+        r64 = rows.to(tl.int64)
+        tok = r64 // HEADS
+        m2 = rmask[:, None]
+        src = X + r64[:, None] * stride_x
+        x = tl.load(src + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=m2, other=0.0).to(tl.float32)
+        if NORM:
+            mean = tl.div_rn(tl.sum(x, axis=1), D * 1.0)
+            xc = x - mean[:, None]
+            var = tl.div_rn(tl.sum(xc * xc, axis=1), D * 1.0)
+            rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+            x = (xc * rstd[:, None]) * lw + lb
+            xp = ((xp - mean[:, None]) * rstd[:, None]) * lwp + lbp
+        cmask = m2 & turn
+        c = tl.load(COS + tok[:, None] * stride_c + freq[None, :], mask=cmask, other=1.0)
+        s = tl.load(SIN + tok[:, None] * stride_s + freq[None, :], mask=cmask, other=0.0)
+        y = tl.where(first[None, :], x * c - xp * s, xp * s + x * c)
+        y = tl.where(turn, y, x)
+        if SPLIT:
+            hi = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            rest = y - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+            acc = tl.dot(lo, hm)
+            acc = tl.dot(mid, hm, acc)
+            y = tl.dot(hi, hm, acc) * hscale
+        else:
+            y = tl.dot(y, hm, input_precision="tf32x3")
+        amax = tl.max(tl.abs(y), axis=1)
+        scale = tl.maximum(tl.div_rn(amax, 448.0), 1e-10)
+        q = tl.clamp(tl.div_rn(y, scale[:, None]), -448.0, 448.0)
+        tl.store(FP8 + r64[:, None] * stride_f + d[None, :], q.to(FP8.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=m2)
+        if FOLD:
+            scale = tl.load(WIN + r64, mask=rmask, other=0.0) * scale
+        tl.store(OUT + r64 * stride_o, scale, mask=rmask)
+
+
+# The launch variants (``cpkv bench index-rows`` times each against a copy of the same bytes and checks it against
+# the reference). kernel "v1": ``_index_rows`` (one BLOCK-row block per program); "v2": ``_index_rows_v2`` with
+# PER_SM programs per SM walking the blocks (0: one program per block), SPLIT the bf16 three-part dot.
+VARIANTS = {
+    "v1": dict(kernel="v1", BLOCK=32, num_warps=4),  # tf32x3, HAD read and split by every program
+    "tf32_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=False),
+    "bf16x3": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=0, SPLIT=True),
+    "bf16x3_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=True),
+    "bf16x3_p64": dict(kernel="v2", BLOCK=64, num_warps=4, PER_SM=4, SPLIT=True),
+    "bf16x3_p128": dict(kernel="v2", BLOCK=128, num_warps=8, PER_SM=2, SPLIT=True),
+}
+DEFAULT = "v1"  # the variant prepare_index_keys / _queries launch
+
+
 def supported(d: int, r: int) -> bool:
     """A power-of-two head dim >= 16 (``tl.arange``, ``tl.dot``) and an even rope width <= it."""
     return d >= 16 and d & (d - 1) == 0 and r % 2 == 0 and 0 < r <= d
@@ -91,17 +175,38 @@ def supported(d: int, r: int) -> bool:
 def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, r: int, interleaved: bool,
                had: torch.Tensor, fp8: torch.Tensor, out: torch.Tensor,
                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-               weights: torch.Tensor | None = None) -> None:
-    """Writes fp8 [R, D] and out [R] from x [R, D] (module docstring); unit column strides, ``had`` contiguous."""
+               weights: torch.Tensor | None = None, variant: str | None = None) -> None:
+    """Writes fp8 [R, D] and out [R] from x [R, D] (module docstring); unit column strides, ``had`` contiguous
+    (``hadamard_matrix(D)``: entries +-float32(D^-0.5)). ``variant``: a key of VARIANTS (None: DEFAULT)."""
     rows, d = x.shape
     if rows == 0:
         return
+    v = VARIANTS[variant or DEFAULT]
     lw, lb, eps = norm if norm is not None else (x, x, 0.0)
-    _index_rows[check_grid((cdiv(rows, BLOCK_R),))](
-        x, lw, lb, cos, sin, had, weights if weights is not None else out, fp8, out, rows, heads, float(eps),
+    win = weights if weights is not None else out
+    blocks = cdiv(rows, v["BLOCK"])
+    if v["kernel"] == "v1":
+        _index_rows[check_grid((blocks,))](
+            x, lw, lb, cos, sin, had, win, fp8, out, rows, heads, float(eps),
+            x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
+            INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=v["BLOCK"],
+            PRECISION=DOT_PRECISION, num_warps=v["num_warps"], enable_fp_fusion=False)
+        return
+    programs = min(blocks, _programs(x, v["PER_SM"])) if v["PER_SM"] else blocks
+    _index_rows_v2[check_grid((programs,))](
+        x, lw, lb, cos, sin, had, win, fp8, out, rows, heads, float(eps), d ** -0.5,
         x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
-        INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=BLOCK_R,
-        PRECISION=DOT_PRECISION, num_warps=4, enable_fp_fusion=False)
+        INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=v["BLOCK"],
+        SPLIT=v["SPLIT"], num_warps=v["num_warps"], enable_fp_fusion=False)
+
+
+def _programs(x: torch.Tensor, per_sm: int) -> int:
+    """per_sm programs per SM of x's GPU (CPU tensors, Triton's interpreter: per_sm, so the loop runs)."""
+    if not x.is_cuda:
+        return per_sm
+    from cpkv.kernels.platform import sm_count
+
+    return per_sm * sm_count(x)
 
 
 HEAD_BLOCKS = (64, 64)  # head_weights: (rows, K) per tile (155 registers at tf32x3; 128 rows: 255)

@@ -1,0 +1,140 @@
+"""CPU tests of the index-row kernel variants and the MoE router kernel: each case of ``elem_cases.py`` under
+Triton's interpreter (a subprocess with TRITON_INTERPRET=1; tolerances stated there), and the default variants
+compiled offline for sm_90a (Triton ships ptxas: no GPU needed) without local-memory spills. Skipped without
+Triton. The GPU runs are in test_elem_gpu.py; the timings in ``benchmarks/elem_kernels.py``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.triton  # skipped without Triton (tests/conftest.py)
+
+HERE = Path(__file__).resolve().parent
+CASES = re.findall(r"^def case_(\w+)\(", (HERE / "elem_cases.py").read_text(), re.M)
+
+
+def test_every_case_is_found():
+    assert {"index_rows_variants", "router_scores", "route_dispatch"} <= set(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_under_the_interpreter(case):
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(HERE.parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, str(HERE / "elem_cases.py"), case], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode == 77:
+        pytest.skip(run.stdout.strip())
+    assert run.returncode == 0, f"{case}: {run.stdout[-2000:]}{run.stderr[-4000:]}"
+    assert f"{case}: ok" in run.stdout
+
+
+def _compile_sm90(fn, args: tuple, consts: dict, **options):
+    """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (as test_fp8_gemm_variants does)."""
+    import triton
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    sig, cx, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], cx[(i,)] = "constexpr", consts[name]
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            cx[(i,)] = args[i]
+        elif isinstance(spec, str) and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.path.exists(path):
+        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
+    return path
+
+
+def _sass(ck, tmp_path) -> tuple[str, str]:
+    """(ptxas -v's report for sm_90a, the cubin's SASS)."""
+    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
+                          timeout=300).stdout
+    return out.stderr, sass
+
+
+def compile_index_rows(variant: str, queries: bool = True):
+    """An index-row variant at GLM-5's query (keys: key) shapes: 32,768 tokens x 32 heads of 128, RoPE 64
+    interleaved."""
+    from cpkv.kernels.index_rows import triton as kern
+
+    v = kern.VARIANTS[variant]
+    t, h, d = 32768, (32 if queries else 1), 128
+    x = torch.empty(t * h, d, dtype=torch.bfloat16)
+    cos = torch.empty(t, 32)
+    had = torch.empty(d, d)
+    fp8, out = torch.empty(t * h, d, dtype=torch.float8_e4m3fn), torch.empty(t * h)
+    lw = torch.empty(d, dtype=torch.bfloat16)
+    consts = {"D": d, "ROPE": 64, "INTERLEAVED": True, "NORM": not queries, "FOLD": queries, "BLOCK": v["BLOCK"]}
+    if v["kernel"] == "v1":
+        args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d, 32, 32, d, 1)
+        consts["PRECISION"] = kern.DOT_PRECISION
+        return _compile_sm90(kern._index_rows, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
+    args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
+    consts["SPLIT"] = v["SPLIT"]
+    return _compile_sm90(kern._index_rows_v2, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
+
+
+def compile_router(config: str, float32_gate: bool = False):
+    """The router kernel at GLM-5's shapes: x [32768, 6144] bf16, gate [256, 6144]."""
+    from cpkv.kernels.router import triton as kern
+
+    bm, bn, bk, warps, stages = kern.CONFIGS[config]
+    t, k, n = 32768, 6144, 256
+    x = torch.empty(t, k, dtype=torch.bfloat16)
+    gate = torch.empty(n, k, dtype=torch.float32 if float32_gate else torch.bfloat16)
+    out = torch.empty(t, n)
+    args = (x, gate, out, t, n, k, k, k, n)
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": float32_gate}
+    return _compile_sm90(kern._router_scores, args, consts, num_warps=warps, num_stages=stages)
+
+
+def _variants_to_compile() -> list[tuple[str, bool]]:
+    from cpkv.kernels.index_rows import triton as kern
+
+    return [(kern.DEFAULT, True), (kern.DEFAULT, False)] + ([] if kern.DEFAULT == "bf16x3_p" else [("bf16x3_p", True)])
+
+
+@pytest.mark.parametrize("variant,queries", _variants_to_compile())
+def test_index_rows_compiles_for_sm90_without_spills(variant, queries, tmp_path):
+    """The default variant (keys and queries) and the persistent bf16 three-part one: no local-memory spills."""
+    report, sass = _sass(compile_index_rows(variant, queries), tmp_path)
+    assert not re.search(r"\b(STL|LDL)\b", sass), report
+    assert "HMMA" in sass or "HGMMA" in sass
+
+
+@pytest.mark.parametrize("float32_gate", [False, True])
+def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
+    """The router kernel's default config with a bf16 gate (one wgmma per K step) and a float32 gate (three):
+    no local-memory spills; bf16 tensor-core products (no tf32)."""
+    from cpkv.kernels.router import triton as kern
+
+    report, sass = _sass(compile_router(kern.DEFAULT, float32_gate), tmp_path)
+    assert not re.search(r"\b(STL|LDL)\b", sass), report
+    assert re.search(r"HGMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
