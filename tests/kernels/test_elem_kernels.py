@@ -97,8 +97,9 @@ def compile_index_rows(variant: str, queries: bool = True):
         consts["PRECISION"] = kern.DOT_PRECISION
         return _compile_sm90(kern._index_rows, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
     args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
-    consts["SPLIT"] = v["SPLIT"]
-    return _compile_sm90(kern._index_rows_v2, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
+    consts.update(SPLIT=v["SPLIT"], FWHT=v.get("FWHT", False), LOG_D=7, PAIR_LOADS=v.get("PAIR_LOADS", False))
+    return _compile_sm90(kern._index_rows_v2, args, consts, num_warps=v["num_warps"],
+                         num_stages=v.get("num_stages", 1), enable_fp_fusion=False)
 
 
 def compile_router(config: str, float32_gate: bool = False):

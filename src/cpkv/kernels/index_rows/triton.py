@@ -84,15 +84,27 @@ def _index_rows(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, stride_x
 
 
 @_jit
+def _butterfly(y, BLOCK: tl.constexpr, D: tl.constexpr, STEP: tl.constexpr):
+    # one stage of the fast Walsh-Hadamard transform: each pair (i, i + STEP), i's bit STEP clear, -> (a + b, a - b)
+    y4 = tl.permute(tl.reshape(y, (BLOCK, D // (2 * STEP), 2, STEP)), (0, 1, 3, 2))
+    a, b = tl.split(y4)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK, D))
+
+
+@_jit
 def _index_rows_v2(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, hscale, stride_x, stride_c, stride_s,
                    stride_f, stride_o, D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   NORM: tl.constexpr, FOLD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                   NORM: tl.constexpr, FOLD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                   FWHT: tl.constexpr = False, LOG_D: tl.constexpr = 0, PAIR_LOADS: tl.constexpr = False):
     # ``_index_rows`` with the loop-invariant work out of the row loop: programs walk blocks program_id,
     # program_id + num_programs, ... (a persistent grid when fewer programs than blocks are launched), the
     # Hadamard operand, the partner / frequency maps and LayerNorm's weight and bias read once per program.
     # SPLIT: y = hscale * ((y_lo @ S + y_mid @ S) + y_hi @ S), S = sign(had) (+-1, exact in bf16), y = y_hi + y_mid
     # + y_lo three bfloat16 parts (each the rne rounding of what the previous left: y less them is 2^-27 |y| at
-    # most), bf16 products exact in the float32 accumulator; else one tf32x3 dot with had itself.
+    # most), bf16 products exact in the float32 accumulator; FWHT: y = hscale * (LOG_D butterfly stages in float32,
+    # Sylvester order: H_D = H_2 (x) ... (x) H_2, one stage per index bit), no dot; else one tf32x3 dot with had.
+    # PAIR_LOADS (interleaved RoPE only): each pair split from the row's one load, cos / sin read [BLOCK, D / 2]
+    # (contiguous), instead of a second load of the row at the partner columns.
     d = tl.arange(0, D)
     half = ROPE // 2
     if INTERLEAVED:
@@ -104,14 +116,16 @@ def _index_rows_v2(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, hscal
         freq = tl.where(d < half, d, d - half)
         first = d < half
     turn = (d < ROPE)[None, :]
-    hm = tl.load(HAD + d[:, None] * D + d[None, :])
-    if SPLIT:
+    hm = tl.load(HAD + d[:, None] * D + d[None, :]) if not FWHT else 0.0
+    if SPLIT and not FWHT:
         hm = tl.where(hm > 0, 1.0, -1.0).to(tl.bfloat16)
+    PAIRS: tl.constexpr = PAIR_LOADS and INTERLEAVED
     if NORM:
         lw = tl.load(LW + d).to(tl.float32)[None, :]
         lb = tl.load(LB + d).to(tl.float32)[None, :]
-        lwp = tl.load(LW + partner).to(tl.float32)[None, :]
-        lbp = tl.load(LB + partner).to(tl.float32)[None, :]
+        if not PAIRS:
+            lwp = tl.load(LW + partner).to(tl.float32)[None, :]
+            lbp = tl.load(LB + partner).to(tl.float32)[None, :]
     for blk in range(tl.program_id(0), tl.cdiv(R, BLOCK), tl.num_programs(0)):
         rows = blk * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < R
@@ -120,20 +134,35 @@ def _index_rows_v2(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, hscal
         m2 = rmask[:, None]
         src = X + r64[:, None] * stride_x
         x = tl.load(src + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        xp = tl.load(src + partner[None, :], mask=m2, other=0.0).to(tl.float32)
+        if not PAIRS:
+            xp = tl.load(src + partner[None, :], mask=m2, other=0.0).to(tl.float32)
         if NORM:
             mean = tl.div_rn(tl.sum(x, axis=1), D * 1.0)
             xc = x - mean[:, None]
             var = tl.div_rn(tl.sum(xc * xc, axis=1), D * 1.0)
             rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
             x = (xc * rstd[:, None]) * lw + lb
-            xp = ((xp - mean[:, None]) * rstd[:, None]) * lwp + lbp
-        cmask = m2 & turn
-        c = tl.load(COS + tok[:, None] * stride_c + freq[None, :], mask=cmask, other=1.0)
-        s = tl.load(SIN + tok[:, None] * stride_s + freq[None, :], mask=cmask, other=0.0)
-        y = tl.where(first[None, :], x * c - xp * s, xp * s + x * c)
-        y = tl.where(turn, y, x)
-        if SPLIT:
+            if not PAIRS:
+                xp = ((xp - mean[:, None]) * rstd[:, None]) * lwp + lbp
+        if PAIRS:  # interleaved pairs from one load: x [BLOCK, D / 2, 2] split, rotated, joined
+            a, b = tl.split(tl.reshape(x, (BLOCK, D // 2, 2)))
+            j = tl.arange(0, D // 2)
+            rot = (j < half)[None, :]
+            pm = m2 & rot
+            c = tl.load(COS + tok[:, None] * stride_c + j[None, :], mask=pm, other=1.0)
+            s = tl.load(SIN + tok[:, None] * stride_s + j[None, :], mask=pm, other=0.0)
+            y = tl.reshape(tl.join(tl.where(rot, a * c - b * s, a), tl.where(rot, a * s + b * c, b)), (BLOCK, D))
+        else:
+            cmask = m2 & turn
+            c = tl.load(COS + tok[:, None] * stride_c + freq[None, :], mask=cmask, other=1.0)
+            s = tl.load(SIN + tok[:, None] * stride_s + freq[None, :], mask=cmask, other=0.0)
+            y = tl.where(first[None, :], x * c - xp * s, xp * s + x * c)
+            y = tl.where(turn, y, x)
+        if FWHT:
+            for stage in tl.static_range(LOG_D):
+                y = _butterfly(y, BLOCK, D, 1 << stage)
+            y = y * hscale
+        elif SPLIT:
             hi = y.to(tl.bfloat16, fp_downcast_rounding="rtne")
             rest = y - hi.to(tl.float32)
             mid = rest.to(tl.bfloat16, fp_downcast_rounding="rtne")
@@ -163,6 +192,13 @@ VARIANTS = {
     "bf16x3_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=True),
     "bf16x3_p64": dict(kernel="v2", BLOCK=64, num_warps=4, PER_SM=4, SPLIT=True),
     "bf16x3_p128": dict(kernel="v2", BLOCK=128, num_warps=8, PER_SM=2, SPLIT=True),
+    "fwht": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=0, SPLIT=False, FWHT=True),
+    "fwht_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=False, FWHT=True),
+    "fwht_p16": dict(kernel="v2", BLOCK=16, num_warps=4, PER_SM=16, SPLIT=False, FWHT=True),
+    "fwht_pairs": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=0, SPLIT=False, FWHT=True, PAIR_LOADS=True),
+    "fwht_pairs_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=False, FWHT=True, PAIR_LOADS=True),
+    "fwht_pairs_64": dict(kernel="v2", BLOCK=64, num_warps=8, PER_SM=0, SPLIT=False, FWHT=True, PAIR_LOADS=True),
+    "bf16x3_pairs_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=True, PAIR_LOADS=True),
 }
 DEFAULT = "v1"  # the variant prepare_index_keys / _queries launch
 
@@ -197,7 +233,9 @@ def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
         x, lw, lb, cos, sin, had, win, fp8, out, rows, heads, float(eps), d ** -0.5,
         x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
         INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=v["BLOCK"],
-        SPLIT=v["SPLIT"], num_warps=v["num_warps"], enable_fp_fusion=False)
+        SPLIT=v["SPLIT"], FWHT=v.get("FWHT", False), LOG_D=d.bit_length() - 1, PAIR_LOADS=v.get("PAIR_LOADS", False),
+        num_warps=v["num_warps"],
+        num_stages=v.get("num_stages", 1), enable_fp_fusion=False)
 
 
 def _programs(x: torch.Tensor, per_sm: int) -> int:
