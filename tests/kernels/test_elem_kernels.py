@@ -116,18 +116,28 @@ def compile_router(config: str, float32_gate: bool = False):
     return _compile_sm90(kern._router_scores, args, consts, num_warps=warps, num_stages=stages)
 
 
-def _variants_to_compile() -> list[tuple[str, bool]]:
+# the v2 variants that compile without spills for keys and queries (v1, the former default, spills ~400 B per
+# thread in both; bf16x3_p64 spills ~450 B for keys): DEFAULT must be one of them or v1
+NO_SPILLS = ("bf16x3_p", "fwht", "fwht_p", "fwht_p16", "fwht_pairs", "fwht_pairs_p", "fwht_pairs_64", "bf16x3_pairs_p")
+
+
+def test_default_is_known():
     from cpkv.kernels.index_rows import triton as kern
 
-    return [(kern.DEFAULT, True), (kern.DEFAULT, False)] + ([] if kern.DEFAULT == "bf16x3_p" else [("bf16x3_p", True)])
+    assert set(NO_SPILLS) <= set(kern.VARIANTS) and kern.DEFAULT in NO_SPILLS + ("v1",)
 
 
-@pytest.mark.parametrize("variant,queries", _variants_to_compile())
+@pytest.mark.parametrize("variant", ["fwht_pairs_64", "bf16x3_pairs_p"])
+@pytest.mark.parametrize("queries", [True, False])
 def test_index_rows_compiles_for_sm90_without_spills(variant, queries, tmp_path):
-    """The default variant (keys and queries) and the persistent bf16 three-part one: no local-memory spills."""
+    """The candidate defaults (keys and queries, interleaved RoPE, D 128): no local-memory spills; the FWHT variant
+    without tensor-core instructions, the bf16 three-part one with bf16 (not tf32) products."""
     report, sass = _sass(compile_index_rows(variant, queries), tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
-    assert "HMMA" in sass or "HGMMA" in sass
+    if variant.startswith("fwht"):
+        assert not re.search(r"\b[HQ]?G?MMA\.\d", sass)  # (HFMA2.MMA: a register move, not a product)
+    else:
+        assert re.search(r"HMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
 
 
 @pytest.mark.parametrize("float32_gate", [False, True])
@@ -139,3 +149,25 @@ def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
     report, sass = _sass(compile_router(kern.DEFAULT, float32_gate), tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
     assert re.search(r"HGMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
+
+
+def test_benchmark_script_runs_under_the_interpreter():
+    """benchmarks/elem_kernels.py end to end on CPU tensors (8 tokens, hidden 256, Triton's interpreter): every
+    variant and config checked and timed once, a suggested default printed, all checks holding."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = str(HERE.parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import elem_cases as c; "
+            "c.patch_interpreter_rounding(); c.patch_interpreter_index(); c.patch_interpreter_bf16_dot(); "
+            "import elem_kernels; sys.exit(elem_kernels.main(sys.argv[3:]))")
+    run = subprocess.run([sys.executable, "-c", code, str(HERE), str(HERE.parents[1] / "benchmarks"), "--tokens", "8",
+                          "--hidden", "256", "--device", "cpu", "--json"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    import json
+
+    from cpkv.kernels.index_rows import triton as kern
+
+    report = json.loads(run.stdout)
+    assert report["ok"] and report["suggested"]["index_rows"] in kern.VARIANTS
+    assert {r["variant"] for r in report["index_rows"]} == set(kern.VARIANTS)
+    assert all(r["ok"] for r in report["index_rows"] + report["router"])

@@ -187,11 +187,8 @@ def _index_rows_v2(X, LW, LB, COS, SIN, HAD, WIN, FP8, OUT, R, HEADS, eps, hscal
 # PER_SM programs per SM walking the blocks (0: one program per block), SPLIT the bf16 three-part dot.
 VARIANTS = {
     "v1": dict(kernel="v1", BLOCK=32, num_warps=4),  # tf32x3, HAD read and split by every program
-    "tf32_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=False),
-    "bf16x3": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=0, SPLIT=True),
     "bf16x3_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=True),
     "bf16x3_p64": dict(kernel="v2", BLOCK=64, num_warps=4, PER_SM=4, SPLIT=True),
-    "bf16x3_p128": dict(kernel="v2", BLOCK=128, num_warps=8, PER_SM=2, SPLIT=True),
     "fwht": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=0, SPLIT=False, FWHT=True),
     "fwht_p": dict(kernel="v2", BLOCK=32, num_warps=4, PER_SM=8, SPLIT=False, FWHT=True),
     "fwht_p16": dict(kernel="v2", BLOCK=16, num_warps=4, PER_SM=16, SPLIT=False, FWHT=True),
