@@ -65,9 +65,10 @@ def case_index_rows_variants() -> None:
     from cpkv.kernels.index_rows.ref import index_keys_ref, index_queries_ref
     from cpkv.model.ops import Rotary, hadamard_matrix
 
-    # (tokens, heads, D, rope, interleaved): 150 / 148 rows walk several blocks of 32 on 2 programs (persistent)
+    # (tokens, heads, D, rope, interleaved): 148 to 280 rows walk several blocks on 2 programs (persistent
+    # variants); D 64 / 128 / 256
     shapes = [(5, 1, 128, 64, True), (3, 4, 64, 32, False), (150, 1, 128, 64, True), (37, 4, 128, 64, True),
-              (2, 3, 64, 32, False)]
+              (2, 3, 64, 32, False), (70, 4, 128, 64, True), (70, 4, 128, 64, False), (40, 1, 256, 64, True)]
     for name in kern.VARIANTS:
         for t, h, d, r, interleaved in shapes:
             gen = _gen(t * d + r + h)

@@ -96,8 +96,14 @@ def compile_index_rows(variant: str, queries: bool = True):
         args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d, 32, 32, d, 1)
         consts["PRECISION"] = kern.DOT_PRECISION
         return _compile_sm90(kern._index_rows, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
+    if v["kernel"] == "v3":
+        args = (x, lw, lw, cos, cos, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
+        consts.update(LOG_K=4, RCP=v["RCP"])
+        return _compile_sm90(kern._index_rows_v3, args, consts, num_warps=v["num_warps"], num_stages=1,
+                             enable_fp_fusion=False)
     args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
-    consts.update(SPLIT=v["SPLIT"], FWHT=v.get("FWHT", False), LOG_D=7, PAIR_LOADS=v.get("PAIR_LOADS", False))
+    consts.update(SPLIT=v.get("SPLIT", False), FWHT=v.get("FWHT", False), LOG_D=7, PAIR_LOADS=v.get("PAIR_LOADS", False),
+                  RCP=v.get("RCP", False))
     return _compile_sm90(kern._index_rows_v2, args, consts, num_warps=v["num_warps"],
                          num_stages=v.get("num_stages", 1), enable_fp_fusion=False)
 
@@ -116,9 +122,14 @@ def compile_router(config: str, float32_gate: bool = False):
     return _compile_sm90(kern._router_scores, args, consts, num_warps=warps, num_stages=stages)
 
 
-# the v2 variants that compile without spills for keys and queries (v1, the former default, spills ~400 B per
-# thread in both; bf16x3_p64 spills ~450 B for keys): DEFAULT must be one of them or v1
-NO_SPILLS = ("bf16x3_p", "fwht", "fwht_p", "fwht_p16", "fwht_pairs", "fwht_pairs_p", "fwht_pairs_64", "bf16x3_pairs_p")
+# the variants that compile without spills for keys and queries at GLM-5's shapes (v1, the former default, spills
+# ~400 B per thread in both; bf16x3_p64 ~450 B for keys): DEFAULT must be one of them or v1
+NO_SPILLS = ("bf16x3_p", "bf16x3_pairs_p", "fwht_pairs", "fwht_pairs_p", "fwht_pairs_64", "fwht_pairs_rcp",
+             "fwht_pairs_64_rcp", "rows", "rows_rcp", "rows_rcp_64", "rows_rcp_p")
+
+
+def ck_shared(variant: str) -> int:
+    return compile_index_rows(variant, True).metadata.shared
 
 
 def test_default_is_known():
@@ -127,14 +138,17 @@ def test_default_is_known():
     assert set(NO_SPILLS) <= set(kern.VARIANTS) and kern.DEFAULT in NO_SPILLS + ("v1",)
 
 
-@pytest.mark.parametrize("variant", ["fwht_pairs_64", "bf16x3_pairs_p"])
+@pytest.mark.parametrize("variant", ["rows_rcp", "rows", "fwht_pairs_64", "bf16x3_pairs_p"])
 @pytest.mark.parametrize("queries", [True, False])
 def test_index_rows_compiles_for_sm90_without_spills(variant, queries, tmp_path):
-    """The candidate defaults (keys and queries, interleaved RoPE, D 128): no local-memory spills; the FWHT variant
-    without tensor-core instructions, the bf16 three-part one with bf16 (not tf32) products."""
+    """The candidate defaults (keys and queries, interleaved RoPE, D 128): no local-memory spills; the FWHT variants
+    without tensor-core instructions (one row per thread: for queries no shuffle and no shared memory either),
+    the bf16 three-part one with bf16 (not tf32) products."""
     report, sass = _sass(compile_index_rows(variant, queries), tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
-    if variant.startswith("fwht"):
+    if variant.startswith("rows") and queries:
+        assert not re.search(r"\b(SHFL|LDS|STS)\b", sass) and ck_shared(variant) == 0
+    if variant.startswith(("fwht", "rows")):
         assert not re.search(r"\b[HQ]?G?MMA\.\d", sass)  # (HFMA2.MMA: a register move, not a product)
     else:
         assert re.search(r"HMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
