@@ -119,7 +119,7 @@ def compile_router(config: str, float32_gate: bool = False):
     out = torch.empty(t, n)
     args = (x, gate, out, t, n, k, k, k, n)
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": float32_gate}
-    return _compile_sm90(kern._router_scores, args, consts, num_warps=warps, num_stages=stages)
+    return _compile_sm90(kern._router_gemm, args, consts, num_warps=warps, num_stages=stages)
 
 
 # the variants that compile without spills for keys and queries at GLM-5's shapes (v1, the former default, spills

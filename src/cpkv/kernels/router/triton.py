@@ -9,7 +9,8 @@ products of two bf16 / fp16 values are exact in float32, only the sums round). A
 kernel into three bfloat16 parts g = g_hi + g_mid + g_lo (each the rne rounding of what the previous left: g less
 them is at most 2^-27 |g|), three dots into the same accumulator (small parts first): float32-level accuracy
 without tf32. The sums run in another order than cuBLAS's: the logits agree with a float64 reference within
-2^-18 sum_k |x_k g_k| (tests), as the float32 reference does. sigmoid in float32 (``tl.sigmoid``).
+2^-18 sum_k |x_k g_k| (tests), as the float32 reference does. sigmoid in float32 (``tl.sigmoid``). The kernel's
+name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ DEFAULT = "m128n128"
 
 
 @_jit
-def _router_scores(X, G, OUT, T, N, K, stride_x, stride_g, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _router_gemm(X, G, OUT, T, N, K, stride_x, stride_g, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -77,6 +78,6 @@ def router_scores(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor, config
         return
     bm, bn, bk, warps, stages = CONFIGS[config or DEFAULT]
     bn = min(bn, max(16, 1 << (n - 1).bit_length()))
-    _router_scores[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
+    _router_gemm[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
         x, gate, out, t, n, k, x.stride(0), gate.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=gate.dtype == torch.float32, num_warps=warps, num_stages=stages)
