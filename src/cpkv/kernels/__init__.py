@@ -15,6 +15,7 @@
     swiglu        model.experts.swiglu_weighted          kernels.swiglu.ref                 swiglu/triton.py
                   model.linear.swiglu (dense MLPs)
     combine       model.moe.combine_pairs                kernels.combine.ref                combine/triton.py
+    router        model.moe.router_scores (route)        kernels.router.ref                 router/triton.py
     rope          model.ops.Rotary.interleaved_into      kernels.rope.ref                   rope/triton.py
 
 ``platform`` answers every platform question (Triton / Gluon importable, CUDA and ``CPKV_DISABLE_TRITON``,

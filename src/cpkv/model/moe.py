@@ -1,7 +1,7 @@
 """The MoE block of GLM-5 / DeepSeek-V3.2: grouped top-k routing, routed experts, shared experts.
 
     route(x, gate, bias, cfg) -> (idx int64 [T, k], w float32 [T, k])
-        scores = sigmoid(x W_gate^T) (float32); choice = scores + e_score_correction_bias;
+        scores = sigmoid(x W_gate^T) (float32; ``router_scores``: a Triton kernel on CUDA); choice = scores + e_score_correction_bias;
         a group's score = the sum of its 2 best choices; keep the topk_group best of n_group groups;
         idx = the k best choices within them; w = scores[idx] (/ their sum when norm_topk_prob)
         * routed_scaling_factor
@@ -28,10 +28,12 @@ from cpkv.errors import ConfigError
 from cpkv.model.experts import ExpertWeights, grouped_swiglu, grouped_takes_quantised
 
 
-def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k]) (module docstring)."""
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig,
+          fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k]) (module docstring). ``fused`` False: the
+    scores as ``F.linear`` in float32 also on CUDA (``--precision exact`` runs)."""
     t, e, g = x.shape[0], cfg.n_routed_experts, cfg.n_group
-    scores = F.linear(x.float(), gate.float()).sigmoid()
+    scores = router_scores(x, gate) if fused else F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias.float()
     group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
     groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
@@ -42,6 +44,24 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
     if cfg.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return idx, w * cfg.routed_scaling_factor
+
+
+def router_scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, D], gate [E, D] -> float32 [T, E] = sigmoid(float32(x) @ float32(gate)^T): one Triton kernel on CUDA
+    for a bf16 / fp16 x (``cpkv.kernels.router``: no float32 copy of x; float32 products and sums, in another
+    order than cuBLAS's), ``F.linear`` in float32 elsewhere."""
+    from cpkv.kernels import platform
+    from cpkv.kernels.router.ref import router_scores_ref
+
+    if not platform.use_triton(x):
+        return router_scores_ref(x, gate)
+    from cpkv.kernels.router import triton as kern
+
+    if not kern.supported(x, gate):
+        return router_scores_ref(x, gate)
+    out = torch.empty(x.shape[0], gate.shape[0], dtype=torch.float32, device=x.device)
+    kern.router_scores(x if x.stride(-1) == 1 else x.contiguous(), gate.contiguous(), out)
+    return out
 
 
 def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor | ExpertWeights,

@@ -1,0 +1,83 @@
+"""Triton kernel: the MoE router's scores (reference: ``cpkv.kernels.router.ref``).
+
+    router_scores(x [T, K] bf16/fp16, gate [N, K] bf16/fp16/float32, out float32 [T, N], config=None)
+        out = sigmoid(float32(x) @ float32(gate)^T)
+
+One [BLOCK_M, BLOCK_N] tile per program (the N tiles of one row block on neighbouring programs: x read from HBM
+once), K in BLOCK_K steps on the tensor cores with a float32 accumulator. A 16-bit gate: one dot per step (the
+products of two bf16 / fp16 values are exact in float32, only the sums round). A float32 gate: split in the
+kernel into three bfloat16 parts g = g_hi + g_mid + g_lo (each the rne rounding of what the previous left: g less
+them is at most 2^-27 |g|), three dots into the same accumulator (small parts first): float32-level accuracy
+without tf32. The sums run in another order than cuBLAS's: the logits agree with a float64 reference within
+2^-18 sum_k |x_k g_k| (tests), as the float32 reference does. sigmoid in float32 (``tl.sigmoid``). The kernel's
+name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces).
+"""
+from __future__ import annotations
+
+import torch
+
+from cpkv.kernels.fp8_gemm.triton import _jit, tl
+from cpkv.kernels.grid import cdiv, check_grid
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per variant: ``cpkv bench index-rows`` times each
+CONFIGS = {
+    "m128n128": (128, 128, 64, 8, 4),
+    "m128n256": (128, 256, 64, 8, 3),
+    "m64n256": (64, 256, 64, 4, 3),
+    "m64n128": (64, 128, 64, 4, 4),
+}
+DEFAULT = "m128n128"
+
+
+@_jit
+def _router_gemm(X, G, OUT, T, N, K, stride_x, stride_g, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rows = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < T
+    cmask = cols < N
+    r64 = rows.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    xp = X + r64[:, None] * stride_x + ks[None, :]
+    gp = G + cols[None, :].to(tl.int64) * stride_g + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + ks < K
+        a = tl.load(xp + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(gp + k0, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if SPLIT:
+            hi = b.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            rest = b - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+            acc = tl.dot(a, lo, acc)
+            acc = tl.dot(a, mid, acc)
+            acc = tl.dot(a, hi, acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(OUT + r64[:, None] * stride_o + cols[None, :], tl.sigmoid(acc), mask=rmask[:, None] & cmask[None, :])
+
+
+def supported(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """x bf16 [T, K] with a bf16 / float32 gate, or x fp16 with an fp16 gate (products exact in float32)."""
+    if x.dim() != 2 or gate.dim() != 2 or x.shape[1] != gate.shape[1]:
+        return False
+    if x.dtype == torch.bfloat16:
+        return gate.dtype in (torch.bfloat16, torch.float32)
+    return x.dtype == torch.float16 and gate.dtype == torch.float16
+
+
+def router_scores(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor, config: str | None = None) -> None:
+    """Writes out [T, N] = sigmoid(float32(x) @ float32(gate)^T) (module docstring); unit column strides,
+    ``supported(x, gate)``. ``config``: a key of CONFIGS (None: DEFAULT)."""
+    t, k = x.shape
+    n = gate.shape[0]
+    if t == 0 or n == 0:
+        return
+    bm, bn, bk, warps, stages = CONFIGS[config or DEFAULT]
+    bn = min(bn, max(16, 1 << (n - 1).bit_length()))
+    _router_gemm[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
+        x, gate, out, t, n, k, x.stride(0), gate.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=gate.dtype == torch.float32, num_warps=warps, num_stages=stages)
