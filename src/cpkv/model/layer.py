@@ -358,7 +358,8 @@ class DSALayer:
         w = self.w
         if self.moe is None:
             return swiglu(xa, *self.dense_mlp)
-        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg)
+        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
+                             fused=not self.exact)
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
