@@ -316,7 +316,8 @@ VARIANTS = {
     "rows_rcp_64": dict(kernel="v3", BLOCK=64, num_warps=2, PER_SM=0, RCP=True),
     "rows_rcp_p": dict(kernel="v3", BLOCK=128, num_warps=4, PER_SM=2, RCP=True),
 }
-DEFAULT = "v1"  # the variant prepare_index_keys / _queries launch
+DEFAULT = "rows_rcp_64"  # the variant prepare_index_keys / _queries launch. 2026-12-01, one H200, T 32768 (GLM-5):
+#                          queries 0.317 ms, keys 0.023 ms (v1: 1.646 / 0.087 ms; benchmarks/elem_kernels.py)
 
 
 def supported(d: int, r: int) -> bool:
