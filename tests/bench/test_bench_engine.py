@@ -51,6 +51,7 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert (cases["cold"]["batches"], cases["cached"]["batches"], cases["long"]["batches"]) == (1, 1, 2)
     assert cases["cached"]["cached"] == 224 and cases["long"]["prompt"] == 512
     assert all(len(c["batch_s_runs"]) == 2 and c["ratio_to_gemm"] > 0 for c in cases.values())
+    assert all(0 < c["host_s"] <= 1.01 * max(c["batch_s_runs"]) for c in cases.values())  # launched before the end
     assert "breakdown" not in cases["cold"]  # the profiled run records CUDA kernels only
     for c in cases.values():  # the host-profiled run: each case's first batch under cProfile
         rows = c["host_profile"]

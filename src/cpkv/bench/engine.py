@@ -231,7 +231,9 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=No
            "prompt_tokens_per_s": round(prompt / secs, 1), "computed_tokens_per_s": round((prompt - cached) / secs, 1),
            "tflops": round(flops / secs / 1e12, 1), "ratio_to_gemm": round(flops / secs / 1e12 / ceiling, 4),
            "ratio_runs": [round(flops / s / 1e12 / ceiling, 4) for s in per_run],
-           "chunk_s": [round(statistics.median(r.stats["batch_s"][k] for r in runs), 4) for k in idx]}
+           "chunk_s": [round(statistics.median(r.stats["batch_s"][k] for r in runs), 4) for k in idx],
+           # until the host had launched the whole forward (the same runs): near batch_s = bound by the host
+           "host_s": round(statistics.median(sum(r.stats["host_s"][k] for k in idx) for r in runs), 4)}
     if prof is not None and prof.stats.get("kernels"):
         med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
         row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])

@@ -91,6 +91,8 @@ class RankEngine:
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced); a batch
         #                                          planned ahead: from the end of the batch before
         self.planned_ahead = 0                   # batches whose plan was built during the batch before
+        self.host_s: list[float] = []            # per batch: seconds from its start until the host has launched its
+        #                                          whole forward (near batch_s: the GPU waited for the host)
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
         #                                                           end us) of every kernel, from the batch start
         self.host_ops: list[list[tuple[str, float, int]]] = []  # per batch, with cfg.profile: the top host ops
@@ -231,6 +233,7 @@ class RankEngine:
                                         rank_plan(spec, self.rank, self.model, self.ep))
                     else:
                         out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
+                    self.host_s.append(time.perf_counter() - start)  # every kernel of the forward launched
                     if look_ahead is not None and look_ahead():
                         finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
                         following = self.sched.next_batch()  # after this one's on the stream
@@ -334,7 +337,7 @@ class RankEngine:
             "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
-            "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead,
+            "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead, "host_s": self.host_s,
         }
 
     def _experts_held(self) -> int:

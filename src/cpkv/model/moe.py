@@ -20,6 +20,8 @@ the local experts, combine (the weighted outputs back on the token's rank, its k
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -35,10 +37,11 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
     t, e, g = x.shape[0], cfg.n_routed_experts, cfg.n_group
     scores = router_scores(x, gate) if fused else F.linear(x.float(), gate.float()).sigmoid()
     choice = scores + bias.float()
-    group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
-    groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    choice = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
+    if cfg.topk_group < g:  # group-limited routing (every group kept, GLM-5's one group: nothing to mask)
+        group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+        groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
     idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
     w = scores.gather(1, idx)
     if cfg.norm_topk_prob:
@@ -114,10 +117,18 @@ def sort_pairs(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     """idx int64 [T, k] -> (order int64 [T*k]: flat pair ids sorted by expert (stable), offs int32 [E]: the
     cumulative row end of each expert), both on the device."""
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+    if num_experts <= 1 << 15:  # 16-bit keys: two radix passes where int64 takes eight (the same stable order)
+        flat = flat.to(torch.int16)
+    keys, order = torch.sort(flat, stable=True)
+    # an expert's end = the number of keys <= it (the counts' cumulative sum, without a scatter or a memset)
+    return order, torch.searchsorted(keys, _expert_ids(num_experts, flat.dtype, idx.device), right=True,
+                                     out_int32=True)
+
+
+@lru_cache(maxsize=16)
+def _expert_ids(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[0, n) as ``dtype`` on ``device``, made once."""
+    return torch.arange(n, dtype=dtype, device=device)
 
 
 def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None,
