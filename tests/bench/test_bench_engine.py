@@ -33,6 +33,9 @@ def test_parts_add_kernel_time_and_the_host_gap():
     assert list(p) == list(PARTS)
     assert (p["gemm"]["ms"], p["elementwise"]["ms"], p["compose"]["ms"]) == (1.0, 1.5, 0.5)
     assert out["gpu_busy_ms"] == 2.5 and out["wall_ms"] == 5.0
+    assert out["idle_ms"] == 0.0  # each profiled batch's kernels cover it from its start to its last kernel's end
+    late = parts([([("a", 300, 1000), ("b", 1500, 2000)], 0.003)])  # idle 0.3 ms before a, 0.5 between a and b
+    assert late["idle_ms"] == 0.8 and late["parts"]["host_gap"]["ms"] == 1.8
     assert p["host_gap"] == {"ms": 2.5, "share": 0.5}
     assert out["top"][0] == ("cat", 1.5, "elementwise")
 

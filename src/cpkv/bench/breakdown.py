@@ -10,6 +10,9 @@ activation quantisation (``_act_quant``, ``_swiglu_quant``) and every torch kern
 The fused elementwise kernels that quantise as they go (``_add_rms_norm``, ``_token_rows``, ``_index_rows``) count
 as elementwise.
 ``host_gap`` = wall time - GPU busy time (the union of kernel intervals): time the GPU waited for the host.
+``idle_ms``: the same measured inside the profiled batches alone (from each batch's start to its last kernel's
+end, minus the busy time): the wall above is the timed runs' median, whose kernels may run at other clocks than
+the profiled run's (on a long prompt that difference can exceed the idle time itself).
 Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
 than the busy time. No torch import.
 """
@@ -85,18 +88,20 @@ def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -
     GPU busy time (per batch, summed), the host gap (module docstring) and each batch's longest idle gaps."""
     ms = {p: 0.0 for p in PARTS}
     by_name: dict[str, float] = {}
-    busy = wall = 0.0
+    busy = wall = idle = 0.0
     n = 0
     for kernels, wall_s in batches:
         for name, a, b in kernels:
             ms[classify(name)] += (b - a) / 1e3
             by_name[name] = by_name.get(name, 0.0) + (b - a) / 1e3
-        busy += busy_us((a, b) for _, a, b in kernels) / 1e3
+        own = busy_us((a, b) for _, a, b in kernels) / 1e3
+        busy += own
+        idle += max(max((b for _, _, b in kernels), default=0.0) / 1e3 - own, 0.0)
         wall += wall_s * 1e3
         n += len(kernels)
     ms["host_gap"] = max(wall - busy, 0.0)
     return {"parts": {p: {"ms": round(v, 3), "share": round(v / wall, 4) if wall else 0.0} for p, v in ms.items()},
-            "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n,
+            "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n, "idle_ms": round(idle, 3),
             "idle_gaps": [idle_gaps(k) for k, _ in batches],
             "idle_between": [idle_between(k) for k, _ in batches],
             "top": [(name[:120], round(v, 3), classify(name)) for name, v in
