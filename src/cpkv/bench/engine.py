@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", metavar="DIR",
                    help="one more profiled run, with Python stacks, writing each batch's timeline (host ops and "
                         "kernels) to DIR as gzipped Chrome traces (its own timings, inflated by the stacks, are unused)")
+    p.add_argument("--trace-plain", action="store_true",
+                   help="--trace-dir without the Python stacks (host ops by name, at the profiler's own overhead)")
     p.add_argument("--weights", default="auto", metavar="W[,W]",
                    help="linear weights, comma-separated to compare in one run: fp8, bf16, auto (default auto)")
     p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
@@ -118,7 +120,7 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
     if getattr(args, "trace_dir", None):
         where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
-        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where), trace)]
+        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where, trace_stacks=not getattr(args, "trace_plain", False)), trace)]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
         jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)

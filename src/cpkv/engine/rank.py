@@ -296,14 +296,15 @@ class RankEngine:
 
     def _profiled(self):
         """With cfg.profile on CUDA: a torch profiler recording the batch's kernels (else yields None); with
-        cfg.trace_dir too, with Python stacks, on any device (the CPU's trace holds host ops alone)."""
+        cfg.trace_dir too, with Python stacks unless cfg.trace_stacks is off, on any device (the CPU's trace holds
+        host ops alone)."""
         cuda = self.model.device.type == "cuda"
         if not (self.cfg.profile and (cuda or self.cfg.trace_dir)):
             return contextlib.nullcontext()
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        return profile(activities=acts, with_stack=bool(self.cfg.trace_dir))
+        return profile(activities=acts, with_stack=bool(self.cfg.trace_dir) and self.cfg.trace_stacks)
 
     def _sync_time(self) -> float:
         if self.model.device.type == "cuda":
