@@ -120,7 +120,8 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
     if getattr(args, "trace_dir", None):
         where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
-        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where, trace_stacks=not getattr(args, "trace_plain", False)), trace)]
+        stacks = not getattr(args, "trace_plain", False)
+        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where, trace_stacks=stacks), trace)]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
         jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)
