@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The figures and GPU tests the open issues ask for (issues 14, 16, 17), so that a session with little device
-# time spends it measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call
-# (at most 10 minutes); run a group twice for the issues' "two runs".
+# The figures and GPU tests the open issues ask for, so that a session with little device time spends it
+# measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
+# run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|attention|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|engine|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
 #
-# FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers (an ignored folder) and carry it;
-# it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
+# FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
+# carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
 # limit and the others still run. NVLink multicast stays off.
 set -u
 OUT=${OUT:-h200_out}; mkdir -p "$OUT"
@@ -25,16 +25,33 @@ if want tests; then
         tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py \
         --ignore=tests/kernels/test_fp8_gemm_gpu.py  # group fp8 runs it
 fi
-if want engine; then
-    step engine 420 python3 -m cpkv bench engine --json --host-load
+if want engine; then  # issue 24's table: bf16 weights (its figures) and fp8 (as GLM-5 ships), host load after
+    step engine 560 python3 -m cpkv bench engine --weights bf16,fp8 --json --host-load
+fi
+if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
 fi
+peers=""; for d in .peers out/peers; do [ -f "$d/build_flashmla.sh" ] && peers=$d && break; done
+flashmla() {  # builds FlashMLA once; true when it is importable
+    [ -n "$peers" ] || return 1
+    [ -d /tmp/peers/FlashMLA/flash_mla ] || bash "$peers/build_flashmla.sh" /tmp/peers >"$OUT/flashmla_build.txt" 2>&1
+}
 if want attention; then
     peer=()
-    if [ -d .peers ] && bash .peers/build_flashmla.sh /tmp/peers >"$OUT/flashmla_build.txt" 2>&1; then
-        export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla)
-    fi
+    if flashmla; then export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla); fi
     step attention 400 python3 -m cpkv bench attention --json "${peer[@]}"
+fi
+if want mla; then  # issue 24: every sparse MLA variant beside FlashMLA on its shapes, each checked against float64 first
+    if flashmla; then
+        PYTHONPATH=src:/tmp/peers/FlashMLA step mla 420 python3 -m cpkv bench attention --peer flashmla --variants all \
+            --tokens 4096 --rep-ms 40 --json
+    fi
+fi
+if want gather; then  # issue 24: page gather configs in device time against copy_ (byte-checked first)
+    step gather 150 python3 -m cpkv.bench.compose --json
+fi
+if want elem; then  # issue 24: index-row variants against a copy_ of the same bytes, the router kernel against F.linear
+    step elem 180 python3 benchmarks/elem_kernels.py
 fi
 if want compose; then
     step compose 300 python3 -m cpkv bench compose --device cuda --cp 2 --json
