@@ -102,3 +102,23 @@ def _key(device: torch.device | str) -> torch.device:
 def upload_list(values: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Python ints -> a ``dtype`` tensor [len(values)] on ``device`` (``upload``)."""
     return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def upload_arrays(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Host arrays of one dtype -> their tensors on ``device`` (shapes kept), through one ``upload`` of their
+    concatenation: one copy (and one staging slice) where one per array would each pay a copy's host work.
+    Each result is a view of that one device tensor, starting on a 16-byte boundary (as a tensor of its own
+    would: kernels specialise on pointer alignment)."""
+    dtypes = {a.dtype for a in arrays}
+    if len(dtypes) != 1:
+        raise ValueError(f"upload_arrays needs one dtype, got {sorted(map(str, dtypes))}")
+    unit = max(16 // next(iter(dtypes)).itemsize, 1)
+    starts, at = [], 0
+    for a in arrays:
+        starts.append(at)
+        at += -(-a.size // unit) * unit
+    flat = np.zeros(at, dtype=next(iter(dtypes)))
+    for a, st in zip(arrays, starts):
+        flat[st: st + a.size] = np.asarray(a).reshape(-1)
+    dev = upload(torch.from_numpy(flat), device)
+    return [dev[st: st + a.size].view(a.shape) for a, st in zip(arrays, starts)]

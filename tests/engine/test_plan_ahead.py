@@ -87,9 +87,11 @@ def _fake_launchers(log: list, builds: list):
     return one, pair
 
 
-def _launch_logs(ctx):
+def _launch_logs(ctx, split: bool = False):
     """Per batch: the raw launches of every layer's symm compose_layer with the launches prepared by
-    ``prepare`` (and re-pointed per layer), then the same layers with every launch built in full on first use."""
+    ``prepare`` (and re-pointed per layer), then the same layers with every launch built in full on first use.
+    ``split``: ``prepare`` makes the first layer's launches alone, ``prepare_launches`` the others once the first
+    layer has composed (as the engine's forward does)."""
     import cpkv.compose.runtime as R
     from cpkv.compose.runtime import ComposeRuntime
     from cpkv.config import AdmissionCaps, preset
@@ -111,12 +113,17 @@ def _launch_logs(ctx):
         R.relaunch_with = real_relaunch
         uses = dict(rt.uses)
         before = len(builds)
-        plan = rt.prepare(layout, ids)
+        plan = rt.prepare(layout, ids, launch_layers=1 if split else None)
         prepared = sum(len(e.launchers) for e in (plan.all, plan.persist_entries))
         at_prepare = len(builds) - before
         del log[:]
         for n in range(3):
             rt.compose_layer(plan, n)
+            if split and n == 0:
+                mark = len(builds)
+                rt.prepare_launches(plan)
+                at_prepare += len(builds) - mark
+                prepared = sum(len(e.launchers) for e in (plan.all, plan.persist_entries))
         ahead = list(log)
         in_forward = len(builds) - before - at_prepare
         for e in (plan.all, plan.persist_entries):  # now the reference: every launch built in full, lazily
@@ -171,3 +178,14 @@ def test_relaunch_with_repoints_outputs_and_tables_only():
             del torch._C._cuda_getCurrentRawStream
         else:
             torch._C._cuda_getCurrentRawStream = torch_stream
+
+
+def test_compose_launches_prepared_after_the_first_layer_equal_full_builds():
+    """The engine's split: ``prepare`` builds the first layer's launches, ``prepare_launches`` the others after the
+    first layer composed (the staging use counters continued from its simulation): the same raw launches as
+    launches built in full, none built inside a layer's compose."""
+    from cpkv.dist import launch
+
+    for rank_out in launch(_launch_logs, 2, args=(True,), timeout_s=120):
+        for b in rank_out:
+            assert b["in_forward"] == 0 and b["ahead"] == b["full"] and b["prepared"] > 0

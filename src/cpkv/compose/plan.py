@@ -154,6 +154,8 @@ class ComposePlan:
         self._request_slots = [(r.slot_start, r.slot_end) for r in layout.requests]
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
         self.views: dict[tuple, object] = {}  # the runtime's arena and staging-row views of this batch
+        self.launch_layers = 0  # layers [0, launch_layers) whose compose launches are prepared (ComposeRuntime)
+        self.launch_uses: dict[str, int] = {}  # the staging use counters as layer launch_layers will find them
         own = layout.rank_current[rank]
         self.num_own = len(own)
         tails = self._tails(layout, own)

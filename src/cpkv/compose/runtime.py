@@ -182,8 +182,11 @@ class ComposeRuntime:
 
     # plans ----------------------------------------------------------------------------------------
 
-    def prepare(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None) -> ComposePlan:
-        """Build this batch's plan (the caller passes it to every compose call of the batch)."""
+    def prepare(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None,
+                launch_layers: int | None = None) -> ComposePlan:
+        """Build this batch's plan (the caller passes it to every compose call of the batch), with the prepared
+        compose launches of its first ``launch_layers`` layers (None: every layer; ``prepare_launches`` makes
+        the others later, off the batch's critical path: ``engine.forward.run_batch`` after its first layer)."""
         if layout.cp != self.cp:
             raise ComposeError(f"the batch was laid out for cp={layout.cp}; this group has {self.cp} ranks")
         if layout.page_size != self.page_size:
@@ -197,7 +200,7 @@ class ComposeRuntime:
             for h in (0, 1):
                 self._rows_view(plan, k, h)
                 self.dense(plan, k, h)
-        self.prepare_launches(plan)
+        self.prepare_launches(plan, layers=launch_layers)
         return plan
 
     def _checked(self, plan: ComposePlan) -> ComposePlan:
@@ -355,15 +358,20 @@ class ComposeRuntime:
         e.launchers.setdefault(family, launch)
         return launch
 
-    def prepare_launches(self, plan: ComposePlan, mode: str | None = None) -> None:
-        """Build, before the batch's first kernel, every launch the batch's forward will make under ``symm``
-        (``compose_layer`` of each layer in order: one gather pair and one persist pair per layer, with the
-        staging halves the use counters will pick), and the dense views, so no layer builds host state on
-        first use. Other modes and CPU runs build theirs on first use."""
-        if not self.use_triton or self._effective(mode).name != "symm":
+    def prepare_launches(self, plan: ComposePlan, mode: str | None = None, layers: int | None = None) -> None:
+        """Build every launch the batch's forward will make under ``symm`` (``compose_layer`` of each layer in
+        order: one gather pair and one persist pair per layer, with the staging halves the use counters will
+        pick), and the dense views, so no layer builds host state on first use: the layers from the first not
+        yet prepared (``plan.launch_layers``) up to ``layers`` (None: all), whenever it is called (the first call
+        must come before the batch's first compose: it takes the batch's starting use counters). Other modes and
+        CPU runs build theirs on first use."""
+        stop = self.num_layers if layers is None else min(layers, self.num_layers)
+        if not self.use_triton or self._effective(mode).name != "symm" or plan.launch_layers >= stop:
             return
-        uses = dict(self.uses)
-        for n in range(self.num_layers):
+        # the use counters as the first unprepared layer will find them: the batch's starting ones, or where the
+        # last call's simulation left them (whatever the layers have composed since)
+        uses = dict(plan.launch_uses if plan.launch_layers else self.uses)
+        for n in range(plan.launch_layers, stop):
             kinds = self.pool.kinds_at(n)
             halves = {k: uses[k] & 1 for k in kinds}
             targets = {k: (self.dense(plan, k, h)[1], plan.all) for k, h in halves.items()}
@@ -373,6 +381,7 @@ class ComposeRuntime:
                                {k: (self._pool_pages[k][n], plan.persist_entries) for k in halves})
             for k in kinds:
                 uses[k] += 1
+        plan.launch_layers, plan.launch_uses = stop, uses
 
     def _prebuild(self, table: str, layer: int, halves: dict[str, int],
                   targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:

@@ -27,7 +27,7 @@ from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
-from cpkv.upload import upload, upload_list
+from cpkv.upload import upload_arrays
 
 if TYPE_CHECKING:
     from cpkv.compose.plan import ComposePlan
@@ -92,11 +92,11 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
         n += e - s
     cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
     ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
-    dev = model.device
     counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
-    return RankPlan(upload(torch.from_numpy(ids_h), dev), model.rotary(upload(torch.from_numpy(pos_h), dev)),
-                    last, upload_list([row for _, row in last], torch.int64, dev),
-                    ep.prepare(counts) if ep is not None else None, (ks, ks + pos_h + 1), model.cfg.index_topk)
+    ids_d, pos_d, last_d = upload_arrays([ids_h, pos_h, np.asarray([row for _, row in last], np.int64)],
+                                         model.device)  # one copy
+    return RankPlan(ids_d, model.rotary(pos_d), last, last_d, ep.prepare(counts) if ep is not None else None,
+                    (ks, ks + pos_h + 1), model.cfg.index_topk)
 
 
 def _logits_work_shape(model: DSAModel):
@@ -116,8 +116,9 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
     ``prepare``: builds the batch's compose plan (``rt.prepare``: it persists current pages into the batch's
-    page ids), called once the first layer's projections are launched, then ``plan.complete``; or the compose
-    plan itself, built ahead (``plan`` completed then too);
+    page ids; the engine asks it for the first layer's compose launches alone, the others are prepared once the
+    first layer is launched), called once the first layer's projections are launched, then ``plan.complete``;
+    or the compose plan itself, built ahead (``plan`` completed then too);
     ``plan``: this rank's ``rank_plan`` of the batch.
     """
     # topk: the last full indexer layer's, reused by shared layers; delta: the last layer's MLP output, added by
@@ -140,6 +141,8 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
             h, delta, topk = layer.attend_split(p.h, p, dense, attn, topk, plan.ep)
         elif plan.ep is not None and layer.is_moe:
             layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
+        if n == 0:  # the other layers' prepared compose launches, behind the GPU's work on the first layer
+            rt.prepare_launches(compose)
     if not plan.last:
         return {}
     rows = plan.last_rows

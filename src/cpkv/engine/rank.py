@@ -229,8 +229,8 @@ class RankEngine:
             with self._sync_checked(), staging(self.model.device, slot):  # plan + forward: no device->host sync
                 with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp:
                     if ahead is None:
-                        out = run_batch(self.model, self.rt, lambda: self.rt.prepare(layout, page_ids),
-                                        rank_plan(spec, self.rank, self.model, self.ep))
+                        first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
+                        out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
                     else:
                         out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
                     self.host_s.append(time.perf_counter() - start)  # every kernel of the forward launched

@@ -26,7 +26,7 @@ import torch
 from cpkv import envs
 from cpkv.errors import IndexerError
 from cpkv.kernels.mqa_logits.work import WorkShape, logits_work_items
-from cpkv.upload import upload
+from cpkv.upload import upload, upload_arrays
 
 GIB = 1 << 30
 COL_ALIGN = 4  # logits rows padded to 16 B (the top-k kernel reads aligned quads)
@@ -126,9 +126,10 @@ class IndexerPlan:
         off = np.zeros(a.size, np.int64)
         for c in chunks:
             off[c.row_start: c.row_end] = c.key_start
-        as_t = lambda v: upload(torch.from_numpy(v.astype(np.int32)), device)  # noqa: E731  (no host sync)
+        # the four int32 bound arrays in one asynchronous copy (no host sync)
+        ks_d, ke_d, rel_ks, rel_ke = upload_arrays([v.astype(np.int32) for v in (a, b, a - off, b - off)], device)
         max_len = int(np.maximum(b - a, 0).max()) if a.size else 0
-        return cls(as_t(a), as_t(b), as_t(a - off), as_t(b - off), tuple(chunks), budget, max_len, a, b)
+        return cls(ks_d, ke_d, rel_ks, rel_ke, tuple(chunks), budget, max_len, a, b)
 
     def work_items(self, chunk: IndexerChunk, shape: WorkShape) -> torch.Tensor:
         """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.kernels.mqa_logits.work), on the plan's

@@ -8,7 +8,7 @@ batch's positions, built once per batch and shared by every layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,14 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+@lru_cache(maxsize=32)
+def _frequencies_on(rope: RopeConfig, dim: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """``rope_frequencies`` with inv_freq on ``device``: computed and uploaded once (every batch's rotary tables
+    use it)."""
+    inv, attention = rope_frequencies(rope, dim)
+    return upload(inv, device), attention  # asynchronous: a pageable copy would drain the stream
+
+
 def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """-> (inv_freq float32 [dim / 2], attention factor), in transformers' float32 arithmetic."""
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
@@ -133,24 +141,29 @@ def _complex_pairs(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Rotary:
     """cos/sin float32 [T, rope_dim / 2] of one batch's token positions (attention factor included), and
-    ``cis`` = cos + i sin (complex64, built once with them) for the interleaved rotation."""
+    ``cis`` = cos + i sin (complex64, built on first use, once) for the torch form of the interleaved rotation
+    (the fused RoPE kernels read cos and sin: a batch on them never builds it)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    cis: torch.Tensor | None = None
+    _cis: list = field(default_factory=list, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.cis is None:
-            object.__setattr__(self, "cis", torch.complex(self.cos, self.sin))
+    @property
+    def cis(self) -> torch.Tensor:
+        if not self._cis:
+            self._cis.append(torch.complex(self.cos, self.sin))
+        return self._cis[0]
 
     @classmethod
     def build(cls, positions: torch.Tensor, rope_dim: int, rope: RopeConfig | float) -> "Rotary":
         """positions int [T] -> Rotary with angles pos * inv_freq (``rope``: a RopeConfig or a plain theta)."""
         rope = rope if isinstance(rope, RopeConfig) else RopeConfig(theta=float(rope))
-        inv, attention = rope_frequencies(rope, rope_dim)
-        inv = upload(inv, positions.device)  # asynchronous: a pageable copy would drain the stream
+        inv, attention = _frequencies_on(rope, rope_dim, positions.device)
         ang = positions.to(torch.float32)[:, None] * inv[None, :]
-        return cls(torch.cos(ang) * attention, torch.sin(ang) * attention)
+        cos, sin = torch.cos(ang), torch.sin(ang)
+        if attention != 1.0:  # (x * 1.0 is x: the plain RoPE skips two passes)
+            cos, sin = cos * attention, sin * attention
+        return cls(cos, sin)
 
     def _shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return (x.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[1],)

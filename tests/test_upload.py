@@ -1,0 +1,25 @@
+"""``upload_arrays``: several host arrays through one upload, each result a view of it on a 16-byte boundary."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpkv.upload import upload_arrays
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float32])
+def test_upload_arrays_keeps_values_shapes_and_alignment(dtype):
+    arrays = [np.arange(5, dtype=dtype), np.zeros(0, dtype=dtype), (np.arange(12, dtype=dtype) * 3).reshape(3, 4),
+              np.array([7], dtype=dtype)]
+    got = upload_arrays(arrays, "cpu")
+    assert len(got) == len(arrays)
+    base = got[0].untyped_storage().data_ptr()
+    for a, t in zip(arrays, got):
+        assert tuple(t.shape) == a.shape and np.array_equal(t.numpy(), a)
+        assert t.untyped_storage().data_ptr() == base and (t.data_ptr() - base) % 16 == 0  # one buffer, aligned
+
+
+def test_upload_arrays_refuses_mixed_dtypes():
+    with pytest.raises(ValueError, match="one dtype"):
+        upload_arrays([np.zeros(2, np.int32), np.zeros(2, np.int64)], torch.device("cpu"))
