@@ -15,26 +15,10 @@ import sys
 
 import torch
 
-from fused_cases import SKIP, _gen, near_fp8, patch_interpreter_rounding, rel  # noqa: F401  (same directory)
+from fused_cases import (SKIP, _gen, near_fp8, patch_interpreter_index,  # noqa: F401  (same directory)
+                         patch_interpreter_rounding, rel)
 
 LOGIT_TOL = 2.0 ** -18
-
-
-def patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter holds a scalar kernel argument as a 1-element 1-d array and turns it into a loop
-    bound with ``int(array)``, which NumPy >= 2.3 refuses (``range(program_id, blocks, num_programs)`` with blocks
-    from an argument): after its own patching, __index__ reads the one element (what the GPU does)."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def patch_interpreter_bf16_dot() -> None:

@@ -18,6 +18,23 @@ import torch
 SKIP = 77  # exit status: the case cannot run on this Triton (the pytest wrapper skips it)
 
 
+def patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter holds a scalar kernel argument as a 1-element 1-d array and turns it into a loop
+    bound with ``int(array)``, which NumPy >= 2.3 refuses (``range(program_id, blocks, num_programs)`` with blocks
+    from an argument): after its own patching, __index__ reads the one element (what the GPU does)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
 def patch_interpreter_rounding() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
@@ -320,5 +337,6 @@ CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith
 
 if __name__ == "__main__":
     patch_interpreter_rounding()
+    patch_interpreter_index()
     CASES[sys.argv[1]]()
     print(f"{sys.argv[1]}: ok")
