@@ -1,17 +1,17 @@
-"""Benchmark (GPU): the indexer's index-row kernel variants and the MoE router's score kernel at GLM-5's cold 32K
-prefill shapes, each checked against its reference first. Run from the repository root:
+"""Benchmark (GPU): the indexer's index-row kernel and the MoE router's score kernel at GLM-5's cold 32K prefill
+shapes, each checked against its reference first. Run from the repository root:
 
     PYTHONPATH=src python3 benchmarks/elem_kernels.py [--tokens 32768] [--rope interleaved|halves] [--json]
 
-index rows (``cpkv.kernels.index_rows.triton.VARIANTS``): keys [T, 128] bf16 with LayerNorm -> index rows
+index rows (``cpkv.kernels.index_rows.triton``): keys [T, 128] bf16 with LayerNorm -> index rows
 [T, 132]; queries [T x 32 heads, 128] bf16 with folded weights -> fp8 [T, 32, 128] + float32 [T, 32]; RoPE on
 the first 64 dims. Checks: scales / folded weights within 2e-5 relative of the float32 reference, fp8 values within
 one e4m3 step (at most 2 % differing). Each time next to a ``copy_`` of the same bytes (read + written) and the
-ratio to it. router (``cpkv.kernels.router.triton.CONFIGS``): scores = sigmoid(x [T, 6144] bf16 @ gate [256,
+ratio to it. router (``cpkv.kernels.router.triton``): scores = sigmoid(x [T, 6144] bf16 @ gate [256,
 6144]^T) against the present ``F.linear(x.float(), gate.float()).sigmoid()``, bf16 and float32 gates; scores
 within 2^-18 sum|x g| / 4 + 2^-22 of a float64 reference; the experts GLM-5's and DeepSeek-V3.2's routing choose
-from them equal to the float32 path's except at near ties. Prints the suggested defaults (the fastest variant /
-config whose checks hold) on the last lines.
+from them equal to the float32 path's except at near ties. The variants and configs these timings once chose
+between were deleted (BENCHMARKS.md, session 9). Exit 0 when every check holds.
 """
 from __future__ import annotations
 
@@ -55,15 +55,14 @@ def _copy_ms(nbytes: int) -> float:
     return _time_ms(lambda: dst.copy_(src))
 
 
-def index_rows(t: int, interleaved: bool, log) -> tuple[list[dict], str | None]:
+def index_rows(t: int, interleaved: bool, log) -> dict:
     from cpkv.indexer.quant import FP8, dequantize_index_rows
     from cpkv.kernels.index_rows import triton as kern
     from cpkv.kernels.index_rows.ref import index_keys_ref, index_queries_ref
-    from cpkv.model.ops import Rotary, hadamard_matrix
+    from cpkv.model.ops import Rotary
 
     gen = torch.Generator(device=DEV).manual_seed(7)
     rot = Rotary.build(torch.arange(t, device=DEV), ROPE, 1e6)
-    had = hadamard_matrix(DIM, DEV)
     k = (torch.randn(t, DIM, generator=gen, device=DEV) * 2).bfloat16()
     lw = (torch.randn(DIM, generator=gen, device=DEV) * 0.2 + 1).bfloat16()
     lb = (torch.randn(DIM, generator=gen, device=DEV) * 0.1).bfloat16()
@@ -81,41 +80,29 @@ def index_rows(t: int, interleaved: bool, log) -> tuple[list[dict], str | None]:
     query_bytes = t * HEADS * (DIM * 2 + DIM + 4 + 4) + t * ROPE * 4  # x, fp8, weights in, folded out, cos + sin
     copy_k, copy_q = _copy_ms(key_bytes), _copy_ms(query_bytes)
     log(f"copy_ of the same bytes: keys {copy_k:.4f} ms, queries {copy_q:.4f} ms")
-    out = []
-    for name in kern.VARIANTS:
-        def keys(name=name):
-            kern.index_rows(k, 1, rot.cos, rot.sin, ROPE, interleaved, had, k8, ks, norm=(lw, lb, 1e-6), variant=name)
 
-        def queries(name=name):
-            kern.index_rows(qv, HEADS, rot.cos, rot.sin, ROPE, interleaved, had, q8v, fv, weights=wv, variant=name)
-        try:
-            rows.zero_(), q8.zero_(), folded.zero_()
-            keys(), queries()
-            if DEV == "cuda":
-                torch.cuda.synchronize()
-        except Exception as exc:  # a variant that does not launch here (resources): reported, not timed
-            out.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            log(f"{name:16s} failed: {out[-1]['error']}")
-            continue
-        kn, kfrac = _near_fp8(k8, want_k)
-        qn, qfrac = _near_fp8(q8, want_q)
-        rec = {"variant": name, "key_scale_rel": _rel(ks, want_ks), "query_weight_rel": _rel(folded, want_w),
-               "key_fp8_differ": kfrac, "query_fp8_differ": qfrac}
-        rec["ok"] = rec["key_scale_rel"] <= 2e-5 and rec["query_weight_rel"] <= 2e-5 and kn and qn
-        rec["keys_ms"], rec["queries_ms"] = _time_ms(keys), _time_ms(queries)
-        rec["keys_vs_copy"], rec["queries_vs_copy"] = rec["keys_ms"] / copy_k, rec["queries_ms"] / copy_q
-        rec["queries_GBps"] = query_bytes / rec["queries_ms"] / 1e6
-        out.append(rec)
-        log(f"{name:16s} {'ok ' if rec['ok'] else 'BAD'} keys {rec['keys_ms']:.4f} ms ({rec['keys_vs_copy']:.2f}x copy)"
-            f"  queries {rec['queries_ms']:.4f} ms ({rec['queries_vs_copy']:.2f}x copy, {rec['queries_GBps']:.0f} GB/s)"
-            f"  scale rel {max(rec['key_scale_rel'], rec['query_weight_rel']):.1e}"
-            f"  fp8 differ {max(kfrac, qfrac):.2e}")
-    good = [r for r in out if r.get("ok")]
-    best = min(good, key=lambda r: r["keys_ms"] + r["queries_ms"])["variant"] if good else None
-    return out, best
+    def keys():
+        kern.index_rows(k, 1, rot.cos, rot.sin, ROPE, interleaved, k8, ks, norm=(lw, lb, 1e-6))
+
+    def queries():
+        kern.index_rows(qv, HEADS, rot.cos, rot.sin, ROPE, interleaved, q8v, fv, weights=wv)
+    rows.zero_(), q8.zero_(), folded.zero_()
+    keys(), queries()
+    kn, kfrac = _near_fp8(k8, want_k)
+    qn, qfrac = _near_fp8(q8, want_q)
+    rec = {"key_scale_rel": _rel(ks, want_ks), "query_weight_rel": _rel(folded, want_w), "key_fp8_differ": kfrac,
+           "query_fp8_differ": qfrac}
+    rec["ok"] = rec["key_scale_rel"] <= 2e-5 and rec["query_weight_rel"] <= 2e-5 and kn and qn
+    rec["keys_ms"], rec["queries_ms"] = _time_ms(keys), _time_ms(queries)
+    rec["keys_vs_copy"], rec["queries_vs_copy"] = rec["keys_ms"] / copy_k, rec["queries_ms"] / copy_q
+    rec["queries_GBps"] = query_bytes / rec["queries_ms"] / 1e6
+    log(f"index rows {'ok ' if rec['ok'] else 'BAD'} keys {rec['keys_ms']:.4f} ms ({rec['keys_vs_copy']:.2f}x copy)"
+        f"  queries {rec['queries_ms']:.4f} ms ({rec['queries_vs_copy']:.2f}x copy, {rec['queries_GBps']:.0f} GB/s)"
+        f"  scale rel {max(rec['key_scale_rel'], rec['query_weight_rel']):.1e}  fp8 differ {max(kfrac, qfrac):.2e}")
+    return rec
 
 
-def router(t: int, log) -> tuple[list[dict], str | None]:
+def router(t: int, log) -> list[dict]:
     import torch.nn.functional as F
 
     from cpkv.config import PRESETS
@@ -138,16 +125,15 @@ def router(t: int, log) -> tuple[list[dict], str | None]:
         tol = (x.double().abs() @ gate.double().abs().t()) * (LOGIT_TOL / 4) + 2.0 ** -22
         want = want64.sigmoid()
         ref32_ok = bool(((F.linear(x.float(), gate.float()).sigmoid().double() - want).abs() <= tol).all())
-        for cfg in kern.CONFIGS:
-            kern.router_scores(x, gate, scores, config=cfg)
-            ok = bool(((scores.double() - want).abs() <= tol).all())
-            ms = _time_ms(lambda cfg=cfg, gate=gate: kern.router_scores(x, gate, scores, config=cfg))
-            rec = {"gate": str(gdtype).removeprefix("torch."), "config": cfg, "ok": ok, "ms": ms,
-                   "vs_fp32_linear": ms / base, "max_err_over_tol": float(((scores.double() - want).abs() / tol).max()),
-                   "fp32_reference_within_tol": ref32_ok}
-            out.append(rec)
-            log(f"router {rec['gate']:8s} {cfg:9s} {'ok ' if ok else 'BAD'} {ms:.4f} ms ({rec['vs_fp32_linear']:.3f}x"
-                f" of F.linear fp32)  max err / tol {rec['max_err_over_tol']:.3f} (fp32 reference within: {ref32_ok})")
+        kern.router_scores(x, gate, scores)
+        ok = bool(((scores.double() - want).abs() <= tol).all())
+        ms = _time_ms(lambda gate=gate: kern.router_scores(x, gate, scores))
+        rec = {"gate": str(gdtype).removeprefix("torch."), "ok": ok, "ms": ms, "vs_fp32_linear": ms / base,
+               "max_err_over_tol": float(((scores.double() - want).abs() / tol).max()),
+               "fp32_reference_within_tol": ref32_ok}
+        out.append(rec)
+        log(f"router {rec['gate']:8s} {'ok ' if ok else 'BAD'} {ms:.4f} ms ({rec['vs_fp32_linear']:.3f}x"
+            f" of F.linear fp32)  max err / tol {rec['max_err_over_tol']:.3f} (fp32 reference within: {ref32_ok})")
         for preset in ("glm5", "deepseek-v32"):
             cfg = PRESETS[preset]
             idx, _ = moe.route(x, gate, bias, cfg)
@@ -158,9 +144,7 @@ def router(t: int, log) -> tuple[list[dict], str | None]:
                         "without_near_tie": len(unexplained), "ok": not unexplained})
             log(f"route {preset} ({out[-1]['gate']} gate): {differ} of {t} tokens choose other experts than the "
                 f"float32 path, {len(unexplained)} of them without a near tie")
-    good = [r for r in out if r.get("config") and r["gate"] == "bfloat16" and r["ok"]]
-    best = min(good, key=lambda r: r["ms"])["config"] if good else None
-    return out, best
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,15 +163,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if a.json else sys.stdout, flush=True)
-    rows, best_rows = index_rows(a.tokens, a.rope == "interleaved", log)
-    route_recs, best_router = router(a.tokens, log)
-    ok = all(r.get("ok", True) for r in route_recs) and best_rows is not None
+    rows = index_rows(a.tokens, a.rope == "interleaved", log)
+    route_recs = router(a.tokens, log)
+    ok = rows["ok"] and all(r["ok"] for r in route_recs)
     if a.json:
-        print(json.dumps({"tokens": a.tokens, "rope": a.rope, "index_rows": rows, "router": route_recs,
-                          "suggested": {"index_rows": best_rows, "router": best_router}, "ok": ok}, indent=1))
+        print(json.dumps({"tokens": a.tokens, "rope": a.rope, "index_rows": rows, "router": route_recs, "ok": ok},
+                         indent=1))
     else:
-        print(f"suggested index_rows DEFAULT = {best_rows!r}; router DEFAULT = {best_router!r}; all checks "
-              f"{'hold' if ok else 'DO NOT hold'}")
+        print(f"all checks {'hold' if ok else 'DO NOT hold'}")
     return 0 if ok else 1
 
 

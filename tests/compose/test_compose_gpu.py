@@ -9,7 +9,7 @@ from cpkv.kernels.page_gather.ref import page_gather_ref
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 
 PAGE_BYTES = [64 * 656, 64 * 132, 16 * 196, 196, 132, 3]
-PERSISTENT = [{"waves": 1, "block": 16384, "num_warps": 16}, {"waves": 4, "block": 512, "num_warps": 4}]
+SHAPES = [{"block": 16384, "num_warps": 16}, {"block": 512, "num_warps": 4}]  # besides the default
 
 
 def _case(page_bytes, n, seed, offset=0):
@@ -26,8 +26,7 @@ def _case(page_bytes, n, seed, offset=0):
 
 
 @pytest.mark.parametrize("page_bytes", PAGE_BYTES)
-@pytest.mark.parametrize("config", [None, {"block": 512, "num_warps": 4}, {"block": 2048, "num_warps": 8},
-                                    {"load": ".cg", "store": ""}, *PERSISTENT])
+@pytest.mark.parametrize("config", [None, {"block": 2048, "num_warps": 8}, *SHAPES])
 def test_triton_gather_matches_reference(page_bytes, config):
     from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 300, seed=page_bytes)
@@ -46,7 +45,7 @@ def test_triton_gather_matches_reference(page_bytes, config):
 
 
 @pytest.mark.parametrize("page_bytes", [64 * 656, 16 * 196, 132])
-@pytest.mark.parametrize("config", [None, PERSISTENT[1]])
+@pytest.mark.parametrize("config", [None, SHAPES[1]])
 def test_prepared_launcher_matches_reference(page_bytes, config):
     """gather_launcher: resolved once, then each call gathers the sources' current bytes, on the current stream."""
     from cpkv.kernels.page_gather.triton import gather_launcher
@@ -71,7 +70,7 @@ def test_prepared_launcher_matches_reference(page_bytes, config):
 
 
 @pytest.mark.parametrize("sizes", [(64 * 656, 64 * 132), (16 * 196, 132), (132, 3)])
-@pytest.mark.parametrize("config", [None, {"waves": 2, "block": 4096, "num_warps": 8}])
+@pytest.mark.parametrize("config", [None, {"block": 4096, "num_warps": 8}])
 def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes, config):
     """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one launch."""
     from cpkv.kernels.page_gather.triton import gather_pair_launcher
@@ -92,7 +91,7 @@ def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes, config):
 
 
 @pytest.mark.parametrize("page_bytes", [64 * 132, 16 * 196])
-@pytest.mark.parametrize("config", [None, PERSISTENT[0]])
+@pytest.mark.parametrize("config", [None, SHAPES[0]])
 def test_triton_gather_unaligned_sources(page_bytes, config):
     from cpkv.kernels.page_gather.triton import page_gather_triton
     sources, bases, dest, src, page = _case(page_bytes, 100, seed=7, offset=4)

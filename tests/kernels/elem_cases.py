@@ -1,4 +1,4 @@
-"""Cases of the index-row kernel variants and the router kernel under Triton's interpreter on CPU tensors (not
+"""Cases of the index-row kernel and the router kernel under Triton's interpreter on CPU tensors (not
 collected by pytest: ``test_elem_kernels.py`` runs each in a subprocess with TRITON_INTERPRET=1).
 
     python tests/kernels/elem_cases.py <case>      exit 0 when every check holds
@@ -15,26 +15,10 @@ import sys
 
 import torch
 
-from fused_cases import SKIP, _gen, near_fp8, patch_interpreter_rounding, rel  # noqa: F401  (same directory)
+from fused_cases import (SKIP, _gen, near_fp8, patch_interpreter_index,  # noqa: F401  (same directory)
+                         patch_interpreter_rounding, rel)
 
 LOGIT_TOL = 2.0 ** -18
-
-
-def patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter holds a scalar kernel argument as a 1-element 1-d array and turns it into a loop
-    bound with ``int(array)``, which NumPy >= 2.3 refuses (``range(program_id, blocks, num_programs)`` with blocks
-    from an argument): after its own patching, __index__ reads the one element (what the GPU does)."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def patch_interpreter_bf16_dot() -> None:
@@ -59,51 +43,46 @@ def patch_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
-def case_index_rows_variants() -> None:
+def case_index_rows_shapes() -> None:
     from cpkv.indexer.quant import FP8, dequantize_index_rows
     from cpkv.kernels.index_rows import triton as kern
     from cpkv.kernels.index_rows.ref import index_keys_ref, index_queries_ref
-    from cpkv.model.ops import Rotary, hadamard_matrix
+    from cpkv.model.ops import Rotary
 
-    # (tokens, heads, D, rope, interleaved): 148 to 280 rows walk several blocks on 2 programs (persistent
-    # variants); D 64 / 128 / 256
+    # (tokens, heads, D, rope, interleaved): 148 to 280 rows over several blocks and a partial last one; D 64 / 128
+    # / 256
     shapes = [(5, 1, 128, 64, True), (3, 4, 64, 32, False), (150, 1, 128, 64, True), (37, 4, 128, 64, True),
               (2, 3, 64, 32, False), (70, 4, 128, 64, True), (70, 4, 128, 64, False), (40, 1, 256, 64, True)]
-    for name in kern.VARIANTS:
-        for t, h, d, r, interleaved in shapes:
-            gen = _gen(t * d + r + h)
-            rot = Rotary.build(torch.arange(t) * 31 + 1, r, 10000.0)
-            had = hadamard_matrix(d, "cpu")
-            x = (torch.randn(t, h, d, generator=gen) * 2).bfloat16()
-            at = (name, t, h, d, r, interleaved)
-            if h == 1:
-                k = x[:, 0]
-                k[1] = 0.5  # an all-equal row: LayerNorm gives the bias
-                k[2] = 0.0
-                w = (torch.randn(d, generator=gen) * 0.2 + 1).bfloat16()
-                b = (torch.randn(d, generator=gen) * 0.1).bfloat16()
-                rows = torch.zeros(t, d + 4, dtype=torch.uint8)
-                fp8, scale = dequantize_index_rows(rows)
-                kern.index_rows(k, 1, rot.cos, rot.sin, r, interleaved, had, fp8, scale, norm=(w, b, 1e-6),
-                                variant=name)
-                want_fp8, want_s = dequantize_index_rows(index_keys_ref(k, w, b, rot.cos, rot.sin, r, interleaved))
-                assert rel(scale, want_s) <= 2e-5, f"key scales at {at}: {rel(scale, want_s)}"
-                assert near_fp8(fp8, want_fp8), f"key fp8 values at {at}"
-            x[0, 0] = 0.0  # an all-zero row: scale 1e-10, fp8 zeros
-            wts = torch.rand(t, h, generator=gen) + 0.1
-            q8 = torch.zeros(t, h, d, dtype=FP8)
-            folded = torch.zeros(t, h)
-            kern.index_rows(x.view(t * h, d), h, rot.cos, rot.sin, r, interleaved, had, q8.view(t * h, d),
-                            folded.view(-1), weights=wts.view(-1), variant=name)
-            want_q, want_w = index_queries_ref(x, wts, rot.cos, rot.sin, r, interleaved)
-            assert rel(folded, want_w) <= 2e-5, f"folded weights at {at}: {rel(folded, want_w)}"
-            assert near_fp8(q8, want_q), f"query fp8 values at {at}"
-            assert float(folded[0, 0]) == float(wts[0, 0]) * 1e-10 or rel(folded[:1, :1], want_w[:1, :1]) <= 2e-5
+    for t, h, d, r, interleaved in shapes:
+        gen = _gen(t * d + r + h)
+        rot = Rotary.build(torch.arange(t) * 31 + 1, r, 10000.0)
+        x = (torch.randn(t, h, d, generator=gen) * 2).bfloat16()
+        at = (t, h, d, r, interleaved)
+        if h == 1:
+            k = x[:, 0]
+            k[1] = 0.5  # an all-equal row: LayerNorm gives the bias
+            k[2] = 0.0
+            w = (torch.randn(d, generator=gen) * 0.2 + 1).bfloat16()
+            b = (torch.randn(d, generator=gen) * 0.1).bfloat16()
+            rows = torch.zeros(t, d + 4, dtype=torch.uint8)
+            fp8, scale = dequantize_index_rows(rows)
+            kern.index_rows(k, 1, rot.cos, rot.sin, r, interleaved, fp8, scale, norm=(w, b, 1e-6))
+            want_fp8, want_s = dequantize_index_rows(index_keys_ref(k, w, b, rot.cos, rot.sin, r, interleaved))
+            assert rel(scale, want_s) <= 2e-5, f"key scales at {at}: {rel(scale, want_s)}"
+            assert near_fp8(fp8, want_fp8), f"key fp8 values at {at}"
+        x[0, 0] = 0.0  # an all-zero row: scale 1e-10, fp8 zeros
+        wts = torch.rand(t, h, generator=gen) + 0.1
+        q8 = torch.zeros(t, h, d, dtype=FP8)
+        folded = torch.zeros(t, h)
+        kern.index_rows(x.view(t * h, d), h, rot.cos, rot.sin, r, interleaved, q8.view(t * h, d), folded.view(-1),
+                        weights=wts.view(-1))
+        want_q, want_w = index_queries_ref(x, wts, rot.cos, rot.sin, r, interleaved)
+        assert rel(folded, want_w) <= 2e-5, f"folded weights at {at}: {rel(folded, want_w)}"
+        assert near_fp8(q8, want_q), f"query fp8 values at {at}"
+        assert float(folded[0, 0]) == float(wts[0, 0]) * 1e-10 or rel(folded[:1, :1], want_w[:1, :1]) <= 2e-5
     empty = torch.zeros(0, 132, dtype=torch.uint8)
     fp8, scale = dequantize_index_rows(empty)
-    for name in kern.VARIANTS:  # no rows: nothing launched
-        kern.index_rows(torch.zeros(0, 128), 1, torch.ones(1, 32), torch.zeros(1, 32), 64, True,
-                        hadamard_matrix(128, "cpu"), fp8, scale, variant=name)
+    kern.index_rows(torch.zeros(0, 128), 1, torch.ones(1, 32), torch.zeros(1, 32), 64, True, fp8, scale)  # no rows
 
 
 def _logit_bound(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -123,11 +102,10 @@ def case_router_scores() -> None:
         bound = _logit_bound(x, gate)
         ref32 = router_scores_ref(x, gate)
         assert bool(((ref32.double() - want64.sigmoid()).abs() <= bound / 4 + 2.0 ** -22).all()), "float32 ref"
-        for cfg in kern.CONFIGS:
-            out = torch.full((t, n), float("nan"))
-            kern.router_scores(x, gate, out, config=cfg)
-            err = (out.double() - want64.sigmoid()).abs()
-            assert bool((err <= bound / 4 + 2.0 ** -22).all()), f"router scores at {(t, k, n, gdtype, cfg)}"
+        out = torch.full((t, n), float("nan"))
+        kern.router_scores(x, gate, out)
+        err = (out.double() - want64.sigmoid()).abs()
+        assert bool((err <= bound / 4 + 2.0 ** -22).all()), f"router scores at {(t, k, n, gdtype)}"
     kern.router_scores(torch.zeros(0, 64).bfloat16(), torch.zeros(8, 64), torch.zeros(0, 8))  # T = 0
 
 

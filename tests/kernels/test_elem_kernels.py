@@ -1,5 +1,5 @@
-"""CPU tests of the index-row kernel variants and the MoE router kernel: each case of ``elem_cases.py`` under
-Triton's interpreter (a subprocess with TRITON_INTERPRET=1; tolerances stated there), and the default variants
+"""CPU tests of the index-row kernel and the MoE router kernel: each case of ``elem_cases.py`` under
+Triton's interpreter (a subprocess with TRITON_INTERPRET=1; tolerances stated there), and both kernels
 compiled offline for sm_90a (Triton ships ptxas: no GPU needed) without local-memory spills. Skipped without
 Triton. The GPU runs are in test_elem_gpu.py; the timings in ``benchmarks/elem_kernels.py``.
 """
@@ -21,7 +21,7 @@ CASES = re.findall(r"^def case_(\w+)\(", (HERE / "elem_cases.py").read_text(), r
 
 
 def test_every_case_is_found():
-    assert {"index_rows_variants", "router_scores", "route_dispatch"} <= set(CASES)
+    assert {"index_rows_shapes", "router_scores", "route_dispatch"} <= set(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -79,40 +79,28 @@ def _sass(ck, tmp_path) -> tuple[str, str]:
     return out.stderr, sass
 
 
-def compile_index_rows(variant: str, queries: bool = True):
-    """An index-row variant at GLM-5's query (keys: key) shapes: 32,768 tokens x 32 heads of 128, RoPE 64
-    interleaved."""
+def compile_index_rows(queries: bool = True):
+    """The index-row kernel as ``index_rows`` launches it at GLM-5's query (keys: key) shapes: 32,768 tokens x 32
+    heads of 128, RoPE 64 interleaved."""
     from cpkv.kernels.index_rows import triton as kern
 
-    v = kern.VARIANTS[variant]
     t, h, d = 32768, (32 if queries else 1), 128
     x = torch.empty(t * h, d, dtype=torch.bfloat16)
     cos = torch.empty(t, 32)
-    had = torch.empty(d, d)
     fp8, out = torch.empty(t * h, d, dtype=torch.float8_e4m3fn), torch.empty(t * h)
     lw = torch.empty(d, dtype=torch.bfloat16)
-    consts = {"D": d, "ROPE": 64, "INTERLEAVED": True, "NORM": not queries, "FOLD": queries, "BLOCK": v["BLOCK"]}
-    if v["kernel"] == "v1":
-        args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d, 32, 32, d, 1)
-        consts["PRECISION"] = kern.DOT_PRECISION
-        return _compile_sm90(kern._index_rows, args, consts, num_warps=v["num_warps"], enable_fp_fusion=False)
-    if v["kernel"] == "v3":
-        args = (x, lw, lw, cos, cos, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
-        consts.update(LOG_K=4, RCP=v["RCP"])
-        return _compile_sm90(kern._index_rows_v3, args, consts, num_warps=v["num_warps"], num_stages=1,
-                             enable_fp_fusion=False)
-    args = (x, lw, lw, cos, cos, had, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
-    consts.update(SPLIT=v.get("SPLIT", False), FWHT=v.get("FWHT", False), LOG_D=7, PAIR_LOADS=v.get("PAIR_LOADS", False),
-                  RCP=v.get("RCP", False))
-    return _compile_sm90(kern._index_rows_v2, args, consts, num_warps=v["num_warps"],
-                         num_stages=v.get("num_stages", 1), enable_fp_fusion=False)
+    consts = {"D": d, "ROPE": 64, "INTERLEAVED": True, "NORM": not queries, "FOLD": queries, "BLOCK": kern.BLOCK_ROWS,
+              "LOG_K": 4}
+    args = (x, lw, lw, cos, cos, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
+    return _compile_sm90(kern._index_rows, args, consts, num_warps=kern.NUM_WARPS, num_stages=1,
+                         enable_fp_fusion=False)
 
 
-def compile_router(config: str, float32_gate: bool = False):
+def compile_router(float32_gate: bool = False):
     """The router kernel at GLM-5's shapes: x [32768, 6144] bf16, gate [256, 6144]."""
     from cpkv.kernels.router import triton as kern
 
-    bm, bn, bk, warps, stages = kern.launch_config(config, float32_gate)
+    bm, bn, bk, warps, stages = kern.launch_config(float32_gate)
     t, k, n = 32768, 6144, 256
     x = torch.empty(t, k, dtype=torch.bfloat16)
     gate = torch.empty(n, k, dtype=torch.float32 if float32_gate else torch.bfloat16)
@@ -122,45 +110,25 @@ def compile_router(config: str, float32_gate: bool = False):
     return _compile_sm90(kern._router_gemm, args, consts, num_warps=warps, num_stages=stages)
 
 
-# the variants that compile without spills for keys and queries at GLM-5's shapes (v1, the former default, spills
-# ~400 B per thread in both; bf16x3_p64 ~450 B for keys): DEFAULT must be one of them or v1
-NO_SPILLS = ("bf16x3_p", "bf16x3_pairs_p", "fwht_pairs", "fwht_pairs_p", "fwht_pairs_64", "fwht_pairs_rcp",
-             "fwht_pairs_64_rcp", "rows", "rows_rcp", "rows_rcp_64", "rows_rcp_p")
-
-
-def ck_shared(variant: str) -> int:
-    return compile_index_rows(variant, True).metadata.shared
-
-
-def test_default_is_known():
-    from cpkv.kernels.index_rows import triton as kern
-
-    assert set(NO_SPILLS) <= set(kern.VARIANTS) and kern.DEFAULT in NO_SPILLS + ("v1",)
-
-
-@pytest.mark.parametrize("variant", ["rows_rcp_64", "rows_rcp", "rows", "fwht_pairs_64", "bf16x3_pairs_p"])
 @pytest.mark.parametrize("queries", [True, False])
-def test_index_rows_compiles_for_sm90_without_spills(variant, queries, tmp_path):
-    """The candidate defaults (keys and queries, interleaved RoPE, D 128): no local-memory spills; the FWHT variants
-    without tensor-core instructions (one row per thread: for queries no shuffle and no shared memory either),
-    the bf16 three-part one with bf16 (not tf32) products."""
-    report, sass = _sass(compile_index_rows(variant, queries), tmp_path)
+def test_index_rows_compiles_for_sm90_without_spills(queries, tmp_path):
+    """Keys and queries (interleaved RoPE, D 128): no local-memory spills, no tensor-core instructions (the FWHT in
+    registers); for queries (one row per thread) no shuffle and no shared memory either."""
+    ck = compile_index_rows(queries)
+    report, sass = _sass(ck, tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
-    if variant.startswith("rows") and queries:
-        assert not re.search(r"\b(SHFL|LDS|STS)\b", sass) and ck_shared(variant) == 0
-    if variant.startswith(("fwht", "rows")):
-        assert not re.search(r"\b[HQ]?G?MMA\.\d", sass)  # (HFMA2.MMA: a register move, not a product)
-    else:
-        assert re.search(r"HMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
+    if queries:
+        assert not re.search(r"\b(SHFL|LDS|STS)\b", sass) and ck.metadata.shared == 0
+    assert not re.search(r"\b[HQ]?G?MMA\.\d", sass)  # (HFMA2.MMA: a register move, not a product)
 
 
 @pytest.mark.parametrize("float32_gate", [False, True])
 def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
-    """The router kernel's default config with a bf16 gate (one wgmma per K step) and a float32 gate (three):
+    """The router kernel's config with a bf16 gate (one wgmma per K step) and a float32 gate (three):
     no local-memory spills; bf16 tensor-core products (no tf32)."""
     from cpkv.kernels.router import triton as kern
 
-    ck = compile_router(kern.DEFAULT, float32_gate)
+    ck = compile_router(float32_gate)
     assert ck.metadata.shared <= kern.SHARED_LIMIT  # (a float32 gate at 4 stages asked 278,528 B on the H200)
     report, sass = _sass(ck, tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
@@ -168,8 +136,8 @@ def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
 
 
 def test_benchmark_script_runs_under_the_interpreter():
-    """benchmarks/elem_kernels.py end to end on CPU tensors (8 tokens, hidden 256, Triton's interpreter): every
-    variant and config checked and timed once, a suggested default printed, all checks holding."""
+    """benchmarks/elem_kernels.py end to end on CPU tensors (8 tokens, hidden 256, Triton's interpreter): both
+    kernels checked and timed once, all checks holding."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = str(HERE.parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import elem_cases as c; "
@@ -181,9 +149,7 @@ def test_benchmark_script_runs_under_the_interpreter():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     import json
 
-    from cpkv.kernels.index_rows import triton as kern
-
     report = json.loads(run.stdout)
-    assert report["ok"] and report["suggested"]["index_rows"] in kern.VARIANTS
-    assert {r["variant"] for r in report["index_rows"]} == set(kern.VARIANTS)
-    assert all(r["ok"] for r in report["index_rows"] + report["router"])
+    assert report["ok"] and report["index_rows"]["ok"] and report["index_rows"]["queries_ms"] > 0
+    assert all(r["ok"] for r in report["router"])  # per gate dtype: the scores, then GLM-5's and DeepSeek's routes
+    assert [r["gate"] for r in report["router"] if "ms" in r] == ["bfloat16", "float32"]

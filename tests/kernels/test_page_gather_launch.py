@@ -64,13 +64,12 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
                                           compiled.calls[0][5], compiled.calls[0][6:9], compiled.calls[0][9:])
     assert grid == (5, 1, 1) and stream == 1000 and (fn, meta) == ("fn", "meta") and hooks == (None,) * 3
     named = dict(zip(pg.load().arg_names, raw))  # the real kernel's parameter names
-    assert len(named) == len(raw) == 16
+    assert len(named) == len(raw) == 12
     assert [named[x] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
         t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n"], named["n_units"]) == (5, 5)  # one unit per page
     assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [
         64 * 656 // 4, 4, 4, 16384]  # int32 elements, 16-byte vectors, one program per page
-    assert [named[x] for x in ("PERSIST", "LOAD_CM", "LOAD_EP", "STORE_CM")] == [False, "", "", ""]  # no cache hints
     assert len(compiled.calls) == 3 and all(c == compiled.calls[0] for c in compiled.calls)
     assert launch.tensors[2] is dest
 
@@ -86,12 +85,12 @@ def test_pair_launcher_orders_both_segments_for_one_launch(fake):
     assert call[:3] == (11, 1, 1)
     # every raw value lands on the parameter of that name in the real kernel's signature
     named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
-    assert len(named) == len(call[9:]) == 28
+    assert len(named) == len(call[9:]) == 24
     for j, (out, bases, dest, src, page) in enumerate((a, b)):
         assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 4, 7, 7)
-    assert (named["PERSIST"], kw["PERSIST"], kw["STORE_CM"]) == (False, False, "")
+    assert set(kw) == {f"{x}{j}" for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK") for j in (0, 1)} | {"num_warps"}
     assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 16384]
     assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
     assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
@@ -141,26 +140,18 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
     assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets
 
 
-
-def test_persistent_config_launches_waves_per_sm_and_keeps_its_own_compile(fake, monkeypatch):
-    """waves k: a grid of k programs per SM (never more than the units), compiled apart from the default;
-    unknown cache hints are refused."""
+def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):
+    """block: a page of 10,496 int32 elements in 3 units of 4,096 (one program each), compiled apart from the
+    default; keys other than block / num_warps are refused (the measured and deleted variants' waves, load, store)."""
     compiled, compiles = fake
-    monkeypatch.setattr(pg, "_sm_count", lambda device: 3)
     out, bases, dest, src, page = _seg(64 * 656, 20)
-    pg.gather_launcher(out, bases, dest, src, page, config={"waves": 2})()
-    pg.gather_launcher(out, bases, dest, src, page, config={"waves": 2, "block": 4096})()  # 3 units per page
-    pg.gather_launcher(*_seg(64 * 656, 4), config={"waves": 2})()  # 4 units < 6 programs
+    pg.gather_launcher(out, bases, dest, src, page, config={"block": 4096})()
     pg.gather_launcher(out, bases, dest, src, page)()
-    assert [c[:3] for c in compiled.calls] == [(6, 1, 1), (6, 1, 1), (4, 1, 1), (20, 1, 1)]
+    pg.gather_launcher(out, bases, dest, src, page, config={"block": 4096, "num_warps": 8})()
+    assert [c[:3] for c in compiled.calls] == [(60, 1, 1), (20, 1, 1), (60, 1, 1)]
     named = [dict(zip(pg.load().arg_names, c[9:])) for c in compiled.calls]
-    assert [(x["n_units"], x["PERSIST"]) for x in named] == [(20, True), (60, True), (4, True), (20, False)]
-    assert len(compiles) == 3  # the 4-unit persistent launch reuses the first one's kernel
-    a, b = _seg(64 * 656, 4), _seg(64 * 132, 7)
-    pg.gather_pair_launcher((*a, True), (*b, True), config={"waves": 1, "load": ".cg"})()
-    call = compiled.calls[-1]
-    assert call[:3] == (3, 1, 1)
-    named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
-    assert [named[x] for x in ("units0", "units1", "PERSIST", "LOAD_CM", "LOAD_EP")] == [4, 7, True, ".cg", ""]
-    with pytest.raises(ValueError, match="load in"):
-        pg.gather_launcher(out, bases, dest, src, page, config={"load": "evict_last"})
+    assert [(x["n_units"], x["BLOCK"]) for x in named] == [(60, 4096), (20, 16384), (60, 4096)]
+    assert len(compiles) == 2  # the third launch reuses the first one's kernel (8 warps is the default's)
+    for bad in ({"waves": 2}, {"load": ".cg"}, {"store": ".cs"}):
+        with pytest.raises(ValueError, match="expected keys among"):
+            pg.gather_launcher(out, bases, dest, src, page, config=bad)

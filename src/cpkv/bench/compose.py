@@ -33,22 +33,15 @@ from cpkv.errors import ConfigError
 from cpkv.layout import BatchLayout, build_layout
 from cpkv.scheduler.costs import unit_costs_compose
 
-GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page); waves 0: one program per unit, k: the
-    # persistent variant (k programs per SM, two units in flight per program; k of them must fit an SM at
-    # once, tests/kernels/test_page_gather_sm90.py checks it); load / store: cache hints (missing keys:
-    # page_gather.triton.DEFAULT_CONFIG's, the first entry). 2026-12-01's first sweep (BENCHMARKS.md): no hints
-    # 0.945 / 0.944 of copy_ (token / index pages), evict_first + .cs 0.909 / 0.913, every persistent shape 0.58-0.92
+GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page), num_warps (missing keys:
+    # page_gather.triton.DEFAULT_CONFIG's, the first entry). 2026-12-01's sweep (BENCHMARKS.md, session 9) also
+    # measured cache hints and a persistent variant, both slower or no faster, both deleted
     {"block": 16384, "num_warps": 8},
     {"block": 16384, "num_warps": 4},
     {"block": 16384, "num_warps": 16},
     {"block": 8192, "num_warps": 8},
     {"block": 4096, "num_warps": 4},
     {"block": 4096, "num_warps": 8},
-    {"block": 16384, "num_warps": 8, "load": ".cg", "store": ""},
-    {"block": 16384, "num_warps": 8, "load": "", "store": ".cs"},
-    {"block": 16384, "num_warps": 8, "load": "evict_first", "store": ".cs"},
-    {"block": 16384, "num_warps": 16, "waves": 1},
-    {"block": 4096, "num_warps": 4, "waves": 4},
 )
 
 

@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"gather kernel: {k['pages']} pages of {k['page_bytes']} B, device time; device copy "
               f"{k['copy_GBps']:.0f} GB/s ({k['copy_GBps_event']:.0f} with its launch), index_select "
               f"{k['index_select_GBps']:.0f} GB/s ({k['index_select_ratio']:.3f})")
-        table(["block", "warps", "waves", "load", "store", "GB/s", "x copy", "x copy, launch incl.", "correct"],
-              [(v["block"], v["num_warps"], v["waves"], v["load"] or "-", v["store"] or "-", v.get("GBps", nan),
-                v.get("ratio_to_copy", nan), v.get("ratio_to_copy_event", nan), v["correct"])
+        table(["block", "warps", "GB/s", "x copy", "x copy, launch incl.", "correct"],
+              [(v["block"], v["num_warps"], v.get("GBps", nan), v.get("ratio_to_copy", nan),
+                v.get("ratio_to_copy_event", nan), v["correct"])
                for v in k["variants"]])
         print(f"compose modes above ran with the best gather config: {k.get('best', 'none (no variant was correct)')}")
         print(f"gather launch host time {k['launch_host_us']:.1f} us (a one-element torch op: "

@@ -90,12 +90,11 @@ def prepare_index_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if not (platform.use_triton(k) and _fits(k.shape[1], rope_dims)):
         return ref.index_keys_ref(k, weight, bias, cos, sin, rope_dims, interleaved, eps)
     from cpkv.kernels.index_rows import triton as kern
-    from cpkv.model.ops import hadamard_matrix
 
     t, d = k.shape
     rows = torch.empty(t, d + 4, dtype=torch.uint8, device=k.device)
     fp8, scale = dequantize_index_rows(rows)
-    kern.index_rows(_unit_cols(k), 1, cos, sin, rope_dims, interleaved, hadamard_matrix(d, k.device), fp8, scale,
+    kern.index_rows(_unit_cols(k), 1, cos, sin, rope_dims, interleaved, fp8, scale,
                     norm=(weight.contiguous(), bias.contiguous(), eps))
     return rows
 
@@ -112,13 +111,12 @@ def prepare_index_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Ten
     if not (platform.use_triton(q) and _fits(q.shape[2], rope_dims)):
         return ref.index_queries_ref(q, weights, cos, sin, rope_dims, interleaved)
     from cpkv.kernels.index_rows import triton as kern
-    from cpkv.model.ops import hadamard_matrix
 
     t, h, d = q.shape
     q_fp8 = torch.empty(t, h, d, dtype=FP8, device=q.device)
     folded = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    kern.index_rows(_unit_cols(q).reshape(t * h, d), h, cos, sin, rope_dims, interleaved, hadamard_matrix(d, q.device),
-                    q_fp8.view(t * h, d), folded.view(-1), weights=weights.float().contiguous().view(-1))
+    kern.index_rows(_unit_cols(q).reshape(t * h, d), h, cos, sin, rope_dims, interleaved, q_fp8.view(t * h, d),
+                    folded.view(-1), weights=weights.float().contiguous().view(-1))
     return q_fp8, folded
 
 

@@ -15,14 +15,11 @@
 
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
-copies one unit with no inner loop, so all of a thread's loads are in flight before its stores, with
-streaming cache hints. Config ``waves`` k > 0 selects the persistent variant instead: k programs per SM, each
-walking its units pipelined: before unit j's stores it issues unit j+1's data loads (address resolved an
-iteration ago), unit j+2's source-base load (entry read an iteration ago) and unit j+3's entry loads, so no load
-waits on another inside an iteration and a program never stalls on index loads at the head of a unit (the
-default pays two dependent index loads per program before its first data load); ``load`` / ``store`` select
-the cache hints. ``cpkv bench compose`` (``kernel_bench``) sweeps the variants against ``copy_`` in
-device time.
+copies one unit with no inner loop, so all of a thread's loads are in flight before its stores; no cache hints.
+``cpkv bench compose`` (``kernel_bench``) sweeps its block and warp shapes against ``copy_`` in device time.
+Measured and deleted (BENCHMARKS.md, session 9): a persistent variant (k programs per SM walking their units
+pipelined: 0.58-0.92 of ``copy_`` against this one's 0.936-0.945) and cache hints (evict_first loads with
+streaming stores 0.902-0.913; ``.cg`` loads the same as none, within noise).
 Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -34,15 +31,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
-# one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``)
-# waves 0: one program per unit (the persistent variant: k > 0 programs per SM, which must all be resident at
-# once: a program beyond would start only when one of the first ends, doubling the time); load / store: the
-# cache hints (a load hint starting with "." is a cache modifier, else an eviction policy; "" = none)
-# cache hints: none (2026-12-01 sweep on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index
-# pages, against 0.909 / 0.913 with evict_first loads and streaming stores)
-DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "waves": 0, "load": "", "store": ""}
-LOAD_HINTS = ("evict_first", ".cg", "")
-STORE_HINTS = (".cs", "")
+# one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
+# 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
+DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
 
 
 @lru_cache(maxsize=1)
@@ -53,11 +44,9 @@ def load() -> Any:
 
     @triton.jit
     def _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-              VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr,
-              STORE_CM: tl.constexpr):
+              VEC: tl.constexpr, BLOCK: tl.constexpr):
         # unit u = (entry i = u % n, block c = u // n): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's
-        # page; every load of a thread is issued before its stores (no inner loop); streaming cache hints
-        # (each byte is read once and written once)
+        # page; every load of a thread is issued before its stores (no inner loop)
         i = u % n
         offs = _offs(u, n, BLOCK)
         mask = offs < PAGE_ELEMS
@@ -67,8 +56,8 @@ def load() -> Any:
             addr = tl.load(BASES + s) + tl.load(PAGE + i).to(tl.int64) * (PAGE_ELEMS * ELEM_BYTES)
             # element offset from OUT, written as q * VEC so the compiler knows its 16-byte alignment
             delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
-            x = tl.load(OUT + delta + offs, mask=mask, cache_modifier=LOAD_CM, eviction_policy=LOAD_EP)
-            tl.store(out_page + offs, x, mask=mask, cache_modifier=STORE_CM)
+            x = tl.load(OUT + delta + offs, mask=mask)
+            tl.store(out_page + offs, x, mask=mask)
         elif s == -1:
             tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
@@ -78,84 +67,16 @@ def load() -> Any:
         offs = (u // n) * BLOCK + tl.arange(0, BLOCK)
         return tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
 
-    @triton.jit
-    def _raw(DEST, SRC, PAGE, u, n, PAGE_ELEMS: tl.constexpr):
-        # unit u's entry: (source index, destination page's element offset from OUT, page id in the source)
-        i = u % n
-        return tl.load(SRC + i), tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS, tl.load(PAGE + i).to(tl.int64)
-
-    @triton.jit
-    def _base(BASES, s):
-        # the source's byte address (source 0's for -1 / SKIP: never dereferenced then)
-        return tl.load(BASES + tl.maximum(s, 0))
-
-    @triton.jit
-    def _fetch(OUT, out_addr, s, base, page, u, n, n_units, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-               VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr):
-        # unit u's data: its source block, zeros where its source is -1 or SKIP or u is past the last unit;
-        # the source page's element offset from OUT written as q * VEC (its 16-byte alignment, as in _unit)
-        delta = (((base + page * (PAGE_ELEMS * ELEM_BYTES)) - out_addr) // (ELEM_BYTES * VEC)) * VEC
-        offs = _offs(u, n, BLOCK)
-        return tl.load(OUT + delta + offs, mask=(offs < PAGE_ELEMS) & (s >= 0) & (u < n_units), other=0,
-                       cache_modifier=LOAD_CM, eviction_policy=LOAD_EP)
-
-    @triton.jit
-    def _put(OUT, x, s, dst, u, n, n_units, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr,
-             STORE_CM: tl.constexpr):
-        # unit u's store (nothing for SKIP, or past the last unit)
-        offs = _offs(u, n, BLOCK)
-        tl.store(OUT + dst + offs, x, mask=(offs < PAGE_ELEMS) & (s >= -1) & (u < n_units), cache_modifier=STORE_CM)
-
-    @triton.jit
-    def _units(OUT, BASES, DEST, SRC, PAGE, out_addr, start, step, n, n_units, PAGE_ELEMS: tl.constexpr,
-               ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, LOAD_CM: tl.constexpr,
-               LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
-        # the persistent variant: units start, start + step, ... < n_units, pipelined so that no load waits on
-        # another inside an iteration: while unit a's data is stored, unit b's data loads (its address
-        # resolved an iteration ago), unit c's source base (its entry read an iteration ago) and unit d's
-        # entry are in flight
-        tl.static_assert(BLOCK % VEC == 0)  # (also makes tl a free variable here, for the annotations)
-        ua = start
-        sa, da, pa = _raw(DEST, SRC, PAGE, ua, n, PAGE_ELEMS)
-        xa = _fetch(OUT, out_addr, sa, _base(BASES, sa), pa, ua, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
-                    LOAD_CM, LOAD_EP)
-        ub = ua + step
-        sb, db, pb = _raw(DEST, SRC, PAGE, ub, n, PAGE_ELEMS)
-        bb = _base(BASES, sb)
-        uc = ub + step
-        sc, dc, pc = _raw(DEST, SRC, PAGE, uc, n, PAGE_ELEMS)
-        for _ in range(start, n_units, step):
-            xb = _fetch(OUT, out_addr, sb, bb, pb, ub, n, n_units, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, LOAD_CM,
-                        LOAD_EP)
-            bc = _base(BASES, sc)
-            ud = uc + step
-            sd, dd, pd = _raw(DEST, SRC, PAGE, ud, n, PAGE_ELEMS)
-            _put(OUT, xa, sa, da, ua, n, n_units, PAGE_ELEMS, BLOCK, STORE_CM)
-            ua, sa, da, xa = ub, sb, db, xb
-            ub, sb, db, pb, bb = uc, sc, dc, pc, bc
-            uc, sc, dc, pc = ud, sd, dd, pd
-
     # the kernels find their helpers as module globals (also in TRITON_INTERPRET)
     globals()["_unit"] = _unit
     globals()["_offs"] = _offs
-    globals()["_raw"] = _raw
-    globals()["_base"] = _base
-    globals()["_fetch"] = _fetch
-    globals()["_put"] = _put
-    globals()["_units"] = _units
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, n, n_units, PAGE_ELEMS: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, PERSIST: tl.constexpr,
-                     LOAD_CM: tl.constexpr, LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
-        # 1-D grid, entry-fastest: consecutive programs copy the same block of different entries' pages
-        # (faster than page-major order on H200); PERSIST: fewer programs than units, each striding over them
-        if PERSIST:
-            _units(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), tl.num_programs(0), n, n_units,
-                   PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, LOAD_CM, LOAD_EP, STORE_CM)
-        else:
-            _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK,
-                  LOAD_CM, LOAD_EP, STORE_CM)
+                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+        # 1-D grid of n_units programs, entry-fastest: consecutive programs copy the same block of different
+        # entries' pages (faster than page-major order on H200)
+        _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK)
 
     return _page_gather
 
@@ -172,23 +93,14 @@ def load_pair() -> Any:
                           OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1, units1,
                           PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
                           BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
-                          VEC1: tl.constexpr, BLOCK1: tl.constexpr, PERSIST: tl.constexpr, LOAD_CM: tl.constexpr,
-                          LOAD_EP: tl.constexpr, STORE_CM: tl.constexpr):
-        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would);
-        # PERSIST: every program strides over segment 0's units, then over segment 1's (units1 of them)
+                          VEC1: tl.constexpr, BLOCK1: tl.constexpr):
+        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
         u = tl.program_id(0)
-        if PERSIST:
-            p = tl.num_programs(0)
-            _units(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, p, n0, units0, PAGE_ELEMS0, ELEM_BYTES0, VEC0,
-                   BLOCK0, LOAD_CM, LOAD_EP, STORE_CM)
-            _units(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u, p, n1, units1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
-                   BLOCK1, LOAD_CM, LOAD_EP, STORE_CM)
-        elif u < units0:
-            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0,
-                  LOAD_CM, LOAD_EP, STORE_CM)
+        if u < units0:
+            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0)
         else:
             _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
-                  BLOCK1, LOAD_CM, LOAD_EP, STORE_CM)
+                  BLOCK1)
 
     return _page_gather_pair
 
@@ -218,9 +130,8 @@ def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tenso
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
     """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
     address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``
-    (missing keys: DEFAULT_CONFIG's): block (elements per unit), num_warps, waves (0: one program per unit;
-    k: the persistent variant, k programs per SM), load / store (cache hints: LOAD_HINTS, STORE_HINTS). See
-    the module docstring for the semantics."""
+    (missing keys: DEFAULT_CONFIG's): block (elements per unit), num_warps. See the module docstring for the
+    semantics."""
     if dest.numel() == 0:
         return
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
@@ -254,9 +165,8 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
     """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
     ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
-    The same contract as :func:`gather_launcher`; ``config`` applies to both (persistent: one grid of
-    ``waves`` programs per SM walks the first segment's units, then the second's). Falls back to
-    two launches where a direct launch is not possible."""
+    The same contract as :func:`gather_launcher`; ``config`` applies to both. Falls back to two launches
+    where a direct launch is not possible."""
     if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
         return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
     segs, args, grid, kw = _pair(first, second, config)
@@ -280,14 +190,10 @@ def _pair(first: tuple, second: tuple, config: dict | None) -> tuple[list, tuple
     the keyword arguments of a JIT launch: constexprs and warps)."""
     segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
     a, b = segs[0].args, segs[1].args
-    args = (*a[:8], *b[:8], *a[8:12], *b[8:12], *a[12:])  # the pair kernel's signature order
-    programs = a[7] + b[7]
-    if a[12]:  # persistent: one grid for both segments
-        programs = min(programs, segs[0].waves * _sm_count(first[0].device))
+    args = (*a[:8], *b[:8], *a[8:], *b[8:])  # the pair kernel's signature order
     kw = dict(PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9],
-              VEC1=b[10], BLOCK1=b[11], PERSIST=a[12], LOAD_CM=a[13], LOAD_EP=a[14], STORE_CM=a[15],
-              num_warps=segs[0].warps)
-    return segs, args, (programs, 1, 1), kw
+              VEC1=b[10], BLOCK1=b[11], num_warps=segs[0].warps)
+    return segs, args, (a[7] + b[7], 1, 1), kw
 
 
 def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -365,43 +271,23 @@ def _noop() -> None:
     return None
 
 
-def hints(config: dict) -> tuple[str, str, str]:
-    """(load cache modifier, load eviction policy, store cache modifier) of a config's ``load`` / ``store``."""
-    load_hint, store_hint = config["load"], config["store"]
-    if load_hint not in LOAD_HINTS or store_hint not in STORE_HINTS:
-        raise ValueError(f"page gather config: expected load in {LOAD_HINTS} and store in {STORE_HINTS}, got "
-                         f"{load_hint!r} / {store_hint!r}")
-    return (load_hint, "", store_hint) if load_hint.startswith(".") else ("", load_hint, store_hint)
-
-
-@lru_cache(maxsize=16)
-def _sm_count_cached(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter, where it only shapes the grid)."""
-    return _sm_count_cached(device.index or 0) if device.type == "cuda" else 4
-
-
 class _Launch:
     """One gather's launch: grid, positional arguments, the compile-cache key, and how to JIT it."""
 
-    __slots__ = ("grid", "args", "key", "warps", "waves")
+    __slots__ = ("grid", "args", "key", "warps")
 
     def __init__(self, out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                  page: torch.Tensor, aligned16: bool, config: dict | None) -> None:
         n = dest.numel()
+        if set(config or ()) - set(DEFAULT_CONFIG):
+            raise ValueError(f"page gather config: expected keys among {sorted(DEFAULT_CONFIG)}, got {sorted(config)}")
         cfg = {**DEFAULT_CONFIG, **(config or {})}
         addr = out.data_ptr()
         dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
                                                                   cfg["block"])
         units = n * nblocks
-        self.waves = int(cfg["waves"])
-        programs = min(units, self.waves * _sm_count(out.device)) if self.waves > 0 else units
-        self.grid = (programs, 1, 1)
-        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block,
-                     self.waves > 0, *hints(cfg))
+        self.grid = (units, 1, 1)
+        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block)
         self.warps = cfg["num_warps"]
         # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
         self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
@@ -412,8 +298,7 @@ class _Launch:
         """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
         a = self.args
         kernel = load()
-        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], PERSIST=a[12], LOAD_CM=a[13],
-                  LOAD_EP=a[14], STORE_CM=a[15], num_warps=self.warps)
+        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], num_warps=self.warps)
         if warmup:
             return kernel.warmup(*a[:8], grid=self.grid, **kw)
         return kernel[self.grid](*a[:8], **kw)

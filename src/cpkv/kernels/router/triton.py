@@ -1,6 +1,6 @@
 """Triton kernel: the MoE router's scores (reference: ``cpkv.kernels.router.ref``).
 
-    router_scores(x [T, K] bf16/fp16, gate [N, K] bf16/fp16/float32, out float32 [T, N], config=None)
+    router_scores(x [T, K] bf16/fp16, gate [N, K] bf16/fp16/float32, out float32 [T, N])
         out = sigmoid(float32(x) @ float32(gate)^T)
 
 One [BLOCK_M, BLOCK_N] tile per program (the N tiles of one row block on neighbouring programs: x read from HBM
@@ -10,7 +10,8 @@ kernel into three bfloat16 parts g = g_hi + g_mid + g_lo (each the rne rounding 
 them is at most 2^-27 |g|), three dots into the same accumulator (small parts first): float32-level accuracy
 without tf32. The sums run in another order than cuBLAS's: the logits agree with a float64 reference within
 2^-18 sum_k |x_k g_k| (tests), as the float32 reference does. sigmoid in float32 (``tl.sigmoid``). The kernel's
-name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces).
+name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces). Other tile
+shapes (128 x 128, 64 x 256, 64 x 128) were measured slower and deleted (BENCHMARKS.md, session 9).
 """
 from __future__ import annotations
 
@@ -19,23 +20,18 @@ import torch
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per variant: ``cpkv bench index-rows`` times each
-CONFIGS = {
-    "m128n128": (128, 128, 64, 8, 4),
-    "m128n256": (128, 256, 64, 8, 3),
-    "m64n256": (64, 256, 64, 4, 3),
-    "m64n128": (64, 128, 64, 4, 4),
-}
-DEFAULT = "m128n256"  # 2026-12-01, one H200, x [32768, 6144] x bf16 gate [256, 6144]: 0.184 ms (F.linear in float32
-#                       2.573 ms; m128n128 0.231). A float32 gate: at most 128 columns and 2 stages (launch_config)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 2026-12-01, one H200, x [32768, 6144] x bf16 gate [256, 6144]:
+# 0.184 ms (F.linear in float32 2.573 ms; benchmarks/elem_kernels.py). A float32 gate: at most 128 columns and 2
+# stages (launch_config)
+CONFIG = (128, 256, 64, 8, 3)
 SHARED_LIMIT = 232448  # sm_90's shared memory per block
 
 
-def launch_config(config: str | None, float32_gate: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of ``config`` (None: DEFAULT); a float32 gate's three
-    bf16 parts per stage need more shared memory: at most 128 columns and 2 stages then (m128n128 with its 4 stages
-    asked 278,528 B on the H200)."""
-    bm, bn, bk, warps, stages = CONFIGS[config or DEFAULT]
+def launch_config(float32_gate: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of CONFIG; a float32 gate's three bf16 parts per stage
+    need more shared memory: at most 128 columns and 2 stages then (128 x 128 tiles at 4 stages asked 278,528 B on
+    the H200)."""
+    bm, bn, bk, warps, stages = CONFIG
     if float32_gate:
         bn, stages = min(bn, 128), min(stages, 2)
     return bm, bn, bk, warps, stages
@@ -81,14 +77,14 @@ def supported(x: torch.Tensor, gate: torch.Tensor) -> bool:
     return x.dtype == torch.float16 and gate.dtype == torch.float16
 
 
-def router_scores(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor, config: str | None = None) -> None:
+def router_scores(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
     """Writes out [T, N] = sigmoid(float32(x) @ float32(gate)^T) (module docstring); unit column strides,
-    ``supported(x, gate)``. ``config``: a key of CONFIGS (None: DEFAULT)."""
+    ``supported(x, gate)``."""
     t, k = x.shape
     n = gate.shape[0]
     if t == 0 or n == 0:
         return
-    bm, bn, bk, warps, stages = launch_config(config, gate.dtype == torch.float32)
+    bm, bn, bk, warps, stages = launch_config(gate.dtype == torch.float32)
     bn = min(bn, max(16, 1 << (n - 1).bit_length()))
     _router_gemm[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
         x, gate, out, t, n, k, x.stride(0), gate.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
