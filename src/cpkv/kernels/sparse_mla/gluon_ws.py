@@ -82,12 +82,15 @@ LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
 VARIANTS: dict[str, dict[str, Any]] = {
-    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
-    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
-    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
-    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
-    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
-    "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
+    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": False},
+    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False, "NAMED": False},
+    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False, "NAMED": False},
+    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False, "NAMED": False},
+    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False, "NAMED": False},
+    "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": False},
+    "gluon_ws_persist_nb": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": True},
+    "gluon_ws_persist_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": True, "NAMED": False},
+    "gluon_ws_persist_ahead_nb": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": True, "NAMED": True},
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -270,6 +273,56 @@ def load() -> Any:
         return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _asm(x, ASM: gl.constexpr):
+        """``ASM`` (a barrier instruction) executed by every thread of the calling warpgroup."""
+        return gl.inline_asm_elementwise(ASM + "\n\tmov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _signal(bars, k: gl.constexpr, x, NAMED: gl.constexpr):
+        """Consumer-to-consumer signal ``k`` (9 max0, 10 max1, 11 P0, 12 P1; module docstring) after this
+        warpgroup's shared-memory writes: NAMED: ``bar.arrive`` on hardware barrier k - 1 (256 threads: this
+        warpgroup arrives, the other syncs), else a warpgroup barrier and an arrive on mbarrier k."""
+        if NAMED:
+            if k == 9:
+                _asm(x, "bar.arrive 8, 256;")
+            elif k == 10:
+                _asm(x, "bar.arrive 9, 256;")
+            elif k == 11:
+                _asm(x, "bar.arrive 10, 256;")
+            else:
+                _asm(x, "bar.arrive 11, 256;")
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(k))
+
+    @gluon.jit
+    def _await(bars, k: gl.constexpr, ph, x, NAMED: gl.constexpr):
+        """Waits for the other consumer's signal ``k`` (of parity ``ph`` when on mbarriers; :func:`_signal`)."""
+        gl.static_assert((k >= 9) & (k <= 12))
+        if NAMED:
+            if k == 9:
+                _asm(x, "bar.sync 8, 256;")
+            elif k == 10:
+                _asm(x, "bar.sync 9, 256;")
+            elif k == 11:
+                _asm(x, "bar.sync 10, 256;")
+            else:
+                _asm(x, "bar.sync 11, 256;")
+        else:
+            mbarrier.wait(bars.index(k), ph)
+
+    @gluon.jit
+    def _sums_exchanged(bars, j, NAMED: gl.constexpr):
+        """Both consumers' row sums of tile ``j`` are in shared memory (called by both after their store)."""
+        if NAMED:
+            _asm(j, "bar.sync 12, 256;")
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(13))
+            mbarrier.wait(bars.index(13), j & 1)
+
+    @gluon.jit
     def _q_free(bars):
         """PERSIST: this consumer's score wgmmas of the tile are done (waited), so Q may be reloaded."""
         gl.thread_barrier()
@@ -296,7 +349,8 @@ def load() -> Any:
 
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
-                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr,
+                   NAMED: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -313,7 +367,10 @@ def load() -> Any:
         s_next = s0
         if AHEAD:
             if n_pairs > 0:
-                s_next = _scores0(q_a.index(0), q_b.index(0), q_r.index(0), k_a.index(0), k_b.index(0), k_r.index(0),
+                # views by an opaque 0 here too: in a PERSIST kernel constant views are invariant in the tile
+                # loop, and their 36 hoisted descriptors spilled (800 B)
+                z = _opaque_zero(j)
+                s_next = _scores0(q_a.index(z), q_b.index(z), q_r.index(z), k_a.index(z), k_b.index(z), k_r.index(z),
                                   s0, bars, g0 & 1)
         for i in range(n_pairs):
             ph = (g0 + i) & 1
@@ -334,23 +391,21 @@ def load() -> Any:
             l_run = l_run * alpha + gl.sum(p, 1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             sm.index(0).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(9))  # my max published
+            _signal(bars, 9, i, NAMED)  # my max published
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars.index(5))  # A0 free
-            mbarrier.wait(bars.index(10), ph)  # common max from consumer 1
+            _await(bars, 10, ph, i, NAMED)  # common max from consumer 1
             m1 = sm.index(1).load(row_l)
             f = gl.exp2(m_new - m1)
             kr.store((p * f[:, None]).to(gl.bfloat16))  # P0 over the rope part of buffer 0
             fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(11))  # P0 ready
+            _signal(bars, 11, i, NAMED)  # P0 ready
             o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
             l_run = l_run * f
             m_run = m1
-            mbarrier.wait(bars.index(12), ph)  # P1 ready
+            _await(bars, 12, ph, i, NAMED)  # P1 ready
             fence_async_shared()
             if AHEAD:
                 if i + 1 < n_pairs:
@@ -383,23 +438,25 @@ def load() -> Any:
 
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
-                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr):
+                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr,
+                   NAMED: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                      stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
-                                     PERSIST)
+                                     PERSIST, NAMED)
                 j += 1
         else:
             _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                            q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST)
+                            q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST,
+                            NAMED)
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                        PERSIST: gl.constexpr):
+                        PERSIST: gl.constexpr, NAMED: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -426,7 +483,7 @@ def load() -> Any:
             if PERSIST:
                 if i == n_pairs - 1:
                     _q_free(bars)
-            mbarrier.wait(bars.index(9), ph)  # max of consumer 0
+            _await(bars, 9, ph, i, NAMED)  # max of consumer 0
             m0 = sm.index(0).load(row_l)
             s, m_new = _softmax_in(s, valid, m0, scale_log2)
             alpha = gl.exp2(m_run - m_new)
@@ -434,17 +491,15 @@ def load() -> Any:
             l_run = l_run * alpha + gl.sum(p, 1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             sm.index(1).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(10))  # common max published
+            _signal(bars, 10, i, NAMED)  # common max published
             pb = p.to(gl.bfloat16)
             o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
             p1.store(pb)
             fence_async_shared()
-            mbarrier.wait(bars.index(11), ph)  # P0 ready
+            _await(bars, 11, ph, i, NAMED)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(12))  # P1 ready
+            _signal(bars, 12, i, NAMED)  # P1 ready
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars.index(8))  # BR1 free
@@ -459,9 +514,7 @@ def load() -> Any:
         # combine the row sums of both consumers, write columns 256..511 and the lse
         sb = (j & 1) * 2  # PERSIST: a tile's row sums in the half of sl of its parity
         sl.index(sb + 1).store(l_run)
-        gl.thread_barrier()
-        mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), j & 1)
+        _sums_exchanged(bars, j, NAMED)
         l_tot = l_run + sl.index(sb).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
@@ -478,25 +531,27 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
-                 PERSIST: gl.constexpr):
+                 PERSIST: gl.constexpr, NAMED: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST)
+                                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST,
+                                   NAMED)
                 j += 1
         else:
             _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST)
+                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST,
+                          NAMED)
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                       q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                      AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED)
         if PERSIST:
             if n_pairs == 0:
                 _q_free(bars)
@@ -505,9 +560,7 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         sb = (j & 1) * 2
         sl.index(sb).store(l_run)
-        gl.thread_barrier()
-        mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), j & 1)
+        _sums_exchanged(bars, j, NAMED)
         l_tot = l_run + sl.index(sb + 1).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
@@ -524,7 +577,7 @@ def load() -> Any:
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
-        C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False,
+        C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -553,9 +606,9 @@ def load() -> Any:
         mbarrier.init(bars.index(13), count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST)),
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
                          q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
         ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
