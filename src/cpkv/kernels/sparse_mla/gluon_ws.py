@@ -80,17 +80,30 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
+
+
+def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
+           early: bool = False) -> dict[str, Any]:
+    """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.);
+    AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
+    return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
+            "EARLY": early}
+
+
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
 VARIANTS: dict[str, dict[str, Any]] = {
-    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": False},
-    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False, "NAMED": False},
-    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False, "NAMED": False},
-    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False, "NAMED": False},
-    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False, "NAMED": False},
-    "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": False},
-    "gluon_ws_persist_nb": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True, "NAMED": True},
-    "gluon_ws_persist_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": True, "NAMED": False},
-    "gluon_ws_persist_ahead_nb": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": True, "NAMED": True},
+    "gluon_ws_persist": _flags(persist=True),
+    "gluon_ws": _flags(),
+    "gluon_ws_l2": _flags(l2=True),
+    "gluon_ws_ahead": _flags(ahead=True),
+    "gluon_ws_l2_ahead": _flags(l2=True, ahead=True),
+    "gluon_ws_l2_persist": _flags(l2=True, persist=True),
+    "gluon_ws_persist_nb": _flags(persist=True, named=True),
+    "gluon_ws_persist_ahead": _flags(persist=True, ahead=True),
+    "gluon_ws_persist_ahead_nb": _flags(persist=True, ahead=True, named=True),
+    "gluon_ws_persist_nb_early": _flags(persist=True, named=True, early=True),
+    "gluon_ws_persist_ahead_nb_early": _flags(persist=True, ahead=True, named=True, early=True),
+    "gluon_ws_l2_persist_ahead_nb_early": _flags(l2=True, persist=True, ahead=True, named=True, early=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -350,7 +363,7 @@ def load() -> Any:
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
                    tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -386,12 +399,18 @@ def load() -> Any:
                 if i == n_pairs - 1:
                     _q_free(bars)  # the tile's last scores are in: the next Q loads under the rest
             s, m_new = _softmax_in(s, valid, m_run, scale_log2)
+            if EARLY:
+                sm.index(0).store(m_new)
+                _signal(bars, 9, i, NAMED)  # my max published (consumer 1's softmax runs beside my exponentials)
+                # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
+                m_new = sm.index(0).load(row_l)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
             l_run = l_run * alpha + gl.sum(p, 1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            sm.index(0).store(m_new)
-            _signal(bars, 9, i, NAMED)  # my max published
+            if not EARLY:
+                sm.index(0).store(m_new)
+                _signal(bars, 9, i, NAMED)  # my max published
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[o])
             gl.thread_barrier()
@@ -439,24 +458,24 @@ def load() -> Any:
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                      stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
-                                     PERSIST, NAMED)
+                                     PERSIST, NAMED, EARLY)
                 j += 1
         else:
             _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                             q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST,
-                            NAMED)
+                            NAMED, EARLY)
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                        PERSIST: gl.constexpr, NAMED: gl.constexpr):
+                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -486,20 +505,29 @@ def load() -> Any:
             _await(bars, 9, ph, i, NAMED)  # max of consumer 0
             m0 = sm.index(0).load(row_l)
             s, m_new = _softmax_in(s, valid, m0, scale_log2)
+            if EARLY:
+                sm.index(1).store(m_new)
+                _signal(bars, 10, i, NAMED)  # common max published (consumer 0 scales P0 beside my exponentials)
+                # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
+                m_new = sm.index(1).load(row_l)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
             l_run = l_run * alpha + gl.sum(p, 1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            sm.index(1).store(m_new)
-            _signal(bars, 10, i, NAMED)  # common max published
+            if not EARLY:
+                sm.index(1).store(m_new)
+                _signal(bars, 10, i, NAMED)  # common max published
             pb = p.to(gl.bfloat16)
             o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
             p1.store(pb)
             fence_async_shared()
+            if EARLY:
+                _signal(bars, 12, i, NAMED)  # P1 ready, before waiting for P0
             _await(bars, 11, ph, i, NAMED)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            _signal(bars, 12, i, NAMED)  # P1 ready
+            if not EARLY:
+                _signal(bars, 12, i, NAMED)  # P1 ready
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars.index(8))  # BR1 free
@@ -531,27 +559,27 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
-                 PERSIST: gl.constexpr, NAMED: gl.constexpr):
+                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST,
-                                   NAMED)
+                                   NAMED, EARLY)
                 j += 1
         else:
             _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                           q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST,
-                          NAMED)
+                          NAMED, EARLY)
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                       q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr):
+                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY)
         if PERSIST:
             if n_pairs == 0:
                 _q_free(bars)
@@ -578,6 +606,7 @@ def load() -> Any:
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
         C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
+        EARLY: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -606,9 +635,9 @@ def load() -> Any:
         mbarrier.init(bars.index(13), count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED)),
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
                          q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
         ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
