@@ -91,7 +91,8 @@ def test_variant_registry() -> None:
     assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws"
     for flags in gluon_ws.VARIANTS.values():
         # setmaxnreg re-split of 168 x 3 warpgroups: consumer 0 gets 504 - consumer 1 - producer (56)
-        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST"} and flags["C1_REGS"] % 8 == 0
+        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST", "NAMED", "EARLY", "LATE_IDX"}
+        assert flags["C1_REGS"] % 8 == 0
         assert 3 * gluon_ws.MAX_REGS - flags["C1_REGS"] - 56 <= 256
     with pytest.raises(AttentionError, match="expected one of gluon_ws_persist, .*got 'nope'"):
         gluon_ws.variant_flags("nope")
@@ -149,7 +150,9 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
     assert rep.returncode == 0, rep.stderr
     assert "warning" not in rep.stderr.lower(), rep.stderr  # a serialised wgmma is reported as one
     assert "0 bytes spill stores, 0 bytes spill loads" in rep.stderr, rep.stderr
-    assert f"Used {gluon_ws.MAX_REGS} registers" in rep.stderr, rep.stderr
+    # hardware barriers: Triton's 0..3 (CTA, partitions); NAMED adds 8..12 (consumer syncs: max0, max1, P0, P1,
+    # row sums)
+    assert f"Used {gluon_ws.MAX_REGS} registers, used {13 if flags['NAMED'] else 4} barriers" in rep.stderr, rep.stderr
     (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                           timeout=300).stdout
@@ -166,3 +169,21 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
     plain = len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass))
     assert (hinted, plain) == ((72, 36) if flags["L2_HINT"] else (0, 108))
     assert ptx.count("createpolicy.fractional.L2::evict_last") == int(flags["L2_HINT"])
+    _check_consumer_syncs(flags, ptx, sass)
+
+
+def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
+    """NAMED: consumer syncs on hardware barriers 8..12 and mbarriers only for the producer's parts (and Q);
+    EARLY: each consumer's 32 exponentials (+2 for the row rescale) scheduled after its max signal, not before."""
+    arrives = sorted(re.findall(r"bar\.arrive (\d+), 256;", ptx))
+    syncs = sorted(re.findall(r"bar\.sync (\d+), 256;", ptx))
+    if not flags["NAMED"]:
+        assert arrives == syncs == []
+        return
+    # per consumer loop: arrive max0 / P0 (consumer 0), max1 / P1 (consumer 1); sync on the other's; row sums 12
+    assert arrives == ["10", "11", "8", "9"] and syncs == ["10", "11", "12", "12", "8", "9"]
+    for bar in ("0x8", "0x9"):  # max0 (consumer 0), max1 (consumer 1)
+        (m,) = re.finditer(rf"BAR\.ARV {bar}, 0x100", sass)
+        rest = sass[m.end():]
+        after = len(re.findall(r"MUFU\.EX2", rest[:rest.index("HGMMA.64x256x16")]))
+        assert after == (34 if flags["EARLY"] else 0), (bar, after)

@@ -83,11 +83,11 @@ MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers
 
 
 def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
-           early: bool = False) -> dict[str, Any]:
+           early: bool = False, late_idx: bool = False) -> dict[str, Any]:
     """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.);
     AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
     return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
-            "EARLY": early}
+            "EARLY": early, "LATE_IDX": late_idx}
 
 
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
@@ -104,6 +104,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gluon_ws_persist_nb_early": _flags(persist=True, named=True, early=True),
     "gluon_ws_persist_ahead_nb_early": _flags(persist=True, ahead=True, named=True, early=True),
     "gluon_ws_l2_persist_ahead_nb_early": _flags(l2=True, persist=True, ahead=True, named=True, early=True),
+    "gluon_ws_persist_nb_early_li": _flags(persist=True, named=True, early=True, late_idx=True),
+    "gluon_ws_persist_ahead_nb_early_li": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -351,19 +353,23 @@ def load() -> Any:
     @gluon.jit
     def _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph):
         """Consumer 0's scores of buffer 0 (waits for A0 and BR0 of parity ``ph``), waited for."""
+        return warpgroup_mma_wait(0, deps=[_scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph)])
+
+    @gluon.jit
+    def _scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph):
+        """Consumer 0's score wgmmas of buffer 0 issued (waits for A0 and BR0 of parity ``ph``), in flight."""
         mbarrier.wait(bars.index(1), ph)  # A0 ready
         fence_async_shared()
         s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
         mbarrier.wait(bars.index(2), ph)  # BR0 ready
         fence_async_shared()
         s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-        return warpgroup_mma_wait(0, deps=[s])
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
                    tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr, EARLY: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -390,10 +396,17 @@ def load() -> Any:
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             if AHEAD:
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
                 s = s_next
+            elif LATE_IDX:
+                s = _scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph)
+                # the block's indices loaded under the score wgmmas, after the fences (each waits for every
+                # load of the thread in flight)
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+                s = warpgroup_mma_wait(0, deps=[s])
             else:
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
                 s = _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph)
             if PERSIST:
                 if i == n_pairs - 1:
@@ -458,24 +471,24 @@ def load() -> Any:
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr, EARLY: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                      stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
-                                     PERSIST, NAMED, EARLY)
+                                     PERSIST, NAMED, EARLY, LATE_IDX)
                 j += 1
         else:
             _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                             q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST,
-                            NAMED, EARLY)
+                            NAMED, EARLY, LATE_IDX)
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
+                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -490,7 +503,8 @@ def load() -> Any:
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+            if not LATE_IDX:
+                _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             mbarrier.wait(bars.index(4), ph)  # BR1 ready
             fence_async_shared()
             s = warpgroup_mma(qb, kb.permute((1, 0)), s0, use_acc=False, is_async=True)
@@ -498,6 +512,8 @@ def load() -> Any:
             mbarrier.wait(bars.index(3), ph)  # A1 ready
             fence_async_shared()
             s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
+            if LATE_IDX:  # under the score wgmmas, after the fences
+                _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             s = warpgroup_mma_wait(0, deps=[s])
             if PERSIST:
                 if i == n_pairs - 1:
@@ -559,27 +575,28 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
-                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
+                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST,
-                                   NAMED, EARLY)
+                                   NAMED, EARLY, LATE_IDX)
                 j += 1
         else:
             _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                           q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST,
-                          NAMED, EARLY)
+                          NAMED, EARLY, LATE_IDX)
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                       q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr):
+                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr,
+                      LATE_IDX: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY, LATE_IDX)
         if PERSIST:
             if n_pairs == 0:
                 _q_free(bars)
@@ -606,7 +623,7 @@ def load() -> Any:
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
         C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
-        EARLY: gl.constexpr = False,
+        EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -635,9 +652,11 @@ def load() -> Any:
         mbarrier.init(bars.index(13), count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY,
+                        LATE_IDX)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY)),
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY,
+                          LATE_IDX)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
                          q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
         ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
