@@ -170,6 +170,7 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
     assert (hinted, plain) == ((72, 36) if flags["L2_HINT"] else (0, 108))
     assert ptx.count("createpolicy.fractional.L2::evict_last") == int(flags["L2_HINT"])
     _check_consumer_syncs(flags, ptx, sass)
+    _check_index_loads(flags, sass)
 
 
 def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
@@ -187,3 +188,16 @@ def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
         rest = sass[m.end():]
         after = len(re.findall(r"MUFU\.EX2", rest[:rest.index("HGMMA.64x256x16")]))
         assert after == (34 if flags["EARLY"] else 0), (bar, after)
+
+
+def _check_index_loads(flags: dict, sass: str) -> None:
+    """The consumers' index loads (LDG.E.64) and the proxy fence (MEMBAR.ALL.CTA, which waits for every load of
+    the thread in flight): LATE_IDX issues them under the score wgmmas, after the fences; else a fence follows."""
+    events = [m[1] for m in re.finditer(r"\b(LDG\.E\.64|MEMBAR\.ALL\.CTA|HGMMA)\b", sass)]
+    after = [next((e for e in events[i + 1:] if e != "LDG.E.64"), None) for i, e in enumerate(events)
+             if e == "LDG.E.64"]
+    assert after, "no index loads found in the consumers"
+    if flags["LATE_IDX"]:
+        assert set(after) == {"HGMMA"}, after
+    else:
+        assert "MEMBAR.ALL.CTA" in after, after

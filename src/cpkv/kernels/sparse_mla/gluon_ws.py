@@ -46,7 +46,9 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
 4. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
    ours: Q by the producer's ``cp.async``, O and lse by register stores from the wgmma layout.
 5. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
-   are mbarriers, each arrive after a warpgroup barrier.
+   are mbarriers, each arrive after a warpgroup barrier. NAMED (variants ``..._nb``): FlashMLA's, on hardware
+   barriers 8..12 (max0, max1, P0, P1 ready; row sums; Triton's partitions use 0..3), by inline ``bar.arrive``
+   / ``bar.sync`` (no warpgroup barrier before an arrive: the barrier orders the shared-memory writes).
 6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
    FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
 7. Neither is persistent: one CTA per tile (64 heads x 1 token) and one CTA per SM (230 KB shared), so each
@@ -55,15 +57,29 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
    (barrier parities run on across tiles; a "Q free" barrier, arrived by both consumers once their last
    score wgmmas of a tile are waited for, lets the producer load the next Q, then its keys, while the consumers
    finish the last pair and normalise and store).
+8. Order of a pair (EARLY, ours only): FlashMLA's warpgroups publish their row max after their exponentials, row
+   rescale and sums, and warpgroup 1 signals "P1 ready" after waiting for P0. EARLY publishes each max as soon
+   as it is reduced (the other consumer's softmax runs beside these ~34 exponentials per thread), reading it
+   back from shared memory so that ptxas cannot hoist the exponentials above the signal (no data dependence),
+   and consumer 1 signals P1 right after storing it.
+9. Index loads (LATE_IDX, ours only; FlashMLA's consumers load no indices, see 3.): each ``fence.proxy.async``
+   (after a "ready" wait, before the wgmmas read the cp.async data) is a MEMBAR.ALL.CTA that waits for every
+   load of the thread in flight, including the block's 64 indices loaded just before it. LATE_IDX issues those
+   loads under the score wgmmas, after the fences (consumer 0 under AHEAD: unchanged, at the loop head).
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
 
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
-attention --variants all``): ``gluon_ws`` (default, unchanged), ``gluon_ws_l2`` (1.), ``gluon_ws_ahead`` (2.),
-``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_persist`` (7.), ``gluon_ws_l2_persist`` (1. + 7.). All: 168
-registers at launch, no spills, 230,792 B shared (persistent: 231,312 B) (sm_90a, offline:
-tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spills (800 B at any consumer split): left out.
+attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
+``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.:
+``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_l2`` (1.) in the names of
+``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``, ``gluon_ws_persist_nb_early``,
+``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``, ``gluon_ws_persist_nb_early_li``,
+``gluon_ws_persist_ahead_nb_early_li``. All: 168 registers at launch, no spills, 230,792 B shared (persistent:
+231,312 B) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B
+until the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop
+constant views are loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
