@@ -66,6 +66,10 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
    (after a "ready" wait, before the wgmmas read the cp.async data) is a MEMBAR.ALL.CTA that waits for every
    load of the thread in flight, including the block's 64 indices loaded just before it. LATE_IDX issues those
    loads under the score wgmmas, after the fences (consumer 0 under AHEAD: unchanged, at the loop head).
+10. P0 under consumer 0's first value wgmma (OVERLAP, ours only): FlashMLA's warpgroup 0 waits for its
+   ``rO += rS0 @ sV0l`` before it takes the common max and scales and shares P0, which consumer 1 needs for
+   its second value wgmma. OVERLAP takes the max, scales, stores and signals P0 while that wgmma runs, and
+   waits for it (then frees A0 and rescales O) after.
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
@@ -73,10 +77,11 @@ whole register file) and Q alone 144 KB of the 227 KB shared memory.
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
 attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
 ``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.:
-``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_l2`` (1.) in the names of
+``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_l2`` (1.) in the names of
 ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``, ``gluon_ws_persist_nb_early``,
 ``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``, ``gluon_ws_persist_nb_early_li``,
-``gluon_ws_persist_ahead_nb_early_li``. All: 168 registers at launch, no spills, 230,792 B shared (persistent:
+``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
+``gluon_ws_persist_ahead_nb_early_li_ov``. All: 168 registers at launch, no spills, 230,792 B shared (persistent:
 231,312 B) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B
 until the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop
 constant views are loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
@@ -99,11 +104,12 @@ MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers
 
 
 def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
-           early: bool = False, late_idx: bool = False) -> dict[str, Any]:
-    """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.);
+           early: bool = False, late_idx: bool = False, overlap: bool = False) -> dict[str, Any]:
+    """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.,
+    LATE_IDX 9., OVERLAP 10.);
     AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
     return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
-            "EARLY": early, "LATE_IDX": late_idx}
+            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap}
 
 
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
@@ -122,6 +128,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gluon_ws_l2_persist_ahead_nb_early": _flags(l2=True, persist=True, ahead=True, named=True, early=True),
     "gluon_ws_persist_nb_early_li": _flags(persist=True, named=True, early=True, late_idx=True),
     "gluon_ws_persist_ahead_nb_early_li": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True),
+    "gluon_ws_persist_nb_early_li_ov": _flags(persist=True, named=True, early=True, late_idx=True, overlap=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True,
+                                                    overlap=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -385,7 +394,8 @@ def load() -> Any:
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
                    tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                   OVERLAP: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -441,15 +451,20 @@ def load() -> Any:
                 sm.index(0).store(m_new)
                 _signal(bars, 9, i, NAMED)  # my max published
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(5))  # A0 free
+            if not OVERLAP:
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(5))  # A0 free
             _await(bars, 10, ph, i, NAMED)  # common max from consumer 1
             m1 = sm.index(1).load(row_l)
             f = gl.exp2(m_new - m1)
             kr.store((p * f[:, None]).to(gl.bfloat16))  # P0 over the rope part of buffer 0
             fence_async_shared()
             _signal(bars, 11, i, NAMED)  # P0 ready
+            if OVERLAP:  # P0 was scaled and shared while the value wgmma ran
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(5))  # A0 free
             o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
             l_run = l_run * f
             m_run = m1
@@ -591,28 +606,30 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
-                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
+                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                   OVERLAP: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST,
-                                   NAMED, EARLY, LATE_IDX)
+                                   NAMED, EARLY, LATE_IDX, OVERLAP)
                 j += 1
         else:
             _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                           q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST,
-                          NAMED, EARLY, LATE_IDX)
+                          NAMED, EARLY, LATE_IDX, OVERLAP)
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                       q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
                       AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr,
-                      LATE_IDX: gl.constexpr):
+                      LATE_IDX: gl.constexpr, OVERLAP: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY, LATE_IDX)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY, LATE_IDX,
+                                          OVERLAP)
         if PERSIST:
             if n_pairs == 0:
                 _q_free(bars)
@@ -639,7 +656,7 @@ def load() -> Any:
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
         C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
-        EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False,
+        EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False, OVERLAP: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -669,7 +686,7 @@ def load() -> Any:
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY,
-                        LATE_IDX)),
+                        LATE_IDX, OVERLAP)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                           N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY,
                           LATE_IDX)),
