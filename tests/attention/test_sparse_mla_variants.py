@@ -91,7 +91,8 @@ def test_variant_registry() -> None:
     assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws"
     for flags in gluon_ws.VARIANTS.values():
         # setmaxnreg re-split of 168 x 3 warpgroups: consumer 0 gets 504 - consumer 1 - producer (56)
-        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST", "NAMED", "EARLY", "LATE_IDX", "OVERLAP"}
+        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST", "NAMED", "EARLY", "LATE_IDX", "OVERLAP",
+                              "P1_FIRST"}
         assert flags["C1_REGS"] % 8 == 0
         assert 3 * gluon_ws.MAX_REGS - flags["C1_REGS"] - 56 <= 256
     with pytest.raises(AttentionError, match="expected one of gluon_ws_persist, .*got 'nope'"):
@@ -176,7 +177,8 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
 def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
     """NAMED: the consumer-to-consumer syncs are bar.arrive / bar.sync of 256 threads on hardware barriers 8..12;
     EARLY: each consumer's 32 exponentials (+2 for the row rescale) scheduled after its max signal, not before;
-    OVERLAP: consumer 0 shares P0 before waiting for its first value wgmma."""
+    OVERLAP: consumer 0 shares P0 before waiting for its first value wgmma; P1_FIRST: consumer 1 shares P1
+    before issuing its first."""
     arrives = sorted(re.findall(r"bar\.arrive (\d+), 256;", ptx))
     syncs = sorted(re.findall(r"bar\.sync (\d+), 256;", ptx))
     if not flags["NAMED"]:
@@ -193,6 +195,11 @@ def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
     (m,) = re.finditer(r"BAR\.ARV 0xa, 0x100", sass)
     before = re.findall(r"HGMMA\.64x256x16|WARPGROUP\.DEPBAR", sass[:m.start()])[-1]
     assert before == ("HGMMA.64x256x16" if flags["OVERLAP"] else "WARPGROUP.DEPBAR"), before
+    # P1 ready (consumer 1, after its max signal): P1_FIRST signals it before issuing its first value wgmma
+    (m1,) = re.finditer(r"BAR\.ARV 0x9, 0x100", sass)
+    (p1,) = re.finditer(r"BAR\.ARV 0xb, 0x100", sass)
+    between = len(re.findall(r"HGMMA\.64x256x16", sass[m1.end():p1.start()]))
+    assert (between == 0) if flags["P1_FIRST"] else (between >= 4), between
 
 
 def _check_index_loads(flags: dict, sass: str) -> None:

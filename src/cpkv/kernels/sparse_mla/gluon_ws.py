@@ -70,6 +70,10 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
    ``rO += rS0 @ sV0l`` before it takes the common max and scales and shares P0, which consumer 1 needs for
    its second value wgmma. OVERLAP takes the max, scales, stores and signals P0 while that wgmma runs, and
    waits for it (then frees A0 and rescales O) after.
+11. P1 before consumer 1's first value wgmma (P1_FIRST, ours only): FlashMLA's warpgroup 1 rescales O, issues
+   ``rO1 += rS1 @ sV1R``, then stores P1. P1_FIRST stores and signals P1 first (consumer 0's second value
+   wgmma waits for it), then rescales O (reading the common max back, so that ptxas keeps the rescale after
+   the signal) and issues its own.
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
@@ -77,13 +81,14 @@ whole register file) and Q alone 144 KB of the 227 KB shared memory.
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
 attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
 ``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.:
-``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_l2`` (1.) in the names of
-``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``, ``gluon_ws_persist_nb_early``,
-``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``, ``gluon_ws_persist_nb_early_li``,
-``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
-``gluon_ws_persist_ahead_nb_early_li_ov``. All: 168 registers at launch, no spills, 230,792 B shared (persistent:
-231,312 B) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B
-until the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop
+``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_p1f`` (11.), ``_l2`` (1.) in the
+names of ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``,
+``gluon_ws_persist_nb_early``, ``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``,
+``gluon_ws_persist_nb_early_li``, ``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
+``gluon_ws_persist_ahead_nb_early_li_ov``, ``gluon_ws_persist_nb_early_li_ov_p1f``,
+``gluon_ws_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers at launch, no spills, 230,792 B shared
+(persistent: 231,312 B) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled
+800 B until the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop
 constant views are loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
@@ -104,12 +109,13 @@ MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers
 
 
 def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
-           early: bool = False, late_idx: bool = False, overlap: bool = False) -> dict[str, Any]:
+           early: bool = False, late_idx: bool = False, overlap: bool = False,
+           p1_first: bool = False) -> dict[str, Any]:
     """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.,
-    LATE_IDX 9., OVERLAP 10.);
+    LATE_IDX 9., OVERLAP 10., P1_FIRST 11.);
     AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
     return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
-            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap}
+            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap, "P1_FIRST": p1_first}
 
 
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
@@ -131,6 +137,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gluon_ws_persist_nb_early_li_ov": _flags(persist=True, named=True, early=True, late_idx=True, overlap=True),
     "gluon_ws_persist_ahead_nb_early_li_ov": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True,
                                                     overlap=True),
+    "gluon_ws_persist_nb_early_li_ov_p1f": _flags(persist=True, named=True, early=True, late_idx=True, overlap=True,
+                                                  p1_first=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov_p1f": _flags(persist=True, ahead=True, named=True, early=True,
+                                                        late_idx=True, overlap=True, p1_first=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -502,24 +512,25 @@ def load() -> Any:
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
                    q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr,
-                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr, P1_FIRST: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                      stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
-                                     PERSIST, NAMED, EARLY, LATE_IDX)
+                                     PERSIST, NAMED, EARLY, LATE_IDX, P1_FIRST)
                 j += 1
         else:
             _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                             q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST,
-                            NAMED, EARLY, LATE_IDX)
+                            NAMED, EARLY, LATE_IDX, P1_FIRST)
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr):
+                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                        P1_FIRST: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -557,24 +568,37 @@ def load() -> Any:
                 _signal(bars, 10, i, NAMED)  # common max published (consumer 0 scales P0 beside my exponentials)
                 # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
                 m_new = sm.index(1).load(row_l)
-            alpha = gl.exp2(m_run - m_new)
-            p = gl.exp2(s * scale_log2 - m_new[:, None])
-            l_run = l_run * alpha + gl.sum(p, 1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            if not EARLY:
-                sm.index(1).store(m_new)
-                _signal(bars, 10, i, NAMED)  # common max published
-            pb = p.to(gl.bfloat16)
-            o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
-            p1.store(pb)
-            fence_async_shared()
-            if EARLY:
-                _signal(bars, 12, i, NAMED)  # P1 ready, before waiting for P0
+            if P1_FIRST:
+                p = gl.exp2(s * scale_log2 - m_new[:, None])
+                pb = p.to(gl.bfloat16)
+                p1.store(pb)
+                fence_async_shared()
+                _signal(bars, 12, i, NAMED)  # P1 ready, before my O rescale and value wgmma
+                # the common max read again: O's rescale stays after the signal (ptxas would hoist it)
+                alpha = gl.exp2(m_run - sm.index(1).load(row_l))
+                l_run = l_run * alpha + gl.sum(p, 1)
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
+            else:
+                alpha = gl.exp2(m_run - m_new)
+                p = gl.exp2(s * scale_log2 - m_new[:, None])
+                l_run = l_run * alpha + gl.sum(p, 1)
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                if not EARLY:
+                    sm.index(1).store(m_new)
+                    _signal(bars, 10, i, NAMED)  # common max published
+                pb = p.to(gl.bfloat16)
+                o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
+                p1.store(pb)
+                fence_async_shared()
+                if EARLY:
+                    _signal(bars, 12, i, NAMED)  # P1 ready, before waiting for P0
             _await(bars, 11, ph, i, NAMED)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
             if not EARLY:
-                _signal(bars, 12, i, NAMED)  # P1 ready
+                if not P1_FIRST:
+                    _signal(bars, 12, i, NAMED)  # P1 ready
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars.index(8))  # BR1 free
@@ -657,6 +681,7 @@ def load() -> Any:
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
         C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
         EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+        P1_FIRST: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -689,7 +714,7 @@ def load() -> Any:
                         LATE_IDX, OVERLAP)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                           N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY,
-                          LATE_IDX)),
+                          LATE_IDX, P1_FIRST)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
                          q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
         ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
