@@ -86,10 +86,11 @@ names of ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist
 ``gluon_ws_persist_nb_early``, ``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``,
 ``gluon_ws_persist_nb_early_li``, ``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
 ``gluon_ws_persist_ahead_nb_early_li_ov``, ``gluon_ws_persist_nb_early_li_ov_p1f``,
-``gluon_ws_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers at launch, no spills, 230,792 B shared
-(persistent: 231,312 B) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled
-800 B until the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop
-constant views are loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
+``gluon_ws_persist_ahead_nb_early_li_ov_p1f``, ``gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers
+at launch, no spills, 230,792 B shared (persistent: 231,312 B) (sm_90a, offline:
+tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until the peeled first block's
+shared-memory views were indexed by an opaque zero too (in the tile loop constant views are loop-invariant: their 36
+wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
@@ -141,6 +142,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   p1_first=True),
     "gluon_ws_persist_ahead_nb_early_li_ov_p1f": _flags(persist=True, ahead=True, named=True, early=True,
                                                         late_idx=True, overlap=True, p1_first=True),
+    "gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f": _flags(l2=True, persist=True, ahead=True, named=True, early=True,
+                                                           late_idx=True, overlap=True, p1_first=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -569,6 +572,9 @@ def load() -> Any:
                 # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
                 m_new = sm.index(1).load(row_l)
             if P1_FIRST:
+                if not EARLY:
+                    sm.index(1).store(m_new)
+                    _signal(bars, 10, i, NAMED)  # common max published
                 p = gl.exp2(s * scale_log2 - m_new[:, None])
                 pb = p.to(gl.bfloat16)
                 p1.store(pb)
