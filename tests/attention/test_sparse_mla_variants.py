@@ -3,7 +3,9 @@
 The L2-hint PTX rewrite on synthetic PTX; every variant compiled offline for sm_90a (Triton ships ptxas; skipped
 without Triton's NVIDIA tools or Gluon): no spills, 168 registers, no ptxas warning (a serialised wgmma is one),
 the wgmma count of its schedule, 230,792 B (persistent: 231,312 B) of the 232,448 B shared memory, L2 hints on
-exactly the key gathers.
+exactly the key gathers, and in the SASS the schedule each switch promises: named-barrier consumer syncs (NAMED),
+exponentials after the max signals (EARLY), index loads after the proxy fences (LATE_IDX), P0 shared under
+consumer 0's value wgmma (OVERLAP), P1 shared before consumer 1's (P1_FIRST).
 Their outputs against the float64 reference: tests/attention/test_attention_gpu.py (CUDA).
 """
 from __future__ import annotations
