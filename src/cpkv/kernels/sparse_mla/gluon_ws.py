@@ -20,7 +20,7 @@ indices or the dense causal range ``ks[t] .. ke[t]-1``), different schedule. Thr
   rescales its P (before sharing it) and its accumulator to the common max. P of block 0 is
   written over the rope part of key buffer 0 (no longer needed once its scores are done).
 
-Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barriers = 230,792 B (of
+Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barriers = 230,952 B (of
 232,448). Registers: launch cap 168 x 12 warps, re-split 224 / 224 / 56 (consumer 0 / 1 / producer),
 no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
 flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
@@ -74,6 +74,11 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
    ``rO1 += rS1 @ sV1R``, then stores P1. P1_FIRST stores and signals P1 first (consumer 0's second value
    wgmma waits for it), then rescales O (reading the common max back, so that ptxas keeps the rescale after
    the signal) and issues its own.
+12. Barrier allocations (SPLIT_BARS): FlashMLA's mbarriers are plain shared-memory words. Ours were one [15, 1]
+   allocation, which Triton's shared-memory analysis treats as one buffer: a wait after any arrive or wait on
+   another barrier got a warpgroup barrier (bar.sync of 128 threads) in front, 10-16 of 26-34 waits. SPLIT_BARS
+   allocates each separately (4 left). The kernels pass the barriers as a tuple either way (the others: views
+   of the one allocation; same instructions as before, some 100-200 B more shared memory for the captures).
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
@@ -81,16 +86,16 @@ whole register file) and Q alone 144 KB of the 227 KB shared memory.
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
 attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
 ``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.:
-``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_p1f`` (11.), ``_l2`` (1.) in the
-names of ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``,
+``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_p1f`` (11.), ``_sb`` (12.), ``_l2``
+(1.) in the names of ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``,
 ``gluon_ws_persist_nb_early``, ``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``,
 ``gluon_ws_persist_nb_early_li``, ``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
 ``gluon_ws_persist_ahead_nb_early_li_ov``, ``gluon_ws_persist_nb_early_li_ov_p1f``,
-``gluon_ws_persist_ahead_nb_early_li_ov_p1f``, ``gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers
-at launch, no spills, 230,792 B shared (persistent: 231,312 B) (sm_90a, offline:
-tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until the peeled first block's
-shared-memory views were indexed by an opaque zero too (in the tile loop constant views are loop-invariant: their 36
-wgmma descriptors were hoisted and spilled).
+``gluon_ws_persist_ahead_nb_early_li_ov_p1f``, ``gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb``,
+``gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers at launch, no spills, 230,952-231,488 B shared
+(of 232,448) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until
+the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop constant views are
+loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
@@ -111,12 +116,13 @@ MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers
 
 def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
            early: bool = False, late_idx: bool = False, overlap: bool = False,
-           p1_first: bool = False) -> dict[str, Any]:
+           p1_first: bool = False, split_bars: bool = False) -> dict[str, Any]:
     """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.,
-    LATE_IDX 9., OVERLAP 10., P1_FIRST 11.);
+    LATE_IDX 9., OVERLAP 10., P1_FIRST 11., SPLIT_BARS 12.);
     AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
     return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
-            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap, "P1_FIRST": p1_first}
+            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap, "P1_FIRST": p1_first,
+            "SPLIT_BARS": split_bars}
 
 
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
@@ -142,6 +148,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   p1_first=True),
     "gluon_ws_persist_ahead_nb_early_li_ov_p1f": _flags(persist=True, ahead=True, named=True, early=True,
                                                         late_idx=True, overlap=True, p1_first=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb": _flags(persist=True, ahead=True, named=True, early=True,
+                                                           late_idx=True, overlap=True, p1_first=True,
+                                                           split_bars=True),
     "gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f": _flags(l2=True, persist=True, ahead=True, named=True, early=True,
                                                            late_idx=True, overlap=True, p1_first=True),
 }
@@ -268,7 +277,7 @@ def load() -> Any:
             g = 0  # key-block pairs done (barrier parities run on across tiles)
             j = 0  # tiles done
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-                mbarrier.wait(bars.index(14), (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
+                mbarrier.wait(bars[14], (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
                 g += _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
                                     q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g, DENSE, L2_HINT)
                 j += 1
@@ -283,7 +292,7 @@ def load() -> Any:
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
         pid_h, t = _program(H, tile)
-        bar_q = bars.index(0)
+        bar_q = bars[0]
         # Q rows (heads >= H zero-filled)
         hq = pid_h * 64 + gl.arange(0, 64, rl)
         qv = hq < H
@@ -302,20 +311,20 @@ def load() -> Any:
             r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
             r1, v1 = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, rl, DENSE)
             # order of need: A0 (consumer 0 starts its scores there), BR1, BR0, A1
-            mbarrier.wait(bars.index(5), ph)  # free A0
+            mbarrier.wait(bars[5], ph)  # free A0
             _gather(KV, stride_kv, r0, v0, 0, k_a.index(0), lg, 256)
-            async_copy.mbarrier_arrive(bars.index(1), increment_count=False)
-            mbarrier.wait(bars.index(8), ph)  # free BR1
+            async_copy.mbarrier_arrive(bars[1], increment_count=False)
+            mbarrier.wait(bars[8], ph)  # free BR1
             _gather(KV, stride_kv, r1, v1, 256, k_b.index(1), lg, 256)
             _gather(KV, stride_kv, r1, v1, 512, k_r.index(1), lg, 64)
-            async_copy.mbarrier_arrive(bars.index(4), increment_count=False)
-            mbarrier.wait(bars.index(6), ph)  # free BR0
+            async_copy.mbarrier_arrive(bars[4], increment_count=False)
+            mbarrier.wait(bars[6], ph)  # free BR0
             _gather(KV, stride_kv, r0, v0, 256, k_b.index(0), lg, 256)
             _gather(KV, stride_kv, r0, v0, 512, k_r.index(0), lg, 64)
-            async_copy.mbarrier_arrive(bars.index(2), increment_count=False)
-            mbarrier.wait(bars.index(7), ph)  # free A1
+            async_copy.mbarrier_arrive(bars[2], increment_count=False)
+            mbarrier.wait(bars[7], ph)  # free A1
             _gather(KV, stride_kv, r1, v1, 0, k_a.index(1), lg, 256)
-            async_copy.mbarrier_arrive(bars.index(3), increment_count=False)
+            async_copy.mbarrier_arrive(bars[3], increment_count=False)
         return n_pairs
 
     @gluon.jit
@@ -347,7 +356,7 @@ def load() -> Any:
                 _asm(x, "bar.arrive 11, 256;")
         else:
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(k))
+            mbarrier.arrive(bars[k])
 
     @gluon.jit
     def _await(bars, k: gl.constexpr, ph, x, NAMED: gl.constexpr):
@@ -363,7 +372,7 @@ def load() -> Any:
             else:
                 _asm(x, "bar.sync 11, 256;")
         else:
-            mbarrier.wait(bars.index(k), ph)
+            mbarrier.wait(bars[k], ph)
 
     @gluon.jit
     def _sums_exchanged(bars, j, NAMED: gl.constexpr):
@@ -372,14 +381,14 @@ def load() -> Any:
             _asm(j, "bar.sync 12, 256;")
         else:
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(13))
-            mbarrier.wait(bars.index(13), j & 1)
+            mbarrier.arrive(bars[13])
+            mbarrier.wait(bars[13], j & 1)
 
     @gluon.jit
     def _q_free(bars):
         """PERSIST: this consumer's score wgmmas of the tile are done (waited), so Q may be reloaded."""
         gl.thread_barrier()
-        mbarrier.arrive(bars.index(14))
+        mbarrier.arrive(bars[14])
 
     @gluon.jit
     def _softmax_in(s, valid, m_ref, scale_log2):
@@ -396,10 +405,10 @@ def load() -> Any:
     @gluon.jit
     def _scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph):
         """Consumer 0's score wgmmas of buffer 0 issued (waits for A0 and BR0 of parity ``ph``), in flight."""
-        mbarrier.wait(bars.index(1), ph)  # A0 ready
+        mbarrier.wait(bars[1], ph)  # A0 ready
         fence_async_shared()
         s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
-        mbarrier.wait(bars.index(2), ph)  # BR0 ready
+        mbarrier.wait(bars[2], ph)  # BR0 ready
         fence_async_shared()
         s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
@@ -420,7 +429,7 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
-        mbarrier.wait(bars.index(0), j & 1)  # Q
+        mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         s_next = s0
         if AHEAD:
@@ -467,7 +476,7 @@ def load() -> Any:
             if not OVERLAP:
                 o = warpgroup_mma_wait(0, deps=[o])
                 gl.thread_barrier()
-                mbarrier.arrive(bars.index(5))  # A0 free
+                mbarrier.arrive(bars[5])  # A0 free
             _await(bars, 10, ph, i, NAMED)  # common max from consumer 1
             m1 = sm.index(1).load(row_l)
             f = gl.exp2(m_new - m1)
@@ -477,7 +486,7 @@ def load() -> Any:
             if OVERLAP:  # P0 was scaled and shared while the value wgmma ran
                 o = warpgroup_mma_wait(0, deps=[o])
                 gl.thread_barrier()
-                mbarrier.arrive(bars.index(5))  # A0 free
+                mbarrier.arrive(bars[5])  # A0 free
             o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
             l_run = l_run * f
             m_run = m1
@@ -487,13 +496,13 @@ def load() -> Any:
                 if i + 1 < n_pairs:
                     o = warpgroup_mma(p1, ka1, o, is_async=True)
                     # the next pair's scores: its A0 part issued while this value wgmma runs
-                    mbarrier.wait(bars.index(1), ph ^ 1)  # A0 ready (next pair)
+                    mbarrier.wait(bars[1], ph ^ 1)  # A0 ready (next pair)
                     fence_async_shared()
                     sn = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
                     o = warpgroup_mma_wait(1, deps=[o])
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
-                    mbarrier.wait(bars.index(2), ph ^ 1)  # BR0 ready (next pair)
+                    mbarrier.arrive(bars[7])  # A1 and P1 free
+                    mbarrier.wait(bars[2], ph ^ 1)  # BR0 ready (next pair)
                     fence_async_shared()
                     sn = warpgroup_mma(qb, kb.permute((1, 0)), sn, is_async=True)
                     sn = warpgroup_mma(qr, kr.permute((1, 0)), sn, is_async=True)
@@ -502,14 +511,14 @@ def load() -> Any:
                     o = warpgroup_mma(p1, ka1, o, is_async=True)
                     o = warpgroup_mma_wait(0, deps=[o])
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                    mbarrier.arrive(bars[7])  # A1 and P1 free
             else:
                 o = warpgroup_mma(p1, ka1, o, is_async=True)
                 # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
                 # accumulator in flight across the loop's back edge and would serialise every wgmma
                 o = warpgroup_mma_wait(0, deps=[o])
                 gl.thread_barrier()
-                mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                mbarrier.arrive(bars[7])  # A1 and P1 free
         return o, l_run, m_run, n_pairs
 
     @gluon.jit
@@ -541,7 +550,7 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
-        mbarrier.wait(bars.index(0), j & 1)  # Q
+        mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         for i in range(n_pairs):
             ph = (g0 + i) & 1
@@ -550,11 +559,11 @@ def load() -> Any:
             ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
             if not LATE_IDX:
                 _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
-            mbarrier.wait(bars.index(4), ph)  # BR1 ready
+            mbarrier.wait(bars[4], ph)  # BR1 ready
             fence_async_shared()
             s = warpgroup_mma(qb, kb.permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-            mbarrier.wait(bars.index(3), ph)  # A1 ready
+            mbarrier.wait(bars[3], ph)  # A1 ready
             fence_async_shared()
             s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
             if LATE_IDX:  # under the score wgmmas, after the fences
@@ -607,10 +616,10 @@ def load() -> Any:
                     _signal(bars, 12, i, NAMED)  # P1 ready
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(8))  # BR1 free
+            mbarrier.arrive(bars[8])  # BR1 free
             o = warpgroup_mma_wait(0, deps=[o])
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(6))  # BR0 free (its values and P0 read)
+            mbarrier.arrive(bars[6])  # BR0 free (its values and P0 read)
             m_run = m_new
         o = warpgroup_mma_wait(0, deps=[o])
         if PERSIST:
@@ -679,6 +688,21 @@ def load() -> Any:
                  mask=(ho < H)[:, None])
         return n_pairs
 
+    @gluon.jit
+    def _barriers15():
+        """SPLIT_BARS: the 15 mbarriers as separate shared allocations. Triton's shared-memory barrier analysis
+        sees one [15, 1] allocation as one buffer, so every wait after an arrive or another wait on any of them
+        got a warpgroup barrier (bar.sync) in front; FlashMLA's waits have none."""
+        lay: gl.constexpr = mbarrier.MBarrierLayout()
+        return (gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay))
+
     @gluon.jit(do_not_specialize=["N_TILES"])  # PERSIST's tile count: one compile for any T
     def _sparse_mla_ws(
         Q, KV, IDX, KS, KE, OUT, LSE,
@@ -687,7 +711,7 @@ def load() -> Any:
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
         C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
         EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False, OVERLAP: gl.constexpr = False,
-        P1_FIRST: gl.constexpr = False,
+        P1_FIRST: gl.constexpr = False, SPLIT_BARS: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -704,16 +728,24 @@ def load() -> Any:
         # 9 max0, 10 max1, 11 P0, 12 P1 ready | 13 row sums exchanged | PERSIST: 14 Q free
         if PERSIST:
             sl = gl.allocate_shared_memory(gl.float32, [4, 64], flat)  # by tile parity: [parity * 2 + consumer]
-            bars = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(bars.index(14), count=2)
+            if SPLIT_BARS:
+                bars = _barriers15()
+            else:
+                ab = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
+                bars = (ab.index(0), ab.index(1), ab.index(2), ab.index(3), ab.index(4), ab.index(5), ab.index(6),
+                        ab.index(7), ab.index(8), ab.index(9), ab.index(10), ab.index(11), ab.index(12),
+                        ab.index(13), ab.index(14))
+            mbarrier.init(bars[14], count=2)
         else:
             sl = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
-            bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+            ab = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+            bars = (ab.index(0), ab.index(1), ab.index(2), ab.index(3), ab.index(4), ab.index(5), ab.index(6),
+                    ab.index(7), ab.index(8), ab.index(9), ab.index(10), ab.index(11), ab.index(12), ab.index(13))
         for j in gl.static_range(5):
-            mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
+            mbarrier.init(bars[j], count=128)  # one cp.async arrive per producer thread
         for j in gl.static_range(5, 13):
-            mbarrier.init(bars.index(j), count=1)
-        mbarrier.init(bars.index(13), count=2)
+            mbarrier.init(bars[j], count=1)
+        mbarrier.init(bars[13], count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY,
