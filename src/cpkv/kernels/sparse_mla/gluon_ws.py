@@ -85,17 +85,13 @@ whole register file) and Q alone 144 KB of the 227 KB shared memory.
 
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
 attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
-``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.:
-``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.), ``_p1f`` (11.), ``_sb`` (12.), ``_l2``
-(1.) in the names of ``gluon_ws_persist_nb``, ``gluon_ws_persist_ahead``, ``gluon_ws_persist_ahead_nb``,
-``gluon_ws_persist_nb_early``, ``gluon_ws_persist_ahead_nb_early``, ``gluon_ws_l2_persist_ahead_nb_early``,
-``gluon_ws_persist_nb_early_li``, ``gluon_ws_persist_ahead_nb_early_li``, ``gluon_ws_persist_nb_early_li_ov``,
-``gluon_ws_persist_ahead_nb_early_li_ov``, ``gluon_ws_persist_nb_early_li_ov_p1f``,
-``gluon_ws_persist_ahead_nb_early_li_ov_p1f``, ``gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb``,
-``gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f``. All: 168 registers at launch, no spills, 230,952-231,488 B shared
-(of 232,448) (sm_90a, offline: tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until
-the peeled first block's shared-memory views were indexed by an opaque zero too (in the tile loop constant views are
-loop-invariant: their 36 wgmma descriptors were hoisted and spilled).
+``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.
+variants named by their switches: ``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.),
+``_p1f`` (11.), ``_sb`` (12.), ``gluon_ws_l2_...`` (1.); e.g. ``gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb`` has
+all of them but 1. All: 168 registers at launch, no spills, 230,952-231,488 B shared (of 232,448) (sm_90a, offline:
+tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until the peeled first block's
+shared-memory views were indexed by an opaque zero too (in the tile loop constant views are loop-invariant: their 36
+wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
@@ -148,6 +144,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                                   p1_first=True),
     "gluon_ws_persist_ahead_nb_early_li_ov_p1f": _flags(persist=True, ahead=True, named=True, early=True,
                                                         late_idx=True, overlap=True, p1_first=True),
+    "gluon_ws_persist_nb_early_li_ov_p1f_sb": _flags(persist=True, named=True, early=True, late_idx=True,
+                                                     overlap=True, p1_first=True, split_bars=True),
     "gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb": _flags(persist=True, ahead=True, named=True, early=True,
                                                            late_idx=True, overlap=True, p1_first=True,
                                                            split_bars=True),
