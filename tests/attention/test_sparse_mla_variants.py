@@ -2,8 +2,11 @@
 
 The L2-hint PTX rewrite on synthetic PTX; every variant compiled offline for sm_90a (Triton ships ptxas; skipped
 without Triton's NVIDIA tools or Gluon): no spills, 168 registers, no ptxas warning (a serialised wgmma is one),
-the wgmma count of its schedule, 230,792 B (persistent: 231,312 B) of the 232,448 B shared memory, L2 hints on
-exactly the key gathers.
+the wgmma count of its schedule, at most the 232,448 B of shared memory, L2 hints on
+exactly the key gathers, and in the SASS the schedule each switch promises: named-barrier consumer syncs (NAMED),
+exponentials after the max signals (EARLY), index loads after the proxy fences (LATE_IDX), P0 shared under
+consumer 0's value wgmma (OVERLAP), P1 shared before consumer 1's (P1_FIRST), mbarrier waits without a
+warpgroup barrier in front (SPLIT_BARS).
 Their outputs against the float64 reference: tests/attention/test_attention_gpu.py (CUDA).
 """
 from __future__ import annotations
@@ -18,8 +21,9 @@ import torch
 from cpkv.errors import AttentionError
 from cpkv.kernels.sparse_mla import gluon_ws
 
-SMEM_BYTES = 230_792  # Q 72 KB + 2 x 72 KB keys + P1 8 KB + row stats + 14 barriers
-SMEM_BYTES_PERSIST = 231_312  # + row sums by tile parity (512 B) + the Q-free barrier, aligned
+SMEM_DATA = 230_512  # Q 72 KB + 2 x 72 KB keys + P1 8 KB + row maxima and sums (2 x 512 B) + 14 barriers
+SMEM_DATA_PERSIST = 231_032  # + row sums by tile parity (512 B) + the Q-free barrier
+# what Triton adds (partition captures, scratch: 280-456 B): SMEM_DATA* <= shared <= SMEM_LIMIT
 SMEM_LIMIT = 232_448  # sm_90's largest dynamic shared memory per block
 
 PTX = """.visible .entry k(
@@ -91,7 +95,9 @@ def test_variant_registry() -> None:
     assert kernel.gluon_variant_configs()[1].tag() == "h64 k64 w12 s2 gluon_ws"
     for flags in gluon_ws.VARIANTS.values():
         # setmaxnreg re-split of 168 x 3 warpgroups: consumer 0 gets 504 - consumer 1 - producer (56)
-        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST"} and flags["C1_REGS"] % 8 == 0
+        assert set(flags) == {"L2_HINT", "AHEAD", "C1_REGS", "PERSIST", "NAMED", "EARLY", "LATE_IDX", "OVERLAP",
+                              "P1_FIRST", "SPLIT_BARS"}
+        assert flags["C1_REGS"] % 8 == 0
         assert 3 * gluon_ws.MAX_REGS - flags["C1_REGS"] - 56 <= 256
     with pytest.raises(AttentionError, match="expected one of gluon_ws_persist, .*got 'nope'"):
         gluon_ws.variant_flags("nope")
@@ -149,12 +155,14 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
     assert rep.returncode == 0, rep.stderr
     assert "warning" not in rep.stderr.lower(), rep.stderr  # a serialised wgmma is reported as one
     assert "0 bytes spill stores, 0 bytes spill loads" in rep.stderr, rep.stderr
-    assert f"Used {gluon_ws.MAX_REGS} registers" in rep.stderr, rep.stderr
+    # hardware barriers: Triton's 0..3 (CTA, partitions); NAMED adds 8..12 (consumer syncs: max0, max1, P0, P1,
+    # row sums)
+    assert f"Used {gluon_ws.MAX_REGS} registers, used {13 if flags['NAMED'] else 4} barriers" in rep.stderr, rep.stderr
     (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                           timeout=300).stdout
     assert not re.search(r"\b(STL|LDL)\b", sass)
-    assert ck.metadata.shared == (SMEM_BYTES_PERSIST if flags["PERSIST"] else SMEM_BYTES) <= SMEM_LIMIT
+    assert (SMEM_DATA_PERSIST if flags["PERSIST"] else SMEM_DATA) <= ck.metadata.shared <= SMEM_LIMIT
     # score wgmmas (n64, k16): 576 / 16 = 36 per consumer, 36 more in AHEAD (the peeled first block's and the
     # look-ahead's are two copies); value wgmmas (n256, k16): 64 keys / 16 = 4 per P x V product, two products
     # per consumer, 4 more in AHEAD (its last pair's product has its own branch)
@@ -166,3 +174,57 @@ def test_variant_compiles_for_sm90_without_spills(variant: str, tmp_path) -> Non
     plain = len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass))
     assert (hinted, plain) == ((72, 36) if flags["L2_HINT"] else (0, 108))
     assert ptx.count("createpolicy.fractional.L2::evict_last") == int(flags["L2_HINT"])
+    _check_consumer_syncs(flags, ptx, sass)
+    _check_index_loads(flags, sass)
+    _check_barrier_waits(flags, sass)
+
+
+def _check_consumer_syncs(flags: dict, ptx: str, sass: str) -> None:
+    """NAMED: the consumer-to-consumer syncs are bar.arrive / bar.sync of 256 threads on hardware barriers 8..12;
+    EARLY: each consumer's 32 exponentials (+2 for the row rescale) scheduled after its max signal, not before;
+    OVERLAP: consumer 0 shares P0 before waiting for its first value wgmma; P1_FIRST: consumer 1 shares P1
+    before issuing its first."""
+    arrives = sorted(re.findall(r"bar\.arrive (\d+), 256;", ptx))
+    syncs = sorted(re.findall(r"bar\.sync (\d+), 256;", ptx))
+    if not flags["NAMED"]:
+        assert arrives == syncs == []
+        return
+    # per consumer loop: arrive max0 / P0 (consumer 0), max1 / P1 (consumer 1); sync on the other's; row sums 12
+    assert arrives == ["10", "11", "8", "9"] and syncs == ["10", "11", "12", "12", "8", "9"]
+    for bar in ("0x8", "0x9"):  # max0 (consumer 0), max1 (consumer 1)
+        (m,) = re.finditer(rf"BAR\.ARV {bar}, 0x100", sass)
+        rest = sass[m.end():]
+        after = len(re.findall(r"MUFU\.EX2", rest[:rest.index("HGMMA.64x256x16")]))
+        assert after == (34 if flags["EARLY"] else 0), (bar, after)
+    # P0 ready (consumer 0): OVERLAP signals it with its value wgmma still in flight (no wait since it was issued)
+    (m,) = re.finditer(r"BAR\.ARV 0xa, 0x100", sass)
+    before = re.findall(r"HGMMA\.64x256x16|WARPGROUP\.DEPBAR", sass[:m.start()])[-1]
+    assert before == ("HGMMA.64x256x16" if flags["OVERLAP"] else "WARPGROUP.DEPBAR"), before
+    # P1 ready (consumer 1, after its max signal): P1_FIRST signals it before issuing its first value wgmma
+    (m1,) = re.finditer(r"BAR\.ARV 0x9, 0x100", sass)
+    (p1,) = re.finditer(r"BAR\.ARV 0xb, 0x100", sass)
+    between = len(re.findall(r"HGMMA\.64x256x16", sass[m1.end():p1.start()]))
+    assert (between == 0) if flags["P1_FIRST"] else (between >= 4), between
+
+
+def _check_index_loads(flags: dict, sass: str) -> None:
+    """The consumers' index loads (LDG.E.64) and the proxy fence (MEMBAR.ALL.CTA, which waits for every load of
+    the thread in flight): LATE_IDX issues them under the score wgmmas, after the fences; else a fence follows."""
+    events = [m[1] for m in re.finditer(r"\b(LDG\.E\.64|MEMBAR\.ALL\.CTA|HGMMA)\b", sass)]
+    after = [next((e for e in events[i + 1:] if e != "LDG.E.64"), None) for i, e in enumerate(events)
+             if e == "LDG.E.64"]
+    assert after, "no index loads found in the consumers"
+    if flags["LATE_IDX"]:
+        assert set(after) == {"HGMMA"}, after
+    else:
+        assert "MEMBAR.ALL.CTA" in after, after
+
+
+def _check_barrier_waits(flags: dict, sass: str) -> None:
+    """mbarrier waits (SYNCS.PHASECHK) right after a warpgroup barrier (BAR.SYNC of 128 threads) that Triton's
+    shared-memory analysis puts there when the barriers are one allocation: SPLIT_BARS leaves 4 of 26 (no arrive
+    or wait on the same barrier since the last sync), else 10 or more."""
+    events = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x[0-9a-f]+(?:, 0x80)?|SYNCS\.PHASECHK|HGMMA|BAR\.ARV|SYNCS\.ARRIVE"
+                        r"|LDGSTS", sass)
+    synced = sum(1 for i, e in enumerate(events) if e == "SYNCS.PHASECHK" and i and events[i - 1].endswith(", 0x80"))
+    assert (synced <= 4) if flags["SPLIT_BARS"] else (synced >= 10), synced

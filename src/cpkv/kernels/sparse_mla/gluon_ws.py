@@ -20,7 +20,7 @@ indices or the dense causal range ``ks[t] .. ke[t]-1``), different schedule. Thr
   rescales its P (before sharing it) and its accumulator to the common max. P of block 0 is
   written over the rope part of key buffer 0 (no longer needed once its scores are done).
 
-Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barriers = 230,792 B (of
+Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + barriers = 230,952 B (of
 232,448). Registers: launch cap 168 x 12 warps, re-split 224 / 224 / 56 (consumer 0 / 1 / producer),
 no spills. Two things ptxas needs (else it serialises every wgmma or spills): no wgmma accumulator in
 flight across the loop's back edge, and shared-memory views rebuilt per iteration (``_opaque_zero``).
@@ -46,7 +46,9 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
 4. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
    ours: Q by the producer's ``cp.async``, O and lse by register stores from the wgmma layout.
 5. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
-   are mbarriers, each arrive after a warpgroup barrier.
+   are mbarriers, each arrive after a warpgroup barrier. NAMED (variants ``..._nb``): FlashMLA's, on hardware
+   barriers 8..12 (max0, max1, P0, P1 ready; row sums; Triton's partitions use 0..3), by inline ``bar.arrive``
+   / ``bar.sync`` (no warpgroup barrier before an arrive: the barrier orders the shared-memory writes).
 6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
    FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
 7. Neither is persistent: one CTA per tile (64 heads x 1 token) and one CTA per SM (230 KB shared), so each
@@ -55,15 +57,41 @@ owning half of d_v, P of block 0 over block 0's rope dims. Different:
    (barrier parities run on across tiles; a "Q free" barrier, arrived by both consumers once their last
    score wgmmas of a tile are waited for, lets the producer load the next Q, then its keys, while the consumers
    finish the last pair and normalise and store).
+8. Order of a pair (EARLY, ours only): FlashMLA's warpgroups publish their row max after their exponentials, row
+   rescale and sums, and warpgroup 1 signals "P1 ready" after waiting for P0. EARLY publishes each max as soon
+   as it is reduced (the other consumer's softmax runs beside these ~34 exponentials per thread), reading it
+   back from shared memory so that ptxas cannot hoist the exponentials above the signal (no data dependence),
+   and consumer 1 signals P1 right after storing it.
+9. Index loads (LATE_IDX, ours only; FlashMLA's consumers load no indices, see 3.): each ``fence.proxy.async``
+   (after a "ready" wait, before the wgmmas read the cp.async data) is a MEMBAR.ALL.CTA that waits for every
+   load of the thread in flight, including the block's 64 indices loaded just before it. LATE_IDX issues those
+   loads under the score wgmmas, after the fences (consumer 0 under AHEAD: unchanged, at the loop head).
+10. P0 under consumer 0's first value wgmma (OVERLAP, ours only): FlashMLA's warpgroup 0 waits for its
+   ``rO += rS0 @ sV0l`` before it takes the common max and scales and shares P0, which consumer 1 needs for
+   its second value wgmma. OVERLAP takes the max, scales, stores and signals P0 while that wgmma runs, and
+   waits for it (then frees A0 and rescales O) after.
+11. P1 before consumer 1's first value wgmma (P1_FIRST, ours only): FlashMLA's warpgroup 1 rescales O, issues
+   ``rO1 += rS1 @ sV1R``, then stores P1. P1_FIRST stores and signals P1 first (consumer 0's second value
+   wgmma waits for it), then rescales O (reading the common max back, so that ptxas keeps the rescale after
+   the signal) and issues its own.
+12. Barrier allocations (SPLIT_BARS): FlashMLA's mbarriers are plain shared-memory words. Ours were one [15, 1]
+   allocation, which Triton's shared-memory analysis treats as one buffer: a wait after any arrive or wait on
+   another barrier got a warpgroup barrier (bar.sync of 128 threads) in front, 10-16 of 26-34 waits. SPLIT_BARS
+   allocates each separately (4 left). The kernels pass the barriers as a tuple either way (the others: views
+   of the one allocation; same instructions as before, some 100-200 B more shared memory for the captures).
 
 A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the
 whole register file) and Q alone 144 KB of the 227 KB shared memory.
 
 Variants (:data:`VARIANTS`, selectable by name: ``launch(..., variant=)``, ``Config(impl=name)``, ``cpkv bench
-attention --variants all``): ``gluon_ws`` (default, unchanged), ``gluon_ws_l2`` (1.), ``gluon_ws_ahead`` (2.),
-``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_persist`` (7.), ``gluon_ws_l2_persist`` (1. + 7.). All: 168
-registers at launch, no spills, 230,792 B shared (persistent: 231,312 B) (sm_90a, offline:
-tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spills (800 B at any consumer split): left out.
+attention --variants all``): ``gluon_ws_persist`` (7., the default), ``gluon_ws``, ``gluon_ws_l2`` (1.),
+``gluon_ws_ahead`` (2.), ``gluon_ws_l2_ahead`` (1. + 2.), ``gluon_ws_l2_persist`` (1. + 7.), and on top of 7.
+variants named by their switches: ``_nb`` (5.), ``_ahead`` (2.), ``_early`` (8.), ``_li`` (9.), ``_ov`` (10.),
+``_p1f`` (11.), ``_sb`` (12.), ``gluon_ws_l2_...`` (1.); e.g. ``gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb`` has
+all of them but 1. All: 168 registers at launch, no spills, 230,952-231,488 B shared (of 232,448) (sm_90a, offline:
+tests/attention/test_sparse_mla_variants.py). AHEAD with PERSIST spilled 800 B until the peeled first block's
+shared-memory views were indexed by an opaque zero too (in the tile loop constant views are loop-invariant: their 36
+wgmma descriptors were hoisted and spilled).
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention --sweep``). Triton is imported lazily
 by :func:`load`.
@@ -80,14 +108,49 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
+
+
+def _flags(l2: bool = False, ahead: bool = False, persist: bool = False, named: bool = False,
+           early: bool = False, late_idx: bool = False, overlap: bool = False,
+           p1_first: bool = False, split_bars: bool = False) -> dict[str, Any]:
+    """A variant's constexpr switches (module docstring: L2_HINT 1., AHEAD 2., NAMED 5., PERSIST 7., EARLY 8.,
+    LATE_IDX 9., OVERLAP 10., P1_FIRST 11., SPLIT_BARS 12.);
+    AHEAD's consumer 0 needs 240 registers, so consumer 1 gets 208 (else 224 each)."""
+    return {"L2_HINT": l2, "AHEAD": ahead, "C1_REGS": 208 if ahead else 224, "PERSIST": persist, "NAMED": named,
+            "EARLY": early, "LATE_IDX": late_idx, "OVERLAP": overlap, "P1_FIRST": p1_first,
+            "SPLIT_BARS": split_bars}
+
+
 # kernel variants by name -> their constexpr switches (module docstring); the first, "gluon_ws_persist", is the default
 VARIANTS: dict[str, dict[str, Any]] = {
-    "gluon_ws_persist": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
-    "gluon_ws": {"L2_HINT": False, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
-    "gluon_ws_l2": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": False},
-    "gluon_ws_ahead": {"L2_HINT": False, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
-    "gluon_ws_l2_ahead": {"L2_HINT": True, "AHEAD": True, "C1_REGS": 208, "PERSIST": False},
-    "gluon_ws_l2_persist": {"L2_HINT": True, "AHEAD": False, "C1_REGS": 224, "PERSIST": True},
+    "gluon_ws_persist": _flags(persist=True),
+    "gluon_ws": _flags(),
+    "gluon_ws_l2": _flags(l2=True),
+    "gluon_ws_ahead": _flags(ahead=True),
+    "gluon_ws_l2_ahead": _flags(l2=True, ahead=True),
+    "gluon_ws_l2_persist": _flags(l2=True, persist=True),
+    "gluon_ws_persist_nb": _flags(persist=True, named=True),
+    "gluon_ws_persist_ahead": _flags(persist=True, ahead=True),
+    "gluon_ws_persist_ahead_nb": _flags(persist=True, ahead=True, named=True),
+    "gluon_ws_persist_nb_early": _flags(persist=True, named=True, early=True),
+    "gluon_ws_persist_ahead_nb_early": _flags(persist=True, ahead=True, named=True, early=True),
+    "gluon_ws_l2_persist_ahead_nb_early": _flags(l2=True, persist=True, ahead=True, named=True, early=True),
+    "gluon_ws_persist_nb_early_li": _flags(persist=True, named=True, early=True, late_idx=True),
+    "gluon_ws_persist_ahead_nb_early_li": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True),
+    "gluon_ws_persist_nb_early_li_ov": _flags(persist=True, named=True, early=True, late_idx=True, overlap=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov": _flags(persist=True, ahead=True, named=True, early=True, late_idx=True,
+                                                    overlap=True),
+    "gluon_ws_persist_nb_early_li_ov_p1f": _flags(persist=True, named=True, early=True, late_idx=True, overlap=True,
+                                                  p1_first=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov_p1f": _flags(persist=True, ahead=True, named=True, early=True,
+                                                        late_idx=True, overlap=True, p1_first=True),
+    "gluon_ws_persist_nb_early_li_ov_p1f_sb": _flags(persist=True, named=True, early=True, late_idx=True,
+                                                     overlap=True, p1_first=True, split_bars=True),
+    "gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb": _flags(persist=True, ahead=True, named=True, early=True,
+                                                           late_idx=True, overlap=True, p1_first=True,
+                                                           split_bars=True),
+    "gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f": _flags(l2=True, persist=True, ahead=True, named=True, early=True,
+                                                           late_idx=True, overlap=True, p1_first=True),
 }
 DEFAULT_VARIANT = "gluon_ws_persist"  # 2026-12-01, one H200: 1.05-1.06x gluon_ws, 0.886-0.926 of FlashMLA (BENCHMARKS.md)
 L2_MARK = "cpkv-sparse-mla-l2-v1"  # the comment _l2_mark puts in an L2_HINT kernel's PTX (a new rewrite: bump it)
@@ -212,7 +275,7 @@ def load() -> Any:
             g = 0  # key-block pairs done (barrier parities run on across tiles)
             j = 0  # tiles done
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
-                mbarrier.wait(bars.index(14), (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
+                mbarrier.wait(bars[14], (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
                 g += _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
                                     q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g, DENSE, L2_HINT)
                 j += 1
@@ -227,7 +290,7 @@ def load() -> Any:
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
         pid_h, t = _program(H, tile)
-        bar_q = bars.index(0)
+        bar_q = bars[0]
         # Q rows (heads >= H zero-filled)
         hq = pid_h * 64 + gl.arange(0, 64, rl)
         qv = hq < H
@@ -246,20 +309,20 @@ def load() -> Any:
             r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
             r1, v1 = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, rl, DENSE)
             # order of need: A0 (consumer 0 starts its scores there), BR1, BR0, A1
-            mbarrier.wait(bars.index(5), ph)  # free A0
+            mbarrier.wait(bars[5], ph)  # free A0
             _gather(KV, stride_kv, r0, v0, 0, k_a.index(0), lg, 256)
-            async_copy.mbarrier_arrive(bars.index(1), increment_count=False)
-            mbarrier.wait(bars.index(8), ph)  # free BR1
+            async_copy.mbarrier_arrive(bars[1], increment_count=False)
+            mbarrier.wait(bars[8], ph)  # free BR1
             _gather(KV, stride_kv, r1, v1, 256, k_b.index(1), lg, 256)
             _gather(KV, stride_kv, r1, v1, 512, k_r.index(1), lg, 64)
-            async_copy.mbarrier_arrive(bars.index(4), increment_count=False)
-            mbarrier.wait(bars.index(6), ph)  # free BR0
+            async_copy.mbarrier_arrive(bars[4], increment_count=False)
+            mbarrier.wait(bars[6], ph)  # free BR0
             _gather(KV, stride_kv, r0, v0, 256, k_b.index(0), lg, 256)
             _gather(KV, stride_kv, r0, v0, 512, k_r.index(0), lg, 64)
-            async_copy.mbarrier_arrive(bars.index(2), increment_count=False)
-            mbarrier.wait(bars.index(7), ph)  # free A1
+            async_copy.mbarrier_arrive(bars[2], increment_count=False)
+            mbarrier.wait(bars[7], ph)  # free A1
             _gather(KV, stride_kv, r1, v1, 0, k_a.index(1), lg, 256)
-            async_copy.mbarrier_arrive(bars.index(3), increment_count=False)
+            async_copy.mbarrier_arrive(bars[3], increment_count=False)
         return n_pairs
 
     @gluon.jit
@@ -270,10 +333,60 @@ def load() -> Any:
         return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _asm(x, ASM: gl.constexpr):
+        """``ASM`` (a barrier instruction) executed by every thread of the calling warpgroup."""
+        return gl.inline_asm_elementwise(ASM + "\n\tmov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _signal(bars, k: gl.constexpr, x, NAMED: gl.constexpr):
+        """Consumer-to-consumer signal ``k`` (9 max0, 10 max1, 11 P0, 12 P1; module docstring) after this
+        warpgroup's shared-memory writes: NAMED: ``bar.arrive`` on hardware barrier k - 1 (256 threads: this
+        warpgroup arrives, the other syncs), else a warpgroup barrier and an arrive on mbarrier k."""
+        if NAMED:
+            if k == 9:
+                _asm(x, "bar.arrive 8, 256;")
+            elif k == 10:
+                _asm(x, "bar.arrive 9, 256;")
+            elif k == 11:
+                _asm(x, "bar.arrive 10, 256;")
+            else:
+                _asm(x, "bar.arrive 11, 256;")
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(bars[k])
+
+    @gluon.jit
+    def _await(bars, k: gl.constexpr, ph, x, NAMED: gl.constexpr):
+        """Waits for the other consumer's signal ``k`` (of parity ``ph`` when on mbarriers; :func:`_signal`)."""
+        gl.static_assert((k >= 9) & (k <= 12))
+        if NAMED:
+            if k == 9:
+                _asm(x, "bar.sync 8, 256;")
+            elif k == 10:
+                _asm(x, "bar.sync 9, 256;")
+            elif k == 11:
+                _asm(x, "bar.sync 10, 256;")
+            else:
+                _asm(x, "bar.sync 11, 256;")
+        else:
+            mbarrier.wait(bars[k], ph)
+
+    @gluon.jit
+    def _sums_exchanged(bars, j, NAMED: gl.constexpr):
+        """Both consumers' row sums of tile ``j`` are in shared memory (called by both after their store)."""
+        if NAMED:
+            _asm(j, "bar.sync 12, 256;")
+        else:
+            gl.thread_barrier()
+            mbarrier.arrive(bars[13])
+            mbarrier.wait(bars[13], j & 1)
+
+    @gluon.jit
     def _q_free(bars):
         """PERSIST: this consumer's score wgmmas of the tile are done (waited), so Q may be reloaded."""
         gl.thread_barrier()
-        mbarrier.arrive(bars.index(14))
+        mbarrier.arrive(bars[14])
 
     @gluon.jit
     def _softmax_in(s, valid, m_ref, scale_log2):
@@ -285,18 +398,24 @@ def load() -> Any:
     @gluon.jit
     def _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph):
         """Consumer 0's scores of buffer 0 (waits for A0 and BR0 of parity ``ph``), waited for."""
-        mbarrier.wait(bars.index(1), ph)  # A0 ready
+        return warpgroup_mma_wait(0, deps=[_scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph)])
+
+    @gluon.jit
+    def _scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph):
+        """Consumer 0's score wgmmas of buffer 0 issued (waits for A0 and BR0 of parity ``ph``), in flight."""
+        mbarrier.wait(bars[1], ph)  # A0 ready
         fence_async_shared()
         s = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
-        mbarrier.wait(bars.index(2), ph)  # BR0 ready
+        mbarrier.wait(bars[2], ph)  # BR0 ready
         fence_async_shared()
         s = warpgroup_mma(qb, kb.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-        return warpgroup_mma_wait(0, deps=[s])
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
-                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+                   tile, g0, j, DENSE: gl.constexpr, AHEAD: gl.constexpr, PERSIST: gl.constexpr,
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                   OVERLAP: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max).
 
         AHEAD: the next pair's score wgmmas are issued before the wait for this pair's last value wgmma
@@ -308,61 +427,80 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
-        mbarrier.wait(bars.index(0), j & 1)  # Q
+        mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         s_next = s0
         if AHEAD:
             if n_pairs > 0:
-                s_next = _scores0(q_a.index(0), q_b.index(0), q_r.index(0), k_a.index(0), k_b.index(0), k_r.index(0),
+                # views by an opaque 0 here too: in a PERSIST kernel constant views are invariant in the tile
+                # loop, and their 36 hoisted descriptors spilled (800 B)
+                z = _opaque_zero(j)
+                s_next = _scores0(q_a.index(z), q_b.index(z), q_r.index(z), k_a.index(z), k_b.index(z), k_r.index(z),
                                   s0, bars, g0 & 1)
         for i in range(n_pairs):
             ph = (g0 + i) & 1
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             if AHEAD:
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
                 s = s_next
+            elif LATE_IDX:
+                s = _scores0_issue(qa, qb, qr, ka, kb, kr, s0, bars, ph)
+                # the block's indices loaded under the score wgmmas, after the fences (each waits for every
+                # load of the thread in flight)
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+                s = warpgroup_mma_wait(0, deps=[s])
             else:
+                _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
                 s = _scores0(qa, qb, qr, ka, kb, kr, s0, bars, ph)
             if PERSIST:
                 if i == n_pairs - 1:
                     _q_free(bars)  # the tile's last scores are in: the next Q loads under the rest
             s, m_new = _softmax_in(s, valid, m_run, scale_log2)
+            if EARLY:
+                sm.index(0).store(m_new)
+                _signal(bars, 9, i, NAMED)  # my max published (consumer 1's softmax runs beside my exponentials)
+                # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
+                m_new = sm.index(0).load(row_l)
             alpha = gl.exp2(m_run - m_new)
             p = gl.exp2(s * scale_log2 - m_new[:, None])
             l_run = l_run * alpha + gl.sum(p, 1)
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            sm.index(0).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(9))  # my max published
+            if not EARLY:
+                sm.index(0).store(m_new)
+                _signal(bars, 9, i, NAMED)  # my max published
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(5))  # A0 free
-            mbarrier.wait(bars.index(10), ph)  # common max from consumer 1
+            if not OVERLAP:
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars[5])  # A0 free
+            _await(bars, 10, ph, i, NAMED)  # common max from consumer 1
             m1 = sm.index(1).load(row_l)
             f = gl.exp2(m_new - m1)
             kr.store((p * f[:, None]).to(gl.bfloat16))  # P0 over the rope part of buffer 0
             fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(11))  # P0 ready
+            _signal(bars, 11, i, NAMED)  # P0 ready
+            if OVERLAP:  # P0 was scaled and shared while the value wgmma ran
+                o = warpgroup_mma_wait(0, deps=[o])
+                gl.thread_barrier()
+                mbarrier.arrive(bars[5])  # A0 free
             o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
             l_run = l_run * f
             m_run = m1
-            mbarrier.wait(bars.index(12), ph)  # P1 ready
+            _await(bars, 12, ph, i, NAMED)  # P1 ready
             fence_async_shared()
             if AHEAD:
                 if i + 1 < n_pairs:
                     o = warpgroup_mma(p1, ka1, o, is_async=True)
                     # the next pair's scores: its A0 part issued while this value wgmma runs
-                    mbarrier.wait(bars.index(1), ph ^ 1)  # A0 ready (next pair)
+                    mbarrier.wait(bars[1], ph ^ 1)  # A0 ready (next pair)
                     fence_async_shared()
                     sn = warpgroup_mma(qa, ka.permute((1, 0)), s0, use_acc=False, is_async=True)
                     o = warpgroup_mma_wait(1, deps=[o])
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
-                    mbarrier.wait(bars.index(2), ph ^ 1)  # BR0 ready (next pair)
+                    mbarrier.arrive(bars[7])  # A1 and P1 free
+                    mbarrier.wait(bars[2], ph ^ 1)  # BR0 ready (next pair)
                     fence_async_shared()
                     sn = warpgroup_mma(qb, kb.permute((1, 0)), sn, is_async=True)
                     sn = warpgroup_mma(qr, kr.permute((1, 0)), sn, is_async=True)
@@ -371,35 +509,38 @@ def load() -> Any:
                     o = warpgroup_mma(p1, ka1, o, is_async=True)
                     o = warpgroup_mma_wait(0, deps=[o])
                     gl.thread_barrier()
-                    mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                    mbarrier.arrive(bars[7])  # A1 and P1 free
             else:
                 o = warpgroup_mma(p1, ka1, o, is_async=True)
                 # waited here, not after the next pair's first score wgmma: ptxas cannot follow an
                 # accumulator in flight across the loop's back edge and would serialise every wgmma
                 o = warpgroup_mma_wait(0, deps=[o])
                 gl.thread_barrier()
-                mbarrier.arrive(bars.index(7))  # A1 and P1 free
+                mbarrier.arrive(bars[7])  # A1 and P1 free
         return o, l_run, m_run, n_pairs
 
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
-                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr):
+                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, PERSIST: gl.constexpr,
+                   NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr, P1_FIRST: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                                      stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE,
-                                     PERSIST)
+                                     PERSIST, NAMED, EARLY, LATE_IDX, P1_FIRST)
                 j += 1
         else:
             _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                            q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST)
+                            q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, PERSIST,
+                            NAMED, EARLY, LATE_IDX, P1_FIRST)
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
                         q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                        PERSIST: gl.constexpr):
+                        PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                        P1_FIRST: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -407,50 +548,76 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
-        mbarrier.wait(bars.index(0), j & 1)  # Q
+        mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         for i in range(n_pairs):
             ph = (g0 + i) & 1
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
-            mbarrier.wait(bars.index(4), ph)  # BR1 ready
+            if not LATE_IDX:
+                _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+            mbarrier.wait(bars[4], ph)  # BR1 ready
             fence_async_shared()
             s = warpgroup_mma(qb, kb.permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-            mbarrier.wait(bars.index(3), ph)  # A1 ready
+            mbarrier.wait(bars[3], ph)  # A1 ready
             fence_async_shared()
             s = warpgroup_mma(qa, ka.permute((1, 0)), s, is_async=True)
+            if LATE_IDX:  # under the score wgmmas, after the fences
+                _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             s = warpgroup_mma_wait(0, deps=[s])
             if PERSIST:
                 if i == n_pairs - 1:
                     _q_free(bars)
-            mbarrier.wait(bars.index(9), ph)  # max of consumer 0
+            _await(bars, 9, ph, i, NAMED)  # max of consumer 0
             m0 = sm.index(0).load(row_l)
             s, m_new = _softmax_in(s, valid, m0, scale_log2)
-            alpha = gl.exp2(m_run - m_new)
-            p = gl.exp2(s * scale_log2 - m_new[:, None])
-            l_run = l_run * alpha + gl.sum(p, 1)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            sm.index(1).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(10))  # common max published
-            pb = p.to(gl.bfloat16)
-            o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
-            p1.store(pb)
-            fence_async_shared()
-            mbarrier.wait(bars.index(11), ph)  # P0 ready
+            if EARLY:
+                sm.index(1).store(m_new)
+                _signal(bars, 10, i, NAMED)  # common max published (consumer 0 scales P0 beside my exponentials)
+                # read back: ptxas would otherwise hoist the exponentials above the signal (no data dependence)
+                m_new = sm.index(1).load(row_l)
+            if P1_FIRST:
+                if not EARLY:
+                    sm.index(1).store(m_new)
+                    _signal(bars, 10, i, NAMED)  # common max published
+                p = gl.exp2(s * scale_log2 - m_new[:, None])
+                pb = p.to(gl.bfloat16)
+                p1.store(pb)
+                fence_async_shared()
+                _signal(bars, 12, i, NAMED)  # P1 ready, before my O rescale and value wgmma
+                # the common max read again: O's rescale stays after the signal (ptxas would hoist it)
+                alpha = gl.exp2(m_run - sm.index(1).load(row_l))
+                l_run = l_run * alpha + gl.sum(p, 1)
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
+            else:
+                alpha = gl.exp2(m_run - m_new)
+                p = gl.exp2(s * scale_log2 - m_new[:, None])
+                l_run = l_run * alpha + gl.sum(p, 1)
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+                if not EARLY:
+                    sm.index(1).store(m_new)
+                    _signal(bars, 10, i, NAMED)  # common max published
+                pb = p.to(gl.bfloat16)
+                o = warpgroup_mma(gl.convert_layout(pb, p_op), kb, o, is_async=True)
+                p1.store(pb)
+                fence_async_shared()
+                if EARLY:
+                    _signal(bars, 12, i, NAMED)  # P1 ready, before waiting for P0
+            _await(bars, 11, ph, i, NAMED)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(12))  # P1 ready
+            if not EARLY:
+                if not P1_FIRST:
+                    _signal(bars, 12, i, NAMED)  # P1 ready
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(8))  # BR1 free
+            mbarrier.arrive(bars[8])  # BR1 free
             o = warpgroup_mma_wait(0, deps=[o])
             gl.thread_barrier()
-            mbarrier.arrive(bars.index(6))  # BR0 free (its values and P0 read)
+            mbarrier.arrive(bars[6])  # BR0 free (its values and P0 read)
             m_run = m_new
         o = warpgroup_mma_wait(0, deps=[o])
         if PERSIST:
@@ -459,9 +626,7 @@ def load() -> Any:
         # combine the row sums of both consumers, write columns 256..511 and the lse
         sb = (j & 1) * 2  # PERSIST: a tile's row sums in the half of sl of its parity
         sl.index(sb + 1).store(l_run)
-        gl.thread_barrier()
-        mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), j & 1)
+        _sums_exchanged(bars, j, NAMED)
         l_tot = l_run + sl.index(sb).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
@@ -478,25 +643,30 @@ def load() -> Any:
     @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
                  q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr, AHEAD: gl.constexpr,
-                 PERSIST: gl.constexpr):
+                 PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr, LATE_IDX: gl.constexpr,
+                   OVERLAP: gl.constexpr):
         if PERSIST:
             g = 0
             j = 0
             for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
                 g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST)
+                                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE, AHEAD, PERSIST,
+                                   NAMED, EARLY, LATE_IDX, OVERLAP)
                 j += 1
         else:
             _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST)
+                          q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, gl.program_id(0), 0, 0, DENSE, AHEAD, PERSIST,
+                          NAMED, EARLY, LATE_IDX, OVERLAP)
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
                       q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr,
-                      AHEAD: gl.constexpr, PERSIST: gl.constexpr):
+                      AHEAD: gl.constexpr, PERSIST: gl.constexpr, NAMED: gl.constexpr, EARLY: gl.constexpr,
+                      LATE_IDX: gl.constexpr, OVERLAP: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST)
+                                          p1, sm, bars, tile, g0, j, DENSE, AHEAD, PERSIST, NAMED, EARLY, LATE_IDX,
+                                          OVERLAP)
         if PERSIST:
             if n_pairs == 0:
                 _q_free(bars)
@@ -505,9 +675,7 @@ def load() -> Any:
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
         sb = (j & 1) * 2
         sl.index(sb).store(l_run)
-        gl.thread_barrier()
-        mbarrier.arrive(bars.index(13))
-        mbarrier.wait(bars.index(13), j & 1)
+        _sums_exchanged(bars, j, NAMED)
         l_tot = l_run + sl.index(sb + 1).load(row_l)
         empty = l_tot == 0.0
         l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
@@ -518,13 +686,30 @@ def load() -> Any:
                  mask=(ho < H)[:, None])
         return n_pairs
 
+    @gluon.jit
+    def _barriers15():
+        """SPLIT_BARS: the 15 mbarriers as separate shared allocations. Triton's shared-memory barrier analysis
+        sees one [15, 1] allocation as one buffer, so every wait after an arrive or another wait on any of them
+        got a warpgroup barrier (bar.sync) in front; FlashMLA's waits have none."""
+        lay: gl.constexpr = mbarrier.MBarrierLayout()
+        return (gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay), gl.allocate_shared_memory(gl.int64, [1], lay),
+                gl.allocate_shared_memory(gl.int64, [1], lay))
+
     @gluon.jit(do_not_specialize=["N_TILES"])  # PERSIST's tile count: one compile for any T
     def _sparse_mla_ws(
         Q, KV, IDX, KS, KE, OUT, LSE,
         S, H, TOPK, scale_log2,
         stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
         DENSE: gl.constexpr, L2_HINT: gl.constexpr = False, AHEAD: gl.constexpr = False,
-        C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False,
+        C1_REGS: gl.constexpr = 224, PERSIST: gl.constexpr = False, NAMED: gl.constexpr = False,
+        EARLY: gl.constexpr = False, LATE_IDX: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+        P1_FIRST: gl.constexpr = False, SPLIT_BARS: gl.constexpr = False,
     ):
         sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -541,21 +726,31 @@ def load() -> Any:
         # 9 max0, 10 max1, 11 P0, 12 P1 ready | 13 row sums exchanged | PERSIST: 14 Q free
         if PERSIST:
             sl = gl.allocate_shared_memory(gl.float32, [4, 64], flat)  # by tile parity: [parity * 2 + consumer]
-            bars = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(bars.index(14), count=2)
+            if SPLIT_BARS:
+                bars = _barriers15()
+            else:
+                ab = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
+                bars = (ab.index(0), ab.index(1), ab.index(2), ab.index(3), ab.index(4), ab.index(5), ab.index(6),
+                        ab.index(7), ab.index(8), ab.index(9), ab.index(10), ab.index(11), ab.index(12),
+                        ab.index(13), ab.index(14))
+            mbarrier.init(bars[14], count=2)
         else:
             sl = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
-            bars = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+            ab = gl.allocate_shared_memory(gl.int64, [14, 1], mbarrier.MBarrierLayout())
+            bars = (ab.index(0), ab.index(1), ab.index(2), ab.index(3), ab.index(4), ab.index(5), ab.index(6),
+                    ab.index(7), ab.index(8), ab.index(9), ab.index(10), ab.index(11), ab.index(12), ab.index(13))
         for j in gl.static_range(5):
-            mbarrier.init(bars.index(j), count=128)  # one cp.async arrive per producer thread
+            mbarrier.init(bars[j], count=128)  # one cp.async arrive per producer thread
         for j in gl.static_range(5, 13):
-            mbarrier.init(bars.index(j), count=1)
-        mbarrier.init(bars.index(13), count=2)
+            mbarrier.init(bars[j], count=1)
+        mbarrier.init(bars[13], count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, AHEAD, PERSIST, NAMED, EARLY,
+                        LATE_IDX, OVERLAP)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST)),
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE, PERSIST, NAMED, EARLY,
+                          LATE_IDX, P1_FIRST)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
                          q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE, L2_HINT, PERSIST)),
         ], [4, 4], [C1_REGS, 56])  # registers: consumer 1, producer (consumer 0 gets the rest: 504 - both)
