@@ -49,3 +49,33 @@ def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
     for t in a_tokens[:3]:
         assert int(model.reference_prefill(seq).argmax()) == t
         seq.append(t)
+
+
+def test_a_long_prompt_alone_runs_its_chunks_planned_ahead():
+    """A 10-chunk prompt with nothing else running: every chunk but the first (and the decode step after the
+    last, formed once the last chunk's token is known) is planned while the chunk before runs; the tokens are
+    the reference's greedy continuation."""
+    prompt = [(11 * i) % 500 + 2 for i in range(640)]
+    got, done = [], threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Token):
+            got.append(ev.token)
+        if isinstance(ev, Finished):
+            done.set()
+
+    client = EngineClient(CFG, timeout_s=120)
+    client.start(ready_timeout_s=300)
+    try:
+        client.submit(prompt, 2, on_event)
+        assert done.wait(300)
+    finally:
+        client.close(60)
+    assert all(r["planned_ahead"] == 9 for r in client.results), client.results  # chunks 2-10
+
+    from cpkv.model import load_model
+
+    model, seq = load_model("tiny", seed=0), list(prompt)
+    for t in got:
+        assert int(model.reference_prefill(seq).argmax()) == t
+        seq.append(t)

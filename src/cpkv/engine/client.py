@@ -46,6 +46,7 @@ class EngineClient:
         self._ready = threading.Event()
         self.failure: RankFailure | None = None
         self.closed = False
+        self.results: list = []  # each rank's serve() result once closed ({"batches", "planned_ahead"})
         self.group = RankGroup(online_main, cfg.cp, device=cfg.device, args=(cfg,), timeout_s=timeout_s,
                                heartbeat_s=heartbeat_s, on_message=self._on_message, on_exit=self._exited)
 
@@ -112,7 +113,7 @@ class EngineClient:
         self._fail_pending("the server is shutting down")
         if self.group.running:
             self.group.send(0, Stop())
-        self.group.join(timeout_s)
+        self.results = self.group.join(timeout_s)
 
     # -- the watch thread --------------------------------------------------------------------------
     def _on_message(self, rank: int, msg: Any) -> None:

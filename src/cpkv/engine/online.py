@@ -6,6 +6,10 @@ requests arrive through rank 0's inbox and generate greedily (docs/design.md, th
     schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``RankEngine``)
     run        ``RankEngine._run_batch``; the first token is the argmax of the last-token logits; the rank that
                holds a request's last token knows it, an all-reduce (max over -1) tells every rank
+    look ahead a batch that finishes no request (a long prompt's middle chunks) takes the next step's messages,
+               forms the next batch and builds its plan while the GPU runs it (``RankEngine`` look-ahead): the
+               chunks run back to back. A batch that finishes a request does not: its tokens decide the next
+               decode steps. Messages that arrive after that point wait for the step after.
     continue   a generation's next step is a new scheduler request: prompt + tokens so far, queued as a decode
                step. Its cached prefix (page-aligned full pages) comes from the prefix cache, so a step recomputes
                the tail partial page and the new token -- the tokens ``cpkv run`` gives for that sequence
@@ -53,24 +57,34 @@ class OnlineRankEngine(RankEngine):
     def __init__(self, ctx: RankContext, cfg: EngineConfig, model) -> None:
         super().__init__(ctx, cfg, model)
         self.live: dict[int, Generation] = {}
+        self._ahead_news: list = []  # news of the messages taken during a look-ahead, reported with that step
+        self._stopping = False       # a Stop came during a look-ahead: stop once the running batch is done
 
     def serve(self) -> dict[str, Any]:
-        """Loop until a Stop arrives; returns {"batches": n}."""
+        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n}."""
         self.ctx.barrier()
         if self.rank == 0:
             self.ctx.report(Ready())
+        ahead = None
         while True:
-            msgs = self._messages()
-            if any(isinstance(m, Stop) for m in msgs):
-                return {"batches": self.batches}
-            news = [ev for m in msgs for ev in self._apply(m)]
-            self._reload_waiting()
-            batch = self.sched.next_batch()
-            news += self._rejections()
+            if ahead is None:
+                msgs = self._messages()
+                if any(isinstance(m, Stop) for m in msgs):
+                    return {"batches": self.batches, "planned_ahead": self.planned_ahead}
+                news = [ev for m in msgs for ev in self._apply(m)]
+                self._reload_waiting()
+                batch = self.sched.next_batch()
+                news += self._rejections()
+            else:
+                batch, news = ahead.batch, []
             if batch is not None:
-                news += self._step(batch)
+                step_news, ahead = self._step(batch, ahead)
+                news += step_news + self._ahead_news
+                self._ahead_news = []
             if self.rank == 0 and (news or batch is not None):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
+            if self._stopping:
+                return {"batches": self.batches, "planned_ahead": self.planned_ahead}
 
     # -- messages ----------------------------------------------------------------------------------
     def _messages(self) -> list:
@@ -124,17 +138,35 @@ class OnlineRankEngine(RankEngine):
         return out
 
     # -- batches -----------------------------------------------------------------------------------
-    def _step(self, batch: Batch) -> list:
-        """Run the batch; each finished step's token (agreed by every rank) extends its generation."""
-        finished, logits, _ = self._run_batch(batch)
+    def _step(self, batch: Batch, ahead=None) -> tuple[list, Any]:
+        """Run the batch (``ahead``: with its plan built during the batch before); each finished step's token
+        (agreed by every rank) extends its generation -> (news, the next batch built ahead or None)."""
+        finished, logits, nxt = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead_online(batch))
         self.batch_log.clear()  # per-batch records are for a trace's report; a server keeps none
         self.batch_s.clear()
+        self.host_s.clear()
         mine = [int(torch.argmax(logits[r.rid])) if r.rid in logits else -1 for r in finished]
         tokens = self.ctx.all_reduce_max_list(mine)
         out: list = []
         for req, tok in zip(finished, tokens):
             out += self._advance(self.live[req.rid[0]], req, tok)
-        return out
+        return out, nxt
+
+    def _may_look_ahead_online(self, batch: Batch) -> bool:
+        """Look ahead after a batch that finishes no request (same decision on every rank: replicated state)."""
+        return self.cfg.look_ahead and self.host is None and not any(e.last_chunk for e in batch.entries)
+
+    def _next_ahead(self) -> Batch | None:
+        """During look-ahead: this step's messages first (every rank the same list), then the next batch; None
+        after a Stop (the loop ends once the running batch is reported)."""
+        msgs = self._messages()
+        if any(isinstance(m, Stop) for m in msgs):
+            self._stopping = True
+            return None
+        self._ahead_news += [ev for m in msgs for ev in self._apply(m)]
+        batch = self.sched.next_batch()
+        self._ahead_news += self._rejections()
+        return batch
 
     def _advance(self, gen: Generation, req: Request, tok: int) -> list:
         assert tok >= 0, f"no rank held the last token of step {req.rid!r}"

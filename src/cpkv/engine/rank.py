@@ -236,7 +236,7 @@ class RankEngine:
                     self.host_s.append(time.perf_counter() - start)  # every kernel of the forward launched
                     if look_ahead is not None and look_ahead():
                         finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
-                        following = self.sched.next_batch()  # after this one's on the stream
+                        following = self._next_ahead()      # after this one's on the stream
                         if following is not None:
                             with staging(self.model.device, slot ^ 1):
                                 nxt = self._plan_ahead(following)
@@ -258,6 +258,11 @@ class RankEngine:
         if finished is None:
             finished = self.sched.finish(batch)
         return finished, {batch.entries[i].rid: v for i, v in logits.items()}, nxt
+
+    def _next_ahead(self) -> Batch | None:
+        """The next batch, formed during look-ahead (the batch before is finished in the bookkeeping): the
+        scheduler's next batch here; the online engine takes its messages first."""
+        return self.sched.next_batch()
 
     def _spec(self, batch: Batch) -> tuple[Any, tuple[int, ...], BatchSpec]:
         """(layout, the current pages' pool ids, BatchSpec) of ``batch``."""
