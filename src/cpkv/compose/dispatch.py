@@ -156,6 +156,7 @@ class EPBatch:
     tok_row: torch.Tensor = field(init=False)
     arange: torch.Tensor = field(init=False)  # int64 [N]
     _sorted: _Sorted | None = field(init=False, default=None)
+    _ids: torch.Tensor | None = field(init=False, default=None)  # [0, E) for the pair sort (_expert_ids)
 
     def __post_init__(self) -> None:
         ex = self.ex
@@ -182,10 +183,11 @@ class EPBatch:
                              f"got {list(x.shape)} and {list(idx.shape)}")
         idx_all, w_all, x_all = self._publish(x, idx, w)
         flat = idx_all.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        per_expert = torch.zeros(ex.num_experts, dtype=torch.int64, device=ex.device)
-        per_expert.scatter_add_(0, flat, torch.ones_like(flat))
-        ends = torch.cumsum(per_expert, 0)
+        # the stable order by expert on 16-bit keys (two radix passes where int64 takes eight) and each expert's
+        # end as the number of keys <= it (the counts' cumulative sum without a scatter); model.moe.sort_pairs
+        # sorts a single rank's pairs the same way
+        keys, order = torch.sort(flat.to(torch.int16) if ex.num_experts <= 1 << 15 else flat, stable=True)
+        ends = torch.searchsorted(keys, self._expert_ids(keys.dtype), right=True)
         bounds = torch.cat((ends.new_zeros(1), ends))[:: ex.local]
         lo, r = bounds[ex.rank], ex.rank
         q = lo + self.arange
@@ -200,6 +202,12 @@ class EPBatch:
         offs = (ends[r * ex.local:(r + 1) * ex.local] - lo).to(torch.int32)
         self._sorted = _Sorted(order, bounds, pair, valid, idx.long())
         return xs, offs, rw
+
+    def _expert_ids(self, dtype: torch.dtype) -> torch.Tensor:
+        """[0, E) as ``dtype`` on the exchange's device (made per batch, once: the batch's MoE layers share it)."""
+        if self._ids is None or self._ids.dtype != dtype:
+            self._ids = torch.arange(self.ex.num_experts, dtype=dtype, device=self.ex.device)
+        return self._ids
 
     def _publish(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
         """Every rank's idx [T_batch, k] and w [T_batch, k], rank by rank (and, without peer memory, x)."""
