@@ -18,7 +18,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -286,7 +286,7 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy.
 
     Every gather config is first checked byte-exact against ``index_select``, then timed. Figures: bytes
-    read + written per second of *device* time (``_device_median_s``: the stream is held by a spin kernel
+    read + written per second of *device* time (``event_median_s(..., device_only=True)``: the stream is held by a spin kernel
     while the host enqueues, so a launch's host cost is not counted: the 170-190 µs calls here are short
     enough for a 5-30 µs launch to show), ``ratio_to_copy`` against ``copy_`` timed the same way; the
     ``*_event`` figures time each call from its host launch on an idle device (``event_median_s``, the
@@ -305,7 +305,7 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
                            "default": dict(DEFAULT_CONFIG)}
 
     def gbps(fn) -> float:
-        return nbytes / _device_median_s(fn) / 1e9
+        return nbytes / event_median_s(fn, device_only=True) / 1e9
 
     def copy() -> None:
         flat.copy_(pool[:gather_pages])
@@ -350,24 +350,6 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     res["best"] = best
     res["ptx_v4_loads"] = _count_v4(load())
     return res
-
-
-def _device_median_s(fn: Callable[[], object], reps: int = 30) -> float:
-    """Median device seconds of ``fn``'s work: before each timed call a ~1 ms spin kernel holds the stream,
-    so the call is enqueued behind it and the start event does not count the host's launch cost."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms of clock cycles
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def _count_v4(kernel: Any) -> list[int] | None:

@@ -9,8 +9,10 @@ import statistics
 from typing import Callable
 
 
-def event_median_s(fn: Callable[[], object], reps: int = 30) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs timed with CUDA events (after a warm-up)."""
+def event_median_s(fn: Callable[[], object], reps: int = 30, device_only: bool = False) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs timed with CUDA events (after a warm-up). ``device_only``: before
+    each timed call a ~1 ms spin kernel holds the stream, so the call is enqueued behind it and the start event
+    does not count the host's launch cost (device time alone)."""
     import torch
 
     for _ in range(3):
@@ -19,6 +21,8 @@ def event_median_s(fn: Callable[[], object], reps: int = 30) -> float:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if device_only:
+            torch.cuda._sleep(2_000_000)  # ~1 ms of clock cycles
         a.record()
         fn()
         b.record()
