@@ -131,7 +131,7 @@ def test_index_rows_kernels(t, interleaved):
     q = (torch.randn(t, 32, 128, generator=gen, device="cuda") * 2).bfloat16()
     wts = torch.rand(t, 32, generator=gen, device="cuda") + 0.1
     args = (rot.cos, rot.sin, 64, interleaved)
-    prepare_index_keys(k, w, b, *args), prepare_index_queries(q, wts, *args)  # compile, build the Hadamard matrix
+    prepare_index_keys(k, w, b, *args), prepare_index_queries(q, wts, *args)  # compile
     rows = _no_sync(lambda: prepare_index_keys(k, w, b, *args))
     q8, folded = _no_sync(lambda: prepare_index_queries(q, wts, *args))
     got_k, got_s = dequantize_index_rows(rows)
