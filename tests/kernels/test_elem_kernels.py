@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from offline_sm90 import compile_sm90, ptxas_and_sass
 import torch
 
 pytestmark = pytest.mark.triton  # skipped without Triton (tests/conftest.py)
@@ -36,49 +37,6 @@ def test_kernel_under_the_interpreter(case):
     assert f"{case}: ok" in run.stdout
 
 
-def _compile_sm90(fn, args: tuple, consts: dict, **options):
-    """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (as test_fp8_gemm_variants does)."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler.compiler import ASTSource
-    from triton.runtime.jit import native_specialize_impl
-
-    sig, cx, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name], cx[(i,)] = "constexpr", consts[name]
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            cx[(i,)] = args[i]
-        elif isinstance(spec, str) and "D" in spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def _nvidia_tool(name: str) -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
-    return path
-
-
-def _sass(ck, tmp_path) -> tuple[str, str]:
-    """(ptxas -v's report for sm_90a, the cubin's SASS)."""
-    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
-                          timeout=300).stdout
-    return out.stderr, sass
-
-
 def compile_index_rows(queries: bool = True):
     """The index-row kernel as ``index_rows`` launches it at GLM-5's query (keys: key) shapes: 32,768 tokens x 32
     heads of 128, RoPE 64 interleaved."""
@@ -92,7 +50,7 @@ def compile_index_rows(queries: bool = True):
     consts = {"D": d, "ROPE": 64, "INTERLEAVED": True, "NORM": not queries, "FOLD": queries, "BLOCK": kern.BLOCK_ROWS,
               "LOG_K": 4}
     args = (x, lw, lw, cos, cos, out, fp8, out, t * h, h, 1e-6, d ** -0.5, d, 32, 32, d, 1)
-    return _compile_sm90(kern._index_rows, args, consts, num_warps=kern.NUM_WARPS, num_stages=1,
+    return compile_sm90(kern._index_rows, args, consts, num_warps=kern.NUM_WARPS, num_stages=1,
                          enable_fp_fusion=False)
 
 
@@ -107,7 +65,7 @@ def compile_router(float32_gate: bool = False):
     out = torch.empty(t, n)
     args = (x, gate, out, t, n, k, k, k, n)
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": float32_gate}
-    return _compile_sm90(kern._router_gemm, args, consts, num_warps=warps, num_stages=stages)
+    return compile_sm90(kern._router_gemm, args, consts, num_warps=warps, num_stages=stages)
 
 
 @pytest.mark.parametrize("queries", [True, False])
@@ -115,7 +73,7 @@ def test_index_rows_compiles_for_sm90_without_spills(queries, tmp_path):
     """Keys and queries (interleaved RoPE, D 128): no local-memory spills, no tensor-core instructions (the FWHT in
     registers); for queries (one row per thread) no shuffle and no shared memory either."""
     ck = compile_index_rows(queries)
-    report, sass = _sass(ck, tmp_path)
+    report, sass = ptxas_and_sass(ck, tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
     if queries:
         assert not re.search(r"\b(SHFL|LDS|STS)\b", sass) and ck.metadata.shared == 0
@@ -130,7 +88,7 @@ def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
 
     ck = compile_router(float32_gate)
     assert ck.metadata.shared <= kern.SHARED_LIMIT  # (a float32 gate at 4 stages asked 278,528 B on the H200)
-    report, sass = _sass(ck, tmp_path)
+    report, sass = ptxas_and_sass(ck, tmp_path)
     assert not re.search(r"\b(STL|LDL)\b", sass), report
     assert re.search(r"HGMMA\.\w+\.F32\.BF16", sass) and "TF32" not in sass
 

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from offline_sm90 import compile_sm90, nvidia_tool, ptxas_and_sass
 
 from cpkv.kernels.fp8_gemm import gluon_ws
 from cpkv.kernels.fp8_gemm import triton as kern
@@ -154,29 +155,6 @@ def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pai
     assert (meta["STAGES"], meta["GROUP_M"], meta["EP"]) == (stages, 8, 32)
 
 
-def _compile_sm90(fn, args: tuple, consts: dict, **options):
-    """``fn`` compiled for sm_90a from CPU stand-ins of its arguments (what the launcher would specialise)."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler.compiler import ASTSource
-    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
-    from triton.runtime.jit import native_specialize_impl
-
-    sig, cx, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name], cx[(i,)] = "constexpr", consts[name]
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            cx[(i,)] = args[i]
-        elif isinstance(spec, str) and "D" in spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
-    return triton.compile(source(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_tma: bool = False,
                    ahead: bool = False, down: bool = False, wide: bool = False):
     """The Gluon kernel at GLM-5's gate_up (``down``: down) shapes (e experts, 32,768 rows; ``wide``: 256-column
@@ -201,7 +179,7 @@ def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_t
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
               "EPI_TMA": epi_tma, "AHEAD": ahead,
               "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
-    return _compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
+    return compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
 
 
 def _compile_triton(variant: str, cfg: tuple[int, int, int, int]):
@@ -217,16 +195,7 @@ def _compile_triton(variant: str, cfg: tuple[int, int, int, int]):
     consts = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "BLOCK_N": bn, "EVEN_K": True, "TMA": bool(f.get("TMA")),
               "PERSISTENT": int(f.get("PERSISTENT", 0)), "PREFETCH": bool(f.get("PREFETCH")),
               "EMAP": bool(f.get("EMAP")), "EP": kern.expert_slots(e)}
-    return _compile_sm90(kern._grouped_v, args, consts, num_warps=warps, num_stages=stages)
-
-
-def _nvidia_tool(name: str) -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
-    return path
+    return compile_sm90(kern._grouped_v, args, consts, num_warps=warps, num_stages=stages)
 
 
 @pytest.mark.triton
@@ -238,7 +207,7 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(pair, experts, tmp_path):
     barriers. (PAIR with AHEAD and the register epilogue at 256 experts does spill: 4 local-memory
     instructions in its K loops, Triton 3.6; PAIR without AHEAD, or with the TMA epilogue, does not.)"""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
+    ptxas, cuobjdump = nvidia_tool("ptxas"), nvidia_tool("cuobjdump")
     ck = _compile_gluon(pair, stages=4, group_m=8, e=experts, ahead=True)
     (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
@@ -262,25 +231,12 @@ def test_triton_variants_compile_for_sm90_without_spills(variant, cfg, tmp_path)
     """The Triton variants (v16: the Gluon variants' fallback, at its config) compile for sm_90a at their
     sweep config without local-memory spills."""
     pytest.importorskip("triton.experimental.gluon._runtime")
-    cuobjdump = _nvidia_tool("cuobjdump")
+    cuobjdump = nvidia_tool("cuobjdump")
     ck = _compile_triton(variant, cfg)
     (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
                           timeout=300).stdout
     assert "QGMMA" in sass and not re.search(r"\b(STL|LDL)\b", sass)
-
-
-def _ptxas_and_sass(ck, tmp_path) -> tuple[str, str]:
-    """ptxas -v's report of the compiled kernel's PTX for sm_90a and the SASS of its cubin."""
-    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
-    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o",
-                          str(tmp_path / "k.o")], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
-                          timeout=300).stdout
-    return out.stderr, sass
 
 
 @pytest.mark.triton
@@ -294,7 +250,7 @@ def test_tma_epilogue_compiles_for_sm90_without_spills(pair, ahead, stages, expe
     half's masked register store kept."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     ck = _compile_gluon(pair, stages=stages, group_m=8, e=experts, epi_tma=True, ahead=ahead, down=True)
-    report, sass = _ptxas_and_sass(ck, tmp_path)
+    report, sass = ptxas_and_sass(ck, tmp_path)
     assert "Performance Loss" not in report and "warning" not in report.lower(), report
     assert not re.search(r"\b(STL|LDL)\b", sass)
     assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 4 * (2 if pair else 1)
@@ -334,7 +290,7 @@ def test_wide_tiles_compile_for_sm90_without_k_loop_spills(experts, tmp_path):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     ck = _compile_gluon(False, stages=gluon_ws.WIDE_STAGES, group_m=8, e=experts, epi_tma=True, ahead=True,
                         down=True, wide=True)
-    report, sass = _ptxas_and_sass(ck, tmp_path)
+    report, sass = ptxas_and_sass(ck, tmp_path)
     assert "Performance Loss" not in report and "warning" not in report.lower(), report
     assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) == 2 * 2 * 4
     in_loops, loops = _k_loop_spills(sass)

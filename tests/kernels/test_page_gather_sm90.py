@@ -3,12 +3,11 @@ config and the smallest swept block move their data in 16-byte vectors (LDG/STG 
 spill nothing and carry no cache hints. Skipped without Triton or its NVIDIA tools."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
+from offline_sm90 import compile_sm90, ptxas_and_sass
 
 pytest.importorskip("triton")
 
@@ -21,53 +20,23 @@ TOKEN_PAGE = 64 * 656  # GLM-5's token pages: 10,496 int32 elements, one 16,384-
 KEPT = [GATHER_CONFIGS[0], min(GATHER_CONFIGS, key=lambda c: c["block"])]
 
 
-def _tool(name: str) -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
-    return path
-
-
 def _compile_sm90(config: dict, page_bytes: int):
     """The single-segment kernel for ``config`` as a launch at ``page_bytes`` would specialise it."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler.compiler import ASTSource
-    from triton.runtime.jit import native_specialize_impl
-
     idx = torch.zeros(4096, dtype=torch.int32)
     launch = pg._Launch(torch.empty(2, page_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64), idx, idx,
                         idx, True, config)
     fn, a = pg.load(), launch.args
-    args = (*a[:5], 1 << 20, 4095, 3 * 4095)  # any address, entry and unit counts (none == 1 or % 16)
-    sig, cx, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if i >= 8:
-            sig[name], cx[(i,)] = "constexpr", a[i]
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        sig[name] = ty
-        if isinstance(spec, str) and "D" in spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return launch, triton.compile(ASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": launch.warps})
+    args = (*a[:5], 1 << 20, 4095, 3 * 4095, *a[8:])  # any address, entry and unit counts (none == 1 or % 16)
+    consts = {name: a[i] for i, name in enumerate(fn.arg_names) if i >= 8}
+    return launch, compile_sm90(fn, args, consts, num_warps=launch.warps)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("config", KEPT, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_gather_compiles_for_sm90_with_16_byte_vectors(config, tmp_path):
-    ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
     launch, ck = _compile_sm90(config, TOKEN_PAGE)
-    (tmp_path / "k.ptx").write_text(ck.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "0 bytes spill stores, 0 bytes spill loads" in out.stderr, out.stderr
-    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
-                          timeout=300).stdout
+    report, sass = ptxas_and_sass(ck, tmp_path)
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     loads, stores = re.findall(r"\bLDG\.E\S*\.128\b", sass), re.findall(r"\bSTG\.E\S*\.128\b", sass)
     threads = launch.warps * 32
     vecs = min(launch.args[11], 16384) // (threads * 4)  # 16-byte vectors per thread per unit
