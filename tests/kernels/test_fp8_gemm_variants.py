@@ -302,16 +302,9 @@ def test_wide_tiles_compile_for_sm90_without_k_loop_spills(experts, tmp_path):
 
 _INTERPRET = r'''
 import torch
-import triton.runtime.interpreter as ti
+from fused_cases import patch_interpreter_index  # (tests/kernels, on the subprocess's path)
 
-if hasattr(ti, "_patch_lang_tensor"):  # numpy >= 2.3 refuses int() of a 1-element array: loop bounds need .item()
-    _orig = ti._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    ti._patch_lang_tensor = _patched
+patch_interpreter_index()  # numpy >= 2.3 refuses int() of a 1-element array: loop bounds need the element
 
 from cpkv.kernels.fp8_gemm import triton as kern
 from cpkv.kernels.fp8_gemm.ref import grouped_fp8_ref
@@ -356,7 +349,9 @@ def test_triton_variants_and_the_gluon_fallback_in_the_interpreter():
     GLUON_FALLBACK's bytes; all within 1e-2 of the float32 reference with padding rows untouched (Triton's
     interpreter: TMA and persistent loops included; on a tiny ragged load, at K 384 through TMA and at K 300,
     N 200 through masked pointer loads)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))  # fused_cases' interpreter patch
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

@@ -15,16 +15,9 @@ pytest.importorskip("triton")
 
 _INTERPRET = r'''
 import torch
-import triton.runtime.interpreter as ti
+from fused_cases import patch_interpreter_index  # (tests/kernels, on the subprocess's path)
 
-if hasattr(ti, "_patch_lang_tensor"):  # numpy >= 2.3 refuses int() of a 1-element array: loop bounds need .item()
-    _orig = ti._patch_lang_tensor
-
-    def _patched(tensor, scope):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    ti._patch_lang_tensor = _patched
+patch_interpreter_index()  # numpy >= 2.3 refuses int() of a 1-element array: loop bounds need the element
 
 from cpkv.bench.compose import GATHER_CONFIGS
 from cpkv.kernels.page_gather import triton as pg
@@ -79,7 +72,9 @@ print("ok", checked)
 
 @pytest.mark.triton
 def test_gather_equals_the_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = os.path.dirname(os.path.abspath(__file__))  # fused_cases' interpreter patch
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().startswith("ok"), res.stderr[-3000:]
