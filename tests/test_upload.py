@@ -23,3 +23,12 @@ def test_upload_arrays_keeps_values_shapes_and_alignment(dtype):
 def test_upload_arrays_refuses_mixed_dtypes():
     with pytest.raises(ValueError, match="one dtype"):
         upload_arrays([np.zeros(2, np.int32), np.zeros(2, np.int64)], torch.device("cpu"))
+
+
+def test_staging_refuses_a_slot_it_does_not_have():
+    from cpkv.upload import staging
+
+    for bad in (2, -1, "0"):
+        with pytest.raises(ValueError, match="slot must be 0 or 1"):
+            with staging("cpu", bad):
+                pass

@@ -99,11 +99,6 @@ def _key(device: torch.device | str) -> torch.device:
     return device
 
 
-def upload_list(values: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Python ints -> a ``dtype`` tensor [len(values)] on ``device`` (``upload``)."""
-    return upload(torch.tensor(values, dtype=dtype), device)
-
-
 def upload_arrays(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """Host arrays of one dtype -> their tensors on ``device`` (shapes kept), through one ``upload`` of their
     concatenation: one copy (and one staging slice) where one per array would each pay a copy's host work.

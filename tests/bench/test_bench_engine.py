@@ -131,3 +131,19 @@ def test_bench_engine_trace_dir_writes_each_batch_timeline(tmp_path, capsys):
     events = json.load(gzip.open(files[-1]))["traceEvents"]
     names = {e.get("name", "") for e in events if e.get("cat") == "python_function"}
     assert any(n.endswith(": run_batch") for n in names) and any("rank_plan" in n for n in names)
+
+
+def test_trace_flags_are_checked_before_any_rank_starts(tmp_path, capsys):
+    """``--trace-plain`` without ``--trace-dir``, and a ``--trace-dir`` that cannot be made: one error line naming
+    the flag, exit 2, nothing started (a file where the folder should be)."""
+    from cpkv.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    base = ["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128", "--long", "0",
+            "--chunk-size", "128", "--page-size", "16", "--runs", "1", "--no-profile"]
+    for extra, flag in ((["--trace-plain"], "--trace-plain"), (["--trace-dir", str(blocker / "sub")], "--trace-dir")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("cpkv bench engine: error:") and flag in err[0], err
+    assert blocker.read_text() == "x"

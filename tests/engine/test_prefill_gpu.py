@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,7 +171,7 @@ def test_expert_parallel_moe_layers_run_without_a_host_sync_and_match_one_rank(c
 
 
 def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
-    from cpkv.upload import staging, upload, upload_list
+    from cpkv.upload import staging, upload, upload_arrays
 
     torch.cuda.synchronize()
     host = [torch.arange(n, dtype=dt) * 3 - 7 for n, dt in ((5, torch.int64), (1000, torch.int32),
@@ -178,12 +179,15 @@ def test_uploads_in_a_staging_scope_are_asynchronous_and_exact():
     torch.cuda.set_sync_debug_mode("error")
     try:
         with staging("cuda"):
-            got = [upload(h, "cuda") for h in host] + [upload_list([4, 5, 6], torch.int32, "cuda")]
+            got = [upload(h, "cuda") for h in host]
+            arrays = upload_arrays([np.array([4, 5, 6], np.int32), np.arange(7, dtype=np.int32)], "cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    for h, g in zip(host + [torch.tensor([4, 5, 6], dtype=torch.int32)], got):
+    for h, g in zip(host, got):
         assert g.is_cuda and g.dtype == h.dtype and torch.equal(g.cpu(), h)
+    assert [a.cpu().tolist() for a in arrays] == [[4, 5, 6], list(range(7))]
+    assert arrays[1].data_ptr() % 16 == 0  # each array on its own 16-byte boundary
 
 
 def test_staging_slots_nest_without_sharing_bytes():

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, cfg_m, cfg_full, trace = _setup(args)
     modes = weights_modes(args.weights)
+    trace_folder(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
     dense = dense_split(cfg_m)
@@ -90,6 +91,21 @@ def run(args: argparse.Namespace) -> int:
         report["host_load"] = _loaded(args, _replace(cfg, weights=modes[0]), cfg_m, trace, ceiling, report)
     _print(report, args.json)
     return 0
+
+
+def trace_folder(args: argparse.Namespace) -> None:
+    """``--trace-dir``'s folder made now, before any rank starts (ConfigError naming the flag when it cannot be);
+    ``--trace-plain`` without it is an error too."""
+    from cpkv.errors import ConfigError
+
+    where = getattr(args, "trace_dir", None)
+    if getattr(args, "trace_plain", False) and not where:
+        raise ConfigError("--trace-plain: expected --trace-dir too (it says how the traces there are recorded)")
+    if where:
+        try:
+            os.makedirs(where, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--trace-dir: expected a folder that can be made, got {where!r} ({exc.strerror})") from None
 
 
 def weights_modes(spec: str) -> list[str]:
