@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|engine_cp2|attention|mla|mla2|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|engine|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -41,23 +41,11 @@ if want attention; then
     if flashmla; then export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla); fi
     step attention 400 python3 -m cpkv bench attention --json "${peer[@]}"
 fi
-# issue 24: the sparse MLA variants beside FlashMLA on its shapes (each checked against float64 first; the default is
-# timed in every run), in two halves of the 21 (one call each); run tests/attention/test_attention_gpu.py first:
-# the named-barrier (_nb) and early-signal variants change the consumers' synchronisation
-MLA_A=gluon_ws_persist_nb,gluon_ws_persist_ahead,gluon_ws_persist_ahead_nb,gluon_ws_persist_nb_early
-MLA_A=$MLA_A,gluon_ws_persist_ahead_nb_early,gluon_ws_persist_nb_early_li,gluon_ws_persist_ahead_nb_early_li
-MLA_B=gluon_ws_persist_nb_early_li_ov,gluon_ws_persist_ahead_nb_early_li_ov,gluon_ws_persist_nb_early_li_ov_p1f
-MLA_B=$MLA_B,gluon_ws_persist_ahead_nb_early_li_ov_p1f,gluon_ws_persist_nb_early_li_ov_p1f_sb
-MLA_B=$MLA_B,gluon_ws_persist_ahead_nb_early_li_ov_p1f_sb,gluon_ws_l2_persist_ahead_nb_early_li_ov_p1f
-MLA_B=$MLA_B,gluon_ws_l2_persist_ahead_nb_early
-for half in mla mla2; do
-    if want $half && flashmla; then
-        [ $half = mla ] && list=$MLA_A || list=$MLA_B
-        step ${half}_tests 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_attention_gpu.py -k gluon
-        PYTHONPATH=src:/tmp/peers/FlashMLA step $half 330 python3 -m cpkv bench attention --peer flashmla \
-            --variants "$list" --tokens 4096 --rep-ms 40 --json
-    fi
-done
+if want mla && flashmla; then  # the sparse MLA kernel's GPU tests, then the kernel against FlashMLA on its shapes
+    step mla_tests 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_attention_gpu.py -k gluon
+    PYTHONPATH=src:/tmp/peers/FlashMLA step mla 330 python3 -m cpkv bench attention --peer flashmla \
+        --tokens 4096 --rep-ms 40 --json
+fi
 if want gather; then  # issue 24: page gather configs in device time against copy_ (byte-checked first)
     step gather 150 python3 -m cpkv.bench.compose --json
 fi

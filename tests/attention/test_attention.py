@@ -253,4 +253,6 @@ def test_kernel_config_choice_without_hopper() -> None:
     assert kernel.default_config(64, 128, 32, (9, 0)).impl == "triton"
     assert not kernel.gluon_supported(256, 64, (9, 0))
     assert kernel.Config(64, 64, 8, 2).tag() == "h64 k64 w8 s2"
-    assert kernel.GLUON_WS.tag() == "h64 k64 w12 s2 gluon_ws_persist"
+    assert kernel.GLUON_WS.tag() == "h64 k64 w12 s2 gluon_ws"
+    with pytest.raises(AttentionError, match="expected impl one of triton, gluon_ws, got 'gluon_ws_persist'"):
+        kernel.Config(64, 64, 12, 2, impl="gluon_ws_persist")

@@ -79,7 +79,7 @@ def _skip_unless_gluon(cfg) -> None:
 
 @pytest.mark.parametrize("i", range(4), ids=["default-triton", "k32-s3", "h16", "gluon-ws"])
 def test_sparse_kernel_configs(i: int) -> None:
-    """Every kernel variant against float64: large-magnitude scores, leading invalid tiles, odd topk."""
+    """Every kernel config against float64: large-magnitude scores, leading invalid tiles, odd topk."""
     from cpkv.kernels.sparse_mla import triton as kernel
 
     cfg = _configs()[i]
@@ -160,20 +160,13 @@ def test_token_kv_kernels_bit_exact(fmt) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def _variant_names() -> list[str]:
-    from cpkv.kernels.sparse_mla.gluon_ws import VARIANTS
-
-    return list(VARIANTS)
-
-
-@pytest.mark.parametrize("variant", _variant_names())
 @pytest.mark.parametrize("h,topk,t", [(64, 1000, 6), (16, 64, 3), (128, 333, 4), (64, 2048, 2), (64, 0, 2)])
-def test_gluon_variants_against_reference(variant: str, h: int, topk: int, t: int) -> None:
-    """Every Gluon variant (gluon_ws.VARIANTS) against float64: 0, 1, 3 and 16 key-block pairs, heads padded
-    (16) or in two blocks (128), large-magnitude scores, leading and trailing invalid tiles, a row of -1."""
+def test_gluon_ws_against_reference(h: int, topk: int, t: int) -> None:
+    """The Gluon kernel against float64: 0, 1, 3 and 16 key-block pairs, heads padded (16) or in two blocks
+    (128), large-magnitude scores, leading and trailing invalid tiles, a row of -1."""
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    cfg = kernel.GLUON_WS
     _skip_unless_gluon(cfg)
     gen = torch.Generator(device="cuda").manual_seed(h * 7 + topk)
     q = (torch.randn(t, h, 576, generator=gen, device="cuda") * 4).to(torch.bfloat16)
@@ -187,12 +180,11 @@ def test_gluon_variants_against_reference(variant: str, h: int, topk: int, t: in
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
 
 
-@pytest.mark.parametrize("variant", _variant_names())
-def test_gluon_variants_dense(variant: str) -> None:
-    """Every Gluon variant's dense causal form (ks .. ke - 1, empty and clipped ranges) against float64."""
+def test_gluon_ws_dense() -> None:
+    """The Gluon kernel's dense causal form (ks .. ke - 1, empty and clipped ranges) against float64."""
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    cfg = kernel.GLUON_WS
     _skip_unless_gluon(cfg)
     gen = torch.Generator(device="cuda").manual_seed(21)
     t, s = 9, 3000
@@ -206,14 +198,13 @@ def test_gluon_variants_dense(variant: str) -> None:
     assert_close_attention(out.cpu(), lse.cpu(), *ref, lse_atol=1e-3)
 
 
-@pytest.mark.parametrize("variant", [v for v in _variant_names() if "persist" in v])
 @pytest.mark.parametrize("h,topk,t", [(128, 333, 300), (64, 2048, 200), (64, 64, 401)])
-def test_gluon_persistent_variants_many_tiles(variant: str, h: int, topk: int, t: int) -> None:
-    """Persistent variants with more tiles than SMs (each program loops over tiles; barrier parities run on
-    across them) against float64 on the device: every row, a row of -1 among them."""
+def test_gluon_ws_many_tiles(h: int, topk: int, t: int) -> None:
+    """The persistent Gluon kernel with more tiles than SMs (each program loops over tiles; barrier parities run
+    on across them) against float64 on the device: every row, a row of -1 among them."""
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    cfg = kernel.Config(64, 64, 12, 2, impl=variant)
+    cfg = kernel.GLUON_WS
     _skip_unless_gluon(cfg)
     assert t * h // 64 > torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(t + h)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cpkv.bench.attention import PEER_SHAPES, _compare_outputs, _shape_list, _variant_list, _variant_summary
+from cpkv.bench.attention import PEER_SHAPES, _compare_outputs, _shape_list
 from cpkv.cli import main
 
 
@@ -35,8 +35,6 @@ def test_default_peer_shapes_are_flashmlas_and_glm5s() -> None:
     (["--peer-shapes", "4096:8192"], "--peer-shapes: expected S_Q:S_KV:H"),
     (["--peer", "nope"], "--peer: invalid choice"),
     (["--peer", "flashmla", "--peer-shapes", "64:100:64"], "expected S_KV >= --topk (2048)"),
-    (["--variants", "gluon_ws,nope"], "--variants: expected 'all' or names among gluon_ws"),
-    (["--variants", "all", "--peer-shapes", "64:100:64"], "expected S_KV >= --topk (2048)"),
 ])
 def test_peer_usage_errors(argv, needle, capsys) -> None:
     code, err = _call(["bench", "attention", *argv], capsys)
@@ -63,22 +61,6 @@ def test_compare_outputs_measures_differences() -> None:
     off = _compare_outputs((out, None, lse), ((out.float() * 1.01).to(torch.bfloat16), lse2))
     assert off["out_cos_diff"] > 0 and 0.005 < off["out_max_diff_rel"] < 0.02
     assert off["lse_max_diff"] == pytest.approx(0.25) and off["lse_inf_equal"] is False
-
-
-def test_variant_list_and_summary() -> None:
-    from cpkv.kernels.sparse_mla.gluon_ws import VARIANTS
-
-    assert _variant_list("all") == list(VARIANTS) and _variant_list(" gluon_ws_l2 ,gluon_ws") == ["gluon_ws_l2", "gluon_ws"]
-    for bad in ("", ",", "gluon"):
-        with pytest.raises(Exception, match="expected 'all' or names"):
-            _variant_list(bad)
-    cases = [{"variants": [{"variant": "a", "ms": 1.0, "over_default": 1.1, "over_peer": 0.9},
-                           {"variant": "b", "error": "relative error 0.5 against float64 > 0.01"}]},
-             {"variants": [{"variant": "a", "ms": 2.0, "over_default": 0.99, "over_peer": 0.9 ** 3}, {"variant": "b"}]}]
-    a, b = _variant_summary(cases, ["a", "b"], True)
-    assert a["shapes_timed"] == 2 and a["min_over_default"] == 0.99 and a["min_over_peer"] == pytest.approx(0.729)
-    assert a["geo_mean_over_peer"] == pytest.approx(0.81) and b == {"variant": "b", "shapes_timed": 0}
-    assert "min_over_peer" not in _variant_summary(cases, ["a"], False)[0]
 
 
 def test_rel_err_sampled_reads_start_middle_and_end_rows() -> None:

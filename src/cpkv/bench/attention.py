@@ -12,11 +12,8 @@ bytes, and the kernel's relative error against a float64 reference on a sample o
 source; the ``flash_mla`` package must import) and cpkv's sparse MLA on the same inputs, in alternating
 rounds of CUDA-event-timed calls, compares their outputs (cosine difference, largest difference, lse), and
 reports cpkv / FlashMLA per shape: FlashMLA's benchmark shapes (h 128) and GLM-5's (h 64) by default.
-
-``--variants all`` (or NAME,...: keys of ``cpkv.kernels.sparse_mla.gluon_ws.VARIANTS``) adds every named
-warp-specialised Gluon variant to those alternating rounds, on the same inputs: each one's full-size output is
-first checked against a float64 reference on 12 rows (start, middle, end; relative error <= VARIANT_MAX_REL_ERR,
-else it is reported, not timed), then timed beside FlashMLA and the default; without ``--peer`` the variants are compared among themselves.
+cpkv's full-size output is also checked against a float64 reference on 12 rows (start, middle and end: the
+persistent kernel reaches the last rows late in its tile loop).
 """
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ PEERS = ("flashmla",)
 PEER_SHAPES = ((4096, 8192, 128), (4096, 32768, 128), (4096, 131072, 128), (4096, 65536, 64), (16384, 65536, 64))
 # token-KV launch shapes (rows per program, warps) timed by --sweep
 KV_LAUNCHES = ((16, 4), (8, 4), (32, 4), (32, 8), (64, 8), (16, 8))
-VARIANT_MAX_REL_ERR = 1e-2  # a variant whose sampled rows differ more from float64 is not timed
 HELP = "Sparse MLA prefill attention TFLOP/s at GLM-5 shapes, against a bf16 GEMM measured in the same run."
 
 
@@ -61,10 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="S_Q:S_KV:H,... shapes of the peer comparison (default: FlashMLA's benchmark shapes "
                              "and GLM-5's h 64)")
     parser.add_argument("--peer-rounds", type=a.bounded_int(1, 10_000), default=7, help="alternating timing rounds per peer shape")
-    parser.add_argument("--variants", type=_variant_list, default=None,
-                        help="'all' or NAME,...: also time these warp-specialised Gluon kernel variants (sm_90) in "
-                             "the peer comparison's rounds, after checking their outputs against float64; without "
-                             "--peer, among themselves on the peer shapes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -80,17 +72,6 @@ def _shape_list(text: str) -> list[tuple[int, int, int]]:
     return shapes  # type: ignore[return-value]
 
 
-def _variant_list(text: str) -> list[str]:
-    """'all' -> every gluon_ws variant; 'a,b' -> [a, b] (each a known variant name)."""
-    from cpkv.kernels.sparse_mla.gluon_ws import VARIANTS
-
-    names = list(VARIANTS) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected 'all' or names among {', '.join(VARIANTS)}, got {text[:80]!r}")
-    return names
-
-
 _shape_list.bounds = (1, 1 << 30)  # type: ignore[attr-defined]
 _shape_list.range_text = "each count 1..2^30"  # type: ignore[attr-defined]
 
@@ -104,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
     if args.topk > args.kv_rows:
         raise AttentionError(f"--topk {args.topk}: expected at most --kv-rows ({args.kv_rows}) distinct keys per query")
     small = [sh for sh in (args.peer_shapes or PEER_SHAPES) if sh[1] < args.topk]
-    if (args.peer or args.variants) and small:
+    if args.peer and small:
         raise AttentionError(f"--peer-shapes {small[0][0]}:{small[0][1]}:{small[0][2]}: expected S_KV >= --topk "
                              f"({args.topk}) distinct keys per query")
     peer = _load_peer(args.peer) if args.peer else None
     if not (torch.cuda.is_available() and triton_available()):
         raise AttentionError("cpkv bench attention needs a CUDA device and triton")
     result = _bench(args)
-    if peer is not None or args.variants:
+    if peer is not None:
         result["peer"] = _peer_bench(args, peer)
     _report(result, args.json)
     return 0
@@ -232,10 +213,10 @@ def _rel_err_sampled(inp: dict[str, Any], out: Any, per_part: int = 4) -> float:
 
 
 def _sweep_configs() -> list[Any]:
-    """Candidate kernel configs: the Triton kernel and every warp-specialised Gluon variant (the default first)."""
+    """Candidate kernel configs: the Triton kernel and the warp-specialised Gluon one."""
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    return [kernel.Config(64, 64, 8, 2), *kernel.gluon_variant_configs()]
+    return [kernel.Config(64, 64, 8, 2), kernel.GLUON_WS]
 
 
 def _sweep(inp: dict[str, Any], gemm: float, rep_ms: int) -> list[dict[str, Any]]:
@@ -318,82 +299,37 @@ def _event_ms(fn, reps: int) -> float:
 
 
 def _peer_bench(args: argparse.Namespace, peer: Any) -> dict[str, Any]:
-    """The peer comparison (peer None: the --variants among themselves) on every peer shape."""
+    """The peer comparison on every peer shape."""
     import statistics
     import sys
 
     cases = []
     for shape in args.peer_shapes or PEER_SHAPES:
         print(f"cpkv bench attention: peer shape s_q {shape[0]} s_kv {shape[1]} h {shape[2]}", file=sys.stderr)
-        cases.append(_peer_case(shape, args.topk, peer, args.peer_rounds, args.variants or []))
-    res: dict[str, Any] = {"name": args.peer or "none", "cases": cases}
-    if peer is not None:
-        ratios = [c["cpkv_over_peer"] for c in cases]
-        res.update(min_ratio=min(ratios), geo_mean_ratio=statistics.geometric_mean(ratios))
-    if args.variants:
-        res["variant_summary"] = _variant_summary(cases, args.variants, peer is not None)
-    return res
+        cases.append(_peer_case(shape, args.topk, peer, args.peer_rounds))
+    ratios = [c["cpkv_over_peer"] for c in cases]
+    return {"name": args.peer, "cases": cases, "min_ratio": min(ratios),
+            "geo_mean_ratio": statistics.geometric_mean(ratios)}
 
 
-def _variant_summary(cases: list[dict[str, Any]], names: list[str], with_peer: bool) -> list[dict[str, Any]]:
-    """Per variant over the shapes: min / geometric mean of its speed over the default's (and over the peer's)."""
-    import statistics
-
-    rows = []
-    for name in names:
-        got = [v for c in cases for v in c["variants"] if v["variant"] == name and "ms" in v]
-        row: dict[str, Any] = {"variant": name, "shapes_timed": len(got)}
-        for key in ("over_default", "over_peer") if with_peer else ("over_default",):
-            vals = [v[key] for v in got]
-            if vals:
-                row[f"min_{key}"], row[f"geo_mean_{key}"] = min(vals), statistics.geometric_mean(vals)
-        rows.append(row)
-    return rows
-
-
-def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
-               variants: list[str] = ()) -> dict[str, Any]:
-    """One shape: same q / kv / indices (distinct random rows per query) for all; alternating timed rounds.
-
-    ``variants``: Gluon variant names, each checked against float64 on a sample of rows, then timed in the same
-    rounds (a variant that fails the check or to launch is reported with its error, not timed)."""
+def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int) -> dict[str, Any]:
+    """One shape: same q / kv / indices (distinct random rows per query) for both; alternating timed rounds."""
     import statistics
 
     import torch
 
     from cpkv.attention import sparse_mla
-    from cpkv.kernels.sparse_mla import triton as kernel
 
     s_q, s_kv, h = shape
     inp = _inputs(s_q, h, topk, s_kv, "random")
     q, kv, idx, scale = inp["q"], inp["kv"], inp["idx"], inp["scale"]
     kv3, idx3 = kv[:, None, :], idx[:, None, :]  # FlashMLA: kv [s_kv, h_kv = 1, d_qk], indices [s_q, 1, topk]
     ours = lambda: sparse_mla(q, kv, idx, scale)  # noqa: E731
-    calls: dict[str, Any] = {"cpkv": ours}
-    match: dict[str, Any] = {}
-    if peer is not None:
-        theirs = lambda: peer(q, kv3, idx3, scale, 512)  # noqa: E731
-        calls = {"peer": theirs, "cpkv": ours}
-        peer_out = theirs()
-        match = _compare_outputs(peer_out, ours())
-    rows: list[dict[str, Any]] = []
-    for name in variants:
-        cfg = kernel.Config(64, 64, 12, 2, impl=name)
-        row: dict[str, Any] = {"variant": name}
-        try:
-            call = (lambda cfg=cfg: kernel.launch(q, kv, idx, None, None, scale, 512, cfg)[:2])  # noqa: E731
-            got = call()
-            row["rel_err"] = _rel_err_sampled(inp, got[0])
-            if peer is not None:
-                row.update(_compare_outputs(peer_out, got))
-            del got
-            if not row["rel_err"] <= VARIANT_MAX_REL_ERR:
-                row["error"] = f"relative error {row['rel_err']:.3g} against float64 > {VARIANT_MAX_REL_ERR}"
-            else:
-                calls[name] = call
-        except Exception as exc:  # a variant that does not build or launch here is reported, not fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        rows.append(row)
+    theirs = lambda: peer(q, kv3, idx3, scale, 512)  # noqa: E731
+    calls = {"peer": theirs, "cpkv": ours}
+    got = ours()
+    match = {"rel_err": _rel_err_sampled(inp, got[0]), **_compare_outputs(theirs(), got)}
+    del got
     torch.cuda.synchronize()
     reps = max(3, round(30 / max(_event_ms(ours, 1), 1e-3)))  # ~30 ms per timed batch of calls
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -405,22 +341,10 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
     del inp, q, kv, idx, kv3, idx3
     calls.clear()
     torch.cuda.empty_cache()
-    mo = med["cpkv"]
-    case: dict[str, Any] = {"s_q": s_q, "s_kv": s_kv, "h_q": h, "topk": topk, "cpkv_ms": mo,
-                            "cpkv_tflops": flops / mo / 1e9, "rounds": rounds, "calls_per_round": reps,
-                            "cpkv_ms_rounds": times["cpkv"], **match}
-    if peer is not None:
-        mp = med["peer"]
-        case.update(peer_ms=mp, peer_tflops=flops / mp / 1e9, cpkv_over_peer=mp / mo, peer_ms_rounds=times["peer"])
-    for row in rows:
-        if row["variant"] in med:
-            ms = med[row["variant"]]
-            row.update(ms=ms, tflops=flops / ms / 1e9, over_default=mo / ms, ms_rounds=times[row["variant"]])
-            if peer is not None:
-                row["over_peer"] = med["peer"] / ms
-    if variants:
-        case["variants"] = rows
-    return case
+    mo, mp = med["cpkv"], med["peer"]
+    return {"s_q": s_q, "s_kv": s_kv, "h_q": h, "topk": topk, "cpkv_ms": mo, "cpkv_tflops": flops / mo / 1e9,
+            "rounds": rounds, "calls_per_round": reps, "cpkv_ms_rounds": times["cpkv"], **match,
+            "peer_ms": mp, "peer_tflops": flops / mp / 1e9, "cpkv_over_peer": mp / mo, "peer_ms_rounds": times["peer"]}
 
 
 def _compare_outputs(theirs: tuple, ours: tuple) -> dict[str, Any]:
@@ -464,17 +388,10 @@ def _report(res: dict[str, Any], as_json: bool) -> None:
 
 
 def _report_peer(p: dict[str, Any], table: Any) -> None:
-    if "min_ratio" in p:
-        print(f"sparse MLA vs {p['name']} (same inputs, alternating rounds): cpkv / {p['name']} min "
-              f"{p['min_ratio']:.3f}, geometric mean {p['geo_mean_ratio']:.3f}")
-        table(["s_q", "s_kv", "h_q", f"{p['name']} ms", f"{p['name']} TFLOP/s", "cpkv ms", "cpkv TFLOP/s",
-               f"cpkv / {p['name']}", "out cos diff", "out max diff", "lse max diff"],
-              [[c["s_q"], c["s_kv"], c["h_q"], c["peer_ms"], c["peer_tflops"], c["cpkv_ms"], c["cpkv_tflops"],
-                c["cpkv_over_peer"], c["out_cos_diff"], c["out_max_diff_rel"], c["lse_max_diff"]] for c in p["cases"]])
-    if "variant_summary" in p:
-        print("Gluon variants (same inputs and rounds; speed over the default kernel's / the peer's: > 1 is faster)")
-        keys = ["variant", "ms", "tflops", "over_default", "over_peer", "rel_err", "out_max_diff_rel", "error"]
-        table(["s_q", "s_kv", "h_q", *keys],
-              [[c["s_q"], c["s_kv"], c["h_q"], *[v.get(k, "") for k in keys]] for c in p["cases"] for v in c["variants"]])
-        keys = list(dict.fromkeys(k for r in p["variant_summary"] for k in r))
-        table(keys, [[r.get(k, "") for k in keys] for r in p["variant_summary"]])
+    print(f"sparse MLA vs {p['name']} (same inputs, alternating rounds): cpkv / {p['name']} min "
+          f"{p['min_ratio']:.3f}, geometric mean {p['geo_mean_ratio']:.3f}")
+    table(["s_q", "s_kv", "h_q", f"{p['name']} ms", f"{p['name']} TFLOP/s", "cpkv ms", "cpkv TFLOP/s",
+           f"cpkv / {p['name']}", "out cos diff", "out max diff", "lse max diff", "cpkv rel err"],
+          [[c["s_q"], c["s_kv"], c["h_q"], c["peer_ms"], c["peer_tflops"], c["cpkv_ms"], c["cpkv_tflops"],
+            c["cpkv_over_peer"], c["out_cos_diff"], c["out_max_diff_rel"], c["lse_max_diff"], c["rel_err"]]
+           for c in p["cases"]])

@@ -39,6 +39,7 @@ from cpkv.kernels.grid import sparse_mla_grid
 
 LOG2E = 1.4426950408889634
 USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
+IMPLS = ("triton", "gluon_ws")  # Config.impl: this module's kernel, or gluon_ws.py's
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,15 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int
-    # "triton" (any sm_80+) or a Gluon variant, a key of gluon_ws.VARIANTS ("gluon_ws", the default on Hopper:
-    # wgmma, blocks of 64 heads, 512 + 64 dims, warp-specialised: producer + two consumers; see gluon_ws.py)
+    # "triton" (any sm_80+) or "gluon_ws" (the default on Hopper: wgmma, blocks of 64 heads, 512 + 64 dims,
+    # warp-specialised: producer + two consumers, one program per SM; see gluon_ws.py)
     impl: str = "triton"
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            from cpkv.errors import AttentionError
+
+            raise AttentionError(f"sparse MLA kernel: expected impl one of {', '.join(IMPLS)}, got {self.impl!r}")
 
     def tag(self) -> str:
         """Short name for tables: ``h64 k64 w8 s2 [gluon_ws]``."""
@@ -59,14 +66,7 @@ class Config:
         return f"h{self.block_h} k{self.block_k} w{self.num_warps} s{self.num_stages}{extra}"
 
 
-GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws_persist")  # 12 warps; 2 key buffers; one program per SM (the default)
-
-
-def gluon_variant_configs() -> list[Config]:
-    """One Config per warp-specialised Gluon variant (gluon_ws.VARIANTS, the default first)."""
-    from cpkv.kernels.sparse_mla import gluon_ws
-
-    return [Config(64, 64, 12, 2, impl=name) for name in gluon_ws.VARIANTS]
+GLUON_WS = Config(64, 64, 12, 2, impl="gluon_ws")  # 12 warps; 2 key buffers; one program per SM (the default)
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -182,10 +182,10 @@ def launch(
     dense = indices is None
     idx = ks if dense else indices
     topk = 0 if dense else indices.shape[1]
-    if cfg.impl != "triton":
+    if cfg.impl == "gluon_ws":
         from cpkv.kernels.sparse_mla import gluon_ws as sparse_mla_ws
 
-        return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse, cfg.impl)
+        return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
     grid = sparse_mla_grid(t, h, cfg.block_h)
     compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
