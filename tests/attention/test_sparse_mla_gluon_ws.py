@@ -7,12 +7,11 @@ Its outputs against the float64 reference: tests/attention/test_attention_gpu.py
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
+from offline_sm90 import compile_sm90, ptxas_and_sass
 
 from cpkv.kernels.sparse_mla import gluon_ws
 
@@ -21,61 +20,27 @@ SMEM_DATA = 231_032  # Q 72 KB + 2 x 72 KB keys + P1 8 KB + row maxima (512 B) a
 SMEM_LIMIT = 232_448  # sm_90's largest dynamic shared memory per block
 
 
-def _nvidia_tool(name: str) -> str:
-    import triton
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    if not os.path.exists(path):
-        pytest.skip(f"Triton's NVIDIA backend ships no {name} here")
-    return path
-
-
 def _compile_sm90(dense: bool):
     """The kernel compiled for sm_90a from CPU stand-ins of GLM-5 launch arguments (64 heads)."""
-    import triton
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import native_specialize_impl
-
-    fn = gluon_ws.load()
     q, kv = torch.empty(4, 64, 576, dtype=torch.bfloat16), torch.empty(100, 576, dtype=torch.bfloat16)
     idx, out, lse = torch.empty(4, 2048, dtype=torch.int32), torch.empty(4, 64, 512, dtype=torch.bfloat16), torch.empty(4, 64)
-    args = (q, kv, idx, idx, idx, out, lse, 100, 64, 2048, 0.1, 36864, 576, 576, 2048, 32768, 512, 64, 8)
-    sig, cx, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name == "DENSE":
-            sig[name], cx[(i,)] = "constexpr", dense
-            continue
-        ty, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            cx[(i,)] = args[i]
-        elif isinstance(spec, str) and "D" in spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": gluon_ws.MAX_REGS})
+    args = (q, kv, idx, idx, idx, out, lse, 100, 64, 2048, 0.1, 36864, 576, 576, 2048, 32768, 512, 64, 8, dense)
+    return compile_sm90(gluon_ws.load(), args, {"DENSE": dense}, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 def test_kernel_compiles_for_sm90_without_spills(dense: bool, tmp_path) -> None:
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    ptxas, cuobjdump = _nvidia_tool("ptxas"), _nvidia_tool("cuobjdump")
     ck = _compile_sm90(dense)
     ptx = ck.asm["ptx"]
-    (tmp_path / "k.ptx").write_text(ptx)
-    rep = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, timeout=300)
-    assert rep.returncode == 0, rep.stderr
-    assert "warning" not in rep.stderr.lower(), rep.stderr  # a serialised wgmma is reported as one
-    assert "0 bytes spill stores, 0 bytes spill loads" in rep.stderr, rep.stderr
+    report, sass = ptxas_and_sass(ck, tmp_path)
+    assert "warning" not in report.lower(), report  # a serialised wgmma is reported as one
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     # hardware barriers: Triton's 0..3 (CTA, partitions); the consumers sync on mbarriers
-    assert f"Used {gluon_ws.MAX_REGS} registers, used 4 barriers" in rep.stderr, rep.stderr
+    assert f"Used {gluon_ws.MAX_REGS} registers, used 4 barriers" in report, report
     # the partitions' re-split of 168 x 3 warpgroups: consumer 0 240 (its look-ahead), consumer 1 208, producer 56
     assert {"240", "208", "56"} <= set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx))
-    (tmp_path / "k.cubin").write_bytes(ck.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True,
-                          timeout=300).stdout
     assert not re.search(r"\b(STL|LDL)\b", sass)
     assert SMEM_DATA <= ck.metadata.shared <= SMEM_LIMIT
     # score wgmmas (n64, k16): 576 / 16 = 36 per consumer, 36 more for consumer 0's look-ahead (the peeled first
