@@ -13,11 +13,16 @@ a scope each upload pins its own copy (torch's caching host allocator keeps it u
 
 ``staging(device, slot)`` picks one of two buffers: the engine builds batch n+1's plan (slot 1 - s) while batch
 n's copies from slot s may still be queued; a scope nested in another uses its own slot and gives the outer
-one back when it ends. A slot is entered again (and reset) only after a synchronisation that covers its copies.
+one back when it ends. Each scope records an event when it ends (after its last copy); a slot entered again is
+reset only once that event has passed (a host wait, normally over at once: the engine's chained batches are
+the case where it is not). ``keep=True`` continues the slot where its last scope left off instead (nothing of
+it is overwritten): a batch planned ahead runs its forward in the slot its plan was staged in, with the plan's
+copies possibly still queued behind the batch before.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -37,6 +42,7 @@ class _Stage:
         self.used = 0
         self.active = False
         self.retired: list[torch.Tensor] = []
+        self.done: torch.cuda.Event | None = None  # recorded when the last scope ended (after its copies)
 
     def take(self, nbytes: int) -> torch.Tensor:
         start = -(-self.used // ALIGN) * ALIGN
@@ -49,9 +55,9 @@ class _Stage:
 
 
 @contextlib.contextmanager
-def staging(device: torch.device | str, slot: int = 0) -> Iterator[None]:
-    """Uploads to ``device`` inside use the reused pinned buffer ``slot`` (0 or 1; module docstring). No-op off
-    CUDA."""
+def staging(device: torch.device | str, slot: int = 0, keep: bool = False) -> Iterator[None]:
+    """Uploads to ``device`` inside use the reused pinned buffer ``slot`` (0 or 1); ``keep``: continue after what
+    the slot's last scope staged instead of starting over (module docstring). No-op off CUDA."""
     if slot not in range(SLOTS):
         raise ValueError(f"staging slot must be 0 or 1, got {slot!r}")
     device = _key(device)
@@ -62,13 +68,19 @@ def staging(device: torch.device | str, slot: int = 0) -> Iterator[None]:
     if st.active:
         raise RuntimeError(f"staging slot {slot} of {device} is already open")
     outer = _ACTIVE.get(device)
-    st.used, st.active = 0, True
-    st.retired.clear()
+    if not keep:
+        while st.done is not None and not st.done.query():  # until the slot's queued copies have run (polled: a
+            time.sleep(2e-5)                                  # wait for the batch before, not a sync in a forward)
+        st.used = 0
+        st.retired.clear()
+    st.active = True
     _ACTIVE[device] = st
     try:
         yield
     finally:
         st.active = False
+        st.done = torch.cuda.Event()
+        st.done.record(torch.cuda.current_stream(device))
         if outer is not None:
             _ACTIVE[device] = outer
         else:

@@ -213,3 +213,21 @@ def test_staging_slots_nest_without_sharing_bytes():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.equal(ga.cpu(), a) and torch.equal(gb.cpu(), b) and torch.equal(gc.cpu(), c)
+
+
+def test_a_staging_slot_entered_again_waits_for_its_queued_copies_unless_kept():
+    """Chained batches: a slot is reset only once the copies its last scope queued have run (else the new
+    bytes would overwrite them in the pinned buffer); ``keep`` continues after them without waiting."""
+    from cpkv.upload import staging, upload
+
+    torch.cuda.synchronize()
+    a, b, c = (torch.arange(1 << 20, dtype=torch.int64) * k for k in (3, 5, 7))
+    with staging("cuda", 0):
+        torch.cuda._sleep(50_000_000)  # a's copy queues behind this
+        ga = upload(a, "cuda")
+    with staging("cuda", 0, keep=True):
+        gb = upload(b, "cuda")  # after a's bytes: no wait
+    with staging("cuda", 0):
+        gc = upload(c, "cuda")  # offset 0 again: entered only once a's and b's copies have run
+    torch.cuda.synchronize()
+    assert torch.equal(ga.cpu(), a) and torch.equal(gb.cpu(), b) and torch.equal(gc.cpu(), c)

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run with each batch's host side under cProfile: each case's top host functions")
+    p.add_argument("--marks", action="store_true",
+                   help="one more run recording each batch's timeline marks: per milestone of the forward, when the "
+                        "host had launched it and when the GPU ran it (ms from the batch start; cpkv.timeline)")
     p.add_argument("--trace-dir", metavar="DIR",
                    help="one more profiled run, with Python stacks, writing each batch's timeline (host ops and "
                         "kernels) to DIR as gzipped Chrome traces (its own timings, inflated by the stacks, are unused)")
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for sl in slices:
         got = {k: results[s] for k, s in sl.items()}
         reports.append(_report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
-                               got.get("dense"), dense, (got.get("hprof") or [None])[0]))
+                               got.get("dense"), dense, (got.get("hprof") or [None])[0],
+                               (got.get("marks") or [None])[0]))
     report = reports[0]
     if len(reports) > 1:
         report["other_weights"] = reports[1:]
@@ -134,6 +138,8 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["prof"] = [(_replace(cfg, profile=True), trace)]
     if getattr(args, "host_profile", False):
         jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
+    if getattr(args, "marks", False):
+        jobs["marks"] = [(_replace(cfg, marks=True), trace)]
     if getattr(args, "trace_dir", None):
         where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
         stacks = not getattr(args, "trace_plain", False)
@@ -232,9 +238,10 @@ def _batches(res, rid: str) -> list[int]:
     return [k for k, b in enumerate(res.stats["batch_log"]) if b[0][0] == rid]
 
 
-def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=None) -> dict | None:
-    """One case over the timed runs (median, per run), with its breakdown from the profiled run and its host
-    functions (``host_profile``: the first batch's, under cProfile) from the host-profiled run."""
+def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=None, marked=None) -> dict | None:
+    """One case over the timed runs (median, per run), with its breakdown from the profiled run, its host
+    functions (``host_profile``: the first batch's, under cProfile) from the host-profiled run and its first
+    batch's timeline marks from the marked run."""
     from cpkv.bench.breakdown import parts
 
     idx = _batches(runs[0], rid)
@@ -259,7 +266,22 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=No
         row["breakdown"]["host_ops"] = [prof.stats["host_ops"][k] for k in idx]
     if hprof is not None and hprof.stats.get("host_funcs"):
         row["host_profile"] = hprof.stats["host_funcs"][idx[0]]
+    if marked is not None and marked.stats.get("marks"):
+        row["marks"] = marks_of(marked.stats, idx)
     return row
+
+
+def marks_of(stats: dict, idx: list[int]) -> dict:
+    """A case's timeline marks from the marked run: its first batch's rows, and per later batch (chunk) the
+    GPU's idle before it: from the previous batch's last mark (its last kernel) to this one's first mark."""
+    got = [stats["marks"][k] for k in idx]
+    out = {"columns": ["label", "host_ms", "gpu_ms"], "unix_start": got[0]["unix_start"], "rows": got[0]["rows"],
+           "batch_s": round(stats["batch_s"][idx[0]], 4)}
+    if len(got) > 1:
+        out["chunk_start_idle_ms"] = [
+            round(b["gpu_start_ms"] + b["rows"][0][2] - a["gpu_start_ms"] - a["rows"][-1][2], 3)
+            for a, b in zip(got, got[1:]) if a["rows"] and b["rows"]]
+    return out
 
 
 def ttft(rows: dict, layers: int, full_layers: int, dense_rows: dict | None = None,
@@ -306,14 +328,14 @@ def _secs(row: dict, chunk: int | None) -> float:
 
 
 def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None, dense: int | None = None,
-            hprof=None) -> dict:
+            hprof=None, marked=None) -> dict:
     import torch
 
     from cpkv.model.config import load_model_config
 
     rows = {}
     for name, rid in CASES:
-        row = case_row(name, timed, rid, cfg_m, ceiling, prof, hprof)
+        row = case_row(name, timed, rid, cfg_m, ceiling, prof, hprof, marked)
         if row is not None:
             rows[name] = row
     dense_rows, split = None, None

@@ -55,6 +55,7 @@ class EngineConfig:
     host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
     #                             with the most cumulative time: where a host-bound batch spends its wall)
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.rank docstring)
+    marks: bool = False  # benchmarks (CUDA): each batch's timeline marks, host vs GPU ms (cpkv.timeline)
     trace_stacks: bool = True  # the trace_dir traces with the host's Python stacks (slower host; else op names only)
     trace_dir: str | None = None  # benchmarks (with profile): each profiled batch's timeline, host ops with their
     #                               Python stacks and kernels, as a gzipped Chrome trace rank<r>_batch<k>.json.gz

@@ -8,8 +8,8 @@
     token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
     plan nor the forward pass waits on the device (``cpkv.upload``). The attention part (key ranges, the
     indexer's chunks and work items: most of the plan's host time) is built by ``RankPlan.complete`` after
-    the first layer's projections are launched, and so is the compose plan (``run_batch``'s ``prepare``):
-    the GPU starts on the batch after the token ids and rotary tables alone.
+    the first layer's compose is launched, the compose plan (``run_batch``'s ``prepare``) after its
+    projections: the GPU starts on the batch after the token ids and rotary tables alone.
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP; a MoE layer under expert parallelism dispatches to and combines from the experts' ranks).
@@ -27,6 +27,7 @@ from cpkv.layout import BatchLayout
 from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
+from cpkv.timeline import mark
 from cpkv.upload import upload_arrays
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class RankPlan:
         if self.attn is None:
             ks, ke = self.bounds
             self.attn = AttnPlan.build(ks, ke, self.topk, model.device)
+            mark("attention bounds")
         self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk, chunks=chunks)
         return self.attn
 
@@ -95,6 +97,7 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
     counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
     ids_d, pos_d, last_d = upload_arrays([ids_h, pos_h, np.asarray([row for _, row in last], np.int64)],
                                          model.device)  # one copy
+    mark("rank plan uploaded")
     return RankPlan(ids_d, model.rotary(pos_d), last, last_d, ep.prepare(counts) if ep is not None else None,
                     (ks, ks + pos_h + 1), model.cfg.index_topk)
 
@@ -123,20 +126,29 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     """
     # topk: the last full indexer layer's, reused by shared layers; delta: the last layer's MLP output, added by
     # the next layer's fused input norm (or before the final norm)
+    mark("rank plan")
     h, delta, topk = model.embed(plan.ids), None, None
+    mark("embed")
     p = model.layers[0].project(h, plan.rot, delta) if plan.num_tokens and model.layers else None
+    mark("L0 project")
     compose = prepare() if callable(prepare) else prepare  # the plan's host work while the GPU runs the first
     #                                                           projections (unless it was built ahead)
-    attn = plan.complete(model)
+    mark("compose plan")
+    attn = None
     rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):
         if n:
             p = layer.project(h, plan.rot, delta) if plan.num_tokens else None
+            mark(f"L{n} project")
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
         dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
+        mark(f"L{n} compose")
+        if attn is None:  # the attention plan's host work behind the first compose (unless built ahead)
+            attn = plan.complete(model)
+            mark("attention plan")
         if p is not None:
             h, delta, topk = layer.attend_split(p.h, p, dense, attn, topk, plan.ep)
         elif plan.ep is not None and layer.is_moe:
@@ -147,4 +159,5 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
         return {}
     rows = plan.last_rows
     logits = model.logits(h.index_select(0, rows), None if delta is None else delta.index_select(0, rows))
+    mark("logits")
     return {req: logits[i] for i, (req, _) in enumerate(plan.last)}

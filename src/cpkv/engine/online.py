@@ -70,6 +70,7 @@ class OnlineRankEngine(RankEngine):
             if ahead is None:
                 msgs = self._messages()
                 if any(isinstance(m, Stop) for m in msgs):
+                    self._drain()
                     return {"batches": self.batches, "planned_ahead": self.planned_ahead}
                 news = [ev for m in msgs for ev in self._apply(m)]
                 self._reload_waiting()
@@ -84,6 +85,7 @@ class OnlineRankEngine(RankEngine):
             if self.rank == 0 and (news or batch is not None):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
             if self._stopping:
+                self._drain()
                 return {"batches": self.batches, "planned_ahead": self.planned_ahead}
 
     # -- messages ----------------------------------------------------------------------------------

@@ -12,6 +12,9 @@
                the bookkeeping right away, the next batch formed and its whole plan built (uploads in the
                other staging slot) while the GPU still runs this one: the next batch's kernels start
                as soon as this one's end (a long prompt's chunks run back to back; cfg.look_ahead)
+    chain      a batch planned ahead after one that finishes no request (a long prompt's middle chunks) is
+               launched without waiting for that one to end: no synchronisation between them, so the GPU
+               never idles at a chunk start. The chain's batch times come from CUDA events at its end.
 
 Only the owner of a page touches its bytes (spill, reload); the bookkeeping is replicated.
 """
@@ -36,6 +39,7 @@ from cpkv.kvcache.manager import KVCacheManager
 from cpkv.model.model import DSAModel, load_model
 from cpkv.scheduler import Batch, Request, Scheduler
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
+from cpkv.timeline import mark, recording
 from cpkv.upload import staging
 
 
@@ -46,6 +50,16 @@ class Ahead:
     batch: Batch
     plan: Any     # cpkv.engine.forward.RankPlan, completed (every logits chunk's work items)
     compose: Any  # cpkv.compose.plan.ComposePlan
+
+
+@dataclass
+class _Chain:
+    """Batches launched since the last synchronisation, each without waiting for the one before to end."""
+
+    start: float       # the host clock right after the synchronisation before the chain's first batch
+    start_ev: Any      # a CUDA event recorded then (None on the CPU)
+    ends: list = field(default_factory=list)  # per deferred batch: its end (a CUDA event; host seconds on CPU)
+    recs: list = field(default_factory=list)  # per deferred batch: its timeline Recorder (cfg.marks) or None
 
 
 @dataclass
@@ -91,6 +105,8 @@ class RankEngine:
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced); a batch
         #                                          planned ahead: from the end of the batch before
         self.planned_ahead = 0                   # batches whose plan was built during the batch before
+        self.chained = 0                         # batches whose end the host did not wait for (module docstring)
+        self._chain: _Chain | None = None        # those since the last synchronisation
         self.host_s: list[float] = []            # per batch: seconds from its start until the host has launched its
         #                                          whole forward (near batch_s: the GPU waited for the host)
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
@@ -99,6 +115,7 @@ class RankEngine:
         #                                                           (name, self ms, calls)
         self.host_funcs: list[list[tuple[str, float, float, int]]] = []  # per batch, with cfg.host_profile:
         #                                                  (function, cumulative ms, own ms, calls) under cProfile
+        self.marks: list[dict] = []  # per batch, with cfg.marks: {"unix_start": s, "rows": [(label, host ms, GPU ms)]}
 
     def _expert_exchange(self):
         """The expert-parallel regions beside the compose runtime (collective), when this rank holds only a
@@ -174,13 +191,14 @@ class RankEngine:
             finished, logits, ahead = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead(blocked))
             self._note_rejections(done)
             self.out.logits.update({rid: v.cpu().numpy() for rid, v in logits.items()})
-            now = self._sync_time() - t0
+            now = (self._sync_time() if finished else time.perf_counter()) - t0
             for req in finished:
                 self.out.done_s[req.rid] = now - released[req.rid]
                 self.out.cached[req.rid] = req.cached
                 done.add(req.rid)
             if self.rank == 0:
                 self.ctx.report((len(done), self.batches))  # the launching parent's progress line
+        self._drain()
         for r in blocked:
             self.out.rejected[r.id] = "parent: its parent never finished"
         self.out.wall_s = time.perf_counter() - t0
@@ -224,16 +242,21 @@ class RankEngine:
         slot, nxt, finished = self.batches & 1, None, None  # staging slot: batch n+1 plans while n's copies run
         if ahead is None:
             layout, page_ids, spec = self._spec(batch)
+        chain = self._chain  # not None: the batch before is still on the GPU (chained)
         with self._profiled() as prof:
-            start = self._sync_time()
-            with self._sync_checked(), staging(self.model.device, slot):  # plan + forward: no device->host sync
-                with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp:
+            launch = time.perf_counter() if chain is not None else self._sync_time()
+            start_ev = self._event() if chain is None else None
+            # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
+            with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
+                with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp, \
+                        recording(self.model.device, self.cfg.marks) as rec:
                     if ahead is None:
                         first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
                         out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
                     else:
                         out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
-                    self.host_s.append(time.perf_counter() - start)  # every kernel of the forward launched
+                    self.host_s.append(time.perf_counter() - launch)  # every kernel of the forward launched
+                    mark("launched")
                     if look_ahead is not None and look_ahead():
                         finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
                         following = self._next_ahead()      # after this one's on the stream
@@ -241,9 +264,21 @@ class RankEngine:
                             with staging(self.model.device, slot ^ 1):
                                 nxt = self._plan_ahead(following)
                             self.planned_ahead += 1
+                            mark("next batch planned")
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
-            self.batch_s.append(self._sync_time() - start)  # ... to the end of the batch
-        self.rt.check_barrier()  # a GPU barrier timeout of this batch -> ComposeTimeout naming the late ranks
+            # chain the next batch (planned ahead) on this one when this one finishes no request: no drain
+            defer = nxt is not None and prof is None and not any(e.last_chunk for e in batch.entries)
+            if defer:
+                if chain is None:
+                    chain = self._chain = _Chain(launch, start_ev)
+                ev = self._event()
+                chain.ends.append(ev if ev is not None else time.perf_counter())
+                chain.recs.append(rec)
+                self.chained += 1
+            else:
+                self._end_batch(launch, self._sync_time(), rec)  # ... to the end of the batch
+        if not defer:
+            self.rt.check_barrier()  # a GPU barrier timeout of these batches -> ComposeTimeout naming the late ranks
         if prof is not None and self.cfg.trace_dir:  # the trace alone (torch's event parse fails after stacks)
             _export_trace(prof, os.path.join(self.cfg.trace_dir, f"rank{self.rank}_batch{self.batches}.json.gz"))
         elif prof is not None:
@@ -258,6 +293,42 @@ class RankEngine:
         if finished is None:
             finished = self.sched.finish(batch)
         return finished, {batch.entries[i].rid: v for i, v in logits.items()}, nxt
+
+    def _event(self):
+        """A CUDA event recorded now on the current stream (None on the CPU)."""
+        if self.model.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _end_batch(self, launch: float, end: float | None, rec=None) -> None:
+        """Batch times once the stream is synchronised at ``end`` (host clock): the open chain's batches (each
+        from the one before's end, by its end event), then this batch, from ``launch`` (its start, unless it
+        ends a chain) to ``end``; ``end`` None: no batch of its own (the chain drained)."""
+        chain, self._chain = self._chain, None
+        prev = launch
+        if chain is not None:
+            prev = chain.start
+            for e, r in zip(chain.ends, chain.recs):
+                at = e if isinstance(e, float) else chain.start + chain.start_ev.elapsed_time(e) / 1e3
+                self.batch_s.append(at - prev)
+                prev = at
+                self._keep_marks(r)
+        if end is not None:
+            self.batch_s.append(end - prev)
+            self._keep_marks(rec)
+
+    def _keep_marks(self, rec) -> None:
+        if rec is not None:
+            self.marks.append({"unix_start": rec.unix_start, "gpu_start_ms": rec.gpu_start_ms(), "rows": rec.rows()})
+
+    def _drain(self) -> None:
+        """Wait for a chain still on the GPU (its batch times)."""
+        if self._chain is not None:
+            self._sync_time()
+            self._end_batch(self._chain.start, None)
+            self.rt.check_barrier()
 
     def _next_ahead(self) -> Batch | None:
         """The next batch, formed during look-ahead (the batch before is finished in the bookkeeping): the
@@ -344,6 +415,8 @@ class RankEngine:
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
             "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead, "host_s": self.host_s,
+            "chained": self.chained,
+            "marks": self.marks,
         }
 
     def _experts_held(self) -> int:

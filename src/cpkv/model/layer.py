@@ -49,6 +49,7 @@ from cpkv.config import ModelConfig
 from cpkv.model.experts import ExpertWeights
 from cpkv.model.linear import Linear, QuantAct, swiglu
 from cpkv.model.ops import Rotary, add_rms_norm, layer_norm, rms_norm, softmax_scale
+from cpkv.timeline import mark
 
 LATENT_NORM_EPS = 1e-6
 LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
@@ -287,10 +288,14 @@ class DSALayer:
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
+            mark(f"L{self.n} indexer")
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
+        mark(f"L{self.n} attention")
         o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
         h, x, xa = self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
-        return h, self._mlp(x, xa, ep), topk
+        out = self._mlp(x, xa, ep)
+        mark(f"L{self.n} mlp")
+        return h, out, topk
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
@@ -361,6 +366,7 @@ class DSALayer:
         idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
                              fused=not self.exact)
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
+        mark(f"L{self.n} route+shared")
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
             return out if shared is None else out + shared

@@ -1,0 +1,77 @@
+"""Timeline marks: where a batch's host and its GPU are, side by side, without a profiler (benchmarks).
+
+The forward calls ``mark(label)`` at its milestones (the plan built, each layer's projections, compose,
+indexer, attention, MLP). Nothing happens unless a ``Recorder`` is active (one global read per mark). An
+active recorder notes, per mark, the host's clock and a CUDA event recorded on the current stream there. After
+the batch's end synchronisation, ``Recorder.rows`` gives, per mark, (label, host ms, GPU ms), both from the
+batch start (the host's clock and an event recorded right after the batch-start synchronisation):
+
+- host ms: when the host had launched everything before the mark;
+- GPU ms: when the GPU had run it.
+
+GPU ms - host ms is how far the host was ahead there. A few hundredths of a millisecond means the GPU was waiting
+for the host's launches at that point; the batch is host-bound there. The profiler shows the same, but inflates
+the host's side several-fold.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+
+_ACTIVE: "Recorder | None" = None
+_ANCHORS: dict = {}  # per device: the first recorder's start event, one GPU clock for every batch of a process
+
+
+def mark(label: str) -> None:
+    """A milestone of the running batch (no-op unless a Recorder is active)."""
+    if _ACTIVE is not None:
+        _ACTIVE.mark(label)
+
+
+class Recorder:
+    """Marks of one batch on a CUDA device (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.unix_start = time.time()  # the batch start on the wall clock (to line up with other samplers)
+        self._t0 = time.perf_counter()
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+        self._anchor = _ANCHORS.setdefault(device, self._start)
+        self._marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(self, label: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self._marks.append((label, time.perf_counter(), ev))
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(label, host ms, GPU ms) per mark, in order; call after a synchronisation covering the batch."""
+        return [(label, round((t - self._t0) * 1e3, 3), round(self._start.elapsed_time(ev), 3))
+                for label, t, ev in self._marks]
+
+    def gpu_start_ms(self) -> float:
+        """This batch's start on the process's GPU clock (ms after the first recorded batch's start): batches'
+        marks side by side, e.g. the GPU's idle between one batch's last mark and the next one's first."""
+        return round(self._anchor.elapsed_time(self._start), 3) if self._anchor is not self._start else 0.0
+
+
+@contextlib.contextmanager
+def recording(device: torch.device, on: bool = True) -> Iterator[Recorder | None]:
+    """A Recorder active inside (yielded; None when ``on`` is false or ``device`` is not CUDA). Enter it right after
+    the batch-start synchronisation; read its rows after the end one."""
+    global _ACTIVE
+    if not on or device.type != "cuda":
+        yield None
+        return
+    if _ACTIVE is not None:
+        raise RuntimeError("a timeline Recorder is already active")
+    rec = Recorder(device)
+    _ACTIVE = rec
+    try:
+        yield rec
+    finally:
+        _ACTIVE = None
