@@ -9,6 +9,10 @@ batch start (the host's clock and an event recorded right after the batch-start 
 - host ms: when the host had launched everything before the mark;
 - GPU ms: when the GPU had run it.
 
+With ``clocks``, each mark also runs a spin of ``PROBE_CYCLES`` SM clock cycles between two events: its length
+gives the SM clock there (MHz, a fourth column), e.g. a power cap lowering it under a long run of GEMMs (each
+probe adds ~30 us of GPU time).
+
 GPU ms - host ms is how far the host was ahead there. A few hundredths of a millisecond means the GPU was waiting
 for the host's launches at that point; the batch is host-bound there. The profiler shows the same, but inflates
 the host's side several-fold.
@@ -22,6 +26,7 @@ from typing import Iterator
 import torch
 
 _ACTIVE: "Recorder | None" = None
+PROBE_CYCLES = 50_000
 _ANCHORS: dict = {}  # per device: the first recorder's start event, one GPU clock for every batch of a process
 
 
@@ -34,8 +39,8 @@ def mark(label: str) -> None:
 class Recorder:
     """Marks of one batch on a CUDA device (module docstring)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, clocks: bool = False) -> None:
+        self.device, self.clocks = device, clocks
         self.unix_start = time.time()  # the batch start on the wall clock (to line up with other samplers)
         self._t0 = time.perf_counter()
         self._start = torch.cuda.Event(enable_timing=True)
@@ -46,12 +51,23 @@ class Recorder:
     def mark(self, label: str) -> None:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        self._marks.append((label, time.perf_counter(), ev))
+        probe = None
+        if self.clocks:
+            probe = torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(PROBE_CYCLES)  # spins PROBE_CYCLES cycles of the SM clock
+            probe.record()
+        self._marks.append((label, time.perf_counter(), ev, probe))
 
-    def rows(self) -> list[tuple[str, float, float]]:
-        """(label, host ms, GPU ms) per mark, in order; call after a synchronisation covering the batch."""
-        return [(label, round((t - self._t0) * 1e3, 3), round(self._start.elapsed_time(ev), 3))
-                for label, t, ev in self._marks]
+    def rows(self) -> list[tuple]:
+        """(label, host ms, GPU ms[, SM MHz]) per mark, in order; call after a synchronisation covering the
+        batch."""
+        out = []
+        for label, t, ev, probe in self._marks:
+            row = (label, round((t - self._t0) * 1e3, 3), round(self._start.elapsed_time(ev), 3))
+            if probe is not None:
+                row += (round(PROBE_CYCLES / ev.elapsed_time(probe) / 1e3),)
+            out.append(row)
+        return out
 
     def gpu_start_ms(self) -> float:
         """This batch's start on the process's GPU clock (ms after the first recorded batch's start): batches'
@@ -60,16 +76,16 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def recording(device: torch.device, on: bool = True) -> Iterator[Recorder | None]:
-    """A Recorder active inside (yielded; None when ``on`` is false or ``device`` is not CUDA). Enter it right after
-    the batch-start synchronisation; read its rows after the end one."""
+def recording(device: torch.device, on: bool = True, clocks: bool = False) -> Iterator[Recorder | None]:
+    """A Recorder (``clocks``: with clock probes) active inside (yielded; None when ``on`` is false or ``device`` is
+    not CUDA). Enter it right after the batch-start synchronisation; read its rows after the end one."""
     global _ACTIVE
     if not on or device.type != "cuda":
         yield None
         return
     if _ACTIVE is not None:
         raise RuntimeError("a timeline Recorder is already active")
-    rec = Recorder(device)
+    rec = Recorder(device, clocks)
     _ACTIVE = rec
     try:
         yield rec

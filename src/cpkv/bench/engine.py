@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--marks", action="store_true",
                    help="one more run recording each batch's timeline marks: per milestone of the forward, when the "
                         "host had launched it and when the GPU ran it (ms from the batch start; cpkv.timeline)")
+    p.add_argument("--mark-clocks", action="store_true",
+                   help="--marks with the SM clock at each mark (a ~30 us spin probe each; implies --marks)")
     p.add_argument("--trace-dir", metavar="DIR",
                    help="one more profiled run, with Python stacks, writing each batch's timeline (host ops and "
                         "kernels) to DIR as gzipped Chrome traces (its own timings, inflated by the stacks, are unused)")
@@ -138,8 +140,8 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["prof"] = [(_replace(cfg, profile=True), trace)]
     if getattr(args, "host_profile", False):
         jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
-    if getattr(args, "marks", False):
-        jobs["marks"] = [(_replace(cfg, marks=True), trace)]
+    if getattr(args, "marks", False) or getattr(args, "mark_clocks", False):
+        jobs["marks"] = [(_replace(cfg, marks=True, mark_clocks=bool(getattr(args, "mark_clocks", False))), trace)]
     if getattr(args, "trace_dir", None):
         where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
         stacks = not getattr(args, "trace_plain", False)
@@ -275,7 +277,8 @@ def marks_of(stats: dict, idx: list[int]) -> dict:
     """A case's timeline marks from the marked run: its first batch's rows, and per later batch (chunk) the
     GPU's idle before it: from the previous batch's last mark (its last kernel) to this one's first mark."""
     got = [stats["marks"][k] for k in idx]
-    out = {"columns": ["label", "host_ms", "gpu_ms"], "unix_start": got[0]["unix_start"], "rows": got[0]["rows"],
+    columns = ["label", "host_ms", "gpu_ms"] + (["sm_mhz"] if got[0]["rows"] and len(got[0]["rows"][0]) > 3 else [])
+    out = {"columns": columns, "unix_start": got[0]["unix_start"], "rows": got[0]["rows"],
            "batch_s": round(stats["batch_s"][idx[0]], 4)}
     if len(got) > 1:
         out["chunk_start_idle_ms"] = [

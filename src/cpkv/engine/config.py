@@ -56,6 +56,7 @@ class EngineConfig:
     #                             with the most cumulative time: where a host-bound batch spends its wall)
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.rank docstring)
     marks: bool = False  # benchmarks (CUDA): each batch's timeline marks, host vs GPU ms (cpkv.timeline)
+    mark_clocks: bool = False  # with marks: the SM clock at each mark too (a short spin probe)
     trace_stacks: bool = True  # the trace_dir traces with the host's Python stacks (slower host; else op names only)
     trace_dir: str | None = None  # benchmarks (with profile): each profiled batch's timeline, host ops with their
     #                               Python stacks and kernels, as a gzipped Chrome trace rank<r>_batch<k>.json.gz
