@@ -20,7 +20,7 @@ def test_marks_without_a_recorder_or_off_cuda_record_nothing():
 def test_marks_of_a_case_gives_the_gpu_idle_before_each_chunk():
     """Chunk k+1's idle: from chunk k's last mark to chunk k+1's first, on the process's GPU clock."""
     stats = {"batch_s": [0.5, 0.1, 0.2, 0.3],
-             "marks": [{"unix_start": 1.0, "gpu_start_ms": 0.0, "rows": [("a", 0.1, 0.2), ("z", 1.0, 90.0)]},
+             "marks": [{"unix_start": 1.0, "gpu_start_ms": 0.0, "rows": [("a", 0.1, 0.15), ("z", 1.0, 90.0)]},
                        {"unix_start": 2.0, "gpu_start_ms": 100.0, "rows": [("a", 0.1, 0.5), ("z", 2.0, 80.0)]},
                        {"unix_start": 3.0, "gpu_start_ms": 180.0, "rows": [("a", 0.1, 0.25), ("z", 2.0, 50.0)]},
                        {"unix_start": 4.0, "gpu_start_ms": 300.0, "rows": [("a", 0.3, 1.0)]}]}
@@ -29,6 +29,9 @@ def test_marks_of_a_case_gives_the_gpu_idle_before_each_chunk():
     assert got["columns"] == ["label", "host_ms", "gpu_ms"]
     assert got["chunk_start_idle_ms"] == [0.25, 71.0]  # 180 + 0.25 - (100 + 80); 300 + 1 - (180 + 50)
     assert "chunk_start_idle_ms" not in marks_of(stats, [0])
+    # the GPU reached "a" 0.05 ms after the host issued it (waiting), "z" 89 ms after (the host far ahead)
+    assert marks_of(stats, [0])["gpu_waits_for_host_until_ms"] == 0.15
+    assert marks_of(stats, [3])["gpu_waits_for_host_until_ms"] == 0.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -41,3 +44,5 @@ def test_a_recorder_sees_the_gpu_behind_the_host_and_the_clock():
     (label, host_ms, gpu_ms, mhz), = rec.rows()
     assert label == "after the spin" and gpu_ms > host_ms + 10
     assert 100 <= mhz <= 5000  # an SM clock, in MHz
+    from cpkv.timeline import sm_clock_mhz
+    assert 100 <= sm_clock_mhz() <= 5000

@@ -91,3 +91,14 @@ def recording(device: torch.device, on: bool = True, clocks: bool = False) -> It
         yield rec
     finally:
         _ACTIVE = None
+
+
+def sm_clock_mhz() -> int:
+    """The current SM clock (MHz) of the current CUDA device, from a spin of PROBE_CYCLES cycles between two
+    events (synchronises)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(PROBE_CYCLES)
+    b.record()
+    b.synchronize()
+    return round(PROBE_CYCLES / a.elapsed_time(b) / 1e3)

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     trace_folder(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
+    sustained = sustained_gemm() if args.device == "cuda" else None
     dense = dense_split(cfg_m)
     slices, jobs = [], []
     for mode in modes:  # every mode's jobs in one set of rank processes, one model in memory at a time
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         reports.append(_report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
                                got.get("dense"), dense, (got.get("hprof") or [None])[0],
                                (got.get("marks") or [None])[0]))
+    for rep in reports:
+        add_sustained(rep, sustained)
     report = reports[0]
     if len(reports) > 1:
         report["other_weights"] = reports[1:]
@@ -273,6 +276,18 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=No
     return row
 
 
+def add_sustained(rep: dict, sustained: dict | None) -> None:
+    """The sustained GEMM measurement (``sustained_gemm``) and each case's ratio against it."""
+    if not sustained or not sustained.get("tflops"):
+        return
+    rep["gemm_sustained"] = sustained
+    for c in rep["cases"]:
+        c["ratio_to_sustained_gemm"] = round(c["tflops"] / sustained["tflops"], 4)
+
+
+AHEAD_MS = 0.1  # a mark the GPU reached within this of the host issuing it: the GPU was waiting for the host
+
+
 def marks_of(stats: dict, idx: list[int]) -> dict:
     """A case's timeline marks from the marked run: its first batch's rows, and per later batch (chunk) the
     GPU's idle before it: from the previous batch's last mark (its last kernel) to this one's first mark."""
@@ -280,6 +295,12 @@ def marks_of(stats: dict, idx: list[int]) -> dict:
     columns = ["label", "host_ms", "gpu_ms"] + (["sm_mhz"] if got[0]["rows"] and len(got[0]["rows"][0]) > 3 else [])
     out = {"columns": columns, "unix_start": got[0]["unix_start"], "rows": got[0]["rows"],
            "batch_s": round(stats["batch_s"][idx[0]], 4)}
+    rows = got[0]["rows"]
+    waited = [r[2] for r in rows if r[2] - r[1] < AHEAD_MS]
+    out["gpu_waits_for_host_until_ms"] = max(waited) if waited else 0.0  # then the host stays ahead
+    clocks = sorted(r[3] for r in rows if len(r) > 3 and r[2] - r[1] >= AHEAD_MS)  # probes queued behind work
+    if clocks:
+        out["sm_mhz_median"] = clocks[len(clocks) // 2]
     if len(got) > 1:
         out["chunk_start_idle_ms"] = [
             round(b["gpu_start_ms"] + b["rows"][0][2] - a["gpu_start_ms"] - a["rows"][-1][2], 3)
@@ -427,6 +448,39 @@ def prefill_flops(cfg, prefix: int, extend: int) -> float:
         indexer = 2 * keys * hi * di if sparse and full else 0
         total += 2 * linear * extend + 2 * attended * h * (kr + rope + kr) + indexer
     return float(total)
+
+
+def sustained_gemm(seconds: float = 1.5) -> dict:
+    """The bf16 GEMM rate this GPU keeps up: 8192^3 GEMMs back to back for ``seconds``, the rate over the last
+    third, and the SM clock at the start and at the end (a spin probe, ``cpkv.timeline``). A burst of a few
+    GEMMs (``gemm_tflops``) runs at boost clocks; a batch that follows a second of GEMMs runs where the power cap
+    holds the clock (700 W on an H200), and its ratio against the burst mixes the two."""
+    import time
+
+    import torch
+
+    from cpkv.timeline import sm_clock_mhz
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    first = sm_clock_mhz()
+    t0 = time.perf_counter()
+    marks = []
+    while (now := time.perf_counter()) - t0 < seconds:
+        for _ in range(8):
+            a @ b
+        torch.cuda.synchronize()
+        marks.append((time.perf_counter(), 8))
+    last = sm_clock_mhz()
+    tail = [m for m in marks if m[0] - t0 >= seconds * 2 / 3]
+    span = tail[-1][0] - tail[0][0]
+    reps = sum(k for _, k in tail[1:])
+    del a, b
+    torch.cuda.empty_cache()
+    return {"tflops": round(2 * n ** 3 * reps / span / 1e12, 1) if span > 0 else None, "seconds": seconds,
+            "sm_mhz_start": first, "sm_mhz_end": last}
 
 
 def gemm_tflops(device: str) -> float:
