@@ -398,6 +398,11 @@ def _print(rep: dict, as_json: bool) -> None:
         print(f"\nwith {load['procs']} busy-loop processes on the host: "
               + ", ".join(f"{c['case']} {c['loaded_s']} s ({c['slowdown']:+.1%}, {c['ratio_to_gemm']:.1%} of GEMM)"
                           for c in load["cases"]))
+    sus = rep.get("gemm_sustained")
+    if sus:
+        print(f"sustained GEMM {sus['tflops']} TFLOP/s over {sus['seconds']} s (SM clock {sus['sm_mhz_start']} -> "
+              f"{sus['sm_mhz_end']} MHz); of it: " + ", ".join(f"{c['case']} {c['ratio_to_sustained_gemm']:.1%}"
+                                                              for c in rep["cases"]))
     print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
           f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
           f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
