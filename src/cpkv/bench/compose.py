@@ -347,16 +347,6 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     for name, pages in (("sorted", idx.sort().values), ("contiguous", torch.arange(gather_pages, device=device))):
         res[f"{name}_GBps"] = gbps(gather_launcher(out, bases, dest, src, pages, config=cfg))
         res[f"{name}_ratio"] = res[f"{name}_GBps"] / res["copy_GBps"]
-    # the same gather (same pages to the same places) with its entries in source-address order: reads ascend,
-    # writes scatter
-    order = idx.argsort()
-    launch = gather_launcher(out, bases, dest[order].contiguous(), src[order].contiguous(), idx[order].contiguous(),
-                             config=cfg)
-    out.zero_()
-    launch()
-    res["source_order_correct"] = bool(torch.equal(out, want))
-    res["source_order_GBps"] = gbps(launch)
-    res["source_order_ratio"] = res["source_order_GBps"] / res["copy_GBps"]
     res["best"] = best
     res["ptx_v4_loads"] = _count_v4(load())
     return res
@@ -457,8 +447,7 @@ def kernel_main(argv: list[str] | None = None) -> int:
     for kind, r in runs.items():
         print(f"{kind} pages {r['page_bytes']} B x {r['pages']}: copy_ {r['copy_GBps']:.0f} GB/s device time "
               f"({r['copy_GBps_event']:.0f} launch included), index_select {r['index_select_ratio']:.3f}, "
-              f"sorted {r.get('sorted_ratio', float('nan')):.3f}, contiguous {r.get('contiguous_ratio', float('nan')):.3f}, "
-              f"source order {r.get('source_order_ratio', float('nan')):.3f}")
+              f"sorted {r.get('sorted_ratio', float('nan')):.3f}, contiguous {r.get('contiguous_ratio', float('nan')):.3f}")
         for v in r["variants"]:
             cfg = " ".join(f"{k}={v[k]!r}" for k in r["default"])
             fig = (f"{v['GBps']:7.0f} GB/s  {v['ratio_to_copy']:.3f}  (launch incl. {v['ratio_to_copy_event']:.3f})"
