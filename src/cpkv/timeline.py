@@ -11,7 +11,8 @@ batch start (the host's clock and an event recorded right after the batch-start 
 
 With ``clocks``, each mark also runs a spin of ``PROBE_CYCLES`` SM clock cycles between two events: its length
 gives the SM clock there (MHz, a fourth column), e.g. a power cap lowering it under a long run of GEMMs (each
-probe adds ~30 us of GPU time).
+probe adds ~30 us of GPU time). A probe is exact where the host is ahead (its spin queued behind work); where the
+GPU waited for the host it also holds the spin's launch latency and reads low.
 
 GPU ms - host ms is how far the host was ahead there. A few hundredths of a millisecond means the GPU was waiting
 for the host's launches at that point; the batch is host-bound there. The profiler shows the same, but inflates
@@ -97,6 +98,7 @@ def sm_clock_mhz() -> int:
     """The current SM clock (MHz) of the current CUDA device, from a spin of PROBE_CYCLES cycles between two
     events (synchronises)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(PROBE_CYCLES)  # holds the stream: the probe below queues behind it, no launch gap inside
     a.record()
     torch.cuda._sleep(PROBE_CYCLES)
     b.record()
