@@ -231,3 +231,23 @@ def test_a_staging_slot_entered_again_waits_for_its_queued_copies_unless_kept():
         gc = upload(c, "cuda")  # offset 0 again: entered only once a's and b's copies have run
     torch.cuda.synchronize()
     assert torch.equal(ga.cpu(), a) and torch.equal(gb.cpu(), b) and torch.equal(gc.cpu(), c)
+
+
+def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
+    """A long prompt's middle chunks chained (each next chunk launched before the one before ends, its plan's
+    copies queued behind it) at cp 2 under the sync check: the same logits bytes as batches that each drain
+    the stream, and every batch timed."""
+    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.engine import run_jobs
+    from cpkv.scheduler.trace import TraceRequest
+
+    cfg = EngineConfig(model="tiny", cp=2, device="cuda", page_size=64, pages_per_rank=200, chunk_size=1024,
+                       max_requests=1, warmup=True, sync_check=True)
+    trace = [TraceRequest("long", 0.0, 4000), TraceRequest("short", 0.0, 300)]
+    chained, drained = run_jobs([(cfg, trace), (dataclasses.replace(cfg, look_ahead=False), trace)], timeout_s=500)
+    assert chained.stats["chained"] == 3 and drained.stats["chained"] == 0  # chunks 1-3 of 4 chained on
+    for res in (chained, drained):
+        assert not res.rejected and len(res.stats["batch_s"]) == len(res.stats["batch_log"])
+        assert all(t > 0 for t in res.stats["batch_s"])
+    for a, b in zip(chained.requests, drained.requests):
+        assert a.id == b.id and torch.equal(a.logits, b.logits), a.id
