@@ -425,6 +425,15 @@ def _print_mode(rep: dict) -> None:
                              for r in with_parts)) for p in PARTS]
               + [("GPU busy / wall ms", *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}"
                                          for r in with_parts))])
+    marked = [r for r in rows if "marks" in r]
+    if marked:
+        print()
+        for r in marked:
+            m = r["marks"]
+            extra = (f", SM clock {m['sm_mhz_median']} MHz" if "sm_mhz_median" in m else "") + \
+                (f", GPU idle before chunks 2.. {m['chunk_start_idle_ms']} ms" if "chunk_start_idle_ms" in m else "")
+            print(f"marks, {r['case']}: the GPU waits for the host until {m['gpu_waits_for_host_until_ms']} ms into "
+                  f"the batch, then the host is ahead{extra}")
     t = rep["ttft_s"]
     sizes = [k for k in t if k.isdigit()]
     how = f"extrapolated from {t['layers_measured']} layers" if t["extrapolated"] else "measured"
