@@ -92,7 +92,11 @@ def test_a_taken_master_port_is_one_config_error(monkeypatch):
 
 # -- signals, through a subprocess -----------------------------------------------------------------
 LAUNCHER = f"""
+import signal
 import sys
+# Ctrl-C's default: a shell's background job (e.g. CI started with `nohup ... &`) starts its processes with SIGINT
+# ignored, and Python then leaves it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from cpkv.cli import _install_stop_handlers
 from cpkv.dist import launch
 from test_stops import _wait_in_barrier
