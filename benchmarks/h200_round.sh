@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|engine|marks|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -22,11 +22,14 @@ step() {  # step NAME LIMIT_S COMMAND...: output to $OUT/NAME.txt, exit status a
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 if want tests; then
     step tests 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_prefill_gpu.py tests/model/test_model_fused.py \
-        tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py \
+        tests/compose/test_compose_gpu.py tests/kernels tests/attention/test_attention_gpu.py tests/indexer/test_indexer_gpu.py tests/test_timeline.py \
         --ignore=tests/kernels/test_fp8_gemm_gpu.py  # group fp8 runs it
 fi
 if want engine; then  # issue 24's table: bf16 weights (its figures) and fp8 (as GLM-5 ships), host load after
     step engine 560 python3 -m cpkv bench engine --weights bf16,fp8 --json --host-load
+fi
+if want marks; then  # issue 24: where the host and the GPU are in each batch (timeline marks, SM clocks), sustained GEMM
+    step marks 300 python3 -m cpkv bench engine --runs 2 --mark-clocks --json
 fi
 if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
