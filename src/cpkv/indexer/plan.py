@@ -171,6 +171,11 @@ def split_chunks(ks: Sequence[int] | np.ndarray, ke: Sequence[int] | np.ndarray,
     hi_all = np.where(empty, np.iinfo(np.int64).min, b)
     chunks: list[IndexerChunk] = []
     start, n = 0, a.size
+    if n:  # the common case: every row fits one chunk (the greedy's costs only grow, the last is the largest)
+        lo, hi = int(lo_all.min()), int(hi_all.max())
+        if hi <= lo or n * padded(hi - lo) * 4 <= budget:
+            k0, k1 = (lo, hi) if hi > lo else (0, 0)
+            return [IndexerChunk(0, n, k0, k1, int((b - a).max()))]
     while start < n:
         lo, hi = np.minimum.accumulate(lo_all[start:]), np.maximum.accumulate(hi_all[start:])
         seen = hi > lo  # some non-empty row so far
