@@ -115,7 +115,8 @@ class RankEngine:
         #                                                           (name, self ms, calls)
         self.host_funcs: list[list[tuple[str, float, float, int]]] = []  # per batch, with cfg.host_profile:
         #                                                  (function, cumulative ms, own ms, calls) under cProfile
-        self.marks: list[dict] = []  # per batch, with cfg.marks: {"unix_start": s, "rows": [(label, host ms, GPU ms)]}
+        self.marks: list[dict] = []  # per batch, with cfg.marks: {"unix_start": s, "gpu_start_ms": ms on the
+        #                              process's GPU clock, "rows": [(label, host ms, GPU ms[, SM MHz])]}
 
     def _expert_exchange(self):
         """The expert-parallel regions beside the compose runtime (collective), when this rank holds only a
