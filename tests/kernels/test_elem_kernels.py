@@ -5,13 +5,11 @@ Triton. The GPU runs are in test_elem_gpu.py; the timings in ``benchmarks/elem_k
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 from offline_sm90 import compile_sm90, ptxas_and_sass
 import torch
 
@@ -27,10 +25,7 @@ def test_every_case_is_found():
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_under_the_interpreter(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = str(HERE.parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(HERE / "elem_cases.py"), case], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = run_interpreted([str(HERE / "elem_cases.py"), case])
     if run.returncode == 77:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, f"{case}: {run.stdout[-2000:]}{run.stderr[-4000:]}"
@@ -96,14 +91,11 @@ def test_router_compiles_for_sm90_without_spills(float32_gate, tmp_path):
 def test_benchmark_script_runs_under_the_interpreter():
     """benchmarks/elem_kernels.py end to end on CPU tensors (8 tokens, hidden 256, Triton's interpreter): both
     kernels checked and timed once, all checks holding."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = str(HERE.parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import elem_cases as c; "
+    code = ("import sys; sys.path[:0] = [sys.argv[1]]; import elem_cases as c; "
             "c.patch_interpreter_rounding(); c.patch_interpreter_index(); c.patch_interpreter_bf16_dot(); "
-            "import elem_kernels; sys.exit(elem_kernels.main(sys.argv[3:]))")
-    run = subprocess.run([sys.executable, "-c", code, str(HERE), str(HERE.parents[1] / "benchmarks"), "--tokens", "8",
-                          "--hidden", "256", "--device", "cpu", "--json"], env=env, capture_output=True, text=True,
-                         timeout=600)
+            "import elem_kernels; sys.exit(elem_kernels.main(sys.argv[2:]))")
+    run = run_interpreted(["-c", code, str(HERE.parents[1] / "benchmarks"), "--tokens", "8", "--hidden", "256",
+                           "--device", "cpu", "--json"])
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     import json
 

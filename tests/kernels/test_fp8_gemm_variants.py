@@ -6,13 +6,12 @@ interpreter is chosen at import).
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 import torch
 from offline_sm90 import compile_sm90, nvidia_tool, ptxas_and_sass
 
@@ -349,9 +348,5 @@ def test_triton_variants_and_the_gluon_fallback_in_the_interpreter():
     GLUON_FALLBACK's bytes; all within 1e-2 of the float32 reference with padding rows untouched (Triton's
     interpreter: TMA and persistent loops included; on a tiny ragged load, at K 384 through TMA and at K 300,
     N 200 through masked pointer loads)."""
-    here = os.path.dirname(os.path.abspath(__file__))  # fused_cases' interpreter patch
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    res = run_interpreted(["-c", textwrap.dedent(_INTERPRET)])
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

@@ -6,13 +6,11 @@ normed values within one ulp of the reference).
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.triton  # skipped without Triton (tests/conftest.py)
 
@@ -26,11 +24,7 @@ def test_every_case_is_found():
 
 @pytest.mark.parametrize("case", CASES)
 def test_fused_kernel_under_the_interpreter(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    src = str(HERE.parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, str(HERE / "fused_cases.py"), case], env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = run_interpreted([str(HERE / "fused_cases.py"), case])
     if run.returncode == 77:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, f"{case}: {run.stdout[-2000:]}{run.stderr[-4000:]}"

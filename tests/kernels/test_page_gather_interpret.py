@@ -4,12 +4,10 @@ and byte paths), pages split into several units, empty input. A subprocess: the 
 Skipped without Triton."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -72,9 +70,5 @@ print("ok", checked)
 
 @pytest.mark.triton
 def test_gather_equals_the_reference_in_the_interpreter():
-    here = os.path.dirname(os.path.abspath(__file__))  # fused_cases' interpreter patch
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRET)], capture_output=True, text=True,
-                         env=env, timeout=600)
+    res = run_interpreted(["-c", textwrap.dedent(_INTERPRET)])
     assert res.returncode == 0 and res.stdout.strip().startswith("ok"), res.stderr[-3000:]
