@@ -151,38 +151,6 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)).max())
 
 
-def case_index_rows() -> None:
-    from cpkv.indexer.quant import FP8, dequantize_index_rows
-    from cpkv.kernels.index_rows import triton as kern
-    from cpkv.kernels.index_rows.ref import index_keys_ref, index_queries_ref
-    from cpkv.model.ops import Rotary
-
-    for t, h, d, r, interleaved in [(5, 1, 128, 64, True), (3, 1, 64, 32, False), (3, 4, 128, 64, True),
-                                    (2, 3, 64, 32, False), (37, 1, 128, 64, False)]:
-        gen = _gen(t * d + r)
-        rot = Rotary.build(torch.arange(t) * 31 + 1, r, 10000.0)
-        x = (torch.randn(t, h, d, generator=gen) * 2).bfloat16()
-        if h == 1:  # keys: LayerNorm then the rotations, into index rows (one all-equal row: LayerNorm gives the bias)
-            k = x[:, 0]
-            k[1] = 0.5
-            w = (torch.randn(d, generator=gen) * 0.2 + 1).bfloat16()
-            b = (torch.randn(d, generator=gen) * 0.1).bfloat16()
-            rows = torch.zeros(t, d + 4, dtype=torch.uint8)
-            fp8, scale = dequantize_index_rows(rows)
-            kern.index_rows(k, 1, rot.cos, rot.sin, r, interleaved, fp8, scale, norm=(w, b, 1e-6))
-            want_fp8, want_scale = dequantize_index_rows(index_keys_ref(k, w, b, rot.cos, rot.sin, r, interleaved))
-            assert rel(scale, want_scale) <= 1e-5, f"key scales at {(t, d, r, interleaved)}"
-            assert near_fp8(fp8, want_fp8), f"key fp8 values at {(t, d, r, interleaved)}"
-        wts = torch.rand(t, h, generator=gen) + 0.1
-        q8 = torch.zeros(t, h, d, dtype=FP8)
-        folded = torch.zeros(t, h)
-        kern.index_rows(x.view(t * h, d), h, rot.cos, rot.sin, r, interleaved, q8.view(t * h, d),
-                        folded.view(-1), weights=wts.view(-1))
-        want_q, want_w = index_queries_ref(x, wts, rot.cos, rot.sin, r, interleaved)
-        assert rel(folded, want_w) <= 1e-5, f"folded weights at {(t, h, d, r, interleaved)}"
-        assert near_fp8(q8, want_q), f"query fp8 values at {(t, h, d, r, interleaved)}"
-
-
 def case_head_weights() -> None:
     from cpkv.kernels.index_rows import triton as kern
     from cpkv.kernels.index_rows.ref import head_weights_ref

@@ -1,6 +1,6 @@
-"""The fused elementwise kernels (kernels/add_norm, token_rows, rope, index_rows, swiglu, combine) under Triton's
-interpreter on CPU, against their pure-torch references: each case of ``fused_cases.py`` in its own subprocess with
-TRITON_INTERPRET=1 (Triton reads it when a kernel is defined, so it must be set before the kernel modules load).
+"""The fused elementwise kernels (kernels/add_norm, token_rows, rope, index_rows' head weights, swiglu, combine; the
+index rows themselves are ``elem_cases.py``'s) under Triton's interpreter on CPU, against their pure-torch
+references: each case of ``fused_cases.py`` in its own subprocess with TRITON_INTERPRET=1 (Triton reads it when a kernel is defined, so it must be set before the kernel modules load).
 Skipped without Triton. Tolerances: in ``fused_cases.py`` (bytes exact given the kernel's normed values; the
 normed values within one ulp of the reference).
 """
