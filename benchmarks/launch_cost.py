@@ -1,0 +1,63 @@
+"""Benchmark (GPU): host microseconds per launch of the kinds of op a forward issues (torch elementwise, allocation,
+view, cuBLAS GEMM, a Triton kernel through our wrapper and through its JIT launcher, a CUDA graph replay of 50
+kernels, an event record). A 2 s spin holds the stream meanwhile, so no launch waits for the GPU. Run from the
+repository root:
+
+    PYTHONPATH=src python3 benchmarks/launch_cost.py
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from cpkv.kernels.add_norm.triton import _add_rms_norm, add_rms_norm
+
+
+def timed(fn, n: int = 500) -> float:
+    """Host µs per call of ``fn`` (warmed up; the GPU held busy by a spin, so launches never wait)."""
+    for _ in range(50):
+        fn()
+    torch.cuda._sleep(int(2e9))
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return round(us, 2)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    a = torch.randn(64, 6144, device=dev, dtype=torch.bfloat16)
+    b, c, x = torch.randn_like(a), torch.empty_like(a), torch.empty_like(a)
+    w = torch.randn(6144, device=dev, dtype=torch.bfloat16)
+    m = torch.randn(6144, 2048, device=dev, dtype=torch.bfloat16)
+    args = (a, b, w, c, x, x, x, 1e-5, a.stride(0), b.stride(0), c.stride(0), x.stride(0), 0, 0, 0)
+    kw = dict(D=6144, G_PAD=64, HAS_DELTA=True, QUANT=False, num_warps=8, enable_fp_fusion=False)
+    res = {
+        "torch.add(out=)": timed(lambda: torch.add(a, b, out=c)),
+        "torch.empty": timed(lambda: torch.empty(64, 6144, device=dev, dtype=torch.bfloat16)),
+        "a[:, :128] view": timed(lambda: a[:, :128]),
+        "torch.mm": timed(lambda: torch.mm(a, m)),
+        "add_rms_norm wrapper": timed(lambda: add_rms_norm(a, b, w, 1e-5, c, x)),
+        "_add_rms_norm[grid]": timed(lambda: _add_rms_norm[(64,)](*args, **kw)),
+    }
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        add_rms_norm(a, b, w, 1e-5, c, x)
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(50):
+                add_rms_norm(a, b, w, 1e-5, c, x)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    res["graph replay (50 kernels)"] = timed(g.replay, 200)
+    ev = torch.cuda.Event(enable_timing=True)
+    res["event record"] = timed(ev.record)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
