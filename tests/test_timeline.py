@@ -37,6 +37,10 @@ def test_marks_of_a_case_gives_the_gpu_idle_before_each_chunk():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_recorder_sees_the_gpu_behind_the_host_and_the_clock():
     torch.cuda.synchronize()
+    with recording(torch.device("cuda")):
+        with pytest.raises(RuntimeError, match="already active"):
+            with recording(torch.device("cuda")):
+                pass
     with recording(torch.device("cuda"), clocks=True) as rec:
         torch.cuda._sleep(100_000_000)  # the GPU busy for tens of ms: the host races ahead
         mark("after the spin")

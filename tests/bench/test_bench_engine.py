@@ -149,17 +149,20 @@ def test_trace_flags_are_checked_before_any_rank_starts(tmp_path, capsys):
     assert blocker.read_text() == "x"
 
 
-def test_marks_flag_runs_on_cpu_and_the_text_report_names_the_host_bound_start(capsys):
-    """--mark-clocks is accepted on the CPU (marks are CUDA events: none there); the text report prints a case's
-    marks summary when it has one."""
-    from cpkv.bench.engine import _print_mode
+@pytest.mark.parametrize("flag", ["--marks", "--mark-clocks"])
+def test_marks_off_cuda_are_one_error_before_any_rank_starts(flag, capsys):
     from cpkv.cli import main
 
     rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128",
-               "--long", "0", "--page-size", "16", "--runs", "1", "--no-profile", "--mark-clocks", "--json"])
-    assert rc == 0
-    rep = json.loads(capsys.readouterr().out)
-    assert rep["cases"] and all("marks" not in c for c in rep["cases"]) and "gemm_sustained" not in rep
+               "--long", "0", "--page-size", "16", "--runs", "1", "--no-profile", flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"cpkv bench engine: error: {flag}: expected --device cuda")
+
+
+def test_the_text_report_names_the_host_bound_start(capsys):
+    """The text report prints a case's marks summary when it has one."""
+    from cpkv.bench.engine import _print_mode
+
     row = {"case": "long", "prompt": 512, "cached": 0, "batches": 2, "batch_s": 0.5, "batch_s_runs": [0.5],
            "prompt_tokens_per_s": 1.0, "tflops": 1.0, "ratio_to_gemm": 0.5, "spread": 0.0,
            "marks": {"gpu_waits_for_host_until_ms": 2.5, "sm_mhz_median": 1400, "chunk_start_idle_ms": [0.004]}}

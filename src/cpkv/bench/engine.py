@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, cfg_m, cfg_full, trace = _setup(args)
     modes = weights_modes(args.weights)
-    trace_folder(args)
+    check_diagnostics(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
     sustained = sustained_gemm() if args.device == "cuda" else None
@@ -102,11 +102,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def trace_folder(args: argparse.Namespace) -> None:
+def check_diagnostics(args: argparse.Namespace) -> None:
     """``--trace-dir``'s folder made now, before any rank starts (ConfigError naming the flag when it cannot be);
-    ``--trace-plain`` without it is an error too."""
+    ``--trace-plain`` without it is an error too, and so are ``--marks`` / ``--mark-clocks`` off CUDA."""
     from cpkv.errors import ConfigError
 
+    marks = [f for f, on in (("--marks", getattr(args, "marks", False)),
+                             ("--mark-clocks", getattr(args, "mark_clocks", False))) if on]
+    if marks and args.device != "cuda":
+        raise ConfigError(f"{marks[0]}: expected --device cuda (the marks are CUDA events), got --device {args.device}")
     where = getattr(args, "trace_dir", None)
     if getattr(args, "trace_plain", False) and not where:
         raise ConfigError("--trace-plain: expected --trace-dir too (it says how the traces there are recorded)")
