@@ -177,7 +177,8 @@ def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_t
             e, n, k, *a_s.stride(), *b_s.stride(), c.stride(0))
     consts = {"EP": gluon_ws.expert_slots(e), "STAGES": stages, "PAIR": pair, "GROUP_M": group_m,
               "EPI_TMA": epi_tma, "AHEAD": ahead,
-              "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS}
+              "CONSUMER_REGS": gluon_ws.CONSUMER_REGS, "PRODUCER_REGS": gluon_ws.PRODUCER_REGS,
+              "SCALED": True, "INFLIGHT": False}
     return compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
 
 
@@ -350,3 +351,72 @@ def test_triton_variants_and_the_gluon_fallback_in_the_interpreter():
     N 200 through masked pointer loads)."""
     res = run_interpreted(["-c", textwrap.dedent(_INTERPRET)])
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def _compile_bf16(wide: bool, inflight: bool, down: bool, e: int = gluon_ws.MAX_EXPERTS):
+    """The kernel with bf16 operands (no scales) at GLM-5's gate_up (``down``: down) shapes, TMA epilogue,
+    GROUP_M 8, the deepest ring that fits (WIDE 3 stages, else 6)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    (n, k), r, bf = ((6144, 2048) if down else (4096, 6144)), 32768, torch.bfloat16
+    a, b = torch.empty(r, k, dtype=bf), torch.empty(e * n, k, dtype=bf)
+    offs, c = torch.zeros(e, dtype=torch.int32), torch.empty(r, n, dtype=bf)
+    bn = 256 if wide else 128
+    lay = gl.NVMMASharedLayout.get_default_for
+    a_desc = TensorDescriptor(a, [r, k], [k, 1], [128, 64], lay([128, 64], gl.bfloat16))
+    b_desc = TensorDescriptor(b, [e * n, k], [k, 1], [bn, 64], lay([bn, 64], gl.bfloat16))
+    c_desc = TensorDescriptor(c, [r, n], [n, 1], [64, 128], lay([64, 128], gl.bfloat16))
+    s = offs.view(1, 1, -1)
+    args = (a_desc, b_desc, c_desc, s, offs, offs, s, c, e, n, k, 1, 1, *s.stride(), c.stride(0))
+    consts = {"EP": gluon_ws.expert_slots(e), "STAGES": 3 if wide else 6, "PAIR": False, "GROUP_M": 8,
+              "EPI_TMA": True, "AHEAD": False, "CONSUMER_REGS": gluon_ws.CONSUMER_REGS,
+              "PRODUCER_REGS": gluon_ws.PRODUCER_REGS, "SCALED": False, "INFLIGHT": inflight}
+    return compile_sm90(gluon_ws.load(), args, consts, num_warps=4, maxnreg=gluon_ws.MAX_REGS)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("wide,inflight,down", [(False, True, False), (False, False, True), (True, True, True),
+                                                (True, False, False)])
+def test_bf16_kernel_compiles_for_sm90_without_spills(wide, inflight, down, tmp_path):
+    """bf16 operands: ptxas reports no serialised wgmma and no spills (256 experts' map); per consumer and K block
+    (64) four m64n128k16 bf16 wgmmas (WIDE: eight), twice over with INFLIGHT (the peeled first block); no
+    scale loads; shared memory = the ring (STAGES x 32 KB, WIDE 48 KB) + the output buffers + barriers."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    ck = _compile_bf16(wide, inflight, down)
+    report, sass = ptxas_and_sass(ck, tmp_path)
+    assert "Performance Loss" not in report and "warning" not in report.lower(), report
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * 4 * (2 if wide else 1) * (2 if inflight else 1)
+    assert "QGMMA" not in sass
+    ring = 3 * 49152 + 4 * 16384 if wide else 6 * 32768 + 2 * 16384
+    assert ring <= ck.metadata.shared <= ring + 1024 <= gluon_ws.SHARED_MAX
+
+
+def test_bf16_operands_take_the_kernel_unscaled(hopper, monkeypatch):
+    """bf16 operands (both): the kernel applies; the launcher hands it 64-wide K boxes (128 bytes a row), SCALED
+    off, AHEAD and PAIR off whatever was asked, INFLIGHT as asked; scales given for bf16 are refused; mixed
+    dtypes are refused."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from cpkv.kernels import platform
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((grid, args, meta))
+
+    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
+    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    op = _operands([3, 0, 5], 512, 512)
+    a, b = op["a"].to(torch.bfloat16), op["b"].to(torch.bfloat16)
+    assert gluon_ws.applies(a, b, op["c"]) is None
+    assert "both alike" in gluon_ws.applies(a, op["b"], op["c"])
+    with pytest.raises(ValueError, match="take no scales"):
+        gluon_ws.launch(a, op["a_s"], op["offs"], b, None, op["c"], op["offs"])
+    gluon_ws.launch(a, None, op["offs"], b, None, op["c"], op["offs"], stages=3, pair=True, ahead=True, wide=True,
+                    inflight=True, epi_tma=True, group_m=8)
+    (grid, args, meta), = calls
+    assert args[0].block_shape == [128, 64] and args[1].block_shape == [256, 64]
+    assert not meta["SCALED"] and meta["INFLIGHT"] and not meta["AHEAD"] and not meta["PAIR"]
+    assert set(gluon_ws.BF16) <= set(gluon_ws.launch.__code__.co_varnames)

@@ -10,6 +10,8 @@ down: [R, I] x [D, I]^T), four GEMMs over the same R rows, timed alternately in 
                      FLOPs, no grouping (the ceiling the grouped kernel is held to)
     grouped bf16     ``torch._grouped_mm`` on the bf16 weights
     dense bf16       one bf16 ``torch.mm`` of the same FLOPs
+    grouped bf16 gluon  (Hopper with Gluon) the kernel the model runs for bf16 experts: the warp-specialised
+                     grouped GEMM unscaled (``gluon_ws.BF16``); ``bf16_gluon_vs_grouped_mm`` = its speed-up
 
 TFLOP/s = 2 R N K / median time; ``grouped_vs_dense`` = grouped fp8 / dense fp8 (issue 22 asks >= 0.80).
 Then the whole expert MLP (``model.experts.grouped_swiglu``: quantise, gate_up, SwiGLU + quantise, down) with
@@ -109,12 +111,18 @@ def gemm_row(counts: list[int], n: int, k: int, rounds: int) -> dict:
         "grouped_bf16": lambda: torch._grouped_mm(ab, wb.transpose(1, 2), offs=offs),
         "dense_bf16": lambda: torch.mm(ab, wb[0].t()),
     }
+    from cpkv.kernels.fp8_gemm import gluon_ws
+
+    if gluon_ws.applies(ab, wb, c) is None:  # the bf16 experts' kernel (Hopper): the warp-specialised one, unscaled
+        fns["grouped_bf16_gluon"] = lambda: gluon_ws.launch(ab, None, offs, wb, None, c, tiles, **gluon_ws.BF16)
     secs = alternate(fns, rounds)
     flops = 2.0 * r * n * k
     out = {"rows": r, "n": n, "k": k, "counts_min_max": [min(counts), max(counts)]}
     out.update({f"{name}_tflops": round(flops / s / 1e12, 1) for name, s in secs.items()})
     out["grouped_vs_dense"] = round(secs["dense_fp8"] / secs["grouped_fp8"], 4)
     out["fp8_vs_bf16_grouped"] = round(secs["grouped_bf16"] / secs["grouped_fp8"], 4)
+    if "grouped_bf16_gluon" in secs:
+        out["bf16_gluon_vs_grouped_mm"] = round(secs["grouped_bf16"] / secs["grouped_bf16_gluon"], 4)
     return out
 
 
@@ -158,9 +166,11 @@ def _print(rep: dict, as_json: bool) -> None:
     if as_json:
         emit_json(rep)
         return
-    table(("load", "proj", "rows", "N x K", "grouped fp8", "dense fp8", "grouped bf16", "dense bf16", "grouped/dense"),
+    table(("load", "proj", "rows", "N x K", "grouped fp8", "dense fp8", "grouped bf16", "bf16 gluon", "dense bf16",
+           "grouped/dense"),
           [(r["load"], r["proj"], r["rows"], f"{r['n']} x {r['k']}", r["grouped_fp8_tflops"], r["dense_fp8_tflops"],
-            r["grouped_bf16_tflops"], r["dense_bf16_tflops"], f"{r['grouped_vs_dense']:.1%}") for r in rep["gemms"]])
+            r["grouped_bf16_tflops"], r.get("grouped_bf16_gluon_tflops", "-"), r["dense_bf16_tflops"],
+            f"{r['grouped_vs_dense']:.1%}") for r in rep["gemms"]])
     print()
     table(("load", "rows", "fp8 ms", "bf16 ms", "fp8 TFLOP/s", "bf16 TFLOP/s", "fp8 speed-up"),
           [(m["load"], m["rows"], m["fp8_ms"], m["bf16_ms"], m["fp8_tflops"], m["bf16_tflops"], f"{m['fp8_vs_bf16']:.2f}x")

@@ -9,8 +9,11 @@
         offs[-1] are padding: their output is unspecified (callers ignore them).
 
 Routing, the sort by expert and (expert parallelism) moving rows between ranks live in ``cpkv.model.moe``;
-this module only multiplies. Dense weights: ``torch._grouped_mm`` where the dtype and strides allow it, else
-one expert at a time (``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
+this module only multiplies. bf16 weights on a Hopper GPU with Gluon: the warp-specialised grouped GEMM of
+``kernels/fp8_gemm/gluon_ws.py`` without scales (both GEMMs; SwiGLU x routing weight in one Triton kernel
+between them), which reads the weights near the copy rate where ``torch._grouped_mm`` does not (a cached turn's
+~100 rows per expert: BENCHMARKS.md). Other dense weights: ``torch._grouped_mm`` where the dtype and strides
+allow it, else one expert at a time (``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
 Triton: the block-scaled grouped GEMM of ``kernels/fp8_gemm`` (rows quantised per 1 x 128 group, gate_up
 GEMM, SiLU x up x routing weight quantised again in one kernel, down GEMM; offsets stay on the device);
 elsewhere the loop over dequantised experts.
@@ -78,7 +81,9 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
     if grouped_takes_quantised(xs, ew):
         return grouped_swiglu_fp8(xs, offs, rw, ew, xq, out)
     assert xq is None, "quantised rows need the fp8 grouped kernel (grouped_takes_quantised)"
-    y = None
+    y = _grouped_gluon(xs, offs, rw, ew, out)
+    if y is not None:
+        return y
     if _grouped_ok(xs, ew):
         try:
             y = _grouped(xs, offs, rw, ew)
@@ -86,6 +91,27 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
             _GROUPED_FAILED.add(xs.device.type)
     y = grouped_swiglu_loop(xs, offs, rw, ew) if y is None else y
     return y if out is None else out.copy_(y)
+
+
+def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
+                   out: torch.Tensor | None) -> torch.Tensor | None:
+    """Both GEMMs through the warp-specialised grouped kernel (bf16 on Hopper; ``gluon_ws.BF16``'s switches),
+    or None (nothing launched) where it does not apply. Rows at or past offs[-1] are not computed."""
+    if ew.fp8 or xs.dtype != torch.bfloat16 or not xs.is_cuda:
+        return None
+    from cpkv.kernels.fp8_gemm import gluon_ws
+    from cpkv.kernels.fp8_gemm.triton import tile_ends
+
+    r, d = xs.shape
+    gu = torch.empty(r, ew.gate_up.shape[1], dtype=xs.dtype, device=xs.device)
+    out = torch.empty(r, d, dtype=xs.dtype, device=xs.device) if out is None else out
+    h_like = xs.new_empty(1, ew.down.shape[2]).expand(r, -1)  # the SwiGLU output's shape, dtype and device
+    if gluon_ws.applies(xs, ew.gate_up, gu) or gluon_ws.applies(h_like, ew.down, out):
+        return None
+    tiles = tile_ends(offs, gluon_ws.BLOCK)
+    gluon_ws.launch(xs, None, offs, ew.gate_up, None, gu, tiles, **gluon_ws.BF16)
+    gluon_ws.launch(swiglu_weighted(gu, rw), None, offs, ew.down, None, out, tiles, **gluon_ws.BF16)
+    return out
 
 
 def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:

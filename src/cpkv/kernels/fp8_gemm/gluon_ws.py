@@ -75,10 +75,12 @@ CONSUMER_REGS = 232  # per thread of each consumer warpgroup after the re-split 
 PRODUCER_REGS = 40   # per thread of the producer's warpgroup
 STAGES = 4           # default ring depth (32 KB a stage)
 WIDE_STAGES = 3      # default ring depth of 256-column tiles (48 KB a stage; 3 + the TMA epilogue's 64 KB fit)
+BF16 = {"stages": 6, "wide": False, "inflight": True, "group_m": 8, "epi_tma": True}  # the bf16 experts' switches
 SHARED_MAX = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
 FP8 = torch.float8_e4m3fn
 _C_TYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # c dtypes of the TMA epilogue (Gluon's names)
+_AB_TYPES = {FP8: "float8e4nv", torch.bfloat16: "bfloat16"}  # operand dtypes (Gluon's names): scaled fp8, plain bf16
 
 
 @lru_cache(maxsize=1)
@@ -134,8 +136,9 @@ def load() -> Any:
                   EP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         idx, ends, rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 1)
         BN: gl.constexpr = b_desc.block_type.shape[0]  # columns per tile: 128, or 256 (WIDE)
+        KB: gl.constexpr = a_desc.block_type.shape[1]  # K per block: 128 (fp8) or 64 (bf16): 128 bytes a row
         n_tiles = N // BN
-        kbs = K // 128
+        kbs = K // KB
         it = 0
         for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
             expert, row0, row_end, col_tile = _tile(idx, ends, rows, t, n_tiles, m_tiles, GROUP_M)
@@ -145,8 +148,8 @@ def load() -> Any:
                 mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(b_desc, [b_row, kb * 128], bar, b_bufs.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * KB], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * KB], bar, b_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -163,6 +166,35 @@ def load() -> Any:
             b = b.slice(HALF * 128, 128)
         return warpgroup_mma(a_bufs.index(s).slice(WG * 64, 64), b.permute((1, 0)), zero,
                              use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _mma_bf16(a_bufs, b_bufs, ready, it, acc, acc1, STAGES: gl.constexpr, WG: gl.constexpr, WIDE: gl.constexpr,
+                  PENDING: gl.constexpr):
+        """bf16: wait for ring stage ``it``, accumulate this warpgroup's m64 n128 wgmma on it into acc (WIDE: and
+        the other 128 weight rows' into acc1), then wait until at most PENDING K blocks' wgmmas are in flight."""
+        gl.static_assert(WG < 2)  # (``gl`` a closure name: the annotations need it)
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(s).slice(WG * 64, 64)
+        b = b_bufs.index(s)
+        if WIDE:
+            t0 = warpgroup_mma(a, b.slice(0, 128).permute((1, 0)), acc, is_async=True)
+            t1 = warpgroup_mma(a, b.slice(128, 128).permute((1, 0)), acc1, is_async=True)
+            acc, acc1 = warpgroup_mma_wait(2 * PENDING, deps=[t0, t1])
+        else:
+            t0 = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(PENDING, deps=[t0])
+        return acc, acc1
+
+    @gluon.jit
+    def _mma_bf16_wait(acc, acc1, WIDE: gl.constexpr):
+        """bf16: every wgmma of this warpgroup done."""
+        gl.static_assert(WIDE or not WIDE)  # (``gl`` a closure name: the annotations need it)
+        if WIDE:
+            acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        return acc, acc1
 
     @gluon.jit
     def _release(free, it, STAGES: gl.constexpr):
@@ -237,23 +269,26 @@ def load() -> Any:
     def _consumer(AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse, stride_bsn,
                   stride_bsg, stride_c, a_bufs, b_bufs, ready, free,
                   EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
-                  EPI_TMA: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr):
+                  EPI_TMA: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr, SCALED: gl.constexpr,
+                  INFLIGHT: gl.constexpr):
         """Rows WG * 64 .. WG * 64 + 63 of every tile of this program. WIDE (256-column tiles, the B stage's
         height): per K block two m64 n128 wgmmas, each waited for and promoted into its own accumulator (a
-        second result tile in flight would need 64 registers more than the 232)."""
+        second result tile in flight would need 64 registers more than the 232). Not SCALED (bf16): the wgmmas
+        accumulate in place, no scales (module docstring)."""
         BN: gl.constexpr = b_bufs.shape[1]
+        KB: gl.constexpr = a_bufs.shape[2]
         WIDE: gl.constexpr = BN > 128
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 128, 32])
+                                                        instr_shape=[16, 128, 32 if SCALED else 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma_l)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
         idx, ends, e_rows, m_tiles = _expert_map(TILE_END, OFFS, E, EP, 4)
         n_tiles = N // BN
-        kbs = K // 128
+        kbs = K // KB
         total = m_tiles * n_tiles
         step = gl.num_programs(0)
         zero = gl.zeros([64, 128], gl.float32, mma_l)
-        if AHEAD:  # a tile's expert, rows and first scales are found (and loaded) before the previous tile's
+        if AHEAD and SCALED:  # a tile's expert, rows and first scales are found (and loaded) before the previous tile's
             # epilogue; the first tile's here (index clamped into the map: an empty map stores nothing)
             t0 = gl.maximum(gl.minimum(gl.program_id(0), total - 1), 0)
             expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t0, n_tiles, m_tiles, GROUP_M)
@@ -261,14 +296,30 @@ def load() -> Any:
                                                      stride_bse, stride_bsn, stride_bsg, row_l, PAIR, WIDE, WG)
         it = 0
         for t in range(gl.program_id(0), total, step):
-            if not AHEAD:
+            if not SCALED:  # (no scales to load ahead: AHEAD does not apply)
+                expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
+            elif not AHEAD:
                 expert, row0, row_end, col_tile = _tile(idx, ends, e_rows, t, n_tiles, m_tiles, GROUP_M)
                 a_sc, b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, expert, row0, row_end, col_tile, E, stride_as,
                                                          stride_asg, stride_bse, stride_bsn, stride_bsg, row_l, PAIR,
                                                          WIDE, WG)
             acc = gl.zeros([64, 128], gl.float32, mma_l)
             acc1 = acc
-            if WIDE:  # (the launcher sets WIDE only without PAIR)
+            if not SCALED and INFLIGHT:  # bf16, one K block's wgmmas left in flight while the next stage is awaited
+                acc, acc1 = _mma_bf16(a_bufs, b_bufs, ready, it, acc, acc1, STAGES, WG, WIDE, 1)
+                for kb in range(1, kbs):
+                    acc, acc1 = _mma_bf16(a_bufs, b_bufs, ready, it + 1, acc, acc1, STAGES, WG, WIDE, 1)
+                    _release(free, it, STAGES)  # the previous block's wgmmas are done (at most this one's left)
+                    it += 1
+                acc, acc1 = _mma_bf16_wait(acc, acc1, WIDE)
+                _release(free, it, STAGES)
+                it += 1
+            elif not SCALED:  # bf16: accumulate in place, each K block waited for
+                for kb in range(kbs):
+                    acc, acc1 = _mma_bf16(a_bufs, b_bufs, ready, it, acc, acc1, STAGES, WG, WIDE, 0)
+                    _release(free, it, STAGES)
+                    it += 1
+            elif WIDE:  # (the launcher sets WIDE only without PAIR)
                 for kb in range(kbs):
                     kn = gl.minimum(kb + 1, kbs - 1).to(gl.int64)
                     sa_n = gl.load(a_sc + kn * stride_asg)
@@ -318,7 +369,7 @@ def load() -> Any:
                     sa0 = sa_n
                     sb0 = sb_n
                     it += 1
-            if AHEAD:  # the next tile's map lookup and first scale loads, in flight during this epilogue
+            if AHEAD and SCALED:  # the next tile's map lookup and first scale loads, in flight during this epilogue
                 nx_expert, nx_row0, nx_row_end, nx_col = _tile(idx, ends, e_rows, gl.minimum(t + step, total - 1),
                                                               n_tiles, m_tiles, GROUP_M)
                 nx_a_sc, nx_b_sc, sa0, sa1, sb0, sb1 = _scales(AS, BS, nx_expert, nx_row0, nx_row_end, nx_col, E,
@@ -343,7 +394,8 @@ def load() -> Any:
                     stride_as, stride_asg, stride_bse, stride_bsn, stride_bsg, stride_c,
                     EP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr, GROUP_M: gl.constexpr,
                     EPI_TMA: gl.constexpr, AHEAD: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SCALED: gl.constexpr = True,
+                    INFLIGHT: gl.constexpr = False):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         if EPI_TMA:  # one 64 x 128 output buffer per consumer warpgroup and 128 columns of the tile
@@ -359,10 +411,10 @@ def load() -> Any:
         gl.warp_specialize([
             (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
                          stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
-                         EPI_TMA, AHEAD, 0)),
+                         EPI_TMA, AHEAD, 0, SCALED, INFLIGHT)),
             (_consumer, (AS, BS, C, c_desc, c_bufs, OFFS, TILE_END, E, N, K, stride_as, stride_asg, stride_bse,
                          stride_bsn, stride_bsg, stride_c, a_bufs, b_bufs, ready, free, EP, STAGES, PAIR, GROUP_M,
-                         EPI_TMA, AHEAD, 1)),
+                         EPI_TMA, AHEAD, 1, SCALED, INFLIGHT)),
             (_producer, (a_desc, b_desc, OFFS, TILE_END, E, N, K, a_bufs, b_bufs, ready, free, EP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -375,18 +427,20 @@ def expert_slots(e: int) -> int:
 
 
 def applies(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> str | None:
-    """None when this kernel takes the call, else why not (the dispatcher then runs the Triton kernel):
-    a Hopper GPU with Gluon, fp8 e4m3 operands, N and K multiples of 128, TMA-ready strides."""
+    """None when this kernel takes the call, else why not (the dispatcher then runs the Triton kernel, or for
+    bf16 ``torch._grouped_mm``): a Hopper GPU with Gluon, fp8 e4m3 or bf16 operands (both the same), N and K
+    multiples of 128, TMA-ready strides."""
     r, k = a.shape
     e, n, kb = b.shape
     if platform.capability(a) is None or platform.capability(a)[0] != 9 or not platform.gluon_importable():
         return "needs a Hopper GPU (sm_90: wgmma, TMA) and Gluon"
-    if a.dtype != FP8 or b.dtype != FP8:
-        return f"needs float8_e4m3fn operands, got {a.dtype} and {b.dtype}"
+    if a.dtype != b.dtype or a.dtype not in _AB_TYPES:
+        return f"needs float8_e4m3fn or bfloat16 operands (both alike), got {a.dtype} and {b.dtype}"
     if n % BLOCK or k % BLOCK or kb != k or n == 0 or k == 0:
         return f"needs N and K positive multiples of 128 (and b's K = a's), got N {n}, K {k} (b's K {kb})"
-    if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or a.stride(0) % 16
-            or b.stride(1) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16):
+    es = a.element_size()
+    if (a.stride(1) != 1 or b.stride(2) != 1 or b.stride(0) != n * b.stride(1) or (a.stride(0) * es) % 16
+            or (b.stride(1) * es) % 16 or a.data_ptr() % 16 or b.data_ptr() % 16):
         return "needs TMA-ready operands (unit K stride, 16-byte rows and bases, b's experts back to back)"
     if e > MAX_EXPERTS:
         return f"holds at most {MAX_EXPERTS} experts' map in registers, got {e} experts"
@@ -395,19 +449,23 @@ def applies(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> str | None:
     return None
 
 
-def _check(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+def _check(a: torch.Tensor, a_s: torch.Tensor | None, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor | None,
            c: torch.Tensor, tiles: torch.Tensor) -> None:
     """Shapes and dtypes (host metadata only, no sync): ValueError naming what was expected and what came."""
     why = applies(a, b, c)
     if why:
-        raise ValueError(f"grouped fp8 GEMM (Gluon, warp-specialised): {why}")
+        raise ValueError(f"grouped GEMM (Gluon, warp-specialised): {why}")
     (r, k), (e, n, _) = a.shape, b.shape
-    want = {"a_s": (a_s, (r, k // BLOCK), torch.float32), "b_s": (b_s, (e, n // BLOCK, k // BLOCK), torch.float32),
-            "offs": (offs, (e,), torch.int32), "tiles": (tiles, (e,), torch.int32)}
+    want = {"offs": (offs, (e,), torch.int32), "tiles": (tiles, (e,), torch.int32)}
+    if a.dtype == FP8:
+        want.update({"a_s": (a_s, (r, k // BLOCK), torch.float32),
+                     "b_s": (b_s, (e, n // BLOCK, k // BLOCK), torch.float32)})
+    elif a_s is not None or b_s is not None:
+        raise ValueError(f"grouped GEMM (Gluon): {a.dtype} operands take no scales (a_s and b_s None)")
     for name, (x, shape, dtype) in want.items():
-        if tuple(x.shape) != shape or x.dtype != dtype or x.device != a.device:
-            raise ValueError(f"grouped fp8 GEMM (Gluon): expected {name} {dtype} {list(shape)} on {a.device}, "
-                             f"got {x.dtype} {list(x.shape)} on {x.device}")
+        if x is None or tuple(x.shape) != shape or x.dtype != dtype or x.device != a.device:
+            got = "None" if x is None else f"{x.dtype} {list(x.shape)} on {x.device}"
+            raise ValueError(f"grouped GEMM (Gluon): expected {name} {dtype} {list(shape)} on {a.device}, got {got}")
 
 
 def shared_bytes(stages: int, bn: int = BLOCK, epi_tma: bool = False) -> int:
@@ -422,26 +480,30 @@ def tma_epilogue_applies(c: torch.Tensor) -> bool:
     return c.dtype in _C_TYPES and c.data_ptr() % 16 == 0 and (c.stride(0) * c.element_size()) % 16 == 0
 
 
-def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
+def launch(a: torch.Tensor, a_s: torch.Tensor | None, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor | None,
            c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1,
-           epi_tma: bool = False, ahead: bool = False, wide: bool = False) -> None:
-    """c [R, N] (rows < offs[-1]) = the block-scaled grouped product (module docstring); ``tiles`` =
-    ``tile_ends(offs, 128)``; ``stages``: ring depth (2..6); ``pair``: two K blocks per iteration (used when
-    K / 128 is even); ``group_m``: row tiles walked per column tile (1: column tiles fastest); ``epi_tma``:
-    full half tiles stored through shared memory by asynchronous TMA stores (used where
-    ``tma_epilogue_applies(c)``; 2 x 16 KB more shared memory); ``ahead``: each tile's expert lookup and first
-    scale loads issued before the previous tile's epilogue; ``wide``: 256-column tiles (used when N % 256 == 0,
-    not ``pair`` and with the TMA epilogue; a stage is 48 KB). Raises ValueError where the kernel does not apply (``applies``) or the
-    ring and output buffers exceed the shared memory (``shared_bytes``)."""
+           epi_tma: bool = False, ahead: bool = False, wide: bool = False, inflight: bool = False) -> None:
+    """c [R, N] (rows < offs[-1]) = the grouped product (module docstring): block-scaled for fp8 operands, plain
+    for bf16 ones (``a_s`` and ``b_s`` None); ``tiles`` = ``tile_ends(offs, 128)``; ``stages``: ring depth
+    (2..6); ``pair`` (fp8): two K blocks per iteration (used when K / 128 is even); ``group_m``: row tiles
+    walked per column tile (1: column tiles fastest); ``epi_tma``: full half tiles stored through shared memory
+    by asynchronous TMA stores (used where ``tma_epilogue_applies(c)``; 2 x 16 KB more shared memory);
+    ``ahead`` (fp8): each tile's expert lookup and first scale loads issued before the previous tile's
+    epilogue; ``wide``: 256-column tiles (used when N % 256 == 0, not ``pair`` and with the TMA epilogue; a
+    stage is 48 KB); ``inflight`` (bf16): one K block's wgmmas left running while the next stage is awaited.
+    Raises ValueError where the kernel does not apply (``applies``) or the ring and output buffers exceed the
+    shared memory (``shared_bytes``)."""
     _check(a, a_s, offs, b, b_s, c, tiles)
     if not 2 <= stages <= 6:
-        raise ValueError(f"grouped fp8 GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
+        raise ValueError(f"grouped GEMM (Gluon): expected 2 to 6 stages (32 KB each), got {stages}")
     (r, k), (e, n, _) = a.shape, b.shape
-    pair = bool(pair) and (k // BLOCK) % 2 == 0
+    scaled = a.dtype == FP8
+    kb = 128 // a.element_size()  # K per ring block: 128 bytes of each row
+    pair = bool(pair) and scaled and (k // BLOCK) % 2 == 0
     epi_tma = bool(epi_tma) and tma_epilogue_applies(c)
     bn = 2 * BLOCK if wide and epi_tma and not pair and n % (2 * BLOCK) == 0 else BLOCK  # (spills without EPI_TMA)
     if shared_bytes(stages, bn, epi_tma) > SHARED_MAX:
-        raise ValueError(f"grouped fp8 GEMM (Gluon): {stages} stages of {bn}-column tiles"
+        raise ValueError(f"grouped GEMM (Gluon): {stages} stages of {bn}-column tiles"
                          f"{' and the TMA epilogue' if epi_tma else ''} need {shared_bytes(stages, bn, epi_tma)} B "
                          f"of shared memory, expected at most {SHARED_MAX}")
     if r == 0 or e == 0:
@@ -449,19 +511,22 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tens
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
-    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, BLOCK], layout)
-    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [bn, BLOCK],
-                              gl.NVMMASharedLayout.get_default_for([bn, BLOCK], gl.float8e4nv))
+    ab = getattr(gl, _AB_TYPES[a.dtype])
+    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, kb],
+                              gl.NVMMASharedLayout.get_default_for([BLOCK, kb], ab))
+    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [bn, kb],
+                              gl.NVMMASharedLayout.get_default_for([bn, kb], ab))
     c_desc = a_desc  # unused without the TMA epilogue
     if epi_tma:  # one warpgroup's half tile: 64 rows x 128 columns
         c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, BLOCK], getattr(gl, _C_TYPES[c.dtype]))
         c_desc = TensorDescriptor(c, [r, n], [c.stride(0), 1], [BLOCK // 2, BLOCK], c_layout)
+    if not scaled:  # no scales: the kernel never reads these (any tensor will do)
+        a_s = b_s = offs.view(1, 1, -1)
     bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
     grid = check_grid((min(bound, platform.sm_count(a)),))
     load()[grid](
         a_desc, b_desc, c_desc, a_s, offs, tiles, b_s, c, e, n, k,
-        a_s.stride(0), a_s.stride(1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
+        a_s.stride(-2), a_s.stride(-1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
         EP=expert_slots(e), STAGES=stages, PAIR=pair, GROUP_M=max(1, int(group_m)),
-        EPI_TMA=epi_tma, AHEAD=bool(ahead), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-        maxnreg=MAX_REGS)
+        EPI_TMA=epi_tma, AHEAD=bool(ahead) and scaled, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        SCALED=scaled, INFLIGHT=bool(inflight) and not scaled, num_warps=4, maxnreg=MAX_REGS)
