@@ -113,6 +113,8 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_COMPOSE_MODE", "symm", _mode, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
     EnvVar("CPKV_DISABLE_TRITON", False, _bool, "Use the pure-torch references even on CUDA."),
+    EnvVar("CPKV_GROUPED_MM_TORCH", False, _bool,
+           "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare)."),
     EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
     EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
     EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,

@@ -13,7 +13,8 @@ this module only multiplies. bf16 weights on a Hopper GPU with Gluon: the warp-s
 ``kernels/fp8_gemm/gluon_ws.py`` without scales (both GEMMs; SwiGLU x routing weight in one Triton kernel
 between them), which reads the weights near the copy rate where ``torch._grouped_mm`` does not (a cached turn's
 ~100 rows per expert: BENCHMARKS.md). Other dense weights: ``torch._grouped_mm`` where the dtype and strides
-allow it, else one expert at a time (``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
+allow it (and where ``CPKV_GROUPED_MM_TORCH=1`` asks for it), else one expert at a time
+(``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
 Triton: the block-scaled grouped GEMM of ``kernels/fp8_gemm`` (rows quantised per 1 x 128 group, gate_up
 GEMM, SiLU x up x routing weight quantised again in one kernel, down GEMM; offsets stay on the device);
 elsewhere the loop over dequantised experts.
@@ -97,7 +98,9 @@ def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
                    out: torch.Tensor | None) -> torch.Tensor | None:
     """Both GEMMs through the warp-specialised grouped kernel (bf16 on Hopper; ``gluon_ws.BF16``'s switches),
     or None (nothing launched) where it does not apply. Rows at or past offs[-1] are not computed."""
-    if ew.fp8 or xs.dtype != torch.bfloat16 or not xs.is_cuda:
+    from cpkv import envs
+
+    if ew.fp8 or xs.dtype != torch.bfloat16 or not xs.is_cuda or envs.get("CPKV_GROUPED_MM_TORCH"):
         return None
     from cpkv.kernels.fp8_gemm import gluon_ws
     from cpkv.kernels.fp8_gemm.triton import tile_ends

@@ -75,7 +75,8 @@ CONSUMER_REGS = 232  # per thread of each consumer warpgroup after the re-split 
 PRODUCER_REGS = 40   # per thread of the producer's warpgroup
 STAGES = 4           # default ring depth (32 KB a stage)
 WIDE_STAGES = 3      # default ring depth of 256-column tiles (48 KB a stage; 3 + the TMA epilogue's 64 KB fit)
-BF16 = {"stages": 6, "wide": False, "inflight": True, "group_m": 8, "epi_tma": True}  # the bf16 experts' switches
+# the bf16 experts' switches: the best of benchmarks/grouped_bf16_sweep.py on a cached turn's load (BENCHMARKS.md)
+BF16 = {"stages": 3, "wide": True, "inflight": False, "group_m": 8, "epi_tma": True}
 SHARED_MAX = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 MAX_EXPERTS = 256    # the expert map lives in registers (each warp a copy): 8 + 8 registers per lane at 256
 FP8 = torch.float8_e4m3fn
