@@ -200,10 +200,13 @@ def test_look_ahead_plans_the_next_batch_without_changing_anything(reference):
     assert_verified(ahead, AHEAD, reference)
     assert ahead.stats["batch_log"] == plain.stats["batch_log"] and len(ahead.stats["batch_log"]) >= 3
     assert ahead.stats["planned_ahead"] == len(ahead.stats["batch_log"]) - 1 and plain.stats["planned_ahead"] == 0
-    # a batch finishing no request is chained on (the next one launched without waiting for its end): every
-    # batch still has its time, and the chained ones are exactly those
-    middle = sum(not any(last for *_, last in b) for b in ahead.stats["batch_log"][:-1])
-    assert middle >= 1 and ahead.stats["chained"] == middle and plain.stats["chained"] == 0
+    # every batch with a successor planned ahead is chained on (the next one launched without waiting for its
+    # end), those finishing requests included (their results taken after the next launch): every batch still
+    # has its time, every request its own
+    finishing = sum(any(last for *_, last in b) for b in ahead.stats["batch_log"][:-1])
+    assert finishing >= 1 and ahead.stats["chained"] == ahead.stats["planned_ahead"] and plain.stats["chained"] == 0
+    assert [r.id for r in ahead.requests] == [r.id for r in plain.requests]
+    assert all(r.ttft_s > 0 for r in ahead.requests)
     for res in (ahead, plain):
         assert len(res.stats["batch_s"]) == len(res.stats["batch_log"]) and all(t > 0 for t in res.stats["batch_s"])
     a, b = logits(ahead), logits(plain)

@@ -234,9 +234,10 @@ def test_a_staging_slot_entered_again_waits_for_its_queued_copies_unless_kept():
 
 
 def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
-    """A long prompt's middle chunks chained (each next chunk launched before the one before ends, its plan's
-    copies queued behind it) at cp 2 under the sync check: the same logits bytes as batches that each drain
-    the stream, and every batch timed."""
+    """A long prompt's chunks chained (each next batch launched before the one before ends, its plan's copies
+    queued behind it; the last chunk's logits copied to pinned memory behind it and read after the short
+    prompt's batch is launched) at cp 2 under the sync check: the same logits bytes as batches that each drain
+    the stream, every batch timed, the long prompt done before the short one."""
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs
     from cpkv.scheduler.trace import TraceRequest
@@ -245,9 +246,11 @@ def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
                        max_requests=1, warmup=True, sync_check=True)
     trace = [TraceRequest("long", 0.0, 4000), TraceRequest("short", 0.0, 300)]
     chained, drained = run_jobs([(cfg, trace), (dataclasses.replace(cfg, look_ahead=False), trace)], timeout_s=500)
-    assert chained.stats["chained"] == 3 and drained.stats["chained"] == 0  # chunks 1-3 of 4 chained on
+    assert chained.stats["chained"] == 4 and drained.stats["chained"] == 0  # chunks 1-4 of 4 chained on
     for res in (chained, drained):
         assert not res.rejected and len(res.stats["batch_s"]) == len(res.stats["batch_log"])
         assert all(t > 0 for t in res.stats["batch_s"])
     for a, b in zip(chained.requests, drained.requests):
         assert a.id == b.id and torch.equal(a.logits, b.logits), a.id
+    ttft = {r.id: r.ttft_s for r in chained.requests}
+    assert 0 < ttft["long"] < ttft["short"]

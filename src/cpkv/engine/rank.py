@@ -12,9 +12,13 @@
                the bookkeeping right away, the next batch formed and its whole plan built (uploads in the
                other staging slot) while the GPU still runs this one: the next batch's kernels start
                as soon as this one's end (a long prompt's chunks run back to back; cfg.look_ahead)
-    chain      a batch planned ahead after one that finishes no request (a long prompt's middle chunks) is
-               launched without waiting for that one to end: no synchronisation between them, so the GPU
-               never idles at a chunk start. The chain's batch times come from CUDA events at its end.
+    chain      a batch planned ahead is launched without waiting for the one before to end: no synchronisation
+               between them, so the GPU never idles at a batch start (a long prompt's chunks, the next request
+               after one that finishes). A chained batch's logits are copied to pinned host memory behind it;
+               its results (logits, finished requests and their end times, from a CUDA event at its end) are
+               taken once the next batch is launched. The chain's batch times come from those events. The
+               online engine looks ahead only after a batch that finishes no step (the next step needs its
+               token), so its chains are a long prompt's chunks.
 
 Only the owner of a page touches its bytes (spill, reload); the bookkeeping is replicated.
 """
@@ -177,6 +181,7 @@ class RankEngine:
         self.ctx.barrier()
         t0 = time.perf_counter()
         ahead: Ahead | None = None
+        pending: list = []  # a chained batch's results: read once the next batch is launched (``_results``)
         while True:
             blocked = self._release(blocked, tokens, released, done, time.perf_counter() - t0)
             if ahead is None:
@@ -191,20 +196,42 @@ class RankEngine:
                 batch = ahead.batch
             finished, logits, ahead = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead(blocked))
             self._note_rejections(done)
-            self.out.logits.update({rid: v.cpu().numpy() for rid, v in logits.items()})
-            now = (self._sync_time() if finished else time.perf_counter()) - t0
-            for req in finished:
-                self.out.done_s[req.rid] = now - released[req.rid]
-                self.out.cached[req.rid] = req.cached
-                done.add(req.rid)
+            self._results(pending, done, released, t0)  # the batch before's, when it was chained: it ended first
+            pending = [(finished, logits, None if self._chain is None else (self._chain, self._chain.ends[-1]))]
+            if self._chain is None:  # synchronised: this batch's results now
+                self._results(pending, done, released, t0)
             if self.rank == 0:
                 self.ctx.report((len(done), self.batches))  # the launching parent's progress line
         self._drain()
+        self._results(pending, done, released, t0)
         for r in blocked:
             self.out.rejected[r.id] = "parent: its parent never finished"
         self.out.wall_s = time.perf_counter() - t0
         self._finish_stats()
         return self.out
+
+    def _results(self, pending: list, done: set, released: dict, t0: float) -> None:
+        """Take a batch's results (emptying ``pending``): its logits and its finished requests' times. A chained
+        batch (its chain given) ended when its end event did: waited for alone (the next batch may run), its
+        logits already copied to pinned host memory before that event, its requests done at the event's time."""
+        for finished, logits, chained in pending:
+            if not chained:
+                now = (self._sync_time() if finished else time.perf_counter()) - t0
+            elif not (finished or logits):  # a middle chunk: nothing to wait for
+                continue
+            else:
+                chain, end = chained
+                if isinstance(end, float):  # (CPU: the host clock at its end)
+                    now = end - t0
+                else:
+                    end.synchronize()
+                    now = chain.start + chain.start_ev.elapsed_time(end) / 1e3 - t0
+            self.out.logits.update({rid: v.cpu().numpy() for rid, v in logits.items()})
+            for req in finished:
+                self.out.done_s[req.rid] = now - released[req.rid]
+                self.out.cached[req.rid] = req.cached
+                done.add(req.rid)
+        pending.clear()
 
     def _may_look_ahead(self, blocked: list[TraceRequest]) -> bool:
         """Form the next batch before this one ends: with cfg.look_ahead, no host tier (its spills and reloads
@@ -236,7 +263,8 @@ class RankEngine:
 
     def _run_batch(self, batch: Batch, ahead: Ahead | None = None, look_ahead: Any = None):
         """Run one batch (the tokens are the requests' keys) -> (the requests whose last chunk this was,
-        {request id: float32 [vocab] last-token logits on the device} for those whose last token is here,
+        {request id: float32 [vocab] last-token logits} for those whose last token is here (on the device; in
+        pinned host memory, valid once the batch ends, when it is chained: ``self._chain`` is then set),
         the next batch built ahead or None). ``ahead``: this batch with its plan, built during the batch before;
         ``look_ahead``: a function saying, once the forward is launched, whether to form and plan the next
         batch now (module docstring)."""
@@ -267,9 +295,11 @@ class RankEngine:
                             self.planned_ahead += 1
                             mark("next batch planned")
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
-            # chain the next batch (planned ahead) on this one when this one finishes no request: no drain
-            defer = nxt is not None and prof is None and not any(e.last_chunk for e in batch.entries)
+            # chain the next batch (planned ahead) on this one: no drain; the logits this batch finishes are
+            # copied to host memory behind it, read once the next batch is launched (``run``'s ``_results``)
+            defer = nxt is not None and prof is None
             if defer:
+                logits = {i: _to_host(v) for i, v in logits.items()}
                 if chain is None:
                     chain = self._chain = _Chain(launch, start_ev)
                 ev = self._event()
@@ -531,6 +561,14 @@ def sync_site(stack: traceback.StackSummary) -> str:
     mine = [f for f in stack if f"{os.sep}cpkv{os.sep}" in f.filename]
     frames = (mine or stack[-3:])[::-1][:6]
     return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """x's bytes into pinned host memory, queued on the stream (no wait); valid once the stream passes here."""
+    if x.device.type != "cuda":
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)
 
 
 def _mark(name: str, prof):
