@@ -68,6 +68,22 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert rep["indexer_layers"] == [0]
 
 
+def test_no_chain_waits_for_every_batch(capsys):
+    """Batches planned ahead are chained on the one before (the report counts them); ``--no-chain`` waits for
+    each batch instead: none chained, the same cases."""
+    from cpkv.cli import main
+
+    base = ["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128", "--long",
+            "256", "--chunk-size", "128", "--page-size", "16", "--runs", "1", "--no-profile", "--json"]
+    reps = []
+    for extra in ([], ["--no-chain"]):
+        assert main(base + extra) == 0
+        reps.append(json.loads(capsys.readouterr().out))
+    chained, plain = reps
+    assert chained["chained_batches"] >= 1 and plain["chained_batches"] == 0
+    assert [c["case"] for c in chained["cases"]] == [c["case"] for c in plain["cases"]] == ["cold", "cached", "long"]
+
+
 def test_idle_stretches_name_the_kernels_around_them():
     from cpkv.bench.breakdown import idle_between
 

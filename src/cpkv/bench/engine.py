@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
+    p.add_argument("--no-chain", action="store_true",
+                   help="wait for each batch to end before launching the next (batches planned ahead are otherwise "
+                        "chained on the one before: engine.rank); to measure what chaining gives")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run with each batch's host side under cProfile: each case's top host functions")
     p.add_argument("--marks", action="store_true",
@@ -225,7 +228,8 @@ def _setup(args: argparse.Namespace):
     pages = -(-tokens // P) + 16
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
-                       page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1)
+                       page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1,
+                       chain=not getattr(args, "no_chain", False))
     return cfg, cfg_m, load_model_config(args.model), trace
 
 
@@ -378,7 +382,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
     return {"model": cfg_m.name, "layers": args.layers, "indexer_layers": list(cfg_m.full_layers),
             "moe_layers": cfg_m.mlp_layer_types.count("sparse"), "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
-            "weights_dtype": st.get("weights_dtype"),
+            "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
 

@@ -55,6 +55,7 @@ class EngineConfig:
     host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
     #                             with the most cumulative time: where a host-bound batch spends its wall)
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.rank docstring)
+    chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.rank)
     marks: bool = False  # benchmarks (CUDA): each batch's timeline marks, host vs GPU ms (cpkv.timeline)
     mark_clocks: bool = False  # with marks: the SM clock at each mark too (a short spin probe)
     trace_stacks: bool = True  # the trace_dir traces with the host's Python stacks (slower host; else op names only)

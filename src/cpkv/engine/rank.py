@@ -297,7 +297,7 @@ class RankEngine:
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             # chain the next batch (planned ahead) on this one: no drain; the logits this batch finishes are
             # copied to host memory behind it, read once the next batch is launched (``run``'s ``_results``)
-            defer = nxt is not None and prof is None
+            defer = nxt is not None and prof is None and self.cfg.chain
             if defer:
                 logits = {i: _to_host(v) for i, v in logits.items()}
                 if chain is None:
