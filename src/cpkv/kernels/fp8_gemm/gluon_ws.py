@@ -1,6 +1,7 @@
-"""Warp-specialised Gluon kernel of the grouped block-scaled fp8 GEMM for Hopper (sm_90, wgmma + TMA).
+"""Warp-specialised Gluon kernel of the grouped expert GEMM for Hopper (sm_90, wgmma + TMA): block-scaled fp8,
+or bf16 without scales.
 
-Same contract as ``cpkv.kernels.fp8_gemm.triton.grouped_gemm`` (its module docstring):
+fp8: the contract of ``cpkv.kernels.fp8_gemm.triton.grouped_gemm`` (its module docstring):
 
     a fp8 e4m3 [R, K] (rows sorted by expert, K contiguous, 16-byte rows), a_s float32 [R, K/128] any strides,
     offs int32 [E] cumulative row ends, tiles int32 [E] = ``tile_ends(offs, 128)``, b fp8 e4m3 [E, N, K]
@@ -8,6 +9,14 @@ Same contract as ``cpkv.kernels.fp8_gemm.triton.grouped_gemm`` (its module docst
     c[i] = sum_g a_s[i, g] b_s[e, n // 128, g] (a[i, g] . b[e, n, g]) for row i of expert e; rows at or past
     offs[-1] untouched; no host sync; any R, empty experts. Needs N and K multiples of 128 (``applies``
     says why a call is refused; the dispatcher then runs the Triton kernel).
+
+bf16 (``a_s`` and ``b_s`` None; SCALED off): a bf16 [R, K], b bf16 [E, N, K], c[i] = a[i] . b[e]^T accumulated in
+float32, the same tile map, rows and refusals. The ring's K blocks are 64 wide (128 bytes a row, as fp8's 128),
+so a stage has the same bytes; each consumer's wgmmas (m64 n128 k16) accumulate in place across the K loop (no
+per-block promotion). INFLIGHT leaves one K block's wgmmas running while the next stage is awaited (the first
+block peeled); measured no faster than waiting for each block (BENCHMARKS.md), kept as a sweep switch. Used for
+bf16 routed experts (``model.experts``, ``BF16``): at ~100 rows per expert the GEMM is a read of every expert's
+weights.
 
 Schedule: persistent programs (at most one per SM) walk the (row tile, column tile) pairs column-fastest,
 row tiles of 128 rows of one expert, column tiles of 128, K in blocks of 128 (one activation scale per row and
