@@ -1,13 +1,18 @@
 """Test-suite configuration: the ``cuda`` and ``triton`` markers skip cleanly where the machine lacks them.
 
 Mark a test (or a module, through ``pytestmark``) ``cuda`` when it needs a CUDA device and ``triton`` when it
-needs Triton; nothing else in a test file checks the platform.
+needs Triton; nothing else in a test file checks the platform. The sparse attention is pinned to cpkv's own
+kernel (``CPKV_SPARSE_MLA=cpkv``, inherited by the rank processes) so that its tests test it on a machine where
+FlashMLA is installed too; the FlashMLA backend's tests ask for it explicitly.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+os.environ.setdefault("CPKV_SPARSE_MLA", "cpkv")
 
 
 def _cuda() -> bool:

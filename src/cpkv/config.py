@@ -21,6 +21,8 @@ QUANT_GROUP = 128
 KINDS = ("token", "index")
 STRATEGIES = ("zigzag", "contiguous", "round-robin")
 DEFAULT_PAGE_SIZE = 64
+# sparse attention backends (cpkv.attention.sparse_mla, CPKV_SPARSE_MLA): FlashMLA where installed (auto), or one
+SPARSE_BACKENDS = ("auto", "cpkv", "flashmla")
 
 # The compose modes (cpkv.compose.modes runs them): name -> what it does, in one line. All give byte-identical
 # dense buffers; the peer modes fall back to ``fused`` where peer memory is unavailable.

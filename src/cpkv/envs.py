@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
-from cpkv.config import COMPOSE_MODES
+from cpkv.config import COMPOSE_MODES, SPARSE_BACKENDS
 from cpkv.errors import ConfigError
 
 T = TypeVar("T")
@@ -98,6 +98,12 @@ def _mode(raw: str) -> str:
     return raw
 
 
+def _sparse_backend(raw: str) -> str:
+    if raw not in SPARSE_BACKENDS:
+        raise ValueError(f"one of {', '.join(SPARSE_BACKENDS)}")
+    return raw
+
+
 def _log_level(raw: str) -> str:
     level = raw.strip().upper()
     if level not in LOG_LEVELS:
@@ -113,6 +119,9 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_COMPOSE_MODE", "symm", _mode, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
     EnvVar("CPKV_DISABLE_TRITON", False, _bool, "Use the pure-torch references even on CUDA."),
+    EnvVar("CPKV_SPARSE_MLA", "auto", _sparse_backend,
+           "Sparse attention: auto (FlashMLA where the flash_mla package imports and takes the call, else cpkv's "
+           "kernel), cpkv, or flashmla (an error where it does not import)."),
     EnvVar("CPKV_GROUPED_MM_TORCH", False, _bool,
            "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare)."),
     EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),

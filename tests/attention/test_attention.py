@@ -256,3 +256,49 @@ def test_kernel_config_choice_without_hopper() -> None:
     assert kernel.GLUON_WS.tag() == "h64 k64 w12 s2 gluon_ws"
     with pytest.raises(AttentionError, match="expected impl one of triton, gluon_ws, got 'gluon_ws_persist'"):
         kernel.Config(64, 64, 12, 2, impl="gluon_ws_persist")
+
+
+def test_sparse_backend_choice(monkeypatch):
+    """``sparse_mla``'s backend: cpkv pins cpkv's kernel; flashmla where ``flash_mla`` does not import is one error
+    naming it; auto falls back to cpkv's kernel; FlashMLA, where it imports and applies, gets kv [S, 1, d_qk] and
+    int32 indices [T, 1, topk] and its (out, max_logits, lse) becomes (out, lse [T, H]); a bad name is refused."""
+    import sys
+    import types
+
+    from cpkv.attention import flashmla
+    from cpkv.attention.sparse import _flashmla, sparse_backend
+
+    q, kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16), torch.zeros(10, 576, dtype=torch.bfloat16)
+    monkeypatch.setenv("CPKV_SPARSE_MLA", "auto")
+    assert sparse_backend() == "auto" and sparse_backend("cpkv") == "cpkv"
+    with pytest.raises(AttentionError, match="backend one of"):
+        sparse_backend("fast")
+    monkeypatch.setattr(q.__class__, "is_cuda", property(lambda self: True))  # the CPU stand-ins pass as CUDA
+    flashmla.load.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_mla", None)  # import fails
+    assert _flashmla(q, kv, 512, None) is None and _flashmla(q, kv, 512, "cpkv") is None
+    with pytest.raises(AttentionError, match="flash_mla package"):
+        _flashmla(q, kv, 512, "flashmla")
+    calls = []
+
+    def fwd(q, kv, idx, scale, d_v):
+        calls.append((q.shape, kv.shape, idx.shape, idx.dtype, scale, d_v))
+        return torch.ones(q.shape[0], q.shape[1], d_v), None, torch.zeros(q.shape[0], q.shape[1], 1)
+
+    flashmla.load.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
+    monkeypatch.setattr(flashmla, "applies", lambda q, kv, d_v: q.shape[1] in flashmla.HEADS)
+    assert _flashmla(q, kv, 512, "cpkv") is None
+    fn = _flashmla(q, kv, 512, None)
+    assert fn is fwd and _flashmla(q[:, :8], kv, 512, "flashmla") is None  # 8 heads: not FlashMLA's
+    out, lse = flashmla.sparse_fwd(fn, q, kv, torch.zeros(3, 4, dtype=torch.int64), 0.5, 512)
+    assert calls == [((3, 64, 576), (10, 1, 576), (3, 1, 4), torch.int32, 0.5, 512)]
+    assert out.shape == (3, 64, 512) and lse.shape == (3, 64) and lse.dtype == torch.float32
+    flashmla.load.cache_clear()
+
+
+def test_flashmla_applies_only_to_its_shapes():
+    from cpkv.attention import flashmla
+
+    q, kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16), torch.zeros(10, 576, dtype=torch.bfloat16)
+    assert not flashmla.applies(q, kv, 512)  # CPU tensors

@@ -168,7 +168,8 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     from cpkv.attention import sparse_mla
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"]), rep_ms, warmup_ms=25)
+    ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"], backend="cpkv"), rep_ms,
+                     warmup_ms=25)
     tflops = _flops(inp) / ms / 1e9
     from cpkv.kernels.platform import capability
 
@@ -324,7 +325,7 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int) -
     inp = _inputs(s_q, h, topk, s_kv, "random")
     q, kv, idx, scale = inp["q"], inp["kv"], inp["idx"], inp["scale"]
     kv3, idx3 = kv[:, None, :], idx[:, None, :]  # FlashMLA: kv [s_kv, h_kv = 1, d_qk], indices [s_q, 1, topk]
-    ours = lambda: sparse_mla(q, kv, idx, scale)  # noqa: E731
+    ours = lambda: sparse_mla(q, kv, idx, scale, backend="cpkv")  # noqa: E731
     theirs = lambda: peer(q, kv3, idx3, scale, 512)  # noqa: E731
     calls = {"peer": theirs, "cpkv": ours}
     got = ours()

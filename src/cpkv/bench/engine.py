@@ -383,8 +383,19 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "moe_layers": cfg_m.mlp_layer_types.count("sparse"), "cp": args.cp, "mode": st["mode"], "barrier": st["barrier"],
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
+            "sparse_mla": sparse_mla_used(args.device),
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
+
+
+def sparse_mla_used(device: str) -> str:
+    """The sparse attention backend the ranks run (they inherit this process's environment): flashmla where
+    ``CPKV_SPARSE_MLA`` allows it and ``flash_mla`` imports (GLM-5's shapes are FlashMLA's), else cpkv."""
+    from cpkv.attention import flashmla
+    from cpkv.attention.sparse import sparse_backend
+
+    use = device == "cuda" and sparse_backend() != "cpkv" and flashmla.load() is not None
+    return "flashmla" if use else "cpkv"
 
 
 def _print(rep: dict, as_json: bool) -> None:
