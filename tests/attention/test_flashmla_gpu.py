@@ -3,9 +3,10 @@ package imports on a Hopper GPU): its outputs against cpkv's kernel and the floa
 attention shapes, and GLM-5's first 2 layers at cp 2 run by it under the sync check, against the same run on
 cpkv's kernel.
 
-Tolerances: both kernels accumulate in float32 and round the output to bf16: a cosine difference (FlashMLA's
-test metric, 1 - 2 x.y / (x.x + y.y)) ≤ 1e-6 and |out difference| ≤ 2 % of max |out| against the float64
-reference; lse within 1e-4; engine logits within 5e-2 of max |logit| (two layers of bf16 rounding apart; the
+Tolerances: both kernels accumulate in float32 and round the output to bf16. Cosine difference (FlashMLA's test
+metric, 1 - 2 x.y / (x.x + y.y)) between the two kernels ≤ 1e-8; against the float64 reference, whose output is
+not rounded to bf16, ≤ 1e-5 (bf16's 2^-9 relative rounding alone gives ~2e-6), and |out difference| ≤ 2 % of
+max |out|; lse within 1e-4; engine logits within 5e-2 of max |logit| (two layers of bf16 rounding apart; the
 first tokens are not compared: random weights leave near-ties at the top).
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ def test_flashmla_backend_matches_cpkv_and_the_reference(peer, heads, s_kv):
     ours, lse_o = sparse_mla(q, kv, idx, scale, backend="cpkv")
     ref, _ = sparse_mla_ref(q, kv, idx, scale, 512, dtype=torch.float64)
     assert got.shape == ours.shape == (t, heads, 512) and got.dtype == torch.bfloat16
-    assert _cos(got, ours) <= 1e-6 and _cos(got, ref) <= 1e-6
+    assert _cos(got, ours) <= 1e-8  # the same float32 sums, apart from their order (8.5e-11 and 1.3e-10 measured)
+    assert _cos(got, ref) <= 1e-5 and _cos(ours, ref) <= 1e-5  # bf16 outputs: 1.9e-6 measured for FlashMLA
     assert float((got.double() - ref).abs().max() / ref.abs().max()) <= 2e-2
     assert not bool(got[5].any())  # no valid key: zero output
     fin = lse.isfinite() & lse_o.isfinite()
