@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|marks|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|engine|marks|grouped_bf16|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -31,6 +31,10 @@ fi
 if want marks; then  # issue 24: where the host and the GPU are in each batch (timeline marks, SM clocks), sustained GEMM
     step marks 300 python3 -m cpkv bench engine --runs 2 --mark-clocks --json
 fi
+if want grouped_bf16; then  # the bf16 expert GEMM's switches against torch._grouped_mm, then its GPU tests
+    step grouped_bf16 200 python3 benchmarks/grouped_bf16_sweep.py --json
+    step grouped_bf16_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_bf16_gpu.py
+fi
 if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
 fi
@@ -46,6 +50,8 @@ if want attention; then
 fi
 if want mla && flashmla; then  # the sparse MLA kernel's GPU tests, then the kernel against FlashMLA on its shapes
     step mla_tests 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_attention_gpu.py -k gluon
+    PYTHONPATH=src:/tmp/peers/FlashMLA step flashmla_tests 200 python3 -m pytest -q -p no:cacheprovider \
+        tests/attention/test_flashmla_gpu.py  # FlashMLA as the engine's sparse attention backend
     PYTHONPATH=src:/tmp/peers/FlashMLA step mla 330 python3 -m cpkv bench attention --peer flashmla \
         --tokens 4096 --rep-ms 40 --json
 fi
