@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_free import twice_sync_free
 
 from cpkv.kernels.fp8_gemm.ref import act_dequant_ref, act_quant_ref, dequant_blocks, fp8_linear_quant_ref, grouped_fp8_ref
 from cpkv.model import linear as linear_mod
@@ -336,13 +337,7 @@ def test_grouped_swiglu_fp8_equals_float32_loop_without_host_sync(load):
     xs = _x(rows, d, 15)
     rw = torch.rand(rows, device="cuda")
     offs = torch.tensor(counts, dtype=torch.int32, device="cuda").cumsum(0, dtype=torch.int32)
-    grouped_swiglu(xs, offs, rw, ew)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = grouped_swiglu(xs, offs, rw, ew)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    got = twice_sync_free(lambda: grouped_swiglu(xs, offs, rw, ew))
     dense = ExpertWeights(dequant_blocks(gu, gus), dequant_blocks(dn, dns))
     # the input as the kernel reads it (1 x 128 fp8 groups): what is left is the SwiGLU's fp8 rounding and bf16
     want = grouped_swiglu_loop(act_dequant_ref(*act_quant_ref(xs)), offs, rw, dense)

@@ -132,16 +132,7 @@ def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pai
     the TMA epilogue, that epilogue's 64 x 128 output box on c where c's rows allow it (else the register
     epilogue, and 128-row B boxes), one program per SM at most."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")  # the launcher builds Gluon descriptors
-    from cpkv.kernels import platform
-
-    calls = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: calls.append((grid, args, meta))
-
-    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
-    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    calls = _recorded_launches(monkeypatch)
     op = _operands([3, 0, 5], n, 512)  # 4 K blocks: PAIR stays on
     if not aligned:  # rows of 2 (N + 4) bytes: not 16-byte multiples
         op["c"] = torch.empty(op["c"].shape[0], n + 4, dtype=torch.bfloat16)[:, :n]
@@ -152,6 +143,21 @@ def test_gluon_launch_specialises_tiles_and_epilogue(hopper, monkeypatch, n, pai
     assert (args[2].base is op["c"] and args[2].block_shape == [64, 128]) if aligned else args[2] is args[0]
     assert meta["AHEAD"] and meta["PAIR"] == pair
     assert (meta["STAGES"], meta["GROUP_M"], meta["EP"]) == (stages, 8, 32)
+
+
+def _recorded_launches(monkeypatch) -> list:
+    """The Gluon kernel's launches (grid, args, meta) recorded instead of run, on a 4-SM stand-in device."""
+    from cpkv.kernels import platform
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((grid, args, meta))
+
+    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
+    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    return calls
 
 
 def _compile_gluon(pair: bool, stages: int, group_m: int = 1, e: int = 32, epi_tma: bool = False,
@@ -398,16 +404,7 @@ def test_bf16_operands_take_the_kernel_unscaled(hopper, monkeypatch):
     off, AHEAD and PAIR off whatever was asked, INFLIGHT as asked; scales given for bf16 are refused; mixed
     dtypes are refused."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    from cpkv.kernels import platform
-
-    calls = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: calls.append((grid, args, meta))
-
-    monkeypatch.setattr(platform, "sm_count", lambda x: 4)
-    monkeypatch.setattr(gluon_ws, "load", lambda: Kernel())
+    calls = _recorded_launches(monkeypatch)
     op = _operands([3, 0, 5], 512, 512)
     a, b = op["a"].to(torch.bfloat16), op["b"].to(torch.bfloat16)
     assert gluon_ws.applies(a, b, op["c"]) is None

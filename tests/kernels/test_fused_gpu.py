@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sync_free import sync_free
 
 from cpkv.attention.ref import GLM5_TOKEN, quant_token_kv_ref, row_views
 from cpkv.kernels.fp8_gemm.ref import act_quant_ref
@@ -37,15 +38,6 @@ def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-def _no_sync(fn):
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("with_delta", [True, False])
 @pytest.mark.parametrize("quant", [True, False])
@@ -61,7 +53,7 @@ def test_add_rms_norm_kernel(t, with_delta, quant):
         delta[0, :128] = -h[0, :128]  # a zero group after the add
     w = (torch.randn(d, generator=gen, device="cuda") * 0.3 + 1).bfloat16()
     add_rms_norm(h, delta, w, 1e-5, quant)  # compiles
-    hs, x, qa = _no_sync(lambda: add_rms_norm(h, delta, w, 1e-5, quant))
+    hs, x, qa = sync_free(lambda: add_rms_norm(h, delta, w, 1e-5, quant))
     want_h = h + delta if with_delta else h
     assert torch.equal(hs, want_h)
     assert _within_ulp(x, _rms64(want_h, w, 1e-5).to(torch.bfloat16))
@@ -91,7 +83,7 @@ def test_token_rows_kernel(t):
     rope = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
                       mscale_all_dim=1.0)
     rot = Rotary.build(torch.arange(t, device="cuda") * 7 + 3, 64, rope)
-    rows = _no_sync(lambda: token_rows(kv, w, rot.cos, rot.sin, 1e-6, GLM5_TOKEN))
+    rows = sync_free(lambda: token_rows(kv, w, rot.cos, rot.sin, 1e-6, GLM5_TOKEN))
     mine = torch.zeros_like(rows)
     out = torch.empty(t, 576, dtype=torch.bfloat16, device="cuda")
     kern.token_rows(kv, w, rot.cos, rot.sin, 1e-6, *row_views(mine, GLM5_TOKEN), out=out)
@@ -132,8 +124,8 @@ def test_index_rows_kernels(t, interleaved):
     wts = torch.rand(t, 32, generator=gen, device="cuda") + 0.1
     args = (rot.cos, rot.sin, 64, interleaved)
     prepare_index_keys(k, w, b, *args), prepare_index_queries(q, wts, *args)  # compile
-    rows = _no_sync(lambda: prepare_index_keys(k, w, b, *args))
-    q8, folded = _no_sync(lambda: prepare_index_queries(q, wts, *args))
+    rows = sync_free(lambda: prepare_index_keys(k, w, b, *args))
+    q8, folded = sync_free(lambda: prepare_index_queries(q, wts, *args))
     got_k, got_s = dequantize_index_rows(rows)
     want_k, want_s = dequantize_index_rows(index_keys_ref(k, w, b, *args))
     assert _rel(got_s, want_s) <= 2e-5 and _near_fp8(got_k, want_k)
@@ -153,7 +145,7 @@ def test_swiglu_weighted_kernel(n):
     gu = (torch.randn(n, 4096, generator=gen, device="cuda") * 3).bfloat16()
     rw = torch.rand(n, generator=gen, device="cuda")
     swiglu_weighted(gu, rw)
-    got = _no_sync(lambda: swiglu_weighted(gu, rw))
+    got = sync_free(lambda: swiglu_weighted(gu, rw))
     want = swiglu_weighted_ref(gu, rw)
     assert _within_ulp(got, want, 4) and float((got == want).float().mean()) >= 0.999
 
@@ -168,7 +160,7 @@ def test_swiglu_plain_kernel_is_torchs_bytes(n):
     gen = torch.Generator(device="cuda").manual_seed(400 + n)
     gu = (torch.randn(n, 2 * 6144, generator=gen, device="cuda") * 3).bfloat16()
     got = torch.empty(n, 6144, dtype=torch.bfloat16, device="cuda")
-    _no_sync(lambda: kern.swiglu_weighted(gu, None, got))
+    sync_free(lambda: kern.swiglu_weighted(gu, None, got))
     want = swiglu_ref(gu)
     assert _within_ulp(got, want, 2) and float((got == want).float().mean()) >= 0.999
 
@@ -196,7 +188,7 @@ def test_moe_gathers_the_quantised_rows(t):
     w = torch.rand(t, k, generator=gen, device="cuda")
     qa = quant_act(x)
     want = experts(x, idx, w, ew)
-    got = _no_sync(lambda: experts(x, idx, w, ew, xq=(qa.q, qa.s)))
+    got = sync_free(lambda: experts(x, idx, w, ew, xq=(qa.q, qa.s)))
     assert torch.equal(got, want)
 
 
@@ -211,7 +203,7 @@ def test_head_weights_kernel(t):
     x = torch.randn(t, 6144, generator=gen, device="cuda").bfloat16()
     w = torch.randn(32, 6144, generator=gen, device="cuda") / 80
     head_weights(x, w, 32 ** -0.5)
-    got = _no_sync(lambda: head_weights(x, w, 32 ** -0.5))
+    got = sync_free(lambda: head_weights(x, w, 32 ** -0.5))
     want = head_weights_ref(x, w, 32 ** -0.5)
     bound = (x.float().abs() @ w.abs().t()) * 32 ** -0.5 * 2.0 ** -20
     assert got.dtype == torch.float32 and bool(((got - want).abs() <= bound).all())
@@ -231,7 +223,7 @@ def test_combine_kernel(t, with_add):
     order = torch.randperm(t * k, generator=gen, device="cuda")
     add = torch.randn(t, d, generator=gen, device="cuda").bfloat16() if with_add else None
     combine_pairs(y, order, t, k, add)
-    got = _no_sync(lambda: combine_pairs(y, order, t, k, add))
+    got = sync_free(lambda: combine_pairs(y, order, t, k, add))
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device="cuda"))
     want, part = combine_ref(y, inv, t, k, add), combine_ref(y, inv, t, k)
 
@@ -278,7 +270,7 @@ def test_query_rope_kernel(t):
     rot = Rotary.build(torch.arange(t, device="cuda") * 11, 64, 10000.0)
     out = torch.zeros(t, 64, 576, dtype=torch.bfloat16, device="cuda")
     rot.interleaved_into(q, out[..., 512:])
-    _no_sync(lambda: rot.interleaved_into(q, out[..., 512:]))
+    sync_free(lambda: rot.interleaved_into(q, out[..., 512:]))
     assert torch.equal(out[..., 512:], rope_interleaved_ref(q, rot.cos, rot.sin, torch.bfloat16))
     assert not out[..., :512].any()
     # the complex product (torch's, with FMA) rounds each float32 product differently: a result much smaller than
