@@ -50,3 +50,28 @@ def test_a_recorder_sees_the_gpu_behind_the_host_and_the_clock():
     assert 100 <= mhz <= 5000  # an SM clock, in MHz
     from cpkv.timeline import sm_clock_mhz
     assert 100 <= sm_clock_mhz() <= 5000
+
+
+def test_rows_put_the_gpu_on_the_host_clock_through_the_sync_point():
+    """A chained batch: the host began it 40 ms after the chain's synchronisation, while the GPU still ran the batch
+    before. Its marks' GPU times come from the synchronisation event (ms on the GPU clock) mapped onto the host's
+    clock, from the batch's host start: a mark the GPU ran 45 ms after the sync is 5 ms after that start; the host
+    issued it 1 ms after the start, so the GPU was 4 ms behind (not 'waiting'). gpu_start_ms puts the rows'
+    origin on the process's GPU clock (the anchor: 100 ms before the sync)."""
+    from cpkv.timeline import Recorder
+
+    class Ev:
+        def __init__(self, at: float):
+            self.at = at
+
+        def elapsed_time(self, other: "Ev") -> float:
+            return other.at - self.at
+
+    rec = object.__new__(Recorder)
+    sync_ev, anchor = Ev(1000.0), Ev(900.0)
+    rec._t0, rec._sync, rec._anchor, rec._start = 10.040, (10.0, sync_ev), anchor, Ev(1045.0)
+    rec._marks = [("L0 project", 10.041, Ev(1045.0), None), ("L0 mlp", 10.050, Ev(1051.0), None)]
+    assert rec.rows() == [("L0 project", 1.0, 5.0), ("L0 mlp", 10.0, 11.0)]
+    assert rec.gpu_start_ms() == 140.0  # 100 ms from the anchor to the sync, + 40 ms to the host start
+    stats = {"batch_s": [0.05], "marks": [{"unix_start": 0.0, "gpu_start_ms": 140.0, "rows": rec.rows()}]}
+    assert marks_of(stats, [0])["gpu_waits_for_host_until_ms"] == 0.0

@@ -3,8 +3,10 @@
 The forward calls ``mark(label)`` at its milestones (the plan built, each layer's projections, compose,
 indexer, attention, MLP). Nothing happens unless a ``Recorder`` is active (one global read per mark). An
 active recorder notes, per mark, the host's clock and a CUDA event recorded on the current stream there. After
-the batch's end synchronisation, ``Recorder.rows`` gives, per mark, (label, host ms, GPU ms), both from the
-batch start (the host's clock and an event recorded right after the batch-start synchronisation):
+the batch's end synchronisation, ``Recorder.rows`` gives, per mark, (label, host ms, GPU ms), both on the host's
+clock, from when the host began the batch. The GPU's times come from a synchronisation point (``sync``: a host
+time and an event recorded right after it, when the GPU was idle): the batch start's own, or for a batch chained on
+the one before (launched while the GPU still ran that one: its first kernels wait for it) the chain's:
 
 - host ms: when the host had launched everything before the mark;
 - GPU ms: when the GPU had run it.
@@ -40,13 +42,15 @@ def mark(label: str) -> None:
 class Recorder:
     """Marks of one batch on a CUDA device (module docstring)."""
 
-    def __init__(self, device: torch.device, clocks: bool = False) -> None:
+    def __init__(self, device: torch.device, clocks: bool = False, sync: tuple | None = None) -> None:
         self.device, self.clocks = device, clocks
         self.unix_start = time.time()  # the batch start on the wall clock (to line up with other samplers)
         self._t0 = time.perf_counter()
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record()
-        self._anchor = _ANCHORS.setdefault(device, self._start)
+        # (host seconds, an event recorded right after that synchronisation): GPU times onto the host's clock
+        self._sync = sync if sync is not None and sync[1] is not None else (self._t0, self._start)
+        self._anchor = _ANCHORS.setdefault(device, self._sync[1])
         self._marks: list[tuple[str, float, torch.cuda.Event]] = []
 
     def mark(self, label: str) -> None:
@@ -63,30 +67,38 @@ class Recorder:
         """(label, host ms, GPU ms[, SM MHz]) per mark, in order; call after a synchronisation covering the
         batch."""
         out = []
+        host, ev0 = self._sync
+        base = (host - self._t0) * 1e3  # the synchronisation point, in ms from the batch's host start (<= 0)
         for label, t, ev, probe in self._marks:
-            row = (label, round((t - self._t0) * 1e3, 3), round(self._start.elapsed_time(ev), 3))
+            row = (label, round((t - self._t0) * 1e3, 3), round(base + ev0.elapsed_time(ev), 3))
             if probe is not None:
                 row += (round(PROBE_CYCLES / ev.elapsed_time(probe) / 1e3),)
             out.append(row)
         return out
 
     def gpu_start_ms(self) -> float:
-        """This batch's start on the process's GPU clock (ms after the first recorded batch's start): batches'
-        marks side by side, e.g. the GPU's idle between one batch's last mark and the next one's first."""
-        return round(self._anchor.elapsed_time(self._start), 3) if self._anchor is not self._start else 0.0
+        """Where the rows' GPU times start (the batch's host start, through its synchronisation point) on the
+        process's GPU clock (ms after the first recorded batch's start): batches' marks side by side, e.g. the
+        GPU's idle between one batch's last mark and the next one's first."""
+        host, ev0 = self._sync
+        at = self._anchor.elapsed_time(ev0) if self._anchor is not ev0 else 0.0
+        return round(at + (self._t0 - host) * 1e3, 3)
 
 
 @contextlib.contextmanager
-def recording(device: torch.device, on: bool = True, clocks: bool = False) -> Iterator[Recorder | None]:
+def recording(device: torch.device, on: bool = True, clocks: bool = False,
+              sync: tuple | None = None) -> Iterator[Recorder | None]:
     """A Recorder (``clocks``: with clock probes) active inside (yielded; None when ``on`` is false or ``device`` is
-    not CUDA). Enter it right after the batch-start synchronisation; read its rows after the end one."""
+    not CUDA). ``sync``: (host seconds, CUDA event) of the last synchronisation before the batch (module
+    docstring); None: the Recorder's own start, so enter it right after the batch-start synchronisation. Read its
+    rows after the end one."""
     global _ACTIVE
     if not on or device.type != "cuda":
         yield None
         return
     if _ACTIVE is not None:
         raise RuntimeError("a timeline Recorder is already active")
-    rec = Recorder(device, clocks)
+    rec = Recorder(device, clocks, sync)
     _ACTIVE = rec
     try:
         yield rec

@@ -278,7 +278,8 @@ class RankEngine:
             # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
             with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
                 with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp, \
-                        recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks) as rec:
+                        recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
+                                  (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
                     if ahead is None:
                         first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
                         out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
