@@ -217,6 +217,16 @@ def case_swiglu() -> None:
         assert within_ulp(out, want, 4 if dtype == torch.bfloat16 else 8), f"at {(n, i, dtype)}"
         assert dtype != torch.bfloat16 or (out == want).float().mean() >= 0.9, f"mostly equal at {(n, i, dtype)}"
     kern.swiglu_weighted(torch.zeros(0, 256), torch.zeros(0), torch.zeros(0, 128))  # N = 0
+    # a device row count: rows 0..10 computed (as without it), rows 11.. untouched, with and without weights
+    gen = _gen(77)
+    gu = (torch.randn(19, 400, generator=gen) * 3).bfloat16()
+    rw = torch.rand(19, generator=gen)
+    for weights in (rw, None):
+        full = torch.full((19, 200), float("nan"), dtype=torch.bfloat16)
+        kern.swiglu_weighted(gu, weights, full)
+        part = torch.full((19, 200), 7.0, dtype=torch.bfloat16)
+        kern.swiglu_weighted(gu, weights, part, torch.tensor([11], dtype=torch.int32))
+        assert torch.equal(part[:11], full[:11]) and bool((part[11:] == 7.0).all())
 
 
 def case_swiglu_plain() -> None:

@@ -113,7 +113,8 @@ def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
         return None
     tiles = tile_ends(offs, gluon_ws.BLOCK)
     gluon_ws.launch(xs, None, offs, ew.gate_up, None, gu, tiles, **gluon_ws.BF16)
-    gluon_ws.launch(swiglu_weighted(gu, rw), None, offs, ew.down, None, out, tiles, **gluon_ws.BF16)
+    live = offs[-1:] if offs.numel() else None  # the real row count (a static buffer's tail is padding)
+    gluon_ws.launch(swiglu_weighted(gu, rw, live), None, offs, ew.down, None, out, tiles, **gluon_ws.BF16)
     return out
 
 
@@ -123,9 +124,11 @@ def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertW
     return torch._grouped_mm(swiglu_weighted(gu, rw), ew.down.transpose(1, 2), offs=offs)
 
 
-def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
+def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """gu [N, 2I] (gate | up), rw float32 [N] -> silu(g) * u * rw [N, I] in gu's dtype, rounded after each op as
-    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel on CUDA)."""
+    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel on CUDA). ``live``: int32
+    [1] on the device, the rows that matter (the kernel computes only those; the rest of the output is
+    unspecified)."""
     from cpkv.kernels import platform
     from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
 
@@ -134,7 +137,7 @@ def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
     from cpkv.kernels.swiglu import triton as kern
 
     out = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
-    kern.swiglu_weighted(gu, rw.float().contiguous(), out)
+    kern.swiglu_weighted(gu, rw.float().contiguous(), out, live)
     return out
 
 
