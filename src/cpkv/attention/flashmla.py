@@ -43,9 +43,11 @@ def import_error() -> str:
 def applies(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     """Whether FlashMLA's sparse prefill takes these inputs: CUDA on Hopper, bf16, 64 or 128 heads, d_qk 576 or
     512, d_v 512."""
+    from cpkv.kernels import platform
+
     if not (q.is_cuda and kv.is_cuda) or q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if platform.capability(q)[0] != 9:
         return False
     return q.shape[1] in HEADS and q.shape[2] in D_QK and kv.shape[1] == q.shape[2] and d_v == D_V
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from cpkv.attention import ref
-from cpkv.config import SPARSE_BACKENDS
 from cpkv.attention.backend import (
     INDEX_DTYPES, check_same_device, check_tensor, expect, last_dim_contiguous, use_triton,
 )
+from cpkv.config import SPARSE_BACKENDS
 
 
 def sparse_mla(

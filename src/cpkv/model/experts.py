@@ -106,11 +106,12 @@ def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
     from cpkv.kernels.fp8_gemm.triton import tile_ends
 
     r, d = xs.shape
+    like = lambda n: xs.new_empty(1, n).expand(r, -1)  # noqa: E731  ([r, n] as a fresh buffer: shape, dtype, device)
+    if (gluon_ws.applies(xs, ew.gate_up, like(ew.gate_up.shape[1]))
+            or gluon_ws.applies(like(ew.down.shape[2]), ew.down, like(d) if out is None else out)):
+        return None  # checked before anything is allocated
     gu = torch.empty(r, ew.gate_up.shape[1], dtype=xs.dtype, device=xs.device)
     out = torch.empty(r, d, dtype=xs.dtype, device=xs.device) if out is None else out
-    h_like = xs.new_empty(1, ew.down.shape[2]).expand(r, -1)  # the SwiGLU output's shape, dtype and device
-    if gluon_ws.applies(xs, ew.gate_up, gu) or gluon_ws.applies(h_like, ew.down, out):
-        return None
     tiles = tile_ends(offs, gluon_ws.BLOCK)
     gluon_ws.launch(xs, None, offs, ew.gate_up, None, gu, tiles, **gluon_ws.BF16)
     live = offs[-1:] if offs.numel() else None  # the real row count (a static buffer's tail is padding)
