@@ -13,6 +13,10 @@ from cpkv.bench.breakdown import PARTS, busy_us, classify, parts
     ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x64x8", "gemm"),
     ("mqa_logits_gluon_kernel", "indexer_logits"), ("topk_stream_kernel", "topk"),
     ("_sparse_mla_ws", "attention"), ("_sparse_mla_fwd", "attention"),
+    # FlashMLA's sparse prefill (its name as ncu printed it, 2026-12-02, abridged): attention, not a CUTLASS GEMM
+    ("void sm90::sparse_attn_fwd_kernel<sm90::KernelTemplate<576, 0>, sm90::KernelTemplate<576, 0>::TmaParams<"
+     "cute::tuple<int, int, int>, cute::TiledCopy<cute::Copy_Atom<cute::Copy_Traits<cute::SM90_TMA_LOAD, "
+     "cute::C<65536>>>, cutlass::bfloat16_t>>>(SparseAttnFwdParams, T2)", "attention"),
     ("_page_gather_pair", "compose"), ("_barrier", "compose"), ("_dequant", "quant"), ("_quant", "quant"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"), ("_grouped_gemm", "gemm"),
     ("_grouped_v", "gemm"), ("_grouped_ws", "gemm"),

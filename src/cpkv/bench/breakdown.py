@@ -31,7 +31,7 @@ LABELS = {
 _RULES = (  # first match wins
     ("indexer_logits", re.compile(r"mqa_logits")),
     ("topk", re.compile(r"topk")),
-    ("attention", re.compile(r"sparse_mla")),
+    ("attention", re.compile(r"sparse_mla|sparse_attn")),  # cpkv's kernels; FlashMLA's (a CUTLASS template)
     ("compose", re.compile(r"page_gather|_barrier")),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gemv|splitk|_grouped_v|_grouped_ws|_head_weights", re.I)),  # fp8 GEMMs too
     ("quant", re.compile(r"^_?(de)?quant\b|_act_quant|_swiglu_quant|float8|fp8|e4m3", re.I)),
