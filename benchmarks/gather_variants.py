@@ -10,8 +10,7 @@ of the same bytes timed the same way in the same round. Forms (issue 24: the gat
 0.95):
 
 * ``cpkv``: the kernel compose runs (``gather_launcher``, its default config: one program per page, one
-  power-of-two block masked to the page); ``exact``: the same kernel with ``exact`` (the page as unmasked
-  power-of-two blocks);
+  power-of-two block masked to the page);
 * ``split``: one program per page, the page as a power-of-two block plus a smaller masked tail block (fewer
   registers held for masked lanes), all loads issued before the stores;
 * ``pair``: one program per two pages (entries p and p + n/2), both loads before both stores;
@@ -101,8 +100,6 @@ def case(page_bytes: int, pool_pages: int, pages: int, device: torch.device) -> 
     forms = {}
     for w in (4, 8):
         forms[f"cpkv_w{w}"] = gather_launcher(out, bases, dest, src, idx, config={"block": 16384, "num_warps": w})
-        forms[f"exact_w{w}"] = gather_launcher(out, bases, dest, src, idx,
-                                               config={"block": 16384, "num_warps": w, "exact": True})
         forms[f"split_w{w}"] = (lambda w=w: split[(pages,)](o32, p32, dest, idx, pages, ELEMS=elems, HEAD=head,
                                                              TAIL=tail, STORE="", LOAD="", num_warps=w))
         forms[f"pair_w{w}"] = (lambda w=w: pair[(pages // 2,)](o32, p32, dest, idx, pages // 2, ELEMS=elems,

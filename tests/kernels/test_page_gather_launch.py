@@ -64,12 +64,12 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
                                           compiled.calls[0][5], compiled.calls[0][6:9], compiled.calls[0][9:])
     assert grid == (5, 1, 1) and stream == 1000 and (fn, meta) == ("fn", "meta") and hooks == (None,) * 3
     named = dict(zip(pg.load().arg_names, raw))  # the real kernel's parameter names
-    assert len(named) == len(raw) == 16
+    assert len(named) == len(raw) == 12
     assert [named[x] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
         t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n"], named["n_units"]) == (5, 5)  # one unit per page
-    assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK", "EXACT", "P1", "P2", "P3")] == [
-        64 * 656 // 4, 4, 4, 16384, False, 0, 0, 0]  # int32 elements, 16-byte vectors, one program per page
+    assert [named[x] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [
+        64 * 656 // 4, 4, 4, 16384]  # int32 elements, 16-byte vectors, one program per page
     assert len(compiled.calls) == 3 and all(c == compiled.calls[0] for c in compiled.calls)
     assert launch.tensors[2] is dest
 
@@ -85,22 +85,15 @@ def test_pair_launcher_orders_both_segments_for_one_launch(fake):
     assert call[:3] == (11, 1, 1)
     # every raw value lands on the parameter of that name in the real kernel's signature
     named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
-    assert len(named) == len(call[9:]) == 32
+    assert len(named) == len(call[9:]) == 24
     for j, (out, bases, dest, src, page) in enumerate((a, b)):
         assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
     assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 4, 7, 7)
-    consts = ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK", "EXACT", "P1", "P2", "P3")
-    assert set(kw) == {f"{x}_{j}" for x in consts for j in (0, 1)} | {"num_warps"}
-    assert [named[f"{x}_0"] for x in consts] == [64 * 656 // 4, 4, 4, 16384, False, 0, 0, 0]
-    assert [named[f"{x}_1"] for x in consts] == [64 * 132 // 4, 4, 4, 4096, False, 0, 0, 0]
-    assert kw["BLOCK_1"] == 4096 and kw["PAGE_ELEMS_0"] == 64 * 656 // 4
-    # exact: each segment's page as its power-of-two parts (10,496 = 8,192 + 2,048 + 256; 2,112 = 2,048 + 64)
-    pg.gather_pair_launcher((*a, True), (*b, True), config={"exact": True})()
-    named = dict(zip(REAL_LOAD_PAIR().arg_names, compiled.calls[-1][9:]))
-    assert [named[f"{x}_0"] for x in consts[3:]] == [8192, True, 2048, 256, 0]
-    assert [named[f"{x}_1"] for x in consts[3:]] == [2048, True, 64, 0, 0]
-    assert compiled.calls[-1][:3] == (11, 1, 1) and len(compiles) == 2  # one unit a page; its own compile
+    assert set(kw) == {f"{x}{j}" for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK") for j in (0, 1)} | {"num_warps"}
+    assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 16384]
+    assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
+    assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
 
 
 def test_triton_s_empty_hook_chain_allows_direct_launches(fake, monkeypatch):
@@ -149,8 +142,7 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
 
 def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):
     """block: a page of 10,496 int32 elements in 3 units of 4,096 (one program each), compiled apart from the
-    default; keys other than block / num_warps / exact are refused (the measured and deleted variants' waves, load,
-    store)."""
+    default; keys other than block / num_warps are refused (the measured and deleted variants' waves, load, store)."""
     compiled, compiles = fake
     out, bases, dest, src, page = _seg(64 * 656, 20)
     pg.gather_launcher(out, bases, dest, src, page, config={"block": 4096})()
@@ -163,14 +155,3 @@ def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):
     for bad in ({"waves": 2}, {"load": ".cg"}, {"store": ".cs"}):
         with pytest.raises(ValueError, match="expected keys among"):
             pg.gather_launcher(out, bases, dest, src, page, config=bad)
-
-
-def test_exact_applies_only_to_a_page_in_one_unit_of_at_most_four_whole_vector_parts():
-    lp = pg.launch_params
-    assert lp(41984, True, 16384, True)[4:] == (8192, 1, True, 2048, 256, 0)  # token pages
-    assert lp(8448, True, 16384, True)[4:] == (2048, 1, True, 64, 0, 0)  # index pages
-    assert lp(4096, True, 16384, True)[4:] == (1024, 1, True, 0, 0, 0)  # a power of two: one unmasked block
-    assert lp(41984, True, 16384, False)[4:] == (16384, 1, False, 0, 0, 0)  # not asked: the masked block
-    assert lp(41984, True, 4096, True)[4:] == (4096, 3, False, 0, 0, 0)  # several units a page: masked
-    assert lp(496, True, 16384, True)[4:] == (128, 1, False, 0, 0, 0)  # 124 words = 5 powers of two: masked
-    assert lp(20, True, 16384, True)[4:] == (4, 1, True, 1, 0, 0)  # 4-byte words (20 % 16 != 0): parts of one word

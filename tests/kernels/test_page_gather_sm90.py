@@ -45,23 +45,3 @@ def test_gather_compiles_for_sm90_with_16_byte_vectors(config, tmp_path):
     assert all(x.endswith(".128") for x in re.findall(r"\bSTG\.E\S*", sass))  # no narrower stores
     assert not re.search(r"\b(STL|LDL)\b", sass)
     assert not any(".EF." in x for x in loads + stores)  # plain 128-bit loads and stores: no cache hints
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("page_bytes, parts", [(TOKEN_PAGE, (8192, 2048, 256)), (8448, (2048, 64))],
-                         ids=["token", "index"])
-def test_exact_form_moves_each_page_as_unmasked_blocks(page_bytes, parts, tmp_path):
-    """``exact``: the page as its power-of-two parts, one straight-line unit with no spills: parts of at least one
-    16-byte vector per thread move in 16-byte vectors, a smaller part (256 or 64 words over 256 threads) in one
-    narrower, still coalesced access per thread; the zero fill has its own stores."""
-    config = {"block": 16384, "num_warps": 8, "exact": True}
-    launch, ck = _compile_sm90(config, page_bytes)
-    assert launch.args[11:16] == (parts[0], True, *(parts[1:] + (0, 0, 0))[:3]) and launch.grid[0] == 4096  # one unit a page
-    report, sass = ptxas_and_sass(ck, tmp_path)
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
-    loads, stores = re.findall(r"\bLDG\.E\S*\.128\b", sass), re.findall(r"\bSTG\.E\S*\.128\b", sass)
-    vecs = sum(p // (8 * 32 * 4) for p in parts)  # 16-byte vectors per thread
-    small = sum(p < 8 * 32 * 4 for p in parts)
-    assert (len(loads), len(stores)) == (vecs, 2 * vecs), sass
-    assert len(re.findall(r"\bSTG\.E ", sass)) == 2 * small, sass  # one narrower store per small part, each path
-    assert not re.search(r"\b(STL|LDL)\b", sass)

@@ -42,9 +42,6 @@ GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page), num_w
     {"block": 8192, "num_warps": 8},
     {"block": 4096, "num_warps": 4},
     {"block": 4096, "num_warps": 8},
-    {"block": 16384, "num_warps": 8, "exact": True},  # issue 24 (session 12): a page as unmasked blocks
-    {"block": 16384, "num_warps": 4, "exact": True},
-    {"block": 16384, "num_warps": 16, "exact": True},
 )
 
 

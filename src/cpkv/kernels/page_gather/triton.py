@@ -14,10 +14,8 @@
                                                 rows are padding nobody reads, e.g. the expert exchange's)
 
 The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address are multiples of 16
-(4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page, masked to the page;
-a program copies one unit with no inner loop, so all of a thread's loads are in flight before its stores; no
-cache hints. With ``exact`` (config), a page whose size is a sum of at most four powers of two (41,984-byte token
-pages: 8,192 + 2,048 + 256 words; 8,448-byte index pages: 2,048 + 64) is one unit of that many unmasked blocks.
+(4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
+copies one unit with no inner loop, so all of a thread's loads are in flight before its stores; no cache hints.
 ``cpkv bench compose`` (``kernel_bench``) sweeps its block and warp shapes against ``copy_`` in device time.
 Measured and deleted (BENCHMARKS.md, session 9): a persistent variant (k programs per SM walking their units
 pipelined: 0.58-0.92 of ``copy_`` against this one's 0.936-0.945) and cache hints (evict_first loads with
@@ -35,7 +33,7 @@ import torch
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
 # 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
-DEFAULT_CONFIG = {"block": 16384, "num_warps": 8, "exact": False}
+DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
 
 
 @lru_cache(maxsize=1)
@@ -46,71 +44,39 @@ def load() -> Any:
 
     @triton.jit
     def _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, u, n, PAGE_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-              VEC: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-              P3: tl.constexpr):
-        # unit u = (entry i = u % n, block c = u // n): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's page,
-        # masked to the page; or, EXACT (one unit a page), the whole page as unmasked blocks of BLOCK, P1, P2, P3
-        # elements (its size in powers of two, largest first; 0: none). Every load of a thread is issued before
-        # its stores (no inner loop)
+              VEC: tl.constexpr, BLOCK: tl.constexpr):
+        # unit u = (entry i = u % n, block c = u // n): elements [c * BLOCK, (c + 1) * BLOCK) of entry i's
+        # page; every load of a thread is issued before its stores (no inner loop)
         i = u % n
+        offs = _offs(u, n, BLOCK)
+        mask = offs < PAGE_ELEMS
         s = tl.load(SRC + i)
         out_page = OUT + tl.load(DEST + i).to(tl.int64) * PAGE_ELEMS
         if s >= 0:
             addr = tl.load(BASES + s) + tl.load(PAGE + i).to(tl.int64) * (PAGE_ELEMS * ELEM_BYTES)
             # element offset from OUT, written as q * VEC so the compiler knows its 16-byte alignment
-            src_page = OUT + ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
-            if EXACT:
-                x0 = tl.load(src_page + _span(0, BLOCK))
-                if P1 > 0:
-                    x1 = tl.load(src_page + _span(BLOCK, P1))
-                if P2 > 0:
-                    x2 = tl.load(src_page + _span(BLOCK + P1, P2))
-                if P3 > 0:
-                    x3 = tl.load(src_page + _span(BLOCK + P1 + P2, P3))
-                tl.store(out_page + _span(0, BLOCK), x0)
-                if P1 > 0:
-                    tl.store(out_page + _span(BLOCK, P1), x1)
-                if P2 > 0:
-                    tl.store(out_page + _span(BLOCK + P1, P2), x2)
-                if P3 > 0:
-                    tl.store(out_page + _span(BLOCK + P1 + P2, P3), x3)
-            else:
-                offs = _span((u // n) * BLOCK, BLOCK)
-                mask = offs < PAGE_ELEMS
-                x = tl.load(src_page + offs, mask=mask)
-                tl.store(out_page + offs, x, mask=mask)
+            delta = ((addr - out_addr) // (ELEM_BYTES * VEC)) * VEC
+            x = tl.load(OUT + delta + offs, mask=mask)
+            tl.store(out_page + offs, x, mask=mask)
         elif s == -1:
-            if EXACT:
-                tl.store(out_page + _span(0, BLOCK), tl.zeros([BLOCK], dtype=OUT.dtype.element_ty))
-                if P1 > 0:
-                    tl.store(out_page + _span(BLOCK, P1), tl.zeros([P1], dtype=OUT.dtype.element_ty))
-                if P2 > 0:
-                    tl.store(out_page + _span(BLOCK + P1, P2), tl.zeros([P2], dtype=OUT.dtype.element_ty))
-                if P3 > 0:
-                    tl.store(out_page + _span(BLOCK + P1 + P2, P3), tl.zeros([P3], dtype=OUT.dtype.element_ty))
-            else:
-                offs = _span((u // n) * BLOCK, BLOCK)
-                tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=offs < PAGE_ELEMS)
+            tl.store(out_page + offs, tl.zeros([BLOCK], dtype=OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _span(at, SIZE: tl.constexpr):
-        # element offsets [at, at + SIZE) inside a page: contiguous, starting at a multiple of SIZE (a block
-        # index times SIZE, or, EXACT, a sum of larger powers of two)
-        offs = at + tl.arange(0, SIZE)
-        return tl.max_contiguous(tl.multiple_of(offs, SIZE), SIZE)
+    def _offs(u, n, BLOCK: tl.constexpr):
+        # unit u's element offsets inside its page (block u // n), BLOCK-aligned and contiguous
+        offs = (u // n) * BLOCK + tl.arange(0, BLOCK)
+        return tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
 
     # the kernels find their helpers as module globals (also in TRITON_INTERPRET)
     globals()["_unit"] = _unit
-    globals()["_span"] = _span
+    globals()["_offs"] = _offs
 
     @triton.jit
     def _page_gather(OUT, BASES, DEST, SRC, PAGE, out_addr, n, n_units, PAGE_ELEMS: tl.constexpr,
-                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr,
-                     P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr):
+                     ELEM_BYTES: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
         # 1-D grid of n_units programs, entry-fastest: consecutive programs copy the same block of different
         # entries' pages (faster than page-major order on H200)
-        _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK, EXACT,
-              P1, P2, P3)
+        _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK)
 
     return _page_gather
 
@@ -125,33 +91,26 @@ def load_pair() -> Any:
     @triton.jit
     def _page_gather_pair(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, n0, units0,
                           OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1, units1,
-                          PAGE_ELEMS_0: tl.constexpr, ELEM_BYTES_0: tl.constexpr, VEC_0: tl.constexpr,
-                          BLOCK_0: tl.constexpr, EXACT_0: tl.constexpr, P1_0: tl.constexpr, P2_0: tl.constexpr,
-                          P3_0: tl.constexpr, PAGE_ELEMS_1: tl.constexpr, ELEM_BYTES_1: tl.constexpr,
-                          VEC_1: tl.constexpr, BLOCK_1: tl.constexpr, EXACT_1: tl.constexpr, P1_1: tl.constexpr,
-                          P2_1: tl.constexpr, P3_1: tl.constexpr):
+                          PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
+                          BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
+                          VEC1: tl.constexpr, BLOCK1: tl.constexpr):
         # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
         u = tl.program_id(0)
         if u < units0:
-            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS_0, ELEM_BYTES_0, VEC_0, BLOCK_0,
-                  EXACT_0, P1_0, P2_0, P3_0)
+            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0)
         else:
-            _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS_1, ELEM_BYTES_1, VEC_1,
-                  BLOCK_1, EXACT_1, P1_1, P2_1, P3_1)
+            _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
+                  BLOCK1)
 
     return _page_gather_pair
 
 
 @lru_cache(maxsize=256)
-def launch_params(page_bytes: int, aligned16: bool, block: int, exact: bool = False
-                  ) -> tuple[torch.dtype, int, int, int, int, int, bool, int, int, int]:
-    """(element dtype, element bytes, elements per 16-byte vector, page elements, block, blocks per page, exact,
-    the exact form's parts after the first: P1, P2, P3).
+def launch_params(page_bytes: int, aligned16: bool, block: int) -> tuple[torch.dtype, int, int, int, int, int]:
+    """(element dtype, element bytes, elements per 16-byte vector, page elements, block, blocks per page).
 
     16-byte vectors need ``page_bytes`` and every address to be multiples of 16; 4-byte words need
-    multiples of 4; bytes otherwise. ``exact`` (asked for) holds where the block covers the page and the page's
-    element count is a sum of at most 4 powers of two, none smaller than a vector: one unit a page, unmasked
-    blocks of ``block`` (the largest power), P1, P2, P3 elements (0: none)."""
+    multiples of 4; bytes otherwise."""
     if page_bytes % 16 == 0 and aligned16:
         dtype, ebytes, vec = torch.int32, 4, 4
     elif page_bytes % 4 == 0:
@@ -160,15 +119,9 @@ def launch_params(page_bytes: int, aligned16: bool, block: int, exact: bool = Fa
         dtype, ebytes, vec = torch.uint8, 1, 1
     elems = page_bytes // ebytes
     block = min(block, _pow2_at_least(elems))
-    parts = [1 << k for k in range(elems.bit_length() - 1, -1, -1) if elems >> k & 1]
-    if exact and block >= elems and len(parts) <= 4 and parts[-1] >= vec:
-        p1, p2, p3 = (parts[1:] + [0, 0, 0])[:3]
-        return dtype, ebytes, vec, elems, parts[0], 1, True, p1, p2, p3
-    return dtype, ebytes, vec, elems, block, -(-elems // block), False, 0, 0, 0
+    return dtype, ebytes, vec, elems, block, -(-elems // block)
 
 
-# the kernel's compile-time arguments, after its 8 run-time ones (the pair kernel: each with _0 / _1)
-_CONSTEXPRS = ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK", "EXACT", "P1", "P2", "P3")
 _COMPILED: dict[tuple, Any] = {}
 FAST_LAUNCH = [True]  # cleared for good if a direct launch of a compiled kernel ever fails
 
@@ -177,8 +130,8 @@ def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tenso
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
     """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
     address is a multiple of 16 (``out`` is checked here). Index tensors: any integer dtype. ``config``
-    (missing keys: DEFAULT_CONFIG's): block (elements per unit), num_warps, exact (a page as unmasked
-    power-of-two blocks, where it applies). See the module docstring for the semantics."""
+    (missing keys: DEFAULT_CONFIG's): block (elements per unit), num_warps. See the module docstring for the
+    semantics."""
     if dest.numel() == 0:
         return
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
@@ -238,8 +191,8 @@ def _pair(first: tuple, second: tuple, config: dict | None) -> tuple[list, tuple
     segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
     a, b = segs[0].args, segs[1].args
     args = (*a[:8], *b[:8], *a[8:], *b[8:])  # the pair kernel's signature order
-    kw = {f"{name}_{seg}": x[k] for seg, x in enumerate((a, b)) for k, name in enumerate(_CONSTEXPRS, 8)}
-    kw["num_warps"] = segs[0].warps
+    kw = dict(PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9],
+              VEC1=b[10], BLOCK1=b[11], num_warps=segs[0].warps)
     return segs, args, (a[7] + b[7], 1, 1), kw
 
 
@@ -330,12 +283,11 @@ class _Launch:
             raise ValueError(f"page gather config: expected keys among {sorted(DEFAULT_CONFIG)}, got {sorted(config)}")
         cfg = {**DEFAULT_CONFIG, **(config or {})}
         addr = out.data_ptr()
-        dtype, ebytes, vec, elems, block, nblocks, *exact = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
-                                                                          cfg["block"], cfg["exact"])
+        dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[-1], aligned16 and addr % 16 == 0,
+                                                                  cfg["block"])
         units = n * nblocks
         self.grid = (units, 1, 1)
-        # the kernel's arguments in signature order: 8 run-time values, then the _CONSTEXPRS
-        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block, *exact)
+        self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block)
         self.warps = cfg["num_warps"]
         # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
         self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
@@ -346,7 +298,7 @@ class _Launch:
         """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
         a = self.args
         kernel = load()
-        kw = dict(zip(_CONSTEXPRS, a[8:]), num_warps=self.warps)
+        kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], num_warps=self.warps)
         if warmup:
             return kernel.warmup(*a[:8], grid=self.grid, **kw)
         return kernel[self.grid](*a[:8], **kw)
