@@ -31,17 +31,38 @@ def test_kernel_names_map_to_parts(name, part):
 
 
 def test_parts_add_kernel_time_and_the_host_gap():
+    """The host gap is the profiled batches' own idle (from each batch's start to its last kernel's end, minus the
+    busy time), shares are of that profiled wall; the timed walls are reported beside it, not mixed in."""
     assert busy_us([(0, 10), (5, 15), (20, 30)]) == 25
     out = parts([([("x_gemm", 0, 1000), ("cat", 500, 2000)], 0.004), ([("_barrier", 0, 500)], 0.001)])
     p = out["parts"]
     assert list(p) == list(PARTS)
     assert (p["gemm"]["ms"], p["elementwise"]["ms"], p["compose"]["ms"]) == (1.0, 1.5, 0.5)
-    assert out["gpu_busy_ms"] == 2.5 and out["wall_ms"] == 5.0
-    assert out["idle_ms"] == 0.0  # each profiled batch's kernels cover it from its start to its last kernel's end
+    assert out["gpu_busy_ms"] == 2.5 and out["wall_ms"] == 2.5 and out["timed_wall_ms"] == 5.0
+    assert out["idle_ms"] == 0.0 and p["host_gap"] == {"ms": 0.0, "share": 0.0}  # kernels cover both batches
+    assert p["elementwise"]["share"] == 0.6  # of the profiled 2.5 ms, not of the timed 5
     late = parts([([("a", 300, 1000), ("b", 1500, 2000)], 0.003)])  # idle 0.3 ms before a, 0.5 between a and b
-    assert late["idle_ms"] == 0.8 and late["parts"]["host_gap"]["ms"] == 1.8
-    assert p["host_gap"] == {"ms": 2.5, "share": 0.5}
+    assert late["idle_ms"] == 0.8 and late["parts"]["host_gap"] == {"ms": 0.8, "share": 0.4}
+    assert late["wall_ms"] == 2.0 and late["timed_wall_ms"] == 3.0
     assert out["top"][0] == ("cat", 1.5, "elementwise")
+
+
+def test_split_spans_gives_each_batch_its_kernels_from_its_start():
+    """Batch 0 unchained (from its host start), batch 1 chained on it: launched at 4 while batch 0 ran until 9;
+    its kernels from 9, where its GPU time begins (idle 1 before its first kernel: the GPU waiting for its host
+    work); batch 2 after a synchronisation: from its host start 30. Kernels before the first batch are left out.
+    Without GPU starts, host starts split them: batch 1's kernels then fall into batch 0 (what a run-spanning
+    profiler must avoid: hence the GPU-side annotation)."""
+    from cpkv.engine.rank import split_spans
+
+    k = [("setup", 0, 1), ("a", 3, 5), ("b", 5, 9), ("c", 10, 12), ("d", 12, 14), ("e", 31, 33)]
+    spans = split_spans(k, [2, 4, 30], [3, 10, 31])
+    assert spans == [[("a", 1, 3), ("b", 3, 7)], [("c", 1, 3), ("d", 3, 5)], [("e", 1, 3)]]
+    by_host = split_spans(k, [2, 4, 30], None)
+    assert [[n for n, _, _ in s] for s in by_host] == [["a"], ["b", "c", "d"], ["e"]]
+    assert split_spans([], [1.0], [2.0]) == [[]]
+    # through the breakdown: batch 1's host gap is the 1 us before c
+    assert parts([(spans[1], 1e-5)])["idle_ms"] == 0.001
 
 
 @pytest.mark.slow

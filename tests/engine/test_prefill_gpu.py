@@ -237,7 +237,8 @@ def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
     """A long prompt's chunks chained (each next batch launched before the one before ends, its plan's copies
     queued behind it; the last chunk's logits copied to pinned memory behind it and read after the short
     prompt's batch is launched) at cp 2 under the sync check: the same logits bytes as batches that each drain
-    the stream, every batch timed, the long prompt done before the short one."""
+    the stream, every batch timed, the long prompt done before the short one. Profiled (one profiler over the
+    run), the batches chain the same and each one gets its own kernels, timed from its start."""
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs
     from cpkv.scheduler.trace import TraceRequest
@@ -245,12 +246,21 @@ def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
     cfg = EngineConfig(model="tiny", cp=2, device="cuda", page_size=64, pages_per_rank=200, chunk_size=1024,
                        max_requests=1, warmup=True, sync_check=True)
     trace = [TraceRequest("long", 0.0, 4000), TraceRequest("short", 0.0, 300)]
-    chained, drained = run_jobs([(cfg, trace), (dataclasses.replace(cfg, look_ahead=False), trace)], timeout_s=500)
+    chained, drained, profiled = run_jobs([(cfg, trace), (dataclasses.replace(cfg, look_ahead=False), trace),
+                                           (dataclasses.replace(cfg, profile=True), trace)], timeout_s=500)
     assert chained.stats["chained"] == 4 and drained.stats["chained"] == 0  # chunks 1-4 of 4 chained on
-    for res in (chained, drained):
+    assert profiled.stats["chained"] == 4
+    kernels, host_ops = profiled.stats["kernels"], profiled.stats["host_ops"]
+    assert len(kernels) == len(host_ops) == len(profiled.stats["batch_log"]) == 5
+    for ks in kernels:  # each batch: its own forward's kernels, from its start on
+        assert ks and min(a for _, a, _ in ks) >= 0 and all(b >= a for _, a, b in ks)
+    from cpkv.bench.breakdown import classify
+    assert all({"gemm", "attention"} <= {classify(n) for n, _, _ in ks} for ks in kernels[:4])  # the long chunks
+    assert all(host_ops)
+    for res in (chained, drained, profiled):
         assert not res.rejected and len(res.stats["batch_s"]) == len(res.stats["batch_log"])
         assert all(t > 0 for t in res.stats["batch_s"])
-    for a, b in zip(chained.requests, drained.requests):
-        assert a.id == b.id and torch.equal(a.logits, b.logits), a.id
+    for a, b, c in zip(chained.requests, drained.requests, profiled.requests):
+        assert a.id == b.id == c.id and torch.equal(a.logits, b.logits) and torch.equal(a.logits, c.logits), a.id
     ttft = {r.id: r.ttft_s for r in chained.requests}
     assert 0 < ttft["long"] < ttft["short"]

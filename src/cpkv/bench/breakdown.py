@@ -1,7 +1,7 @@
 """Where a batch's time goes: its GPU kernels (from a profiled run) grouped by part, against its wall time.
 
-    parts(kernels, wall_s) -> {part: {"ms", "share"}} + gpu_busy_ms + host_gap_ms/share
-    kernels: [(name, start us, end us)] of one or more batches (``RankEngine`` with ``cfg.profile``)
+    parts([(kernels, timed wall_s), ...]) -> {part: {"ms", "share"}} + gpu_busy_ms + wall_ms + timed_wall_ms
+    kernels: [(name, start us, end us)] of one batch, from its start (``RankEngine`` with ``cfg.profile``)
 
 Parts are read off kernel names (cuBLAS/CUTLASS GEMMs, the Triton/Gluon kernels by function name, torch's
 own kernels as elementwise; block-scaled fp8 GEMMs, cuBLAS's e4m3 ones, the grouped Triton kernel and the
@@ -9,10 +9,13 @@ indexer's ``_head_weights`` are GEMMs); ``quant`` holds the token-KV quant/dequa
 activation quantisation (``_act_quant``, ``_swiglu_quant``) and every torch kernel converting to or from fp8.
 The fused elementwise kernels that quantise as they go (``_add_rms_norm``, ``_token_rows``, ``_index_rows``) count
 as elementwise.
-``host_gap`` = wall time - GPU busy time (the union of kernel intervals): time the GPU waited for the host.
-``idle_ms``: the same measured inside the profiled batches alone (from each batch's start to its last kernel's
-end, minus the busy time): the wall above is the timed runs' median, whose kernels may run at other clocks than
-the profiled run's (on a long prompt that difference can exceed the idle time itself).
+``host_gap`` = the profiled batch's wall (from its start to its last kernel's end) - its GPU busy time (the union
+of kernel intervals): time the GPU waited for the host. A batch's start is where the host began it, or, chained on
+the batch before (``RankEngine``: one profiler over the run, so batches chain as unprofiled), where the batch
+before's last kernel ended. Shares are of that profiled wall (``wall_ms``); ``timed_wall_ms`` is the timed runs'
+median, whose kernels may run at other clocks than the profiled run's (under the power cap a cached batch ran
+~10 % slower timed than profiled): measuring the host gap against it mixed that difference in (before
+2026-12-02). ``idle_ms`` = ``host_gap``'s ms (its older name).
 Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
 than the busy time. No torch import.
 """
@@ -84,24 +87,25 @@ def idle_between(kernels: Sequence[tuple[str, float, float]], top: int = 8,
 
 
 def parts(batches: Sequence[tuple[Sequence[tuple[str, float, float]], float]]) -> dict:
-    """batches: [(kernels of one batch, its wall seconds)] -> per part ms and share of the summed wall, the
-    GPU busy time (per batch, summed), the host gap (module docstring) and each batch's longest idle gaps."""
+    """batches: [(kernels of one batch from its start, its timed wall seconds)] -> per part ms and share of the
+    summed profiled wall, the GPU busy time (per batch, summed), the host gap (module docstring) and each batch's
+    longest idle gaps."""
     ms = {p: 0.0 for p in PARTS}
     by_name: dict[str, float] = {}
-    busy = wall = idle = 0.0
+    busy = wall = timed = 0.0
     n = 0
     for kernels, wall_s in batches:
         for name, a, b in kernels:
             ms[classify(name)] += (b - a) / 1e3
             by_name[name] = by_name.get(name, 0.0) + (b - a) / 1e3
-        own = busy_us((a, b) for _, a, b in kernels) / 1e3
-        busy += own
-        idle += max(max((b for _, _, b in kernels), default=0.0) / 1e3 - own, 0.0)
-        wall += wall_s * 1e3
+        busy += busy_us((a, b) for _, a, b in kernels) / 1e3
+        wall += max((b for _, _, b in kernels), default=0.0) / 1e3
+        timed += wall_s * 1e3
         n += len(kernels)
     ms["host_gap"] = max(wall - busy, 0.0)
     return {"parts": {p: {"ms": round(v, 3), "share": round(v / wall, 4) if wall else 0.0} for p, v in ms.items()},
-            "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "kernels": n, "idle_ms": round(idle, 3),
+            "gpu_busy_ms": round(busy, 3), "wall_ms": round(wall, 3), "timed_wall_ms": round(timed, 3), "kernels": n,
+            "idle_ms": round(ms["host_gap"], 3),
             "idle_gaps": [idle_gaps(k) for k, _ in batches],
             "idle_between": [idle_between(k) for k, _ in batches],
             "top": [(name[:120], round(v, 3), classify(name)) for name, v in

@@ -6,8 +6,9 @@ trace: ``cold`` (a fresh prompt, default 32K tokens), ``cached`` (the same lengt
 a parent request caches the prefix first) and ``long`` (a fresh 128K prompt, chunked at ``--chunk`` tokens
 as ``cpkv run`` chunks it; its batches add up). In one set of rank processes the trace runs once untimed
 (JIT, autotuning), ``--runs`` times timed (per batch, device synchronised at both ends) and once under
-torch's profiler (CUDA kernel activity), whose kernels give each case's breakdown by part
-(``cpkv.bench.breakdown``) against the median timed wall time. Ceiling, measured in the same run: the bf16
+torch's profiler (CUDA kernel activity, one profiler over the run, so that its batches chain as the timed runs'
+do), whose kernels give each case's breakdown by part (``cpkv.bench.breakdown``) against the profiled run's own
+wall time, the median timed one beside it. Ceiling, measured in the same run: the bf16
 GEMM rate of this GPU; the ratio is the model FLOPs of a case / its time against it. TTFT of 32K / 64K /
 128K prompts through every layer of the model (64K is the long prompt's first two chunks): when the measured
 layers hold both dense and MoE layers, the cold and long prompts also run through the dense layers alone,
@@ -385,7 +386,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "sparse_mla": sparse_mla_used(args.device),
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
-            "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run; walls: median timed run"}
+            "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); shares of its walls; timed_wall_ms: median timed run"}
 
 
 def sparse_mla_used(device: str) -> str:
@@ -442,8 +443,9 @@ def _print_mode(rep: dict) -> None:
         table(("part", *(f"{r['case']} ms (share)" for r in with_parts)),
               [(LABELS[p], *(f"{r['breakdown']['parts'][p]['ms']:.2f} ({r['breakdown']['parts'][p]['share']:.1%})"
                              for r in with_parts)) for p in PARTS]
-              + [("GPU busy / wall ms", *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}"
-                                         for r in with_parts))])
+              + [("GPU busy / wall ms (profiled)", *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}"
+                                                    for r in with_parts)),
+                 ("wall ms (timed runs)", *(f"{r['breakdown']['timed_wall_ms']:.2f}" for r in with_parts))])
     marked = [r for r in rows if "marks" in r]
     if marked:
         print()

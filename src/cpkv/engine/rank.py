@@ -24,6 +24,7 @@ Only the owner of a page touches its bytes (spill, reload); the bookkeeping is r
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import time
@@ -111,6 +112,7 @@ class RankEngine:
         self.planned_ahead = 0                   # batches whose plan was built during the batch before
         self.chained = 0                         # batches whose end the host did not wait for (module docstring)
         self._chain: _Chain | None = None        # those since the last synchronisation
+        self._run_prof = None                    # with cfg.profile on CUDA (no trace_dir): one profiler over the run
         self.host_s: list[float] = []            # per batch: seconds from its start until the host has launched its
         #                                          whole forward (near batch_s: the GPU waited for the host)
         self.kernels: list[list[tuple[str, float, float]]] = []  # per batch, with cfg.profile: (name, start us,
@@ -180,10 +182,26 @@ class RankEngine:
         blocked, released, done = list(trace), {}, set()
         self.ctx.barrier()
         t0 = time.perf_counter()
-        ahead: Ahead | None = None
         pending: list = []  # a chained batch's results: read once the next batch is launched (``_results``)
+        with self._run_profiled() as self._run_prof:
+            self._loop(blocked, tokens, released, done, t0, pending)
+            self._drain()
+            self._results(pending, done, released, t0)
+        if self._run_prof is not None:  # every kernel recorded: each batch's share of the run's timeline
+            self.kernels, self.host_ops = _batch_spans(self._run_prof)
+            self._run_prof = None
+        for r in blocked:
+            self.out.rejected[r.id] = "parent: its parent never finished"
+        self.out.wall_s = time.perf_counter() - t0
+        self._finish_stats()
+        return self.out
+
+    def _loop(self, blocked: list, tokens, released: dict, done: set, t0: float, pending: list) -> None:
+        """Batches until nothing is left (``blocked`` is updated in place; ``pending``: the last batch's results
+        when it was chained, taken by the caller)."""
+        ahead: Ahead | None = None
         while True:
-            blocked = self._release(blocked, tokens, released, done, time.perf_counter() - t0)
+            blocked[:] = self._release(blocked, tokens, released, done, time.perf_counter() - t0)
             if ahead is None:
                 self._reload_waiting()
                 batch = self.sched.next_batch()
@@ -197,18 +215,11 @@ class RankEngine:
             finished, logits, ahead = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead(blocked))
             self._note_rejections(done)
             self._results(pending, done, released, t0)  # the batch before's, when it was chained: it ended first
-            pending = [(finished, logits, None if self._chain is None else (self._chain, self._chain.ends[-1]))]
+            pending.append((finished, logits, None if self._chain is None else (self._chain, self._chain.ends[-1])))
             if self._chain is None:  # synchronised: this batch's results now
                 self._results(pending, done, released, t0)
             if self.rank == 0:
                 self.ctx.report((len(done), self.batches))  # the launching parent's progress line
-        self._drain()
-        self._results(pending, done, released, t0)
-        for r in blocked:
-            self.out.rejected[r.id] = "parent: its parent never finished"
-        self.out.wall_s = time.perf_counter() - t0
-        self._finish_stats()
-        return self.out
 
     def _results(self, pending: list, done: set, released: dict, t0: float) -> None:
         """Take a batch's results (emptying ``pending``): its logits and its finished requests' times. A chained
@@ -277,7 +288,7 @@ class RankEngine:
             start_ev = self._event() if chain is None else None
             # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
             with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
-                with _mark("cpkv.batch", prof), _host_profiled(self.cfg.host_profile) as hp, \
+                with _mark("cpkv.batch", prof or self._run_prof), _host_profiled(self.cfg.host_profile) as hp, \
                         recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
                                   (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
                     if ahead is None:
@@ -311,11 +322,8 @@ class RankEngine:
                 self._end_batch(launch, self._sync_time(), rec)  # ... to the end of the batch
         if not defer:
             self.rt.check_barrier()  # a GPU barrier timeout of these batches -> ComposeTimeout naming the late ranks
-        if prof is not None and self.cfg.trace_dir:  # the trace alone (torch's event parse fails after stacks)
+        if prof is not None:  # trace_dir: the trace alone (torch's event parse fails after stacks)
             _export_trace(prof, os.path.join(self.cfg.trace_dir, f"rank{self.rank}_batch{self.batches}.json.gz"))
-        elif prof is not None:
-            self.kernels.append(_kernel_spans(prof))
-            self.host_ops.append(_host_ops(prof))
         if hp is not None:
             self.host_funcs.append(host_functions(hp))
         self.batches += 1
@@ -403,12 +411,23 @@ class RankEngine:
         return _sync_debug_error()
 
     def _profiled(self):
-        """With cfg.profile on CUDA: a torch profiler recording the batch's kernels (else yields None); with
-        cfg.trace_dir too, with Python stacks unless cfg.trace_stacks is off, on any device (the CPU's trace holds
-        host ops alone)."""
-        cuda = self.model.device.type == "cuda"
-        if not (self.cfg.profile and (cuda or self.cfg.trace_dir)):
+        """With cfg.trace_dir (and cfg.profile): a torch profiler recording the batch (kernels on CUDA, with Python
+        stacks unless cfg.trace_stacks is off; the CPU's trace holds host ops alone), else None: a batch so
+        profiled is never chained. Without trace_dir, cfg.profile records the whole run (``_run_profiled``)."""
+        if not (self.cfg.profile and self.cfg.trace_dir):
             return contextlib.nullcontext()
+        return self._profiler()
+
+    def _run_profiled(self):
+        """With cfg.profile on CUDA and no trace_dir: one torch profiler over the whole run, so that batches chain
+        as unprofiled (a profiler per batch would synchronise at each end); ``_batch_spans`` then splits its
+        kernels by batch. Else None."""
+        if not (self.cfg.profile and self.model.device.type == "cuda" and not self.cfg.trace_dir):
+            return contextlib.nullcontext()
+        return self._profiler()
+
+    def _profiler(self):
+        cuda = self.model.device.type == "cuda"
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -624,22 +643,57 @@ def _export_trace(prof, path: str) -> None:
             shutil.copyfileobj(src, dst)
 
 
-def _host_ops(prof) -> list[tuple[str, float, int]]:
-    """The host ops with the most self time in a profiled batch: (name, self ms, calls)."""
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:HOST_TOP]
-    return [(e.key[:100], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in rows]
-
-
-def _kernel_spans(prof) -> list[tuple[str, float, float]]:
-    """Every CUDA kernel a profiler recorded: (name, start us, end us), start-sorted, from the start of the
-    batch's ``cpkv.batch`` range (else from the first kernel)."""
+def _batch_spans(prof) -> tuple[list[list[tuple[str, float, float]]], list[list[tuple[str, float, int]]]]:
+    """A run's profiler (``_run_profiled``) -> per batch, in order: its kernels (:func:`split_spans`: name, start
+    us, end us from the batch's start) and its host ops with the most self time (name, self ms, calls) inside
+    its ``cpkv.batch`` range."""
     from torch.autograd import DeviceType
 
     events = prof.events()
-    ev = [e for e in events if e.device_type == DeviceType.CUDA and e.name != "cpkv.batch"]  # not the range's
-    #                                                                           GPU-side annotation
-    if not ev:
-        return []
-    marks = [e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU]
-    t0 = min(marks) if marks else min(e.time_range.start for e in ev)
-    return sorted((e.name, e.time_range.start - t0, e.time_range.end - t0) for e in ev)
+    ranges = sorted((e for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU),
+                    key=lambda e: e.time_range.start)
+    # each range's GPU-side annotation (the profiler's): from the first kernel launched inside it
+    gpu = sorted(e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CUDA)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == DeviceType.CUDA and e.name != "cpkv.batch"]
+    spans = split_spans(kernels, [e.time_range.start for e in ranges], gpu if len(gpu) == len(ranges) else None)
+    host = []
+    for r in ranges:
+        own: dict[str, list] = {}
+        for e in events:
+            if (e.device_type == DeviceType.CPU and e is not r and r.time_range.start <= e.time_range.start
+                    and e.time_range.end <= r.time_range.end):
+                row = own.setdefault(e.name[:100], [0.0, 0])
+                row[0] += e.self_cpu_time_total
+                row[1] += 1
+        top = sorted(own.items(), key=lambda kv: -kv[1][0])[:HOST_TOP]
+        host.append([(name, round(us / 1e3, 3), n) for name, (us, n) in top])
+    return spans, host
+
+
+def split_spans(kernels: Sequence[tuple[str, float, float]], host_starts: Sequence[float],
+                gpu_starts: Sequence[float] | None) -> list[list[tuple[str, float, float]]]:
+    """One profiled run's kernels split by batch.
+
+    ``kernels``: (name, start us, end us), on the profiler's clock (the host's: CUPTI converts); ``host_starts``:
+    each batch's ``cpkv.batch`` range start on the host, in batch order; ``gpu_starts``: each batch's first
+    kernel start (the range's GPU-side annotation), or None where the profiler gave none. A batch holds the
+    kernels starting from its GPU start until the next batch's (one stream runs a batch's kernels, then its logits
+    copies, then the next batch's: a chained batch's kernels are launched while the one before still runs, so
+    launch time would not tell them apart); without GPU starts, from its host start. Kernels before the first
+    batch are left out. Times are from the batch's start: its host start, or, chained (the batch before still
+    running then), the end of the batch before's last kernel, where its own GPU time begins: what is idle from
+    there is the GPU waiting for this batch's host work.
+    -> per batch [(name, start, end)], start-sorted."""
+    bounds = list(gpu_starts if gpu_starts is not None else host_starts)
+    out: list[list[tuple[str, float, float]]] = [[] for _ in bounds]
+    for name, a, b in sorted(kernels, key=lambda k: k[1]):
+        i = bisect.bisect_right(bounds, a) - 1
+        if i >= 0:
+            out[i].append((name, a, b))
+    spans, prev_end = [], float("-inf")
+    for host, ks in zip(host_starts, out):
+        t0 = max(host, prev_end)
+        spans.append([(n, a - t0, b - t0) for n, a, b in ks])
+        prev_end = max((b for _, _, b in ks), default=prev_end)
+    return spans
