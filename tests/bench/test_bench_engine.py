@@ -50,17 +50,18 @@ def test_parts_add_kernel_time_and_the_host_gap():
 def test_split_spans_gives_each_batch_its_kernels_from_its_start():
     """Batch 0 unchained (from its host start), batch 1 chained on it: launched at 4 while batch 0 ran until 9;
     its kernels from 9, where its GPU time begins (idle 1 before its first kernel: the GPU waiting for its host
-    work); batch 2 after a synchronisation: from its host start 30. Kernels before the first batch are left out.
-    Without GPU starts, host starts split them: batch 1's kernels then fall into batch 0 (what a run-spanning
-    profiler must avoid: hence the GPU-side annotation)."""
+    work); batch 2 after a synchronisation: from its host start 30. Kernels before the first batch, and the
+    barrier check's copy after batch 1's GPU range (at 20), are left out. Without GPU ranges, host starts split
+    them: batch 1's kernels then fall into batch 0 (what a run-spanning profiler must avoid: hence the GPU-side
+    annotation)."""
     from cpkv.engine.rank import split_spans
 
-    k = [("setup", 0, 1), ("a", 3, 5), ("b", 5, 9), ("c", 10, 12), ("d", 12, 14), ("e", 31, 33)]
-    spans = split_spans(k, [2, 4, 30], [3, 10, 31])
+    k = [("setup", 0, 1), ("a", 3, 5), ("b", 5, 9), ("c", 10, 12), ("d", 12, 14), ("check", 20, 21), ("e", 31, 33)]
+    spans = split_spans(k, [2, 4, 30], [(3, 9), (10, 14), (31, 33)])
     assert spans == [[("a", 1, 3), ("b", 3, 7)], [("c", 1, 3), ("d", 3, 5)], [("e", 1, 3)]]
     by_host = split_spans(k, [2, 4, 30], None)
-    assert [[n for n, _, _ in s] for s in by_host] == [["a"], ["b", "c", "d"], ["e"]]
-    assert split_spans([], [1.0], [2.0]) == [[]]
+    assert [[n for n, _, _ in s] for s in by_host] == [["a"], ["b", "c", "d", "check"], ["e"]]
+    assert split_spans([], [1.0], [(2.0, 3.0)]) == [[]]
     # through the breakdown: batch 1's host gap is the 1 us before c
     assert parts([(spans[1], 1e-5)])["idle_ms"] == 0.001
 

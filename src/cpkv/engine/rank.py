@@ -283,12 +283,13 @@ class RankEngine:
         if ahead is None:
             layout, page_ids, spec = self._spec(batch)
         chain = self._chain  # not None: the batch before is still on the GPU (chained)
-        with self._profiled() as prof:
+        # the profiler's range of the batch: plan, forward and its logits copies (not the barrier check after it)
+        with self._profiled() as prof, _mark("cpkv.batch", prof or self._run_prof):
             launch = time.perf_counter() if chain is not None else self._sync_time()
             start_ev = self._event() if chain is None else None
             # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
             with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
-                with _mark("cpkv.batch", prof or self._run_prof), _host_profiled(self.cfg.host_profile) as hp, \
+                with _host_profiled(self.cfg.host_profile) as hp, \
                         recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
                                   (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
                     if ahead is None:
@@ -652,8 +653,10 @@ def _batch_spans(prof) -> tuple[list[list[tuple[str, float, float]]], list[list[
     events = prof.events()
     ranges = sorted((e for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CPU),
                     key=lambda e: e.time_range.start)
-    # each range's GPU-side annotation (the profiler's): from the first kernel launched inside it
-    gpu = sorted(e.time_range.start for e in events if e.name == "cpkv.batch" and e.device_type == DeviceType.CUDA)
+    # each range's GPU-side annotation (the profiler's): from the first kernel launched inside it to the end of the
+    # last one
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.name == "cpkv.batch" and e.device_type == DeviceType.CUDA)
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
                if e.device_type == DeviceType.CUDA and e.name != "cpkv.batch"]
     spans = split_spans(kernels, [e.time_range.start for e in ranges], gpu if len(gpu) == len(ranges) else None)
@@ -672,24 +675,26 @@ def _batch_spans(prof) -> tuple[list[list[tuple[str, float, float]]], list[list[
 
 
 def split_spans(kernels: Sequence[tuple[str, float, float]], host_starts: Sequence[float],
-                gpu_starts: Sequence[float] | None) -> list[list[tuple[str, float, float]]]:
+                gpu_ranges: Sequence[tuple[float, float]] | None) -> list[list[tuple[str, float, float]]]:
     """One profiled run's kernels split by batch.
 
     ``kernels``: (name, start us, end us), on the profiler's clock (the host's: CUPTI converts); ``host_starts``:
-    each batch's ``cpkv.batch`` range start on the host, in batch order; ``gpu_starts``: each batch's first
-    kernel start (the range's GPU-side annotation), or None where the profiler gave none. A batch holds the
-    kernels starting from its GPU start until the next batch's (one stream runs a batch's kernels, then its logits
-    copies, then the next batch's: a chained batch's kernels are launched while the one before still runs, so
-    launch time would not tell them apart); without GPU starts, from its host start. Kernels before the first
-    batch are left out. Times are from the batch's start: its host start, or, chained (the batch before still
+    each batch's ``cpkv.batch`` range start on the host, in batch order; ``gpu_ranges``: each range's GPU-side
+    annotation (from the first kernel launched inside it to the end of the last), or None where the profiler
+    gave none. A batch holds the kernels starting inside its GPU range (one stream runs a batch's kernels, then
+    its logits copies, then the next batch's: a chained batch's kernels are launched while the one before still
+    runs, so launch time would not tell them apart); without GPU ranges, those starting from its host start until
+    the next batch's. Kernels before the first batch or between two batches' GPU ranges (the host's work after a
+    batch has ended, such as reading the barrier's state) are left out. Times are from the batch's start: its host start, or, chained (the batch before still
     running then), the end of the batch before's last kernel, where its own GPU time begins: what is idle from
     there is the GPU waiting for this batch's host work.
     -> per batch [(name, start, end)], start-sorted."""
-    bounds = list(gpu_starts if gpu_starts is not None else host_starts)
+    bounds = [g[0] for g in gpu_ranges] if gpu_ranges is not None else list(host_starts)
+    ends = [g[1] for g in gpu_ranges] if gpu_ranges is not None else [float("inf")] * len(bounds)
     out: list[list[tuple[str, float, float]]] = [[] for _ in bounds]
     for name, a, b in sorted(kernels, key=lambda k: k[1]):
         i = bisect.bisect_right(bounds, a) - 1
-        if i >= 0:
+        if i >= 0 and a < ends[i]:
             out[i].append((name, a, b))
     spans, prev_end = [], float("-inf")
     for host, ks in zip(host_starts, out):
