@@ -386,7 +386,9 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "sparse_mla": sparse_mla_used(args.device),
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
-            "breakdown_from": None if prof is None else "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); shares of its walls; timed_wall_ms: median timed run"}
+            "breakdown_from": None if prof is None else (
+                "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); "
+                "shares of its walls; timed_wall_ms: median timed run")}
 
 
 def sparse_mla_used(device: str) -> str:
@@ -443,8 +445,8 @@ def _print_mode(rep: dict) -> None:
         table(("part", *(f"{r['case']} ms (share)" for r in with_parts)),
               [(LABELS[p], *(f"{r['breakdown']['parts'][p]['ms']:.2f} ({r['breakdown']['parts'][p]['share']:.1%})"
                              for r in with_parts)) for p in PARTS]
-              + [("GPU busy / wall ms (profiled)", *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}"
-                                                    for r in with_parts)),
+              + [("GPU busy / wall ms (profiled)",
+                  *(f"{r['breakdown']['gpu_busy_ms']:.2f} / {r['breakdown']['wall_ms']:.2f}" for r in with_parts)),
                  ("wall ms (timed runs)", *(f"{r['breakdown']['timed_wall_ms']:.2f}" for r in with_parts))])
     marked = [r for r in rows if "marks" in r]
     if marked:

@@ -283,44 +283,46 @@ class RankEngine:
         if ahead is None:
             layout, page_ids, spec = self._spec(batch)
         chain = self._chain  # not None: the batch before is still on the GPU (chained)
-        # the profiler's range of the batch: plan, forward and its logits copies (not the barrier check after it)
-        with self._profiled() as prof, _mark("cpkv.batch", prof or self._run_prof):
+        with self._profiled() as prof:
             launch = time.perf_counter() if chain is not None else self._sync_time()
             start_ev = self._event() if chain is None else None
-            # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
-            with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
-                with _host_profiled(self.cfg.host_profile) as hp, \
-                        recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
-                                  (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
-                    if ahead is None:
-                        first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
-                        out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
-                    else:
-                        out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
-                    self.host_s.append(time.perf_counter() - launch)  # every kernel of the forward launched
-                    mark("launched")
-                    if look_ahead is not None and look_ahead():
-                        finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
-                        following = self._next_ahead()      # after this one's on the stream
-                        if following is not None:
-                            with staging(self.model.device, slot ^ 1):
-                                nxt = self._plan_ahead(following)
-                            self.planned_ahead += 1
-                            mark("next batch planned")
-            logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
-            # chain the next batch (planned ahead) on this one: no drain; the logits this batch finishes are
-            # copied to host memory behind it, read once the next batch is launched (``run``'s ``_results``)
-            defer = nxt is not None and prof is None and self.cfg.chain
-            if defer:
-                logits = {i: _to_host(v) for i, v in logits.items()}
-                if chain is None:
-                    chain = self._chain = _Chain(launch, start_ev)
-                ev = self._event()
-                chain.ends.append(ev if ev is not None else time.perf_counter())
-                chain.recs.append(rec)
-                self.chained += 1
-            else:
-                self._end_batch(launch, self._sync_time(), rec)  # ... to the end of the batch
+            # the profiler's range of the batch: from its start (as timed), its plan, forward and logits copies (not
+            # the barrier check after it)
+            with _mark("cpkv.batch", prof or self._run_prof):
+                # plan + forward: no device->host sync; a batch planned ahead continues the slot its plan was staged in
+                with self._sync_checked(), staging(self.model.device, slot, keep=ahead is not None):
+                    with _host_profiled(self.cfg.host_profile) as hp, \
+                            recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
+                                      (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
+                        if ahead is None:
+                            first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
+                            out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
+                        else:
+                            out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
+                        self.host_s.append(time.perf_counter() - launch)  # every kernel of the forward launched
+                        mark("launched")
+                        if look_ahead is not None and look_ahead():
+                            finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run
+                            following = self._next_ahead()      # after this one's on the stream
+                            if following is not None:
+                                with staging(self.model.device, slot ^ 1):
+                                    nxt = self._plan_ahead(following)
+                                self.planned_ahead += 1
+                                mark("next batch planned")
+                logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
+                # chain the next batch (planned ahead) on this one: no drain; the logits this batch finishes are
+                # copied to host memory behind it, read once the next batch is launched (``run``'s ``_results``)
+                defer = nxt is not None and prof is None and self.cfg.chain
+                if defer:
+                    logits = {i: _to_host(v) for i, v in logits.items()}
+                    if chain is None:
+                        chain = self._chain = _Chain(launch, start_ev)
+                    ev = self._event()
+                    chain.ends.append(ev if ev is not None else time.perf_counter())
+                    chain.recs.append(rec)
+                    self.chained += 1
+                else:
+                    self._end_batch(launch, self._sync_time(), rec)  # ... to the end of the batch
         if not defer:
             self.rt.check_barrier()  # a GPU barrier timeout of these batches -> ComposeTimeout naming the late ranks
         if prof is not None:  # trace_dir: the trace alone (torch's event parse fails after stacks)
@@ -683,11 +685,11 @@ def split_spans(kernels: Sequence[tuple[str, float, float]], host_starts: Sequen
     annotation (from the first kernel launched inside it to the end of the last), or None where the profiler
     gave none. A batch holds the kernels starting inside its GPU range (one stream runs a batch's kernels, then
     its logits copies, then the next batch's: a chained batch's kernels are launched while the one before still
-    runs, so launch time would not tell them apart); without GPU ranges, those starting from its host start until
-    the next batch's. Kernels before the first batch or between two batches' GPU ranges (the host's work after a
-    batch has ended, such as reading the barrier's state) are left out. Times are from the batch's start: its host start, or, chained (the batch before still
-    running then), the end of the batch before's last kernel, where its own GPU time begins: what is idle from
-    there is the GPU waiting for this batch's host work.
+    runs, so launch time would not tell them apart); without GPU ranges, those starting from its host start
+    until the next batch's. Kernels before the first batch or between two batches' GPU ranges (the host's work
+    after a batch has ended, such as reading the barrier's state) are left out. Times are from the batch's
+    start: its host start, or, chained (the batch before still running then), the end of the batch before's last
+    kernel, where its own GPU time begins: what is idle from there is the GPU waiting for this batch's host work.
     -> per batch [(name, start, end)], start-sorted."""
     bounds = [g[0] for g in gpu_ranges] if gpu_ranges is not None else list(host_starts)
     ends = [g[1] for g in gpu_ranges] if gpu_ranges is not None else [float("inf")] * len(bounds)
