@@ -687,9 +687,10 @@ def split_spans(kernels: Sequence[tuple[str, float, float]], host_starts: Sequen
     its logits copies, then the next batch's: a chained batch's kernels are launched while the one before still
     runs, so launch time would not tell them apart); without GPU ranges, those starting from its host start
     until the next batch's. Kernels before the first batch or between two batches' GPU ranges (the host's work
-    after a batch has ended, such as reading the barrier's state) are left out. Times are from the batch's
-    start: its host start, or, chained (the batch before still running then), the end of the batch before's last
-    kernel, where its own GPU time begins: what is idle from there is the GPU waiting for this batch's host work.
+    after a batch has ended, such as reading its logits or the barrier's state) are left out. Times are from the
+    batch's start: its host start, or, chained (the batch before still running then), the end of the batch
+    before's last kernel, where its own GPU time begins: what is idle from there is the GPU waiting for this
+    batch's host work.
     -> per batch [(name, start, end)], start-sorted."""
     bounds = [g[0] for g in gpu_ranges] if gpu_ranges is not None else list(host_starts)
     ends = [g[1] for g in gpu_ranges] if gpu_ranges is not None else [float("inf")] * len(bounds)
