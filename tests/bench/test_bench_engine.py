@@ -212,3 +212,18 @@ def test_the_text_report_names_the_host_bound_start(capsys):
                                              "weighting": "measured"}})
     out = capsys.readouterr().out
     assert "waits for the host until 2.5 ms" in out and "1400 MHz" in out and "[0.004]" in out
+
+
+def test_the_text_report_prints_the_breakdown_with_both_walls(capsys):
+    """A case's breakdown prints each part with its share of the profiled wall, and the profiled and timed walls
+    on their own rows."""
+    from cpkv.bench.engine import _print_mode
+
+    bd = parts([([("x_gemm", 0, 3000), ("_sparse_mla_ws", 3000, 3500), ("cat", 4000, 5000)], 0.0052)])
+    row = {"case": "cached", "prompt": 512, "cached": 448, "batches": 1, "batch_s": 0.0052, "batch_s_runs": [0.0052],
+           "prompt_tokens_per_s": 1.0, "tflops": 1.0, "ratio_to_gemm": 0.5, "spread": 0.0, "breakdown": bd}
+    _print_mode({"cases": [row], "ttft_s": {"layers": 4, "layers_measured": 4, "extrapolated": False,
+                                             "weighting": "measured"}})
+    out = capsys.readouterr().out
+    assert "3.00 (60.0%)" in out and "0.50 (10.0%)" in out  # GEMM, then the host gap: 0.5 ms idle of 5 profiled
+    assert "4.50 / 5.00" in out and "5.20" in out  # busy / profiled wall, then the timed wall
