@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|engine|marks|grouped_bf16|engine_cp2|attention|mla|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -54,6 +54,12 @@ if want mla && flashmla; then  # the sparse MLA kernel's GPU tests, then the ker
         tests/attention/test_flashmla_gpu.py  # FlashMLA as the engine's sparse attention backend
     PYTHONPATH=src:/tmp/peers/FlashMLA step mla 330 python3 -m cpkv bench attention --peer flashmla \
         --tokens 4096 --rep-ms 40 --json
+fi
+if want mla_ncu && flashmla; then  # issue 24: Nsight Compute, cpkv's sparse MLA beside FlashMLA's (full set: stall reasons,
+    # the SASS lines warps stall on); --clock-control none leaves the clocks alone
+    PYTHONPATH=src:/tmp/peers/FlashMLA step mla_ncu 300 ncu --clock-control none --kernel-name regex:sparse \
+        --launch-skip 2 --launch-count 2 --set full --import-source no --print-details all \
+        python3 benchmarks/ncu_mla.py --heads 128 --kv 32768
 fi
 if want gather; then  # issue 24: page gather configs in device time against copy_ (byte-checked first)
     step gather 150 python3 -m cpkv.bench.compose --json
