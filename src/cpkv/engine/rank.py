@@ -595,7 +595,8 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mark(name: str, prof):
-    """A profiler range around the batch's plan + forward (anchors its kernels' times); nothing unprofiled."""
+    """A profiler range around the batch's plan, forward and logits copies (anchors its kernels: ``split_spans``);
+    nothing unprofiled."""
     if prof is None:
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
