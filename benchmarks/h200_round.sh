@@ -56,11 +56,13 @@ if want mla && flashmla; then  # the sparse MLA kernel's GPU tests, then the ker
     PYTHONPATH=src:/tmp/peers/FlashMLA step mla 330 python3 -m cpkv bench attention --peer flashmla \
         --tokens 4096 --rep-ms 40 --json
 fi
-if want mla_ncu && flashmla; then  # issue 24: Nsight Compute, cpkv's sparse MLA beside FlashMLA's (full set: stall reasons,
-    # the SASS lines warps stall on); --clock-control none leaves the clocks alone
+if want mla_ncu && flashmla; then  # issue 24: Nsight Compute, cpkv's sparse MLA beside FlashMLA's (full set: stall reasons;
+    # then each kernel's SASS with its warp-stall samples per instruction); --clock-control none leaves the clocks alone
     PYTHONPATH=src:/tmp/peers/FlashMLA step mla_ncu 300 ncu --clock-control none --kernel-name regex:sparse \
-        --launch-skip 2 --launch-count 2 --set full --import-source no --print-details all \
+        --launch-skip 2 --launch-count 2 --set full --import-source no --export /tmp/mla_ncu --force-overwrite \
         python3 benchmarks/ncu_mla.py --heads 128 --kv 32768
+    step mla_ncu_details 60 ncu -i /tmp/mla_ncu.ncu-rep --page details --print-details all
+    step mla_ncu_sass 120 bash -c "ncu -i /tmp/mla_ncu.ncu-rep --page source --print-source sass --csv | gzip >$OUT/mla_sass.csv.gz"
 fi
 if want gather; then  # issue 24: page gather configs in device time against copy_ (byte-checked first)
     step gather 150 python3 -m cpkv.bench.compose --json
