@@ -127,6 +127,28 @@ def load() -> Any:
         return gl.where(valid, idx, 0), valid
 
     @gluon.jit
+    def _valid(ixb, ks_t, k0, n_keys, S, layout: gl.constexpr, DENSE: gl.constexpr):
+        """Validity of keys k0 .. k0 + 63 of this query in ``layout`` (1-D), for a consumer: from the range
+        (dense), or from the block's indices the producer staged in shared memory (``ixb``; read once the
+        block's ready barrier is passed)."""
+        offs = k0 + gl.arange(0, 64, layout)
+        if DENSE:
+            idx = ks_t + offs
+        else:
+            idx = ixb.load(layout)
+        return (offs < n_keys) & (idx >= 0) & (idx < S)
+
+    @gluon.jit
+    def _stage_indices(idx_row, k0, n_keys, ixb, DENSE: gl.constexpr):
+        """cp.async the 64 indices of keys k0 .. k0 + 63 into ``ixb`` (sparse only; zero past ``n_keys``): they
+        complete with the block's first ready barrier, so the consumers mask from shared memory and issue no
+        global loads in their loop."""
+        if not DENSE:
+            il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            offs = k0 + gl.arange(0, 64, il)
+            async_copy.async_copy_global_to_shared(ixb, idx_row + offs, mask=offs < n_keys)
+
+    @gluon.jit
     def _gather(KV, stride_kv, rows, valid, col0, buf, lg: gl.constexpr, N: gl.constexpr):
         """cp.async rows x [col0, col0 + N) of KV into ``buf`` (zero-filled where not valid)."""
         c = col0 + gl.arange(0, N, gl.SliceLayout(0, lg))
@@ -135,18 +157,18 @@ def load() -> Any:
 
     @gluon.jit
     def _producer(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
-                  q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE: gl.constexpr):
+                  q_a, q_b, q_r, k_a, k_b, k_r, ix, bars, DENSE: gl.constexpr):
         g = 0  # key-block pairs done (barrier parities run on across tiles)
         j = 0  # tiles done
         for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
             mbarrier.wait(bars[14], (j & 1) ^ 1)  # Q free: both consumers done with the last tile's scores
             g += _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                                q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g, DENSE)
+                                q_a, q_b, q_r, k_a, k_b, k_r, ix, bars, tile, g, DENSE)
             j += 1
 
     @gluon.jit
     def _producer_tile(Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it,
-                       q_a, q_b, q_r, k_a, k_b, k_r, bars, tile, g0, DENSE: gl.constexpr):
+                       q_a, q_b, q_r, k_a, k_b, k_r, ix, bars, tile, g0, DENSE: gl.constexpr):
         """Q and the key blocks of one tile (``g0`` pairs done before it) -> its number of pairs."""
         lg: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rl: gl.constexpr = gl.SliceLayout(1, lg)
@@ -168,10 +190,12 @@ def load() -> Any:
             r0, v0 = _rows(idx_row, ks_t, 128 * i, n_keys, S, rl, DENSE)
             r1, v1 = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, rl, DENSE)
             # order of need: A0 (consumer 0 starts its scores there), BR1, BR0, A1
-            mbarrier.wait(bars[5], ph)  # free A0
+            mbarrier.wait(bars[5], ph)  # free A0 (and block 0's staged indices)
+            _stage_indices(idx_row, 128 * i, n_keys, ix.index(0), DENSE)
             _gather(KV, stride_kv, r0, v0, 0, k_a.index(0), lg, 256)
             async_copy.mbarrier_arrive(bars[1], increment_count=False)
-            mbarrier.wait(bars[8], ph)  # free BR1
+            mbarrier.wait(bars[8], ph)  # free BR1 (and block 1's staged indices)
+            _stage_indices(idx_row, 128 * i + 64, n_keys, ix.index(1), DENSE)
             _gather(KV, stride_kv, r1, v1, 256, k_b.index(1), lg, 256)
             _gather(KV, stride_kv, r1, v1, 512, k_r.index(1), lg, 64)
             async_copy.mbarrier_arrive(bars[4], increment_count=False)
@@ -231,7 +255,7 @@ def load() -> Any:
         return warpgroup_mma_wait(0, deps=[s])
 
     @gluon.jit
-    def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, bars,
+    def _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, bars,
                    tile, g0, j, DENSE: gl.constexpr):
         """Even key block of each pair (buffer 0) -> (O[:, 0:256] unnormalised, row sums, row max, pairs).
 
@@ -242,7 +266,7 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
+        t, ks_t, n_keys, _, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
         mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
@@ -258,7 +282,7 @@ def load() -> Any:
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr, ka1 = k_a.index(z), k_b.index(z), k_r.index(z), k_a.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
+            valid = _valid(ix.index(z), ks_t, 128 * i, n_keys, S, gl.SliceLayout(0, s_l), DENSE)  # A0 passed
             s = s_next
             if i == n_pairs - 1:
                 _q_free(bars)  # the tile's last scores are in: the next Q loads under the rest
@@ -307,23 +331,23 @@ def load() -> Any:
 
     @gluon.jit
     def _consumer1(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt, N_TILES,
-                   q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
+                   q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, DENSE: gl.constexpr):
         g = 0
         j = 0
         for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
             g += _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                                 stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE)
+                                 stride_lt, q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, tile, g, j, DENSE)
             j += 1
 
     @gluon.jit
     def _consumer1_tile(IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr):
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr):
         """Odd key block of each pair (buffer 1); output columns 256..511 and the lse -> the tile's pairs."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, idx_row, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
+        t, ks_t, n_keys, _, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
                                                                          s_l, o_l)
         mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
@@ -332,8 +356,8 @@ def load() -> Any:
             z = _opaque_zero(i)
             qa, qb, qr = q_a.index(z), q_b.index(z), q_r.index(z)
             ka, kb, kr = k_a.index(z + 1), k_b.index(z + 1), k_r.index(z + 1)
-            _, valid = _rows(idx_row, ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
-            mbarrier.wait(bars[4], ph)  # BR1 ready
+            mbarrier.wait(bars[4], ph)  # BR1 ready (and block 1's indices)
+            valid = _valid(ix.index(z + 1), ks_t, 128 * i + 64, n_keys, S, gl.SliceLayout(0, s_l), DENSE)
             fence_async_shared()
             s = warpgroup_mma(qb, kb.permute((1, 0)), s0, use_acc=False, is_async=True)
             s = warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
@@ -376,33 +400,49 @@ def load() -> Any:
         _sums_exchanged(bars, j)
         l_tot = l_run + sl.index(sb).load(row_l)
         empty = l_tot == 0.0
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
         pid_h, _ = _program(H, tile)
-        ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
-        co = 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
-        gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
-                 mask=(ho < H)[:, None])
+        _store_half(OUT, o, l_tot, t, pid_h, H, stride_ot, stride_oh, 256, o_l)
         lse = gl.where(empty, float("inf"), (m_run + gl.log2(gl.where(empty, 1.0, l_tot))) / 1.4426950408889634)
         hl = pid_h * 64 + gl.arange(0, 64, row_l)
         gl.store(LSE + t * stride_lt + hl, lse, mask=hl < H)
         return n_pairs
 
     @gluon.jit
+    def _store_half(OUT, o, l_tot, t, pid_h, H, stride_ot, stride_oh, C0: gl.constexpr, o_l: gl.constexpr):
+        """O[t, heads of block pid_h, C0 .. C0 + 255] = o / l_tot (0 where no key was valid), bf16, in 16-byte
+        stores: the wgmma layout (2 adjacent columns a lane) is rearranged within each quad of lanes (shuffles, no
+        shared memory: the warps keep their rows) so that a lane holds 8 adjacent columns. A warp's store then
+        writes 8 rows x 64 B instead of 8 rows x 8 B (the LSU queue is shared with the producer's gathers)."""
+        mid_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0], [0, 2], [0, 16], [0, 32], [0, 64], [0, 128]],
+            lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[64, 256])
+        st_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64], [0, 128]],
+            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[64, 256])
+        l_o = gl.convert_layout(gl.where(l_tot == 0.0, 1.0, l_tot), gl.SliceLayout(1, o_l))
+        ob = gl.convert_layout(gl.convert_layout((o / l_o[:, None]).to(gl.bfloat16), mid_l), st_l)
+        ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, st_l))
+        co = C0 + gl.arange(0, 256, gl.SliceLayout(0, st_l))
+        gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], ob, mask=(ho < H)[:, None])
+
+    @gluon.jit
     def _default(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                 q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE: gl.constexpr):
+                 q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, DENSE: gl.constexpr):
         g = 0
         j = 0
         for tile in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
             g += _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                               q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g, j, DENSE)
+                               q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, tile, g, j, DENSE)
             j += 1
 
     @gluon.jit
     def _default_tile(IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh,
-                      q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr):
+                      q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, tile, g0, j, DENSE: gl.constexpr):
         """Consumer 0 on one tile and its output columns 0..255 -> the tile's pairs."""
         o, l_run, _, n_pairs = _consumer0(IDX, KS, KE, S, H, TOPK, scale_log2, stride_it, q_a, q_b, q_r, k_a, k_b, k_r,
-                                          p1, sm, bars, tile, g0, j, DENSE)
+                                          p1, ix, sm, bars, tile, g0, j, DENSE)
         if n_pairs == 0:
             _q_free(bars)
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -412,13 +452,8 @@ def load() -> Any:
         sl.index(sb).store(l_run)
         _sums_exchanged(bars, j)
         l_tot = l_run + sl.index(sb + 1).load(row_l)
-        empty = l_tot == 0.0
-        l_o = gl.convert_layout(gl.where(empty, 1.0, l_tot), gl.SliceLayout(1, o_l))
         pid_h, t = _program(H, tile)
-        ho = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, o_l))
-        co = gl.arange(0, 256, gl.SliceLayout(0, o_l))
-        gl.store(OUT + t * stride_ot + (ho * stride_oh)[:, None] + co[None, :], (o / l_o[:, None]).to(gl.bfloat16),
-                 mask=(ho < H)[:, None])
+        _store_half(OUT, o, l_tot, t, pid_h, H, stride_ot, stride_oh, 0, o_l)
         return n_pairs
 
     @gluon.jit(do_not_specialize=["N_TILES"])  # the tile count: one compile for any T
@@ -437,6 +472,7 @@ def load() -> Any:
         k_b = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], sh)
         k_r = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], sh)
         p1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], sh)
+        ix = gl.allocate_shared_memory(gl.int32, [2, 64], flat)  # the indices of each key buffer's block (sparse)
         # row maxima / row sums exchanged between the consumers: [consumer, head]; sums by tile parity:
         # [parity * 2 + consumer]
         sm = gl.allocate_shared_memory(gl.float32, [2, 64], flat)
@@ -455,11 +491,11 @@ def load() -> Any:
         mbarrier.init(bars[13], count=2)
         gl.warp_specialize([
             (_default, (IDX, KS, KE, OUT, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, N_TILES,
-                        q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+                        q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, DENSE)),
             (_consumer1, (IDX, KS, KE, OUT, LSE, S, H, TOPK, scale_log2, stride_it, stride_ot, stride_oh, stride_lt,
-                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, sm, sl, bars, DENSE)),
+                          N_TILES, q_a, q_b, q_r, k_a, k_b, k_r, p1, ix, sm, sl, bars, DENSE)),
             (_producer, (Q, KV, IDX, KS, KE, S, H, TOPK, stride_qt, stride_qh, stride_kv, stride_it, N_TILES,
-                         q_a, q_b, q_r, k_a, k_b, k_r, bars, DENSE)),
+                         q_a, q_b, q_r, k_a, k_b, k_r, ix, bars, DENSE)),
         ], [4, 4], [208, 56])  # registers: consumer 1, producer; consumer 0 gets the rest, 504 - both = 240 (its
         # look-ahead needs them: at 224 / 224 it spilled 96 B)
 
