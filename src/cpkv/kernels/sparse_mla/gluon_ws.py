@@ -294,15 +294,17 @@ def load() -> Any:
             sm.index(0).store(m_new)
             _signal(bars, 9)  # my max published
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), ka, o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[o])
-            gl.thread_barrier()
-            mbarrier.arrive(bars[5])  # A0 free
+            # P0 is published while that value wgmma runs (it reads P from registers and the values from A0; P0
+            # goes over the rope part, whose scores are done): consumer 1 gets it one wgmma earlier
             mbarrier.wait(bars[10], ph)  # common max from consumer 1
             m1 = sm.index(1).load(row_l)
             f = gl.exp2(m_new - m1)
             kr.store((p * f[:, None]).to(gl.bfloat16))  # P0 over the rope part of buffer 0
             fence_async_shared()
             _signal(bars, 11)  # P0 ready
+            o = warpgroup_mma_wait(0, deps=[o])
+            gl.thread_barrier()
+            mbarrier.arrive(bars[5])  # A0 free
             o = o * gl.convert_layout(f, gl.SliceLayout(1, o_l))[:, None]
             l_run = l_run * f
             m_run = m1
@@ -383,7 +385,7 @@ def load() -> Any:
             mbarrier.wait(bars[11], ph)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            _signal(bars, 12)  # P1 ready
+            _signal(bars, 12)  # P1 ready (signalled before the P0 wait it was slower: BENCHMARKS.md, session 13)
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars[8])  # BR1 free
