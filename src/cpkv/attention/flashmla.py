@@ -3,7 +3,7 @@
 FlashMLA (deepseek-ai/FlashMLA, the ``flash_mla`` package, built from source; SGLang and vLLM run the same kernel
 for DSA models) has ``flash_mla_sparse_fwd(q [T, H, d_qk], kv [S, 1, d_qk], indices [T, 1, topk], sm_scale, d_v)
 -> (out [T, H, d_v], max_logits, lse)`` with cpkv's semantics: an index of -1 or >= S selects nothing. cpkv's own
-kernel reaches 0.88-0.91 of it on its shapes (BENCHMARKS.md, ``cpkv bench attention --peer flashmla``), so where
+kernel reaches 0.92-0.97 of it on its shapes (BENCHMARKS.md, ``cpkv bench attention --peer flashmla``), so where
 FlashMLA imports and takes the call (Hopper, bf16, 64 or 128 heads, d_qk 576 or 512, d_v 512) the sparse
 attention runs it. ``CPKV_SPARSE_MLA`` chooses: ``auto`` (that rule, the default), ``cpkv`` (always cpkv's
 kernel; the tests of cpkv's kernel pin it) or ``flashmla`` (FlashMLA where it applies, an error where it does

@@ -8,7 +8,9 @@ tiles of the flat grid (cpkv.kernels.grid), barrier parities running on across t
   ``cp.async`` into two shared buffers; each buffer is split into a part A (dims 0..255) and a part
   BR (dims 256..511 plus the 64 rope dims) with its own "ready" / "free" mbarrier, so a part is
   refilled as soon as its last reader is done. Completion is tracked per thread by
-  ``cp.async.mbarrier.arrive.noinc`` (no wait_group in the consumers). A "Q free" barrier, arrived by both
+  ``cp.async.mbarrier.arrive.noinc`` (no wait_group in the consumers). With each block's first part it stages
+  the block's 64 indices in shared memory (a 4-byte ``cp.async`` completing with the same barrier), from which
+  the consumers mask: they issue no global load in their loop. A "Q free" barrier, arrived by both
   consumers once their last score wgmmas of a tile are waited for, lets it load the next Q, then its keys,
   while the consumers finish the last pair and normalise and store.
 * consumer 0 (default partition) computes the scores of the even key block of each pair (buffer 0),
@@ -23,10 +25,13 @@ tiles of the flat grid (cpkv.kernels.grid), barrier parities running on across t
   memory with its half of the other block's values. Row maxima go through shared memory: consumer
   0 publishes its max, consumer 1 takes the max over both and publishes it back, consumer 0
   rescales its P (before sharing it) and its accumulator to the common max. P of block 0 is
-  written over the rope part of key buffer 0 (no longer needed once its scores are done).
+  written over the rope part of key buffer 0 (no longer needed once its scores are done), and published
+  while consumer 0's first value wgmma runs (it reads P from registers), so consumer 1 gets it a wgmma earlier.
+* the epilogue: each consumer divides its half by the row sums and stores it as bf16 in 16-byte stores; two
+  warp-shuffle layout conversions (no shared memory) first give each lane 8 adjacent columns.
 
-Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + row maxima and sums + 15 barriers =
-231,032 B, plus Triton's partition captures (of 232,448). Registers: launch cap 168 x 12 warps, re-split
+Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + row maxima and sums + staged indices
+(512 B) + 15 barriers = 231,544 B, plus Triton's partition captures (of 232,448). Registers: launch cap 168 x 12 warps, re-split
 240 / 208 / 56 (consumer 0 / 1 / producer), no spills. Three things ptxas needs (else it serialises every
 wgmma or spills): no wgmma accumulator in flight across the loop's back edge, shared-memory views rebuilt per
 iteration (``_opaque_zero``), and the peeled first block's views indexed by an opaque zero too (in the tile
@@ -41,22 +46,27 @@ producer threads completing by ``cp.async.mbarrier.arrive.noinc``, the two-consu
 owning half of d_v, P of block 0 over block 0's rope dims, consumer 0's look-ahead. Different:
 
 1. L2 hints: FlashMLA's key gathers carry ``.L2::cache_hint`` (``evict_last``) and ``.L2::256B``; ours none
-   (Gluon's ``async_copy`` drops ``eviction_policy``).
-2. Masking: FlashMLA's producer writes the 64 validity bits of each block to shared memory; our consumers
-   load the 64 indices themselves (an L1 hit, issued before their barrier waits).
+   (Gluon's ``async_copy`` drops ``eviction_policy``; measured by a PTX rewrite twice, no gain).
+2. Masking: FlashMLA's producer writes the 64 validity bits of each block to shared memory behind a barrier of
+   their own; ours stages the 64 indices with the block's data (the consumers compare them).
 3. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
-   ours: Q by the producer's ``cp.async``, O and lse by register stores from the wgmma layout.
+   ours: Q by the producer's ``cp.async``, O by 16-byte register stores, lse by register stores.
 4. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
-   are mbarriers, each arrive after a warpgroup barrier.
-5. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
+   are mbarriers, each arrive after a warpgroup barrier (named barriers measured twice, slower).
+5. Consumer 0 publishes P0 before its first value wgmma is done; FlashMLA's warpgroup 0 after.
+6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
    FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
-6. FlashMLA is not persistent (one CTA per tile: each tile's Q load, first key gathers and epilogue exposed);
+7. FlashMLA is not persistent (one CTA per tile: each tile's Q load, first key gathers and epilogue exposed);
    ours is.
 
 Measured and deleted (BENCHMARKS.md, session 9): the non-persistent kernel, FlashMLA's L2 hints (by a PTX
 rewrite), named-barrier consumer syncs, early max signals, late index loads, P0 under the first value wgmma,
-P1 first, separate barrier allocations, and their combinations: none faster than this kernel on FlashMLA's
-shapes. A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of
+P1 first, separate barrier allocations, and their combinations: none faster than that session's kernel on
+FlashMLA's shapes. Session 13 (Nsight Compute's per-instruction stall samples: the consumers' index loads and
+4-byte output stores queued behind the producer's gathers) added the staged indices and the 16-byte stores
+(0.895 -> 0.93 of FlashMLA), then P0 under the first value wgmma, which now paid (-> 0.945); measured again and
+deleted: the L2 hints (.L2::256B, and with evict_last / evict_first policies), named barriers, and P1 signalled
+before the P0 wait. A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of
 registers (the whole register file) and Q alone 144 KB of the 227 KB shared memory.
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention``; against FlashMLA: ``--peer flashmla``).
