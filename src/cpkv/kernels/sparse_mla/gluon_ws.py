@@ -31,8 +31,8 @@ tiles of the flat grid (cpkv.kernels.grid), barrier parities running on across t
   warp-shuffle layout conversions (no shared memory) first give each lane 8 adjacent columns.
 
 Shared memory: Q 72 KB + two key buffers 2 x 72 KB + P of block 1 8 KB + row maxima and sums + staged indices
-(512 B) + 15 barriers = 231,544 B, plus Triton's partition captures (of 232,448). Registers: launch cap 168 x 12 warps, re-split
-240 / 208 / 56 (consumer 0 / 1 / producer), no spills. Three things ptxas needs (else it serialises every
+(512 B) + 15 barriers = 231,544 B, plus Triton's partition captures (of 232,448). Registers: launch cap 168 x 12
+warps, re-split 240 / 208 / 56 (consumer 0 / 1 / producer), no spills. Three things ptxas needs (else it serialises every
 wgmma or spills): no wgmma accumulator in flight across the loop's back edge, shared-memory views rebuilt per
 iteration (``_opaque_zero``), and the peeled first block's views indexed by an opaque zero too (in the tile
 loop constant views are loop-invariant: their 36 wgmma descriptors were hoisted and spilled 800 B).
@@ -117,12 +117,12 @@ def load() -> Any:
                         o_l: gl.constexpr):
         """A consumer's token, key range and empty softmax state (row max, row sum, O half, a zero S)."""
         _, t = _program(H, tile)
-        ks_t, n_keys, idx_row = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
+        ks_t, n_keys, _ = _key_range(IDX, KS, KE, TOPK, stride_it, t, DENSE)
         m_run = gl.full([64], -1.0e30, gl.float32, gl.SliceLayout(1, s_l))
         l_run = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
         o = gl.zeros([64, 256], gl.float32, o_l)  # consumer 1: waited at the end of every pair
         s0 = gl.zeros([64, 64], gl.float32, s_l)
-        return t, ks_t, n_keys, idx_row, m_run, l_run, o, s0
+        return t, ks_t, n_keys, m_run, l_run, o, s0
 
     @gluon.jit
     def _rows(idx_row, ks_t, k0, n_keys, S, layout: gl.constexpr, DENSE: gl.constexpr):
@@ -276,8 +276,8 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, _, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
-                                                                         s_l, o_l)
+        t, ks_t, n_keys, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE, s_l,
+                                                                o_l)
         mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         s_next = s0
@@ -359,8 +359,8 @@ def load() -> Any:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        t, ks_t, n_keys, _, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE,
-                                                                         s_l, o_l)
+        t, ks_t, n_keys, m_run, l_run, o, s0 = _consumer_start(IDX, KS, KE, H, TOPK, stride_it, tile, DENSE, s_l,
+                                                                o_l)
         mbarrier.wait(bars[0], j & 1)  # Q
         n_pairs = gl.cdiv(n_keys, 128)
         for i in range(n_pairs):
@@ -395,7 +395,7 @@ def load() -> Any:
             mbarrier.wait(bars[11], ph)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            _signal(bars, 12)  # P1 ready (signalled before the P0 wait it was slower: BENCHMARKS.md, session 13)
+            _signal(bars, 12)  # P1 ready (signalled before the P0 wait, it was slower: BENCHMARKS.md, session 13)
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars[8])  # BR1 free
@@ -424,7 +424,9 @@ def load() -> Any:
         """O[t, heads of block pid_h, C0 .. C0 + 255] = o / l_tot (0 where no key was valid), bf16, in 16-byte
         stores: the wgmma layout (2 adjacent columns a lane) is rearranged within each quad of lanes (shuffles, no
         shared memory: the warps keep their rows) so that a lane holds 8 adjacent columns. A warp's store then
-        writes 8 rows x 64 B instead of 8 rows x 8 B (the LSU queue is shared with the producer's gathers)."""
+        writes 8 rows x 64 B instead of 8 rows x 8 B (the LSU queue is shared with the producer's gathers).
+        Two conversions, each swapping one register bit with one lane bit: Triton converts by shuffles only up to
+        one such swap, and through 3.6 KB of shared scratch otherwise (which does not fit)."""
         mid_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [8, 0], [0, 2], [0, 16], [0, 32], [0, 64], [0, 128]],
             lane_bases=[[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
