@@ -57,7 +57,8 @@ if want mla && flashmla; then  # the sparse MLA kernel's GPU tests, then the ker
         --tokens 4096 --rep-ms 40 --json
 fi
 if want mla_ncu && flashmla; then  # issue 24: Nsight Compute, cpkv's sparse MLA beside FlashMLA's (full set: stall reasons;
-    # then each kernel's SASS with its warp-stall samples per instruction); --clock-control none leaves the clocks alone
+    # then each kernel's SASS with its warp-stall samples per instruction: read it with benchmarks/ncu_sass.py);
+    # --clock-control none leaves the clocks alone
     PYTHONPATH=src:/tmp/peers/FlashMLA step mla_ncu 300 ncu --clock-control none --kernel-name regex:sparse \
         --launch-skip 2 --launch-count 2 --set full --import-source no --export /tmp/mla_ncu --force-overwrite \
         python3 benchmarks/ncu_mla.py --heads 128 --kv 32768
