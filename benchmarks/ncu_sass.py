@@ -88,9 +88,10 @@ def parse_regions(spec: str | None, n_kernels: int) -> list[list[tuple[str, int,
     for k, part in enumerate(spec.split(";")[:n_kernels]):
         regions = []
         for item in filter(None, part.split(",")):
-            name, rng = item.split("=")
-            a, b = rng.split(":")
-            regions.append((name.strip(), int(a or 0), int(b) if b else None))
+            m = re.fullmatch(r"\s*([^=\s]+)\s*=\s*(\d*):(\d*)\s*", item)
+            if m is None:
+                raise ValueError(f"--regions: expected NAME=START:END, got {item!r}")
+            regions.append((m.group(1), int(m.group(2) or 0), int(m.group(3)) if m.group(3) else None))
         out[k] = regions or out[k]
     return out
 
@@ -147,12 +148,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="execution count of code run once a tile (tiles x warps of a warpgroup; 8,192 x 4 for "
                          "the mla_ncu shape)")
     a = ap.parse_args(argv)
-    kernels = read_kernels(a.csv)
+    try:
+        regions = parse_regions(a.regions, 1 + (a.regions or "").count(";"))
+        kernels = read_kernels(a.csv)
+    except (OSError, ValueError, csv.Error, EOFError) as e:
+        print(f"ncu_sass: error: {e}", file=sys.stderr)
+        return 2
     if not kernels:
         print(f"ncu_sass: no kernel in {a.csv}", file=sys.stderr)
         return 1
-    for (name, header, ins), regions in zip(kernels, parse_regions(a.regions, len(kernels))):
-        report(name, header, ins, regions, a.top, a.tile_count)
+    regions += [[("all", 0, None)]] * (len(kernels) - len(regions))
+    for (name, header, ins), regs in zip(kernels, regions):
+        report(name, header, ins, regs, a.top, a.tile_count)
     return 0
 
 

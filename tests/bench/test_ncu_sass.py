@@ -66,3 +66,16 @@ def test_waits_kinds_and_regions(tmp_path, capsys) -> None:
     assert "kernel_two" in out and "11 samples" in out
     assert mod.parse_regions("x=1:2,y=2:;z=0:", 3) == [[("x", 1, 2), ("y", 2, None)], [("z", 0, None)],
                                                       [("all", 0, None)]]
+
+
+def test_bad_input_is_one_line_error(tmp_path, capsys) -> None:
+    mod = _load()
+    assert mod.main([str(tmp_path / "missing.csv")]) == 2
+    assert "ncu_sass: error:" in capsys.readouterr().err
+    path = tmp_path / "sass.csv.gz"
+    _write(path)
+    assert mod.main([str(path), "--regions", "a=0:3,oops"]) == 2
+    err = capsys.readouterr().err
+    assert "expected NAME=START:END, got 'oops'" in err and "Traceback" not in err
+    (tmp_path / "empty.csv").write_text("")
+    assert mod.main([str(tmp_path / "empty.csv")]) == 1
