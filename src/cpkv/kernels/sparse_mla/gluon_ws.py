@@ -66,7 +66,11 @@ FlashMLA's shapes. Session 13 (Nsight Compute's per-instruction stall samples: t
 4-byte output stores queued behind the producer's gathers) added the staged indices and the 16-byte stores
 (0.895 -> 0.93 of FlashMLA), then P0 under the first value wgmma, which now paid (-> 0.945); measured again and
 deleted: the L2 hints (.L2::256B, and with evict_last / evict_first policies), named barriers, and P1 signalled
-before the P0 wait. A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of
+before the P0 wait. Session 14 (BENCHMARKS.md), all slower or level: A0 freed after the common max, or before it
+(FlashMLA's order); the producer filling BR1 before A0; two 2-warp producers, one per key buffer; each pair's
+indices loaded a pair ahead; the epilogue by one reciprocal per row; one allocation per barrier (Triton then drops
+most of its warpgroup barriers before mbarrier waits) and per-thread frees on top (FlashMLA's): fewer warpgroup
+barriers, slower kernel. A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of
 registers (the whole register file) and Q alone 144 KB of the 227 KB shared memory.
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention``; against FlashMLA: ``--peer flashmla``).
