@@ -9,7 +9,8 @@ writes it as ``mla_sass.csv.gz``; plain or gzipped), and prints for each kernel 
 * per region (``--regions``: ``NAME=START:END`` instruction indices, ``;`` between kernels, ``,`` between
   regions; default: the whole kernel): the samples by kind of instruction (mbarrier wait, wgmma wait, wgmma issue,
   global load / store, hardware barrier, other) with their top stall reasons, and the samples of code run once a
-  tile (the execution count given by ``--tile-count``) apart;
+  tile (the execution count given by ``--tile-count``) apart, with that code's instruction count and its most
+  frequent opcodes (an epilogue's cost: session 14 found a per-element division there this way);
 * the ``--top`` instructions with the most samples.
 
     python3 benchmarks/ncu_sass.py mla_sass.csv.gz [--regions "C1=0:1950,prod=1950:2575,C0=2575:"] [--top 40]
@@ -118,16 +119,22 @@ def report(name: str, header: list[str], ins: list[list[str]], regions, top: int
         by_kind: dict[str, int] = defaultdict(int)
         why: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         once = 0
+        ops: dict[str, int] = defaultdict(int)  # opcodes of the code run once a tile
         for j, r in enumerate(part):
             k = kind(r[1], a + j in branches)
             n = int(r[s])
             by_kind[k] += n
-            once += n if int(r[e]) == tile_count else 0
+            if int(r[e]) == tile_count:
+                once += n
+                ops[opcode(r[1])] += 1
             for x in reasons:
                 why[k][x[6:]] += int(r[col[x]])
         n_part = sum(by_kind.values())
         print(f"   region {rname} [{a}:{'' if b is None else b}]: {n_part} samples ({100 * n_part / total:.1f} %), "
               f"{once} in code run {tile_count} times")
+        if ops:
+            common = sorted(ops.items(), key=lambda t: (-t[1], t[0]))[:8]
+            print(f"      once a tile: {sum(ops.values())} instructions, " + " ".join(f"{o}:{c}" for o, c in common))
         for k, n in sorted(by_kind.items(), key=lambda t: -t[1]):
             top3 = sorted(why[k].items(), key=lambda t: -t[1])[:3]
             print(f"      {k:<18} {n:8d}   " + " ".join(f"{w}:{v}" for w, v in top3 if v))
@@ -137,6 +144,12 @@ def report(name: str, header: list[str], ins: list[list[str]], regions, top: int
         top2 = sorted(((int(r[col[x]]), x[6:]) for x in reasons), reverse=True)[:2]
         print(f"   {i:6d} {int(r[s]):7d} {r[e]:>9} {r[1].strip()[:64]:<64} "
               + " ".join(f"{w}:{v}" for v, w in top2 if v))
+
+
+def opcode(sass: str) -> str:
+    """The opcode of a SASS line, without its predicate (``@!P0  BRA 0x..`` -> ``BRA``)."""
+    words = re.sub(r"^@!?U?P\w+\s+", "", sass.strip()).split()
+    return words[0] if words else "?"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,9 @@ def _write(path: Path) -> None:
         _row(4, "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24", 5, 64),
         _row(5, "WARPGROUP.DEPBAR.LE gsb0, 0x0", 30, 64, barrier=30),
         _row(6, "STG.E.128 desc[UR6][R4.64], R20", 7, 4),  # once a tile
-        _row(7, "@!P0  BRA 0x3000", 9, 64),  # a branch on no try-wait
+        _row(7, "FMUL R1, R2, R3", 0, 4),  # once a tile
+        _row(8, "@P2  FMUL R4, R5, R6", 1, 4),  # once a tile
+        _row(9, "@!P0  BRA 0x3000", 9, 64),  # a branch on no try-wait
     ]
     k2 = [_row(0, "BAR.SYNC.DEFER_BLOCKING 0x9, 0x100", 11, 8)]
     with gzip.open(path, "wt", newline="") as f:
@@ -57,11 +59,13 @@ def test_waits_kinds_and_regions(tmp_path, capsys) -> None:
     assert mod.wait_branches(ins) == {2: 0}  # the branch two instructions later, on the same predicate
     assert [mod.kind(r[1], i == 2) for i, r in enumerate(ins)] == [
         "mbarrier wait", "other", "mbarrier wait", "global load/store", "wgmma issue", "wgmma wait",
-        "global load/store", "other"]
+        "global load/store", "other", "other", "other"]
     assert mod.main([str(path), "--regions", "a=0:3,b=3:;", "--top", "2", "--tile-count", "4"]) == 0
     out = capsys.readouterr().out
-    assert "UR4+0x100" in out and "53 (42.4 %)" in out  # 3 on the wait + 50 on its branch, of 125
-    assert "region a [0:3]: 54 samples" in out and "region b [3:]: 71 samples (56.8 %), 7 in code run 4 times" in out
+    assert "UR4+0x100" in out and "53 (42.1 %)" in out  # 3 on the wait + 50 on its branch, of 126
+    assert "region a [0:3]: 54 samples" in out and "region b [3:]: 72 samples (57.1 %), 8 in code run 4 times" in out
+    assert "once a tile: 3 instructions, FMUL:2 STG.E.128:1" in out  # predicates dropped, most frequent first
+    assert mod.opcode("@!UP1  BRA 0x10") == "BRA" and mod.opcode("  IMAD R1, R2, R3, RZ") == "IMAD"
     assert "mbarrier wait            53   long_sb:50" in out
     assert "kernel_two" in out and "11 samples" in out
     assert mod.parse_regions("x=1:2,y=2:;z=0:", 3) == [[("x", 1, 2), ("y", 2, None)], [("z", 0, None)],
