@@ -281,6 +281,30 @@ def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
 
 # the gather kernel against a device copy ------------------------------------------------------------
 
+def allocator_order(pool_pages: int, n: int, chunk: int = 512, seed: int = 0) -> list[int]:
+    """``n`` distinct pages of a ``pool_pages``-page pool (0-based) in the order the engine's allocator
+    (``kvcache.allocator.PageAllocator``: lowest free id first) hands them to requests on a pool in use: the
+    pool filled, a random half released (requests finished or evicted), then the ``n`` pages allocated
+    ``chunk`` at a time (a prompt's chunks, in slot order) while random other pages are released between the
+    chunks. Each chunk ascends; a later chunk may restart lower (the pages freed meanwhile)."""
+    from cpkv.kvcache.allocator import PageAllocator
+    if not 0 <= n <= pool_pages // 2:
+        raise ValueError(f"allocator_order: n must be in [0, {pool_pages // 2}], got {n}")
+    rng = np.random.default_rng(seed)
+    alloc = PageAllocator(pool_pages + 1, name="bench pool")  # ids 1..pool_pages (0 is the allocator's reserve)
+    others = alloc.allocate(pool_pages)
+    rng.shuffle(others)
+    alloc.release(others[: pool_pages // 2])
+    others = others[pool_pages // 2:]
+    out: list[int] = []
+    while len(out) < n:
+        out += alloc.allocate(min(chunk, n - len(out)))
+        k = min(chunk // 2, len(others))  # other requests finish meanwhile
+        alloc.release(others[:k])
+        others = others[k:]
+    return [p - 1 for p in out]
+
+
 def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: int = 16384,
                  gather_pages: int = 8192, configs: tuple[dict, ...] = GATHER_CONFIGS) -> dict[str, Any]:
     """Gather ``gather_pages`` random pages of a pool into a dense buffer; compare with a same-size copy.
@@ -342,9 +366,11 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
         return res
     best = max(timed, key=lambda v: v["GBps"])
     cfg = {k: best[k] for k in DEFAULT_CONFIG}
-    # same pages in address order, and contiguous pages (a plain copy through the same kernel): separate the
-    # access pattern from the kernel's cost
-    for name, pages in (("sorted", idx.sort().values), ("contiguous", torch.arange(gather_pages, device=device))):
+    # same pages in address order, contiguous pages (a plain copy through the same kernel), and pages in the order
+    # the engine's allocator hands them out on a pool in use: separate the access pattern from the kernel's cost
+    churned = torch.tensor(allocator_order(pool_pages, gather_pages), device=device)
+    for name, pages in (("sorted", idx.sort().values), ("contiguous", torch.arange(gather_pages, device=device)),
+                        ("allocator", churned)):
         res[f"{name}_GBps"] = gbps(gather_launcher(out, bases, dest, src, pages, config=cfg))
         res[f"{name}_ratio"] = res[f"{name}_GBps"] / res["copy_GBps"]
     res["best"] = best
@@ -447,7 +473,8 @@ def kernel_main(argv: list[str] | None = None) -> int:
     for kind, r in runs.items():
         print(f"{kind} pages {r['page_bytes']} B x {r['pages']}: copy_ {r['copy_GBps']:.0f} GB/s device time "
               f"({r['copy_GBps_event']:.0f} launch included), index_select {r['index_select_ratio']:.3f}, "
-              f"sorted {r.get('sorted_ratio', float('nan')):.3f}, contiguous {r.get('contiguous_ratio', float('nan')):.3f}")
+              f"sorted {r.get('sorted_ratio', float('nan')):.3f}, contiguous {r.get('contiguous_ratio', float('nan')):.3f}, "
+              f"allocator order {r.get('allocator_ratio', float('nan')):.3f}")
         for v in r["variants"]:
             cfg = " ".join(f"{k}={v[k]!r}" for k in r["default"])
             fig = (f"{v['GBps']:7.0f} GB/s  {v['ratio_to_copy']:.3f}  (launch incl. {v['ratio_to_copy_event']:.3f})"

@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"compose modes above ran with the best gather config: {k.get('best', 'none (no variant was correct)')}")
         print(f"gather launch host time {k['launch_host_us']:.1f} us (a one-element torch op: "
               f"{k['torch_launch_host_us']:.1f} us); best config on pages in address order "
-              f"{k.get('sorted_ratio', nan):.3f} of copy, on contiguous pages {k.get('contiguous_ratio', nan):.3f};"
+              f"{k.get('sorted_ratio', nan):.3f} of copy, on contiguous pages {k.get('contiguous_ratio', nan):.3f}, "
+              f"in the allocator's order {k.get('allocator_ratio', nan):.3f};"
               f" 16-byte loads per compiled variant (PTX): {k['ptx_v4_loads']}")
     return 0
