@@ -27,3 +27,9 @@ def test_allocator_order_refuses_more_than_half_the_pool() -> None:
     with pytest.raises(ValueError, match=r"n must be in \[0, 50\]"):
         allocator_order(100, 51)
     assert allocator_order(100, 0) == []
+
+
+def test_pair_bench_wants_two_kinds() -> None:
+    from cpkv.bench.compose import pair_bench
+    with pytest.raises(ValueError, match="two kinds"):
+        pair_bench(None, {"token": (64, 4)})

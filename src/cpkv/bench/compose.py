@@ -445,9 +445,57 @@ def _shared(cp: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() < cp
 
 
+def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """Both kinds of a layer gathered in one launch, as compose runs them (``gather_pair_launcher``, the default
+    config): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool gathered, in the allocator's order
+    (``allocator_order``) and in random order, each byte-checked, in device time against its ceilings: ``copy_``
+    of each kind's bytes back to back (two launches, as two gathers would be) and one ``copy_`` of all of them."""
+    from cpkv.kernels.page_gather.triton import gather_pair_launcher
+    if len(kinds) != 2:
+        raise ValueError(f"pair_bench: two kinds, got {sorted(kinds)}")
+    segs, nbytes = [], 0
+    for name, (page_bytes, pool_pages) in kinds.items():
+        n = pool_pages // 2
+        pool = torch.randint(0, 256, (pool_pages, page_bytes), dtype=torch.uint8, device=device)
+        segs.append({"name": name, "pool": pool, "out": torch.empty((n, page_bytes), dtype=torch.uint8, device=device),
+                     "flat": torch.empty((n, page_bytes), dtype=torch.uint8, device=device),
+                     "dest": torch.arange(n, dtype=torch.int32, device=device),
+                     "src": torch.zeros(n, dtype=torch.int32, device=device),
+                     "bases": torch.tensor([pool.data_ptr()], dtype=torch.int64, device=device),
+                     "orders": {"allocator": torch.tensor(allocator_order(pool_pages, n), device=device),
+                                "random": torch.randperm(pool_pages, device=device)[:n]}})
+        nbytes += 2 * n * page_bytes
+    total = sum(x["out"].numel() for x in segs)
+    big_src = torch.empty(total, dtype=torch.uint8, device=device)
+    big_dst = torch.empty_like(big_src)
+
+    def gbps(fn) -> float:
+        return nbytes / event_median_s(fn, device_only=True) / 1e9
+
+    def copies() -> None:
+        for x in segs:
+            x["flat"].copy_(x["pool"][: x["flat"].shape[0]])
+    res: dict[str, Any] = {"kinds": {x["name"]: list(x["out"].shape) for x in segs}, "bytes_moved": nbytes,
+                           "copy_each_GBps": gbps(copies), "copy_one_GBps": gbps(lambda: big_dst.copy_(big_src))}
+    for order in ("allocator", "random"):
+        for x in segs:
+            x["out"].zero_()
+        launch = gather_pair_launcher(*((x["out"], x["bases"], x["dest"], x["src"], x["orders"][order], True)
+                                        for x in segs))
+        launch()
+        ok = all(torch.equal(x["out"], x["pool"].index_select(0, x["orders"][order])) for x in segs)
+        res[f"{order}_correct"] = ok
+        if ok:
+            res[f"{order}_GBps"] = g = gbps(launch)
+            res[f"{order}_ratio_each"] = g / res["copy_each_GBps"]
+            res[f"{order}_ratio_one"] = g / res["copy_one_GBps"]
+    return res
+
+
 def kernel_main(argv: list[str] | None = None) -> int:
     """``python -m cpkv.bench.compose [--json] [--save PATH] [--model glm5] [--page-size 64]``: the gather
-    sweep alone (one GPU, no ranks), token pages then index pages of the model; a table (or ``--json``) on
+    sweep alone (one GPU, no ranks), token pages then index pages of the model, then both kinds in one launch
+    (``pair_bench``: what compose runs each layer); a table (or ``--json``: the two sweeps and ``pair``) on
     stdout, the JSON also written to ``--save``."""
     import argparse
     import json
@@ -469,12 +517,22 @@ def kernel_main(argv: list[str] | None = None) -> int:
         print(f"gather sweep: {kind} pages of {page_bytes} B", file=sys.stderr, flush=True)
         runs[kind] = kernel_bench(dev, page_bytes=page_bytes, pool_pages=pool_pages, gather_pages=pool_pages // 2)
         torch.cuda.empty_cache()
+    print("gather sweep: both kinds in one launch (what compose runs each layer)", file=sys.stderr, flush=True)
+    pair = pair_bench(dev, {kind: (runs[kind]["page_bytes"], 2 * runs[kind]["pages"]) for kind in ("token", "index")})
+    torch.cuda.empty_cache()
+    runs["pair"] = pair
     if args.save:
         with open(args.save, "w") as f:
             json.dump(runs, f, indent=1)
     if args.json:
         print(json.dumps(runs, indent=1))
         return 0
+    nan = float("nan")
+    print(f"both kinds in one launch, {pair['bytes_moved'] / 1e6:.0f} MB moved: in the allocator's order "
+          f"{pair.get('allocator_ratio_each', nan):.3f} of copy_ per kind ({pair.get('allocator_ratio_one', nan):.3f} of "
+          f"one copy_), random order {pair.get('random_ratio_each', nan):.3f} ({pair.get('random_ratio_one', nan):.3f}); "
+          f"byte-exact: {pair['allocator_correct'] and pair['random_correct']}")
+    del runs["pair"]
     for kind, r in runs.items():
         print(f"{kind} pages {r['page_bytes']} B x {r['pages']}: copy_ {r['copy_GBps']:.0f} GB/s device time "
               f"({r['copy_GBps_event']:.0f} launch included), index_select {r['index_select_ratio']:.3f}, "
