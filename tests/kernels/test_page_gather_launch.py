@@ -80,20 +80,25 @@ def test_pair_launcher_orders_both_segments_for_one_launch(fake):
     launch = pg.gather_pair_launcher((*a, True), (*b, True))
     launch()
     [(kind, args, grid, kw)] = compiles
-    assert kind == "pair" and grid == (11, 1, 1) and len(args) == 16
+    # PAIR_CONFIG's 4096-element blocks: a 41,984-byte token page is 3 units, an 8,448-byte index page 1
+    assert kind == "pair" and grid == (4 * 3 + 7, 1, 1) and len(args) == 16
     call = compiled.calls[0]
-    assert call[:3] == (11, 1, 1)
+    assert call[:3] == (19, 1, 1) and kw["num_warps"] == pg.PAIR_CONFIG["num_warps"]
     # every raw value lands on the parameter of that name in the real kernel's signature
     named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
     assert len(named) == len(call[9:]) == 24
     for j, (out, bases, dest, src, page) in enumerate((a, b)):
         assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
-    assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 4, 7, 7)
+    assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 12, 7, 7)
     assert set(kw) == {f"{x}{j}" for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK") for j in (0, 1)} | {"num_warps"}
-    assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 16384]
+    assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 4096]
     assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
     assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
+    # a config given overrides PAIR_CONFIG (missing keys still PAIR_CONFIG's): one 16384-element unit a token page
+    pg.gather_pair_launcher((*a, True), (*b, True), config={"block": 16384})()
+    assert compiles[-1][2] == (4 + 7, 1, 1) and compiles[-1][3]["BLOCK0"] == 16384
+    assert compiles[-1][3]["num_warps"] == pg.PAIR_CONFIG["num_warps"]
 
 
 def test_triton_s_empty_hook_chain_allows_direct_launches(fake, monkeypatch):

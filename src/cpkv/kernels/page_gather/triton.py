@@ -34,6 +34,12 @@ import torch
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
 # 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
+# the two-segment kernel (both KV kinds of a layer in one launch: what compose runs) compiles both segments' code
+# into one kernel, so its registers, and with them how many programs an SM holds, are the larger segment's: at
+# 16384-element blocks GLM-5's 8 KB index pages ran at token-page occupancy and the pair reached 0.80-0.82 of
+# copy_; at 4096 both kinds fit the index pages' occupancy: 0.943-0.950 (BENCHMARKS.md, session 14: two separate
+# launches 0.942-0.959, a launch more of host time per layer)
+PAIR_CONFIG = {"block": 4096, "num_warps": 8}
 
 
 @lru_cache(maxsize=1)
@@ -165,8 +171,8 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
     """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
     ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
-    The same contract as :func:`gather_launcher`; ``config`` applies to both. Falls back to two launches
-    where a direct launch is not possible."""
+    The same contract as :func:`gather_launcher`; ``config`` applies to both (missing keys: PAIR_CONFIG's).
+    Falls back to two launches (each with DEFAULT_CONFIG) where a direct launch is not possible."""
     if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
         return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
     segs, args, grid, kw = _pair(first, second, config)
@@ -188,7 +194,7 @@ def page_gather_pair_triton(first: tuple, second: tuple, *, config: dict | None 
 def _pair(first: tuple, second: tuple, config: dict | None) -> tuple[list, tuple, tuple[int, int, int], dict]:
     """The two-segment launch: (both segments' _Launch, the kernel's arguments in signature order, grid,
     the keyword arguments of a JIT launch: constexprs and warps)."""
-    segs = [_Launch(*x[:5], x[5], config) for x in (first, second)]
+    segs = [_Launch(*x[:5], x[5], {**PAIR_CONFIG, **(config or {})}) for x in (first, second)]
     a, b = segs[0].args, segs[1].args
     args = (*a[:8], *b[:8], *a[8:], *b[8:])  # the pair kernel's signature order
     kw = dict(PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9],
