@@ -369,15 +369,12 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     # same pages in address order, contiguous pages (a plain copy through the same kernel), and pages in the order
     # the engine's allocator hands them out on a pool in use: separate the access pattern from the kernel's cost
     churned = torch.tensor(allocator_order(pool_pages, gather_pages), device=device)
-    for name, pages in (("sorted", idx.sort().values), ("contiguous", torch.arange(gather_pages, device=device)),
-                        ("allocator", churned)):
-        # the best config; the allocator's order also with the default one (what compose runs), byte-checked
-        for suffix, conf in (("", cfg), ("_default", None)) if name == "allocator" else (("", cfg),):
-            launch = gather_launcher(out, bases, dest, src, pages, config=conf)
-            res[f"{name}{suffix}_GBps"] = gbps(launch)
-            res[f"{name}{suffix}_ratio"] = res[f"{name}{suffix}_GBps"] / res["copy_GBps"]
-        if name == "allocator":
-            res["allocator_correct"] = bool(torch.equal(out, pool.index_select(0, pages)))
+    cases = (("sorted", idx.sort().values, cfg), ("contiguous", torch.arange(gather_pages, device=device), cfg),
+             ("allocator", churned, cfg), ("allocator_default", churned, None))  # the last: what compose runs
+    for name, pages, conf in cases:
+        res[f"{name}_GBps"] = gbps(gather_launcher(out, bases, dest, src, pages, config=conf))
+        res[f"{name}_ratio"] = res[f"{name}_GBps"] / res["copy_GBps"]
+    res["allocator_correct"] = bool(torch.equal(out, pool.index_select(0, churned)))  # the last case's bytes
     res["best"] = best
     res["ptx_v4_loads"] = _count_v4(load())
     return res
@@ -445,11 +442,13 @@ def _shared(cp: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() < cp
 
 
-def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    """Both kinds of a layer gathered in one launch, as compose runs them (``gather_pair_launcher``, the default
-    config): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool gathered, in the allocator's order
-    (``allocator_order``) and in random order, each byte-checked, in device time against its ceilings: ``copy_``
-    of each kind's bytes back to back (two launches, as two gathers would be) and one ``copy_`` of all of them."""
+def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]],
+               config: dict | None = None) -> dict[str, Any]:
+    """Both kinds of a layer gathered in one launch, as compose runs them (``gather_pair_launcher`` with
+    ``config``: None is its default, PAIR_CONFIG): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool
+    gathered, in the allocator's order (``allocator_order``) and in random order, each byte-checked, in device
+    time against its ceilings: ``copy_`` of each kind's bytes back to back (two launches, as two gathers would be)
+    and one ``copy_`` of all of them."""
     from cpkv.kernels.page_gather.triton import gather_pair_launcher
     if len(kinds) != 2:
         raise ValueError(f"pair_bench: two kinds, got {sorted(kinds)}")
@@ -481,7 +480,7 @@ def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]]) -> dict[
         for x in segs:
             x["out"].zero_()
         launch = gather_pair_launcher(*((x["out"], x["bases"], x["dest"], x["src"], x["orders"][order], True)
-                                        for x in segs))
+                                        for x in segs), config=config)
         launch()
         ok = all(torch.equal(x["out"], x["pool"].index_select(0, x["orders"][order])) for x in segs)
         res[f"{order}_correct"] = ok
