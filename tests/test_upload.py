@@ -32,3 +32,15 @@ def test_staging_refuses_a_slot_it_does_not_have():
         with pytest.raises(ValueError, match="slot must be 0 or 1"):
             with staging("cpu", bad):
                 pass
+
+
+def test_stage_fills_in_place_and_sends_each_array():
+    from cpkv.upload import stage
+
+    staged = stage([3, 0, 5], np.int64, "cpu")
+    assert [h.size for h in staged.host] == [3, 0, 5]
+    staged.host[0][:] = [9, 8, 7]
+    staged.host[2][:] = np.arange(5) * 2
+    got = staged.send()
+    assert [t.tolist() for t in got] == [[9, 8, 7], [], [0, 2, 4, 6, 8]]
+    assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())

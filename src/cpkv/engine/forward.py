@@ -3,13 +3,14 @@
     BatchSpec (same on every rank): layout, each request's sequence tokens, the pool page id of every
     current page on its writer.
     RankPlan (built once per batch by ``rank_plan`` from host data, passed in): the rank's token ids and
-    positions, its rotary tables, dense-buffer key ranges [ks, ke) (a request's keys are contiguous from
-    ``slot_start * page_size`` because prefixes are page-aligned), and where each request's last
-    token sits when this rank holds it. Its device tensors are uploaded asynchronously, so neither the
-    plan nor the forward pass waits on the device (``cpkv.upload``). The attention part (key ranges, the
-    indexer's chunks and work items: most of the plan's host time) is built by ``RankPlan.complete`` after
-    the first layer's compose is launched, the compose plan (``run_batch``'s ``prepare``) after its
-    projections: the GPU starts on the batch after the token ids and rotary tables alone.
+    positions, its query-token runs (whence the dense-buffer key ranges [ks, ke): a request's keys are
+    contiguous from ``slot_start * page_size`` because prefixes are page-aligned), and where each request's
+    last token sits when this rank holds it. Its device tensors are written straight into the pinned staging
+    buffer and uploaded asynchronously in one copy, so neither the plan nor the forward pass waits on the
+    device (``cpkv.upload``). The GPU starts on the batch (its embedding) right after that copy; the rotary
+    tables are built behind the embedding, the compose plan (``run_batch``'s ``prepare``) after the first
+    layer's projections, and the attention part (key ranges, the indexer's chunks and work items: most of the
+    plan's host time) by ``RankPlan.complete`` after the first layer's compose is launched.
 
 Per layer: project -> write own token/index rows (staging) -> compose both kinds -> attend (indexer top-k,
 sparse MLA, MLP; a MoE layer under expert parallelism dispatches to and combines from the experts' ranks).
@@ -28,7 +29,7 @@ from cpkv.model.layer import AttnPlan
 from cpkv.model.model import DSAModel
 from cpkv.model.ops import Rotary
 from cpkv.timeline import mark
-from cpkv.upload import upload_arrays
+from cpkv.upload import stage
 
 if TYPE_CHECKING:
     from cpkv.compose.plan import ComposePlan
@@ -49,17 +50,35 @@ class BatchSpec:
 @dataclass
 class RankPlan:
     ids: torch.Tensor
-    rot: Rotary
+    positions: torch.Tensor      # int64 [T] on the device: each token's position in its request
     last: list[tuple[int, int]]  # (request index, row in this rank's tokens)
     last_rows: torch.Tensor      # int64 [len(last)] on the device: those rows
     ep: Any = None               # the batch's expert-parallel exchange (cpkv.compose.dispatch.EPBatch), or None
-    bounds: tuple[np.ndarray, np.ndarray] | None = None  # host int64 [T] ks, ke until ``complete`` builds attn
+    runs: tuple[tuple[int, int, int], ...] = ()  # per query-token run (start, end, first dense key row)
     topk: int = 0
     attn: AttnPlan | None = None
+    rot: Rotary | None = None    # built by ``rotary`` (after the embedding is launched)
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+    def rotary(self, model: DSAModel) -> Rotary:
+        """The batch's rotary tables (built once)."""
+        if self.rot is None:
+            self.rot = model.rotary(self.positions)
+        return self.rot
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host int64 [T] ks, ke: each query token's dense key range [ks, ke) (its request's keys up to itself)."""
+        n = sum(e - s for s, e, _ in self.runs)
+        ks, ke = np.empty(n, np.int64), np.empty(n, np.int64)
+        at = 0
+        for s, e, base in self.runs:
+            ks[at: at + e - s] = base
+            np.add(_arange(e - s), base + s + 1, out=ke[at: at + e - s])
+            at += e - s
+        return ks, ke
 
     def complete(self, model: DSAModel, chunks: int | None = 1) -> AttnPlan:
         """The attention plan from the host bounds (built once), with the indexer's work items of its first
@@ -67,20 +86,30 @@ class RankPlan:
         the GPU's work on the chunks before: ``IndexerPlan.prepare_items``). A plan built ahead, while the GPU
         runs the batch before, takes them all."""
         if self.attn is None:
-            ks, ke = self.bounds
-            self.attn = AttnPlan.build(ks, ke, self.topk, model.device)
+            self.attn = AttnPlan.build(*self.bounds(), self.topk, model.device)
             mark("attention bounds")
         self.attn.indexer.prepare_items(_logits_work_shape(model), self.topk, chunks=chunks)
         return self.attn
 
 
+_ARANGE = [np.arange(0, dtype=np.int64)]
+
+
+def _arange(n: int) -> np.ndarray:
+    """np.arange(n) int64 as a view of one kept array (grown as needed): no fresh memory per batch."""
+    if _ARANGE[0].size < n:
+        _ARANGE[0] = np.arange(max(n, 2 * _ARANGE[0].size), dtype=np.int64)
+    return _ARANGE[0][:n]
+
+
 def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> RankPlan:
-    """Rank ``rank``'s RankPlan for ``spec``, built once per batch (every layer reuses it): host arrays per
-    query-token run (numpy, no per-token Python), uploaded once; the attention plan is left to
-    ``RankPlan.complete``. ``ep``: the rank's ExpertExchange (expert parallelism), prepared here with every
-    rank's query-token count."""
+    """Rank ``rank``'s RankPlan for ``spec``, built once per batch (every layer reuses it): token ids, positions
+    and last-token rows written per query-token run (numpy, no per-token Python) straight into the staging
+    buffer and uploaded in one copy; the GPU can start on the embedding right after it. The rotary tables
+    (``RankPlan.rotary``) and the attention plan (``RankPlan.complete``) come later. ``ep``: the rank's
+    ExpertExchange (expert parallelism), prepared here with every rank's query-token count."""
     lay, P = spec.layout, spec.layout.page_size
-    ids, pos, base = [], [], []
+    runs: list[tuple[int, int, int, int]] = []
     last: list[tuple[int, int]] = []
     n = 0
     for req, s, e in lay.rank_query_ranges[rank]:
@@ -88,18 +117,21 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
         assert r.prefix_len % P == 0, "the engine keeps prefixes page-aligned"
         if e == r.seq_len:
             last.append((req, n + e - s - 1))
-        ids.append(np.asarray(spec.tokens[req][s:e], dtype=np.int64))
-        pos.append(np.arange(s, e, dtype=np.int64))
-        base.append(np.full(e - s, r.slot_start * P, dtype=np.int64))
+        runs.append((req, s, e, r.slot_start * P))
         n += e - s
-    cat = (lambda x: np.concatenate(x) if x else np.zeros(0, np.int64))  # noqa: E731
-    ids_h, pos_h, ks = cat(ids), cat(pos), cat(base)
-    counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
-    ids_d, pos_d, last_d = upload_arrays([ids_h, pos_h, np.asarray([row for _, row in last], np.int64)],
-                                         model.device)  # one copy
+    staged = stage([n, n, len(last)], np.int64, model.device)
+    ids_h, pos_h, last_h = staged.host
+    at = 0
+    for req, s, e, _ in runs:
+        ids_h[at: at + e - s] = spec.tokens[req][s:e]
+        np.add(_arange(e - s), s, out=pos_h[at: at + e - s])
+        at += e - s
+    last_h[:] = [row for _, row in last]
+    ids_d, pos_d, last_d = staged.send()  # one copy
     mark("rank plan uploaded")
-    return RankPlan(ids_d, model.rotary(pos_d), last, last_d, ep.prepare(counts) if ep is not None else None,
-                    (ks, ks + pos_h + 1), model.cfg.index_topk)
+    counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
+    return RankPlan(ids_d, pos_d, last, last_d, ep.prepare(counts) if ep is not None else None,
+                    tuple((s, e, base) for _, s, e, base in runs), model.cfg.index_topk)
 
 
 def _logits_work_shape(model: DSAModel):
@@ -129,7 +161,8 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     mark("rank plan")
     h, delta, topk = model.embed(plan.ids), None, None
     mark("embed")
-    p = model.layers[0].project(h, plan.rot, delta) if plan.num_tokens and model.layers else None
+    rot = plan.rotary(model)  # behind the embedding on the GPU
+    p = model.layers[0].project(h, rot, delta) if plan.num_tokens and model.layers else None
     mark("L0 project")
     compose = prepare() if callable(prepare) else prepare  # the plan's host work while the GPU runs the first
     #                                                           projections (unless it was built ahead)
@@ -138,7 +171,7 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):
         if n:
-            p = layer.project(h, plan.rot, delta) if plan.num_tokens else None
+            p = layer.project(h, rot, delta) if plan.num_tokens else None
             mark(f"L{n} project")
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)

@@ -386,10 +386,12 @@ class RankEngine:
         return layout, page_ids, BatchSpec(layout, self._token_arrays(batch), page_ids)
 
     def _plan_ahead(self, batch: Batch) -> Ahead:
-        """``batch``'s whole plan now (the batch before still on the GPU): rank plan, compose plan, attention plan
-        with every logits chunk's work items. Its uploads and device work queue behind the running batch."""
+        """``batch``'s whole plan now (the batch before still on the GPU): rank plan and rotary tables, compose
+        plan, attention plan with every logits chunk's work items. Its uploads and device work queue behind the
+        running batch."""
         layout, page_ids, spec = self._spec(batch)
         plan = rank_plan(spec, self.rank, self.model, self.ep)
+        plan.rotary(self.model)
         compose = self.rt.prepare(layout, page_ids)
         plan.complete(self.model, chunks=None)
         return Ahead(batch, plan, compose)
