@@ -72,7 +72,7 @@ def test_prepared_launcher_matches_reference(page_bytes, config):
 @pytest.mark.parametrize("sizes", [(64 * 656, 64 * 132), (16 * 196, 132), (132, 3)])
 @pytest.mark.parametrize("config", [None, {"block": 4096, "num_warps": 8}])
 def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes, config):
-    """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one launch."""
+    """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one call (two launches)."""
     from cpkv.kernels.page_gather.triton import gather_pair_launcher
     cases = [_case(pb, 150 + 20 * i, seed=pb + 5) for i, pb in enumerate(sizes)]
     wants = [torch.full((150 + 20 * i, pb), 0xEE, dtype=torch.uint8, device="cuda") for i, pb in enumerate(sizes)]

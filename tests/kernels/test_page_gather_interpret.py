@@ -51,13 +51,6 @@ for page_bytes in (41984 // 16, 132, 8448 // 64, 6, 20, 48):  # 16-byte, 4-byte 
             pg.page_gather_triton(out, bases, dest, src, page, config=cfg)
             assert torch.equal(out, want), (page_bytes, n, cfg, (out != want).nonzero()[:4].tolist())
             checked += 1
-# two segments in one launch (the pair kernel), each with its own page size
-a, b = case(656 * 4, 9), case(132, 7, n_out=9)
-for cfg in CONFIGS:
-    outs = [a[5].clone(), b[5].clone()]
-    pg.page_gather_pair_triton((outs[0], *a[1:5], True), (outs[1], *b[1:5], True), config=cfg)
-    assert torch.equal(outs[0], a[6]) and torch.equal(outs[1], b[6]), ("pair", cfg)
-    checked += 1
 # empty input: nothing launched, nothing written
 srcs, bases, dest, src, page, init, want = case(48, 3)
 out = init.clone()

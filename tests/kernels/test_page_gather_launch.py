@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 
 from cpkv.kernels.page_gather import triton as pg  # noqa: E402
 
-REAL_LOAD_PAIR = pg.load_pair  # the fixture replaces it
 
 
 class _Compiled:
@@ -31,13 +30,7 @@ def fake(monkeypatch):
         compiles.append(("single", warmup))
         return compiled
 
-    class _Pair:
-        def warmup(self, *args, grid, **kw):
-            compiles.append(("pair", args, grid, kw))
-            return compiled
-
     monkeypatch.setattr(pg._Launch, "jit", compile_single)
-    monkeypatch.setattr(pg, "load_pair", lambda: _Pair())
     monkeypatch.setattr(pg, "_COMPILED", {})
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
@@ -74,31 +67,26 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
     assert launch.tensors[2] is dest
 
 
-def test_pair_launcher_orders_both_segments_for_one_launch(fake):
+def test_pair_launcher_is_two_prepared_launches_each_at_its_config(fake):
+    """Both kinds of a layer: two direct launches of the one-segment kernel, in order, each with its own grid and
+    raw arguments exactly as a launcher of its own; a config applies to both."""
     compiled, compiles = fake
     a, b = _seg(64 * 656, 4), _seg(64 * 132, 7)
     launch = pg.gather_pair_launcher((*a, True), (*b, True))
     launch()
-    [(kind, args, grid, kw)] = compiles
-    # PAIR_CONFIG's 4096-element blocks: a 41,984-byte token page is 3 units, an 8,448-byte index page 1
-    assert kind == "pair" and grid == (4 * 3 + 7, 1, 1) and len(args) == 16
-    call = compiled.calls[0]
-    assert call[:3] == (19, 1, 1) and kw["num_warps"] == pg.PAIR_CONFIG["num_warps"]
-    # every raw value lands on the parameter of that name in the real kernel's signature
-    named = dict(zip(REAL_LOAD_PAIR().arg_names, call[9:]))
-    assert len(named) == len(call[9:]) == 24
-    for j, (out, bases, dest, src, page) in enumerate((a, b)):
-        assert [named[f"{x}{j}"] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
+    pg.gather_launcher(*a)()
+    pg.gather_launcher(*b)()
+    assert len(launch.parts) == 2 and len(compiled.calls) == 4
+    assert compiled.calls[:2] == compiled.calls[2:]  # the same launches as each gather alone
+    named = [dict(zip(pg.load().arg_names, c[9:])) for c in compiled.calls[:2]]
+    for got, (out, bases, dest, src, page), n, block in zip(named, (a, b), (4, 7), (16384, 4096)):
+        assert [got[x] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
             t.data_ptr() for t in (out, bases, dest, src, page, out)]
-    assert (named["n0"], named["units0"], named["n1"], named["units1"]) == (4, 12, 7, 7)
-    assert set(kw) == {f"{x}{j}" for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK") for j in (0, 1)} | {"num_warps"}
-    assert [named[f"{x}0"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 656 // 4, 4, 4, 4096]
-    assert [named[f"{x}1"] for x in ("PAGE_ELEMS", "ELEM_BYTES", "VEC", "BLOCK")] == [64 * 132 // 4, 4, 4, 4096]
-    assert kw["BLOCK1"] == 4096 and kw["PAGE_ELEMS0"] == 64 * 656 // 4
-    # a config given overrides PAIR_CONFIG (missing keys still PAIR_CONFIG's): one 16384-element unit a token page
-    pg.gather_pair_launcher((*a, True), (*b, True), config={"block": 16384})()
-    assert compiles[-1][2] == (4 + 7, 1, 1) and compiles[-1][3]["BLOCK0"] == 16384
-    assert compiles[-1][3]["num_warps"] == pg.PAIR_CONFIG["num_warps"]
+        assert (got["n"], got["n_units"], got["BLOCK"]) == (n, n, block)  # a program a page (DEFAULT_CONFIG)
+    assert [c[:3] for c in compiled.calls[:2]] == [(4, 1, 1), (7, 1, 1)]
+    # a config given applies to both: 4096-element units split a 41,984-byte token page into 3 programs
+    pg.gather_pair_launcher((*a, True), (*b, True), config={"block": 4096})()
+    assert [c[:3] for c in compiled.calls[-2:]] == [(12, 1, 1), (7, 1, 1)]
 
 
 def test_triton_s_empty_hook_chain_allows_direct_launches(fake, monkeypatch):
@@ -140,9 +128,15 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
     pair = pg.gather_pair_launcher((*a, True), (*b, True))
     pg.relaunch_with(pair, [a2, b2])()
     pg.gather_pair_launcher((*a2, *a[2:], True), (*b2, *b[2:], True))()
-    assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2] == compiled.calls[3]
-    assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[2][9 + 9] == b2[1].data_ptr()
+    assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2:4] == compiled.calls[4:6]
+    assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[3][9 + 1] == b2[1].data_ptr()
     assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets
+    assert pg.relaunch_with(pair, [a2]) is None  # two parts, one target
+    # a pair with nothing to gather on one side: that side stays a no-op
+    half = pg.relaunch_with(pg.gather_pair_launcher((*a, True), (*_seg(64 * 132, 0), True)), [a2, b2])
+    assert half is not None and half.parts[1] is pg._noop
+    half()
+    assert compiled.calls[-1] == compiled.calls[0]
 
 
 def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):

@@ -45,27 +45,3 @@ def test_gather_compiles_for_sm90_with_16_byte_vectors(config, tmp_path):
     assert all(x.endswith(".128") for x in re.findall(r"\bSTG\.E\S*", sass))  # no narrower stores
     assert not re.search(r"\b(STL|LDL)\b", sass)
     assert not any(".EF." in x for x in loads + stores)  # plain 128-bit loads and stores: no cache hints
-
-
-@pytest.mark.triton
-def test_pair_kernel_keeps_the_small_pages_occupancy(tmp_path):
-    """The two-segment kernel (compose's per-layer launch, GLM-5's token and index pages) at PAIR_CONFIG: its
-    registers are its larger segment's; at PAIR_CONFIG's 4096-element units they stay at the index pages' level
-    (8 programs of 8 warps an SM), where the single-kind default's 16384 needed 80 (3 programs an SM: the pair ran
-    at 0.82 of copy_, BENCHMARKS.md session 14)."""
-    idx = torch.zeros(4096, dtype=torch.int32)
-    segs = [(torch.empty(2, pb, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64), idx, idx, idx, True)
-            for pb in (TOKEN_PAGE, 64 * 132)]
-    _, args, _, kw = pg._pair(*segs, None)
-    fn = pg.load_pair()
-    args = list(args)
-    for at in (5, 13):  # out_addr of each segment: any address
-        args[at] = 1 << 20
-    consts = {k: v for k, v in kw.items() if k != "num_warps"}
-    assert len(args) == len(fn.arg_names)  # the signature's order, constexprs included
-    ck = compile_sm90(fn, tuple(args), consts, num_warps=kw["num_warps"])
-    report, sass = ptxas_and_sass(ck, tmp_path)
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert kw["BLOCK0"] == kw["BLOCK1"] == pg.PAIR_CONFIG["block"] == 4096 and kw["num_warps"] == 8
-    assert regs * 32 * kw["num_warps"] * 8 <= 65536, report  # 8 programs of 8 warps fit an SM's register file
-    assert "0 bytes spill stores" in report and not re.search(r"\b(STL|LDL)\b", sass)

@@ -226,7 +226,7 @@ def _host_us(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> float:
 
 
 def _host_us_layer(rt: ComposeRuntime, plan: ComposePlan, n: int = 100) -> tuple[float, float]:
-    """Host µs per layer (every kind, one launch, as ``compose_layer`` under symm) with the plan built:
+    """Host µs per layer (every kind in one call, as ``compose_layer`` under symm) with the plan built:
     (back to back, each call alone on an idle device)."""
     halves = {k: 0 for k in KINDS}
 
@@ -444,11 +444,11 @@ def _shared(cp: int) -> bool:
 
 def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]],
                config: dict | None = None) -> dict[str, Any]:
-    """Both kinds of a layer gathered in one launch, as compose runs them (``gather_pair_launcher`` with
-    ``config``: None is its default, PAIR_CONFIG): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool
-    gathered, in the allocator's order (``allocator_order``) and in random order, each byte-checked, in device
-    time against its ceilings: ``copy_`` of each kind's bytes back to back (two launches, as two gathers would be)
-    and one ``copy_`` of all of them."""
+    """Both kinds of a layer gathered as compose runs them (``gather_pair_launcher``: two launches, each kind at
+    ``config``, None: DEFAULT_CONFIG): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool gathered, in
+    the allocator's order (``allocator_order``) and in random order, each byte-checked, in device time against its
+    ceilings: ``copy_`` of each kind's bytes back to back (two launches, as the two gathers) and one ``copy_`` of
+    all of them."""
     from cpkv.kernels.page_gather.triton import gather_pair_launcher
     if len(kinds) != 2:
         raise ValueError(f"pair_bench: two kinds, got {sorted(kinds)}")
@@ -493,7 +493,7 @@ def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]],
 
 def kernel_main(argv: list[str] | None = None) -> int:
     """``python -m cpkv.bench.compose [--json] [--save PATH] [--model glm5] [--page-size 64]``: the gather
-    sweep alone (one GPU, no ranks), token pages then index pages of the model, then both kinds in one launch
+    sweep alone (one GPU, no ranks), token pages then index pages of the model, then both kinds as compose gathers them
     (``pair_bench``: what compose runs each layer); a table (or ``--json``: the two sweeps and ``pair``) on
     stdout, the JSON also written to ``--save``."""
     import argparse
@@ -516,7 +516,7 @@ def kernel_main(argv: list[str] | None = None) -> int:
         print(f"gather sweep: {kind} pages of {page_bytes} B", file=sys.stderr, flush=True)
         runs[kind] = kernel_bench(dev, page_bytes=page_bytes, pool_pages=pool_pages, gather_pages=pool_pages // 2)
         torch.cuda.empty_cache()
-    print("gather sweep: both kinds in one launch (what compose runs each layer)", file=sys.stderr, flush=True)
+    print("gather sweep: both kinds of a layer (what compose runs each layer)", file=sys.stderr, flush=True)
     pair = pair_bench(dev, {kind: (runs[kind]["page_bytes"], 2 * runs[kind]["pages"]) for kind in ("token", "index")})
     torch.cuda.empty_cache()
     runs["pair"] = pair
@@ -527,7 +527,7 @@ def kernel_main(argv: list[str] | None = None) -> int:
         print(json.dumps(runs, indent=1))
         return 0
     nan = float("nan")
-    print(f"both kinds in one launch, {pair['bytes_moved'] / 1e6:.0f} MB moved: in the allocator's order "
+    print(f"both kinds of a layer, {pair['bytes_moved'] / 1e6:.0f} MB moved: in the allocator's order "
           f"{pair.get('allocator_ratio_each', nan):.3f} of copy_ per kind ({pair.get('allocator_ratio_one', nan):.3f} of "
           f"one copy_), random order {pair.get('random_ratio_each', nan):.3f} ({pair.get('random_ratio_one', nan):.3f}); "
           f"byte-exact: {pair['allocator_correct'] and pair['random_correct']}")

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan build: {out['plan_ms']:.3f} ms ({out['plan_ms_host_only']:.3f} ms without the upload); host work "
           f"per (layer, kind) with the plan cached: "
           f"{out['host_us_per_layer_kind']:.1f} us per (layer, kind), {out['host_us_per_layer']:.1f} us per layer with "
-          f"both kinds in one launch (gather path, no barrier wait; calls back to back as a forward pass issues "
+          f"both kinds in one call (gather path, no barrier wait; calls back to back as a forward pass issues "
           f"them, ranks one at a time; {out['host_us_per_layer_idle']:.1f} us per layer for a call alone on an idle "
           f"device"
           f"{'; on the CPU the copy itself runs inside the call' if cfg.device == 'cpu' else ''})")

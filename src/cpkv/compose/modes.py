@@ -81,7 +81,7 @@ def _symm(rt, plan, layer, kind, half):
 
 
 def _symm_layer(rt, plan, layer, halves):
-    """symm for every kind of a layer: one barrier round and one gather launch for all kinds."""
+    """symm for every kind of a layer: one barrier round and one gather call for all kinds (a launch per kind)."""
     views = {k: rt.dense(plan, k, h) for k, h in halves.items()}
     rt.barrier_round()
     rt.gather_kinds("global", layer, halves, {k: (v[1], plan.all) for k, v in views.items()})

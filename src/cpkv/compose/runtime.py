@@ -13,7 +13,7 @@ Per batch and per (layer, kind), every rank, in the same order::
     dense = rt.compose(plan, layer, kind)              # uint8 [num_slots * P, row_bytes]
 
 or, with the rows of every kind written first, ``dense = rt.compose_layer(plan, layer)`` ({kind: dense};
-under ``symm`` one barrier round and one gather launch for all kinds).
+under ``symm`` one barrier round and one gather call for all kinds, a launch per kind).
 
 Contract:
 

@@ -177,7 +177,7 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
-        dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather launch under symm
+        dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather call under symm
         mark(f"L{n} compose")
         if attn is None:  # the attention plan's host work behind the first compose (unless built ahead)
             attn = plan.complete(model)

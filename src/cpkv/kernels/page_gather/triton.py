@@ -34,12 +34,10 @@ import torch
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
 # 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
-# the two-segment kernel (both KV kinds of a layer in one launch: what compose runs) compiles both segments' code
-# into one kernel, so its registers, and with them how many programs an SM holds, are the larger segment's: at
-# 16384-element blocks GLM-5's 8 KB index pages ran at token-page occupancy and the pair reached 0.80-0.82 of
-# copy_; at 4096 both kinds fit the index pages' occupancy: 0.943-0.950 (BENCHMARKS.md, session 14: two separate
-# launches 0.942-0.959, a launch more of host time per layer)
-PAIR_CONFIG = {"block": 4096, "num_warps": 8}
+# compose's per-layer gather of both KV kinds runs as two launches of this kernel, each kind at DEFAULT_CONFIG
+# (``gather_pair_launcher``): 0.951-0.959 of copy_ in the engine's page order, where one two-segment kernel (both
+# kinds in one launch, measured and deleted in session 15) reached 0.944-0.952 at 4096-element units and 0.80-0.82
+# at 16384 (one kernel's registers are its larger segment's: the index pages ran at token-page occupancy)
 
 
 @lru_cache(maxsize=1)
@@ -85,30 +83,6 @@ def load() -> Any:
         _unit(OUT, BASES, DEST, SRC, PAGE, out_addr, tl.program_id(0), n, PAGE_ELEMS, ELEM_BYTES, VEC, BLOCK)
 
     return _page_gather
-
-
-@lru_cache(maxsize=1)
-def load_pair() -> Any:
-    """The two-segment kernel (both KV kinds of a layer in one launch), compiled on first use."""
-    import triton
-    import triton.language as tl
-    load()  # defines the helpers
-
-    @triton.jit
-    def _page_gather_pair(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, n0, units0,
-                          OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, n1, units1,
-                          PAGE_ELEMS0: tl.constexpr, ELEM_BYTES0: tl.constexpr, VEC0: tl.constexpr,
-                          BLOCK0: tl.constexpr, PAGE_ELEMS1: tl.constexpr, ELEM_BYTES1: tl.constexpr,
-                          VEC1: tl.constexpr, BLOCK1: tl.constexpr):
-        # programs [0, units0) copy segment 0's units, the rest segment 1's (each as _page_gather would)
-        u = tl.program_id(0)
-        if u < units0:
-            _unit(OUT0, BASES0, DEST0, SRC0, PAGE0, out_addr0, u, n0, PAGE_ELEMS0, ELEM_BYTES0, VEC0, BLOCK0)
-        else:
-            _unit(OUT1, BASES1, DEST1, SRC1, PAGE1, out_addr1, u - units0, n1, PAGE_ELEMS1, ELEM_BYTES1, VEC1,
-                  BLOCK1)
-
-    return _page_gather_pair
 
 
 @lru_cache(maxsize=256)
@@ -169,37 +143,12 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
 
 
 def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
-    """One launch doing two gathers (e.g. both KV kinds of a layer, each with its own page size): each of
-    ``first`` and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`.
-    The same contract as :func:`gather_launcher`; ``config`` applies to both (missing keys: PAIR_CONFIG's).
-    Falls back to two launches (each with DEFAULT_CONFIG) where a direct launch is not possible."""
-    if not _direct_launch_ok() or any(x[2].numel() == 0 for x in (first, second)):
-        return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
-    segs, args, grid, kw = _pair(first, second, config)
-    a, b = segs[0].args, segs[1].args
-
-    def compile_pair() -> Any:
-        return load_pair().warmup(*args[:16], grid=grid, **kw)
-    return _direct(("pair", segs[0].key, segs[1].key), compile_pair, grid, args, (*a[:5], *b[:5]), first[0].device,
-                   segments=(0, 8))  # the second segment's OUT1 is argument 8 (the pair kernel's signature)
-
-
-def page_gather_pair_triton(first: tuple, second: tuple, *, config: dict | None = None) -> None:
-    """The two-segment kernel through Triton's JIT launcher (``first`` / ``second`` as for
-    :func:`gather_pair_launcher`, both non-empty): what that launcher's prepared launch runs."""
-    _, args, grid, kw = _pair(first, second, config)
-    load_pair()[grid](*args[:16], **kw)
-
-
-def _pair(first: tuple, second: tuple, config: dict | None) -> tuple[list, tuple, tuple[int, int, int], dict]:
-    """The two-segment launch: (both segments' _Launch, the kernel's arguments in signature order, grid,
-    the keyword arguments of a JIT launch: constexprs and warps)."""
-    segs = [_Launch(*x[:5], x[5], {**PAIR_CONFIG, **(config or {})}) for x in (first, second)]
-    a, b = segs[0].args, segs[1].args
-    args = (*a[:8], *b[:8], *a[8:], *b[8:])  # the pair kernel's signature order
-    kw = dict(PAGE_ELEMS0=a[8], ELEM_BYTES0=a[9], VEC0=a[10], BLOCK0=a[11], PAGE_ELEMS1=b[8], ELEM_BYTES1=b[9],
-              VEC1=b[10], BLOCK1=b[11], num_warps=segs[0].warps)
-    return segs, args, (a[7] + b[7], 1, 1), kw
+    """Two gathers in one call (e.g. both KV kinds of a layer, each with its own page size): each of ``first``
+    and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`, and each runs
+    as its own prepared launch (``config`` for both; None: DEFAULT_CONFIG), one after the other on the current
+    stream. Two launches, not one kernel doing both: the two-segment kernel ran 0.6-0.9 % slower in device time
+    (module constants). The result keeps its two launchers as ``parts`` (for :func:`relaunch_with`)."""
+    return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
 
 
 def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -209,6 +158,12 @@ def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tens
     grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
     another layer's sources). None when ``launch`` is not a direct launch or a new address would change
     what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
+    parts = getattr(launch, "parts", None)
+    if parts is not None:  # gather_pair_launcher's: one target per part (a part with nothing to gather stays so)
+        if len(targets) != len(parts):
+            return None
+        again = [p if p is _noop else relaunch_with(p, [t]) for p, t in zip(parts, targets)]
+        return None if any(p is None for p in again) else _chain(*again)
     segments = getattr(launch, "segments", None)
     if not segments or len(targets) != len(segments):
         return None
@@ -270,6 +225,7 @@ def _chain(*fns: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         for f in fns:
             f()
+    run.parts = fns
     return run
 
 
