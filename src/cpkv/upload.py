@@ -147,12 +147,9 @@ def stage(sizes: Sequence[int], dtype: np.dtype | type, device: torch.device | s
     st = _ACTIVE.get(device) if device.type == "cuda" else None
     if st is not None and st.active and at:
         pinned = st.take(at * dtype.itemsize)
-        return Staged(pinned.numpy().view(dtype), pinned.view(_TORCH[dtype]), spans, device)
+        typed = pinned.view(torch.from_numpy(np.empty(0, dtype)).dtype)  # pinned storage kept (async copies)
+        return Staged(pinned.numpy().view(dtype), typed, spans, device)
     return Staged(np.empty(at, dtype=dtype), None, spans, device)
-
-
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
-          np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16, np.dtype(np.float64): torch.float64}
 
 
 def upload_arrays(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
