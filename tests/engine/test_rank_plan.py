@@ -45,3 +45,21 @@ def test_rank_plan_matches_a_per_token_reference(cp):
         assert plan.num_tokens == len(ids)
         seen += len(ids)
     assert seen == sum(e for _, e in reqs)  # every new token on exactly one rank
+
+
+def test_rotary_tables_are_built_once_and_only_when_asked():
+    """The GPU starts on the embedding before the rotary tables: rank_plan leaves them unbuilt, ``rotary`` builds
+    them once from the plan's positions."""
+    calls = []
+
+    class Model(_Model):
+        def rotary(self, positions):
+            calls.append(positions.tolist())
+            return ("rot", len(calls))
+
+    lay = build_layout([(0, 5), (64, 3)], page_size=64, cp=1)
+    spec = BatchSpec(lay, (list(range(5)), list(range(67))), tuple(range(len(lay.current_pages))))
+    plan = rank_plan(spec, 0, Model())
+    assert plan.rot is None and calls == []
+    assert plan.rotary(Model()) == ("rot", 1) and plan.rotary(Model()) == ("rot", 1)
+    assert calls == [[0, 1, 2, 3, 4, 64, 65, 66]]
