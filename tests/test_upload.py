@@ -44,3 +44,10 @@ def test_stage_fills_in_place_and_sends_each_array():
     got = staged.send()
     assert [t.tolist() for t in got] == [[9, 8, 7], [], [0, 2, 4, 6, 8]]
     assert all(t.data_ptr() % 16 == 0 for t in got if t.numel())
+
+
+def test_stage_refuses_a_negative_size():
+    from cpkv.upload import stage
+
+    with pytest.raises(ValueError, match=r"sizes must be >= 0, got \[3, -1\]"):
+        stage([3, -1], np.int64, "cpu")

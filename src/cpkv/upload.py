@@ -139,6 +139,8 @@ def stage(sizes: Sequence[int], dtype: np.dtype | type, device: torch.device | s
     before its first kernel). Each array starts on a 16-byte boundary (as a tensor of its own would: kernels
     specialise on pointer alignment); the padding between them is left as it was."""
     device, dtype = _key(device), np.dtype(dtype)
+    if any(int(n) < 0 for n in sizes):
+        raise ValueError(f"stage: sizes must be >= 0, got {list(sizes)}")
     unit = max(16 // dtype.itemsize, 1)
     spans, at = [], 0
     for n in sizes:
@@ -156,10 +158,10 @@ def upload_arrays(arrays: Sequence[np.ndarray], device: torch.device | str) -> l
     """Host arrays of one dtype -> their tensors on ``device`` (shapes kept), through one ``stage``: one copy (and
     one staging slice) where one per array would each pay a copy's host work. Each result is a view of that one
     device tensor, starting on a 16-byte boundary."""
-    dtypes = {np.asarray(a).dtype for a in arrays}
+    arrays = [np.asarray(a) for a in arrays]
+    dtypes = {a.dtype for a in arrays}
     if len(dtypes) != 1:
         raise ValueError(f"upload_arrays needs one dtype, got {sorted(map(str, dtypes))}")
-    arrays = [np.asarray(a) for a in arrays]
     staged = stage([a.size for a in arrays], next(iter(dtypes)), device)
     for h, a in zip(staged.host, arrays):
         h[...] = a.reshape(-1)
