@@ -69,27 +69,6 @@ def test_prepared_launcher_matches_reference(page_bytes, config):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("sizes", [(64 * 656, 64 * 132), (16 * 196, 132), (132, 3)])
-@pytest.mark.parametrize("config", [None, {"block": 4096, "num_warps": 8}])
-def test_pair_launcher_gathers_two_page_sizes_in_one_launch(sizes, config):
-    """gather_pair_launcher: two gathers with different page sizes (both KV kinds) in one call (two launches)."""
-    from cpkv.kernels.page_gather.triton import gather_pair_launcher
-    cases = [_case(pb, 150 + 20 * i, seed=pb + 5) for i, pb in enumerate(sizes)]
-    wants = [torch.full((150 + 20 * i, pb), 0xEE, dtype=torch.uint8, device="cuda") for i, pb in enumerate(sizes)]
-    gots = [w.clone() for w in wants]
-    launch = gather_pair_launcher(*((got, bases, dest, src, page, True)
-                                    for got, (_, bases, dest, src, page) in zip(gots, cases)), config=config)
-    for _ in range(2):
-        for want, got, (sources, _, dest, src, page) in zip(wants, gots, cases):
-            for s in sources:
-                s.random_(0, 256)
-            page_gather_ref(want, sources, dest, src, page)
-            got.fill_(0xEE)
-        launch()
-        for want, got in zip(wants, gots):
-            assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize("page_bytes", [64 * 132, 16 * 196])
 @pytest.mark.parametrize("config", [None, SHAPES[0]])
 def test_triton_gather_unaligned_sources(page_bytes, config):

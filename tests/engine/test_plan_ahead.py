@@ -67,23 +67,16 @@ def _recorder(log: list):
     return run
 
 
-def _fake_launchers(log: list, builds: list):
-    """gather_launcher / gather_pair_launcher whose launches record their raw arguments (same layout as the
-    real ones: OUT, BASES, DEST, SRC, PAGE, out_addr, n[, units] per segment)."""
-    def seg(out, bases, dest, src, page):
-        return (out.data_ptr(), bases.data_ptr(), dest.data_ptr(), src.data_ptr(), page.data_ptr(), out.data_ptr(),
-                dest.numel())
-
+def _fake_launcher(log: list, builds: list):
+    """gather_launcher whose launches record their raw arguments (same layout as the real one: OUT, BASES, DEST,
+    SRC, PAGE, out_addr, n)."""
     def one(out, bases, dest, src, page, *, aligned16=True, config=None):
         builds.append("one")
-        return pg._fast((_recorder(log), (dest.numel(), 1, 1), "fn", "meta", 0), seg(out, bases, dest, src, page),
-                        (out, bases, dest, src, page), (0,), (out.shape[-1],))
-
-    def pair(first, second, *, config=None):  # as the real one: two launches in one call, one build
-        builds.append("pair")
-        return pg._chain(*(pg._fast((_recorder(log), (x[2].numel(), 1, 1), "fn", "meta", 0), seg(*x[:5]), x[:5], (0,),
-                                    (x[0].shape[-1],)) for x in (first, second)))
-    return one, pair
+        raw = (out.data_ptr(), bases.data_ptr(), dest.data_ptr(), src.data_ptr(), page.data_ptr(), out.data_ptr(),
+               dest.numel())
+        return pg._fast((_recorder(log), (dest.numel(), 1, 1), "fn", "meta", 0), raw, (out, bases, dest, src, page),
+                        (0,), (out.shape[-1],))
+    return one
 
 
 def _launch_logs(ctx, split: bool = False):
@@ -98,7 +91,7 @@ def _launch_logs(ctx, split: bool = False):
 
     torch._C._cuda_getCurrentRawStream = lambda index: 7  # the recorder never touches a device
     log, builds = [], []
-    R.gather_launcher, R.gather_pair_launcher = _fake_launchers(log, builds)
+    R.gather_launcher = _fake_launcher(log, builds)
     real_relaunch = R.relaunch_with
     model = preset("tiny")
     caps = AdmissionCaps(chunk_size=64, cached_tokens=128, max_requests=2)

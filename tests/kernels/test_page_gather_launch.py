@@ -67,26 +67,17 @@ def test_single_launcher_passes_raw_addresses_and_compiles_once(fake):
     assert launch.tensors[2] is dest
 
 
-def test_pair_launcher_is_two_prepared_launches_each_at_its_config(fake):
-    """Both kinds of a layer: two direct launches of the one-segment kernel, in order, each with its own grid and
-    raw arguments exactly as a launcher of its own; a config applies to both."""
-    compiled, compiles = fake
-    a, b = _seg(64 * 656, 4), _seg(64 * 132, 7)
-    launch = pg.gather_pair_launcher((*a, True), (*b, True))
-    launch()
-    pg.gather_launcher(*a)()
-    pg.gather_launcher(*b)()
-    assert len(launch.parts) == 2 and len(compiled.calls) == 4
-    assert compiled.calls[:2] == compiled.calls[2:]  # the same launches as each gather alone
-    named = [dict(zip(pg.load().arg_names, c[9:])) for c in compiled.calls[:2]]
-    for got, (out, bases, dest, src, page), n, block in zip(named, (a, b), (4, 7), (16384, 4096)):
-        assert [got[x] for x in ("OUT", "BASES", "DEST", "SRC", "PAGE", "out_addr")] == [
-            t.data_ptr() for t in (out, bases, dest, src, page, out)]
-        assert (got["n"], got["n_units"], got["BLOCK"]) == (n, n, block)  # a program a page (DEFAULT_CONFIG)
-    assert [c[:3] for c in compiled.calls[:2]] == [(4, 1, 1), (7, 1, 1)]
-    # a config given applies to both: 4096-element units split a 41,984-byte token page into 3 programs
-    pg.gather_pair_launcher((*a, True), (*b, True), config={"block": 4096})()
-    assert [c[:3] for c in compiled.calls[-2:]] == [(12, 1, 1), (7, 1, 1)]
+def test_small_pages_get_a_program_each_at_the_default_block(fake):
+    """An index page (8,448 bytes: 2,112 int32 elements) takes one program at DEFAULT_CONFIG: the block shrinks to
+    the page's power of two, so compose's launch for each kind has a program per page."""
+    compiled, _ = fake
+    out, bases, dest, src, page = _seg(64 * 132, 7)
+    pg.gather_launcher(out, bases, dest, src, page)()
+    named = dict(zip(pg.load().arg_names, compiled.calls[0][9:]))
+    assert compiled.calls[0][:3] == (7, 1, 1) and (named["n"], named["n_units"]) == (7, 7)
+    assert [named[x] for x in ("PAGE_ELEMS", "BLOCK")] == [64 * 132 // 4, 4096]
+    pg.gather_launcher(*_seg(64 * 656, 4), config={"block": 4096})()  # a token page in 4096-element units: 3 each
+    assert compiled.calls[-1][:3] == (12, 1, 1)
 
 
 def test_triton_s_empty_hook_chain_allows_direct_launches(fake, monkeypatch):
@@ -109,11 +100,10 @@ def test_launchers_fall_back_without_direct_launches(fake, monkeypatch):
     assert pg.gather_launcher(*b[:2], *b[2:]) is pg._noop  # nothing to gather
     calls = []
     monkeypatch.setattr(pg, "page_gather_triton", lambda *x, **k: calls.append(("slow", x[2].numel())))
-    pair = pg.gather_pair_launcher((*a, True), (*b, True))  # one side empty: two launchers, the empty one a no-op
-    pair()
+    pg.gather_launcher(*a)()  # a direct launch
     monkeypatch.setattr(pg, "FAST_LAUNCH", [False])
-    pg.gather_launcher(*a)()
-    pg.gather_pair_launcher((*a, True), (*a, True))()
+    for _ in range(3):
+        pg.gather_launcher(*a)()  # through page_gather_triton
     assert compiles == [("single", True)] and len(compiled.calls) == 1
     assert calls == [("slow", 3)] * 3
 
@@ -125,18 +115,15 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
     single = pg.gather_launcher(*a)
     pg.relaunch_with(single, [a2])()
     pg.gather_launcher(*a2, *a[2:])()
-    pair = pg.gather_pair_launcher((*a, True), (*b, True))
-    pg.relaunch_with(pair, [a2, b2])()
-    pg.gather_pair_launcher((*a2, *a[2:], True), (*b2, *b[2:], True))()
-    assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2:4] == compiled.calls[4:6]
-    assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[3][9 + 1] == b2[1].data_ptr()
+    index = pg.gather_launcher(*b)  # the other kind: its own page size and grid
+    pg.relaunch_with(index, [b2])()
+    pg.gather_launcher(*b2, *b[2:])()
+    assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2] == compiled.calls[3]
+    assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[2][9 + 1] == b2[1].data_ptr()
+    assert compiled.calls[2][:3] == (7, 1, 1)
     assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets
-    assert pg.relaunch_with(pair, [a2]) is None  # two parts, one target
-    # a pair with nothing to gather on one side: that side stays a no-op
-    half = pg.relaunch_with(pg.gather_pair_launcher((*a, True), (*_seg(64 * 132, 0), True)), [a2, b2])
-    assert half is not None and half.parts[1] is pg._noop
-    half()
-    assert compiled.calls[-1] == compiled.calls[0]
+    assert pg.relaunch_with(single, [b2]) is None  # another page size
+    assert pg.relaunch_with(pg._noop, [a2]) is None  # not a direct launch
 
 
 def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):

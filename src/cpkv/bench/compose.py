@@ -444,12 +444,12 @@ def _shared(cp: int) -> bool:
 
 def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]],
                config: dict | None = None) -> dict[str, Any]:
-    """Both kinds of a layer gathered as compose runs them (``gather_pair_launcher``: two launches, each kind at
-    ``config``, None: DEFAULT_CONFIG): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool gathered, in
+    """Both kinds of a layer gathered as compose runs them (a ``gather_launcher`` per kind, each at ``config``,
+    None: DEFAULT_CONFIG): ``kinds`` {name: (page_bytes, pool_pages)}, half of each pool gathered, in
     the allocator's order (``allocator_order``) and in random order, each byte-checked, in device time against its
     ceilings: ``copy_`` of each kind's bytes back to back (two launches, as the two gathers) and one ``copy_`` of
     all of them."""
-    from cpkv.kernels.page_gather.triton import gather_pair_launcher
+    from cpkv.kernels.page_gather.triton import gather_launcher
     if len(kinds) != 2:
         raise ValueError(f"pair_bench: two kinds, got {sorted(kinds)}")
     segs, nbytes = [], 0
@@ -479,13 +479,17 @@ def pair_bench(device: torch.device, kinds: dict[str, tuple[int, int]],
     for order in ("allocator", "random"):
         for x in segs:
             x["out"].zero_()
-        launch = gather_pair_launcher(*((x["out"], x["bases"], x["dest"], x["src"], x["orders"][order], True)
-                                        for x in segs), config=config)
-        launch()
+        launchers = [gather_launcher(x["out"], x["bases"], x["dest"], x["src"], x["orders"][order], config=config)
+                     for x in segs]
+
+        def both() -> None:
+            for one in launchers:
+                one()
+        both()
         ok = all(torch.equal(x["out"], x["pool"].index_select(0, x["orders"][order])) for x in segs)
         res[f"{order}_correct"] = ok
         if ok:
-            res[f"{order}_GBps"] = g = gbps(launch)
+            res[f"{order}_GBps"] = g = gbps(both)
             res[f"{order}_ratio_each"] = g / res["copy_each_GBps"]
             res[f"{order}_ratio_one"] = g / res["copy_one_GBps"]
     return res

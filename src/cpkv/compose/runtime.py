@@ -56,7 +56,7 @@ from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
 from cpkv.kernels.page_gather.ref import gather_group
-from cpkv.kernels.page_gather.triton import gather_launcher, gather_pair_launcher, relaunch_with
+from cpkv.kernels.page_gather.triton import gather_launcher, relaunch_with
 from cpkv.kernels.platform import use_triton
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
@@ -301,11 +301,7 @@ class ComposeRuntime:
         if e.n == 0:
             return
         if self.use_triton:  # launches prepared once per (entries, target) and kept on the plan's entries
-            key = (table, layer, kind, half, out.data_ptr(), out.shape[-1])
-            launch = e.launchers.get(key)
-            if launch is None:
-                launch = e.launchers[key] = self._launcher(e, ("one", table, kind), [(out, table, layer, kind, half)])
-            launch()
+            self._prepared(out, table, layer, kind, half, e)()
             return
         groups, zero = e.groups()
         if zero.numel():
@@ -316,51 +312,32 @@ class ComposeRuntime:
 
     def gather_kinds(self, table: str, layer: int, halves: dict[str, int],
                      targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
-        """``gather`` for several kinds (``targets``: kind -> (out, entries)); one kernel launch for two kinds."""
-        launch = self._pair_launch(table, layer, halves, targets) if self.use_triton and len(targets) == 2 else None
-        if launch is not None:
-            launch()
-            return
+        """``gather`` for several kinds (``targets``: kind -> (out, entries)): a launch per kind (one kernel doing
+        both kinds ran slower: ``cpkv.kernels.page_gather.triton``)."""
         for k, (out, e) in targets.items():
             self.gather(out, table, layer, k, halves[k], e)
 
-    def _pair_launch(self, table: str, layer: int, halves: dict[str, int],
-                     targets: dict[str, tuple[torch.Tensor, Entries]]):
-        """The prepared one-launch gather of two kinds (kept on the first kind's entries)."""
-        (k0, (out0, e0)), (k1, (out1, e1)) = targets.items()
-        key = ("pair", table, layer, k0, halves[k0], out0.data_ptr(), k1, halves[k1], out1.data_ptr(),
-               e1.dest.data_ptr(), e1.src.data_ptr(), e1.page.data_ptr(), e1.n)  # launchers keep them alive
-        launch = e0.launchers.get(key)
-        if launch is None:
-            launch = e0.launchers[key] = self._launcher(
-                e0, ("pair", table, k0, k1, id(e1)), [(out0, table, layer, k0, halves[k0]),
-                                                     (out1, table, layer, k1, halves[k1])], e1)
-        return launch
-
-    def _launcher(self, e: Entries, family: tuple, segs: list[tuple], e1: Entries | None = None):
-        """The prepared launch of one gather (one segment) or a pair (two: ``e`` then ``e1``), each segment
-        ``(out, table, layer, kind, half)``. The first of a ``family`` (same entries, table and kinds) on the
-        plan is built in full and kept as its template; the others (other layers, halves, outputs) re-point
-        the template's outputs and source tables (``relaunch_with``: a few µs instead of a full build)."""
-        targets = [(out, self.bases[t][k][n][h]) for out, t, n, k, h in segs]
+    def _prepared(self, out: torch.Tensor, table: str, layer: int, kind: str, half: int, e: Entries):
+        """The prepared launch of ``gather(out, table, layer, kind, half, e)`` (``e`` not empty), built on first
+        use and kept on the entries. The first of a family (same entries, table and kind) on the plan is built in
+        full and kept as its template; the others (other layers, halves, outputs) re-point the template's output
+        and source table (``relaunch_with``: a few µs instead of a full build)."""
+        key = (table, layer, kind, half, out.data_ptr(), out.shape[-1])
+        launch = e.launchers.get(key)
+        if launch is not None:
+            return launch
+        family, bases = ("one", table, kind), self.bases[table][kind][layer][half]
         template = e.launchers.get(family)
-        if template is not None:
-            launch = relaunch_with(template, targets)
-            if launch is not None:
-                return launch
-        if e1 is None:
-            (out, bases), kind = targets[0], segs[0][3]
+        launch = relaunch_with(template, [(out, bases)]) if template is not None else None
+        if launch is None:
             launch = gather_launcher(out, bases, e.dest, e.src, e.page, aligned16=self.aligned16[kind])
-        else:
-            (o0, b0), (o1, b1), k0, k1 = *targets, segs[0][3], segs[1][3]
-            launch = gather_pair_launcher((o0, b0, e.dest, e.src, e.page, self.aligned16[k0]),
-                                          (o1, b1, e1.dest, e1.src, e1.page, self.aligned16[k1]))
-        e.launchers.setdefault(family, launch)
+            e.launchers.setdefault(family, launch)
+        e.launchers[key] = launch
         return launch
 
     def prepare_launches(self, plan: ComposePlan, mode: str | None = None, layers: int | None = None) -> None:
         """Build every launch the batch's forward will make under ``symm`` (``compose_layer`` of each layer in
-        order: one gather pair and one persist pair per layer, with the staging halves the use counters will
+        order: a gather and a persist per kind and layer, with the staging halves the use counters will
         pick), and the dense views, so no layer builds host state on first use: the layers from the first not
         yet prepared (``plan.launch_layers``) up to ``layers`` (None: all), whenever it is called (the first call
         must come before the batch's first compose: it takes the batch's starting use counters). Other modes and
@@ -385,14 +362,10 @@ class ComposeRuntime:
 
     def _prebuild(self, table: str, layer: int, halves: dict[str, int],
                   targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
-        """Make ``gather_kinds(table, layer, halves, targets)``'s launch(es) without running them."""
-        if len(targets) == 2:
-            self._pair_launch(table, layer, halves, targets)
-            return
+        """Make ``gather_kinds(table, layer, halves, targets)``'s launches without running them."""
         for k, (out, e) in targets.items():
-            key = (table, layer, k, halves[k], out.data_ptr(), out.shape[-1])
-            if e.n and key not in e.launchers:
-                e.launchers[key] = self._launcher(e, ("one", table, k), [(out, table, layer, k, halves[k])])
+            if e.n:
+                self._prepared(out, table, layer, k, halves[k], e)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         if self.cp > 1 and t.numel():
@@ -423,8 +396,7 @@ class ComposeRuntime:
             self.gather(self._pool_pages[kind][layer], "local", layer, kind, half, plan.persist_entries)
 
     def persist_kinds(self, plan: ComposePlan, layer: int, halves: dict[str, int]) -> None:
-        """``persist`` for every kind of ``halves`` (kind -> staging half): one prepared pair launch for two
-        kinds on GPU (``gather_kinds``), the same bytes as one persist per kind."""
+        """``persist`` for every kind of ``halves`` (kind -> staging half), through ``gather_kinds``."""
         if plan.persists and plan.num_own:
             self.gather_kinds("local", layer, halves,
                               {k: (self._pool_pages[k][layer], plan.persist_entries) for k in halves})

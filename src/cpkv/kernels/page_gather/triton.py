@@ -34,10 +34,10 @@ import torch
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
 # 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
-# compose's per-layer gather of both KV kinds runs as two launches of this kernel, each kind at DEFAULT_CONFIG
-# (``gather_pair_launcher``): 0.951-0.959 of copy_ in the engine's page order, where one two-segment kernel (both
-# kinds in one launch, measured and deleted in session 15) reached 0.944-0.952 at 4096-element units and 0.80-0.82
-# at 16384 (one kernel's registers are its larger segment's: the index pages ran at token-page occupancy)
+# compose gathers a layer's two KV kinds as two launches of this kernel, each at DEFAULT_CONFIG: 0.951-0.959 of
+# copy_ in the engine's page order, where one two-segment kernel doing both kinds (measured and deleted in session
+# 15, BENCHMARKS.md) reached 0.944-0.952 at 4096-element units and 0.80-0.82 at 16384 (one kernel's registers are
+# its larger segment's: the index pages ran at token-page occupancy)
 
 
 @lru_cache(maxsize=1)
@@ -142,28 +142,13 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
                    segments=(0,))
 
 
-def gather_pair_launcher(first: tuple, second: tuple, *, config: dict | None = None) -> Callable[[], None]:
-    """Two gathers in one call (e.g. both KV kinds of a layer, each with its own page size): each of ``first``
-    and ``second`` is ``(out, bases, dest, src, page, aligned16)`` as for :func:`gather_launcher`, and each runs
-    as its own prepared launch (``config`` for both; None: DEFAULT_CONFIG), one after the other on the current
-    stream. Two launches, not one kernel doing both: the two-segment kernel ran 0.6-0.9 % slower in device time
-    (module constants). The result keeps its two launchers as ``parts`` (for :func:`relaunch_with`)."""
-    return _chain(*(gather_launcher(*x[:5], aligned16=x[5], config=config) for x in (first, second)))
-
-
 def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
                   ) -> Callable[[], None] | None:
-    """A launcher equal to ``launch`` (from :func:`gather_launcher` or :func:`gather_pair_launcher`) but with
+    """A launcher equal to ``launch`` (from :func:`gather_launcher`) but with
     each segment's (out, bases) replaced by ``targets`` (one pair per segment): the same entries, kernel and
     grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
     another layer's sources). None when ``launch`` is not a direct launch or a new address would change
     what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
-    parts = getattr(launch, "parts", None)
-    if parts is not None:  # gather_pair_launcher's: one target per part (a part with nothing to gather stays so)
-        if len(targets) != len(parts):
-            return None
-        again = [p if p is _noop else relaunch_with(p, [t]) for p, t in zip(parts, targets)]
-        return None if any(p is None for p in again) else _chain(*again)
     segments = getattr(launch, "segments", None)
     if not segments or len(targets) != len(segments):
         return None
@@ -219,14 +204,6 @@ def _fast(spec: tuple, raw: tuple, keep: tuple, segments: tuple, page_bytes: tup
     fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
     fast.spec, fast.raw, fast.segments, fast.page_bytes = spec, raw, segments, page_bytes
     return fast
-
-
-def _chain(*fns: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        for f in fns:
-            f()
-    run.parts = fns
-    return run
 
 
 def _noop() -> None:
