@@ -75,7 +75,7 @@ def _fake_launcher(log: list, builds: list):
         raw = (out.data_ptr(), bases.data_ptr(), dest.data_ptr(), src.data_ptr(), page.data_ptr(), out.data_ptr(),
                dest.numel())
         return pg._fast((_recorder(log), (dest.numel(), 1, 1), "fn", "meta", 0), raw, (out, bases, dest, src, page),
-                        (0,), (out.shape[-1],))
+                        out.shape[-1])
     return one
 
 
@@ -120,7 +120,7 @@ def _launch_logs(ctx, split: bool = False):
         in_forward = len(builds) - before - at_prepare
         for e in (plan.all, plan.persist_entries):  # now the reference: every launch built in full, lazily
             e.launchers.clear()
-        R.relaunch_with = lambda launch, targets: None
+        R.relaunch_with = lambda launch, out, bases: None
         rt.uses = dict(uses)
         del log[:]
         for n in range(3):
@@ -155,17 +155,17 @@ def test_relaunch_with_repoints_outputs_and_tables_only():
         idx = torch.arange(3)
         raw = (out.data_ptr(), bases.data_ptr(), idx.data_ptr(), idx.data_ptr(), idx.data_ptr(), out.data_ptr(), 3,
                3, 16, 4, 4, 16, True, False)
-        launch = pg._fast((_recorder(log), (3, 1, 1), "fn", "meta", 0), raw, (out, bases, idx, idx, idx), (0,), (64,))
-        moved = pg.relaunch_with(launch, [(out2, bases2)])
+        launch = pg._fast((_recorder(log), (3, 1, 1), "fn", "meta", 0), raw, (out, bases, idx, idx, idx), 64)
+        moved = pg.relaunch_with(launch, out2, bases2)
         moved()
         launch()
         assert log[0] == (out2.data_ptr(), bases2.data_ptr(), *raw[2:5], out2.data_ptr(), *raw[6:])
         assert log[1] == raw
         assert any(t is out2 for t in moved.tensors) and any(t is bases2 for t in moved.tensors)  # kept alive
-        assert pg.relaunch_with(launch, [(torch.zeros(4, 32, dtype=torch.uint8), bases2)]) is None  # other page size
+        assert pg.relaunch_with(launch, torch.zeros(4, 32, dtype=torch.uint8), bases2) is None  # other page size
         odd = torch.zeros(4 * 64 + 1, dtype=torch.uint8)[1:].view(4, 64)
-        assert pg.relaunch_with(launch, [(odd, bases2)]) is None  # loses 16-byte alignment
-        assert pg.relaunch_with(pg._noop, [(out2, bases2)]) is None  # not a direct launch
+        assert pg.relaunch_with(launch, odd, bases2) is None  # loses 16-byte alignment
+        assert pg.relaunch_with(pg._noop, out2, bases2) is None  # not a direct launch
     finally:
         if torch_stream is None:
             del torch._C._cuda_getCurrentRawStream

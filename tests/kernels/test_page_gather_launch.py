@@ -113,17 +113,16 @@ def test_relaunch_with_equals_a_full_build_for_other_outputs_and_tables(fake):
     a, b = _seg(64 * 656, 4), _seg(64 * 132, 7)
     a2, b2 = _seg(64 * 656, 4)[:2], _seg(64 * 132, 7)[:2]  # another layer's pages and source table
     single = pg.gather_launcher(*a)
-    pg.relaunch_with(single, [a2])()
+    pg.relaunch_with(single, *a2)()
     pg.gather_launcher(*a2, *a[2:])()
     index = pg.gather_launcher(*b)  # the other kind: its own page size and grid
-    pg.relaunch_with(index, [b2])()
+    pg.relaunch_with(index, *b2)()
     pg.gather_launcher(*b2, *b[2:])()
     assert compiled.calls[0] == compiled.calls[1] and compiled.calls[2] == compiled.calls[3]
     assert compiled.calls[0][9] == a2[0].data_ptr() and compiled.calls[2][9 + 1] == b2[1].data_ptr()
     assert compiled.calls[2][:3] == (7, 1, 1)
-    assert pg.relaunch_with(single, [a2, b2]) is None  # one segment, two targets
-    assert pg.relaunch_with(single, [b2]) is None  # another page size
-    assert pg.relaunch_with(pg._noop, [a2]) is None  # not a direct launch
+    assert pg.relaunch_with(single, *b2) is None  # another page size
+    assert pg.relaunch_with(pg._noop, *a2) is None  # not a direct launch
 
 
 def test_block_config_splits_pages_into_units_and_keeps_its_own_compile(fake):

@@ -328,7 +328,7 @@ class ComposeRuntime:
             return launch
         family, bases = ("one", table, kind), self.bases[table][kind][layer][half]
         template = e.launchers.get(family)
-        launch = relaunch_with(template, [(out, bases)]) if template is not None else None
+        launch = relaunch_with(template, out, bases) if template is not None else None
         if launch is None:
             launch = gather_launcher(out, bases, e.dest, e.src, e.page, aligned16=self.aligned16[kind])
             e.launchers.setdefault(family, launch)

@@ -138,31 +138,25 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
     if not _direct_launch_ok():
         return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device,
-                   segments=(0,))
+    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
 
 
-def relaunch_with(launch: Callable[[], None], targets: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                  ) -> Callable[[], None] | None:
-    """A launcher equal to ``launch`` (from :func:`gather_launcher`) but with
-    each segment's (out, bases) replaced by ``targets`` (one pair per segment): the same entries, kernel and
-    grid, so nothing is re-resolved (a few µs, for the same gather into another layer's pages or from
-    another layer's sources). None when ``launch`` is not a direct launch or a new address would change
-    what the kernel was specialised on (16-byte alignment, page bytes): build a full launcher then."""
-    segments = getattr(launch, "segments", None)
-    if not segments or len(targets) != len(segments):
+def relaunch_with(launch: Callable[[], None], out: torch.Tensor, bases: torch.Tensor) -> Callable[[], None] | None:
+    """A launcher equal to ``launch`` (from :func:`gather_launcher`) but writing into ``out`` from the sources
+    ``bases``: the same entries, kernel and grid, so nothing is re-resolved (a few µs, for the same gather into
+    another layer's pages or from another layer's sources). None when ``launch`` is not a direct launch or a new
+    address would change what the kernel was specialised on (16-byte alignment, page bytes): build a full
+    launcher then."""
+    raw = getattr(launch, "raw", None)
+    if raw is None:
         return None
-    raw = launch.raw
-    new = list(raw)
-    for at, page_bytes, (out, bases) in zip(segments, launch.page_bytes, targets):
-        addr, table = out.data_ptr(), bases.data_ptr()
-        if (out.shape[-1] * out.element_size() != page_bytes or (addr & 15) != (raw[at] & 15)
-                or (table & 15) != (raw[at + 1] & 15) or bases.dtype is not torch.int64):
-            return None
-        new[at] = new[at + 5] = addr
-        new[at + 1] = table
-    keep = (*launch.tensors, *(t for pair in targets for t in pair))
-    return _fast(launch.spec, tuple(new), keep, segments, launch.page_bytes)
+    addr, table = out.data_ptr(), bases.data_ptr()
+    if (out.shape[-1] * out.element_size() != launch.page_bytes or (addr & 15) != (raw[0] & 15)
+            or (table & 15) != (raw[1] & 15) or bases.dtype is not torch.int64):
+        return None
+    # raw: (OUT, BASES, DEST, SRC, PAGE, out_addr, ...): the output's address is passed twice
+    return _fast(launch.spec, (addr, table, *raw[2:5], addr, *raw[6:]), (*launch.tensors, out, bases),
+                 launch.page_bytes)
 
 
 def _direct_launch_ok() -> bool:
@@ -178,31 +172,30 @@ def _no_hook(hook: Any) -> bool:
 
 
 def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int], args: tuple, keep: tuple,
-            device: torch.device, segments: tuple[int, ...]) -> Callable[[], None]:
+            device: torch.device) -> Callable[[], None]:
     """A zero-argument launch of the kernel compiled under ``key`` (``compile_fn`` compiles it if needed)
-    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into (per segment its
-    out, bases, dest, src, page); ``segments``: where each segment's (OUT, BASES, ..., out_addr) start in
-    ``args`` (for relaunch_with)."""
+    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into (out, bases, dest, src,
+    page)."""
     with torch.cuda.device(device):  # the module is loaded into the current device's context
         compiled = _COMPILED.get(key)
         if compiled is None:
             compiled = _COMPILED[key] = compile_fn()
         run = compiled.run  # loads the binary on first use
     raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
-    page_bytes = tuple(keep[5 * i].shape[-1] * keep[5 * i].element_size() for i in range(len(segments)))
-    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep, segments,
-                 page_bytes)
+    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep,
+                 keep[0].shape[-1] * keep[0].element_size())
 
 
-def _fast(spec: tuple, raw: tuple, keep: tuple, segments: tuple, page_bytes: tuple) -> Callable[[], None]:
-    """The zero-argument launch of ``spec`` (run, grid, function, metadata, device index) with ``raw``."""
+def _fast(spec: tuple, raw: tuple, keep: tuple, page_bytes: int) -> Callable[[], None]:
+    """The zero-argument launch of ``spec`` (run, grid, function, metadata, device index) with ``raw``;
+    ``page_bytes``: the output's page size (what ``relaunch_with`` must keep)."""
     run, (g0, g1, g2), function, meta, index = spec
     current_stream = torch._C._cuda_getCurrentRawStream
 
     def fast() -> None:
         run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
     fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
-    fast.spec, fast.raw, fast.segments, fast.page_bytes = spec, raw, segments, page_bytes
+    fast.spec, fast.raw, fast.page_bytes = spec, raw, page_bytes
     return fast
 
 
