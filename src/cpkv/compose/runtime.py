@@ -245,8 +245,8 @@ class ComposeRuntime:
     def compose_layer(self, plan: ComposePlan, layer: int, mode: str | None = None) -> dict[str, torch.Tensor]:
         """Dense KV of every kind ``layer`` keeps (token and index rows on a full indexer layer, token rows on a
         shared one): ``{kind: compose(plan, layer, kind)}``, with the current rows of those kinds written first.
-        Byte-identical to composing kind by kind; under ``symm`` it takes one barrier round and one gather
-        launch for all kinds (half the synchronisation and host work). Every rank must use the same call
+        Byte-identical to composing kind by kind; under ``symm`` it takes one barrier round for all kinds (half
+        the synchronisation), then a gather and a persist launch per kind. Every rank must use the same call
         (``compose_layer`` or per-kind ``compose``) for a layer."""
         plan = self._checked(plan)
         kinds = self.pool.kinds_at(layer) if 0 <= layer < self.num_layers else KINDS
