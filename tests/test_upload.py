@@ -51,3 +51,31 @@ def test_stage_refuses_a_negative_size():
 
     with pytest.raises(ValueError, match=r"sizes must be >= 0, got \[3, -1\]"):
         stage([3, -1], np.int64, "cpu")
+
+
+def test_stage_typed_aliases_follow_the_buffer_and_never_overlap():
+    """The pinned path's bookkeeping (``_Stage.take_typed``), on an unpinned buffer: host arrays and the typed tensor
+    alias the same bytes, consecutive takes do not overlap, and a buffer that grows gets fresh aliases."""
+    from cpkv.upload import ALIGN, _Stage
+
+    st = _Stage(pin=False)
+    a, whole_a, at_a = st.take_typed(5, np.dtype(np.int64))
+    b, whole_b, at_b = st.take_typed(3, np.dtype(np.int32))
+    c, whole_c, at_c = st.take_typed(4, np.dtype(np.int64))
+    assert whole_a is whole_c and whole_a.dtype == torch.int64 and whole_b.dtype == torch.int32  # kept per dtype
+    a[:] = np.arange(5) + 10
+    b[:] = [7, 8, 9]
+    c[:] = -np.arange(4)
+    assert whole_a[at_a: at_a + 5].tolist() == [10, 11, 12, 13, 14]
+    assert whole_b[at_b: at_b + 3].tolist() == [7, 8, 9]
+    assert whole_c[at_c: at_c + 4].tolist() == [0, -1, -2, -3]
+    spans = sorted((at * w.element_size(), (at + n) * w.element_size())
+                   for at, n, w in ((at_a, 5, whole_a), (at_b, 3, whole_b), (at_c, 4, whole_c)))
+    assert all(s % ALIGN == 0 for s, _ in spans) and all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:]))
+    assert whole_a.data_ptr() == st.buf.data_ptr()
+    old = st.buf
+    big, whole_big, at_big = st.take_typed(st.buf.numel(), np.dtype(np.int64))  # more than is left: a new buffer
+    assert st.buf is not old and st.retired[-1] is old and at_big == 0
+    assert whole_big.data_ptr() == st.buf.data_ptr() and whole_big is not whole_a
+    big[:3] = [1, 2, 3]
+    assert whole_big[:3].tolist() == [1, 2, 3] and whole_a[at_a: at_a + 5].tolist() == [10, 11, 12, 13, 14]

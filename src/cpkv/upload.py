@@ -37,21 +37,42 @@ _ACTIVE: dict[torch.device, "_Stage"] = {}  # the innermost open scope's stage p
 class _Stage:
     """One device's pinned staging buffer: bump offset inside a scope, reset when a scope starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
+        self.pin = pin
         self.used = 0
         self.active = False
         self.retired: list[torch.Tensor] = []
         self.done: torch.cuda.Event | None = None  # recorded when the last scope ended (after its copies)
+        self._aliases: dict[np.dtype, tuple[torch.Tensor, np.ndarray]] = {}  # of self.buf, per dtype
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def _reserve(self, nbytes: int) -> int:
+        """The byte offset of the next ``nbytes`` (ALIGN-aligned), growing the buffer if needed."""
         start = -(-self.used // ALIGN) * ALIGN
         if start + nbytes > self.buf.numel():
             self.retired.append(self.buf)  # copies from it may be in flight until the scope's batch ends
-            self.buf = torch.empty(max(2 * self.buf.numel(), nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self.buf = torch.empty(max(2 * self.buf.numel(), nbytes, 1 << 20), dtype=torch.uint8, pin_memory=self.pin)
+            self._aliases.clear()
             start = 0
         self.used = start + nbytes
+        return start
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        start = self._reserve(nbytes)
         return self.buf[start: start + nbytes]
+
+    def take_typed(self, n: int, dtype: np.dtype) -> tuple[np.ndarray, torch.Tensor, int]:
+        """``n`` elements of ``dtype``: (their host array, the whole buffer as a tensor of that dtype, the first
+        element's index in it). Both are aliases of the buffer kept per dtype, so nothing here runs a torch op
+        (each costs µs, more under the profiler, on the way to a batch's first copy)."""
+        start = self._reserve(n * dtype.itemsize)
+        alias = self._aliases.get(dtype)
+        if alias is None:
+            whole = self.buf[: self.buf.numel() - self.buf.numel() % dtype.itemsize]
+            typed = whole.view(torch.from_numpy(np.empty(0, dtype)).dtype)  # a view: torch still sees pinned memory
+            alias = self._aliases[dtype] = (typed, typed.numpy())
+        at = start // dtype.itemsize
+        return alias[1][at: at + n], alias[0], at
 
 
 @contextlib.contextmanager
@@ -114,7 +135,7 @@ def _key(device: torch.device | str) -> torch.device:
 class Staged:
     """Host arrays laid out for one upload (``stage``): fill each of ``host`` in place, then ``send``."""
 
-    def __init__(self, flat: np.ndarray, pinned: torch.Tensor | None, spans: list[tuple[int, int]],
+    def __init__(self, flat: np.ndarray, pinned: tuple[torch.Tensor, int] | None, spans: list[tuple[int, int]],
                  device: torch.device) -> None:
         self.host = [flat[a: a + n] for a, n in spans]
         self._flat, self._pinned, self._spans, self._device = flat, pinned, spans, device
@@ -125,7 +146,8 @@ class Staged:
         if self._device.type != "cuda":
             dev = torch.from_numpy(self._flat)
         elif self._pinned is not None:
-            dev = self._pinned.to(self._device, non_blocking=True)
+            whole, at = self._pinned  # the staging buffer as this dtype: the slice keeps its pinned storage
+            dev = whole[at: at + self._flat.size].to(self._device, non_blocking=True)
         else:
             dev = torch.from_numpy(self._flat).pin_memory().to(self._device, non_blocking=True)
         return [dev[a: a + n] for a, n in self._spans]
@@ -148,9 +170,8 @@ def stage(sizes: Sequence[int], dtype: np.dtype | type, device: torch.device | s
         at += -(-int(n) // unit) * unit
     st = _ACTIVE.get(device) if device.type == "cuda" else None
     if st is not None and st.active and at:
-        pinned = st.take(at * dtype.itemsize)
-        typed = pinned.view(torch.from_numpy(np.empty(0, dtype)).dtype)  # pinned storage kept (async copies)
-        return Staged(pinned.numpy().view(dtype), typed, spans, device)
+        flat, whole, first = st.take_typed(at, dtype)
+        return Staged(flat, (whole, first), spans, device)
     return Staged(np.empty(at, dtype=dtype), None, spans, device)
 
 
