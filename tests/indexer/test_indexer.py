@@ -444,6 +444,14 @@ def _split_chunks_loop(ks, ke, budget):
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 120), st.booleans()), min_size=1, max_size=60),
        st.sampled_from([16 * 4, 100 * 4, 64 * 4 * 8, 10**6]))
 def test_split_chunks_equals_the_row_by_row_greedy(rows, budget):
+    import cpkv.indexer.plan as plan_mod
+
     ks = [a for a, _, _ in rows]
     ke = [a + (0 if empty else min(w, budget // 4 - 4)) for a, w, empty in rows]
-    assert split_chunks(ks, ke, budget) == _split_chunks_loop(ks, ke, budget)
+    want = _split_chunks_loop(ks, ke, budget)
+    block = plan_mod._BLOCK
+    try:  # the block walk: chunks that start and end inside blocks, and blocks walked whole
+        for plan_mod._BLOCK in (1, 3, 8, block):
+            assert split_chunks(ks, ke, budget) == want
+    finally:
+        plan_mod._BLOCK = block

@@ -53,16 +53,20 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     if not len(ks) or n_cols <= 0:
         return torch.zeros(0, 4, dtype=torch.int32)
     r, tile, span = shape.rows, shape.tile, shape.span
-    lo = np.maximum(np.asarray(ks, dtype=np.int64).reshape(-1) - key_start, 0)
-    hi = np.minimum(np.asarray(ke, dtype=np.int64).reshape(-1) - key_start, n_cols)
-    empty = hi <= lo
+    n = len(ks)
     big = n_cols + tile * span
-    groups = -(-lo.size // r)
+    groups = -(-n // r)
+    # rows clipped to the block, empty ones neutral, padded to whole groups: written in place (no temporaries)
     glo = np.full(groups * r, big, np.int64)
     ghi = np.full(groups * r, -1, np.int64)
-    glo[: lo.size] = np.where(empty, big, lo)
-    ghi[: hi.size] = np.where(empty, -1, hi)
-    glo, ghi = glo.reshape(groups, r).min(1), ghi.reshape(groups, r).max(1)
+    lo, hi = glo[:n], ghi[:n]
+    np.subtract(np.asarray(ks, dtype=np.int64).reshape(-1), key_start, out=lo)
+    np.subtract(np.asarray(ke, dtype=np.int64).reshape(-1), key_start, out=hi)
+    np.maximum(lo, 0, out=lo)
+    np.minimum(hi, n_cols, out=hi)
+    empty = hi <= lo
+    lo[empty], hi[empty] = big, -1
+    glo, ghi = _group_reduce(glo, groups, r, np.minimum), _group_reduce(ghi, groups, r, np.maximum)
     t_lo, t_hi = glo // tile, (ghi + tile - 1) // tile
     s_lo = t_lo // span
     count = np.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
@@ -79,6 +83,18 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     out = np.empty((g.size, 4), np.int32)
     out[:, 0], out[:, 1], out[:, 2], out[:, 3] = g * r, a * tile, n, 0
     return torch.from_numpy(out)
+
+
+def _group_reduce(v: np.ndarray, groups: int, r: int, op: np.ufunc) -> np.ndarray:
+    """``op`` over each group of ``r`` consecutive values: column by column for the small ``r`` of the kernels
+    (numpy's reduction along a short last axis is several times slower)."""
+    m = v.reshape(groups, r)
+    if r > 16:
+        return op.reduce(m, axis=1)
+    out = m[:, 0].copy()
+    for j in range(1, r):
+        op(out, m[:, j], out=out)
+    return out
 
 
 def _split_tail(g: np.ndarray, a: np.ndarray, n: np.ndarray, shape: WorkShape):
