@@ -319,8 +319,16 @@ def test_logits_work_items_equal_the_item_by_item_form(n_rows, seed, rows, span,
     ks, ke = ks.tolist(), ke.tolist()
     key_start, n_cols = reach // 8, reach
     shape = WorkShape(rows=rows, tile=tile, span=span, slots=slots, split=split)
-    got = logits_work_items(ks, ke, key_start, n_cols, shape)
-    assert got.dtype == torch.int32 and got.tolist() == _work_items_ref(ks, ke, key_start, n_cols, shape)
+    import cpkv.kernels.mqa_logits.work as work
+
+    want = _work_items_ref(ks, ke, key_start, n_cols, shape)
+    threshold = work._ITEMS_PER_SPAN_LOOP
+    try:  # both ways of ordering the items: span by span over the groups, and a sort of the items
+        for work._ITEMS_PER_SPAN_LOOP in (0, 10**9, threshold):
+            got = logits_work_items(ks, ke, key_start, n_cols, shape)
+            assert got.dtype == torch.int32 and got.tolist() == want
+    finally:
+        work._ITEMS_PER_SPAN_LOOP = threshold
 
 
 def test_logits_work_items_skip_empty_programs_and_cut_the_last_wave():

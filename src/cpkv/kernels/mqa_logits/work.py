@@ -25,6 +25,9 @@ import numpy as np
 import torch
 
 
+_ITEMS_PER_SPAN_LOOP = 1024  # items per span from which _by_span beats _by_sort (numpy 2.4: between 512 and 1024)
+
+
 @dataclass(frozen=True)
 class WorkShape:
     """rows: query rows per program; tile: key columns per tile; span: tiles per full item; slots:
@@ -68,21 +71,61 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     lo[empty], hi[empty] = big, -1
     glo, ghi = _group_reduce(glo, groups, r, np.minimum), _group_reduce(ghi, groups, r, np.maximum)
     t_lo, t_hi = glo // tile, (ghi + tile - 1) // tile
-    s_lo = t_lo // span
-    count = np.where(ghi > glo, (t_hi - 1) // span + 1 - s_lo, 0)
-    # one item per (group, span it touches), group after group; int32 from here (tiles and rows < 2^31)
-    g = np.repeat(np.arange(groups, dtype=np.int32), count)
-    s = np.arange(g.size, dtype=np.int32) - np.repeat((np.cumsum(count) - count - s_lo).astype(np.int32), count)
-    a = np.maximum(s * span, np.repeat(t_lo.astype(np.int32), count))
-    b = np.minimum((s + 1) * span, np.repeat(t_hi.astype(np.int32), count))
-    # span-major order, groups ascending within a span: g is already ascending, so a stable sort on the span
-    # alone gives it (a radix sort when the span index fits 16 bits)
-    order = np.argsort(s.astype(np.uint16) if s.size and s.max() < 1 << 16 else s, kind="stable")
-    g, a, n = g[order], a[order], (b - a)[order]
-    g, a, n = _split_tail(g, a, n, shape)
-    out = np.empty((g.size, 4), np.int32)
-    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = g * r, a * tile, n, 0
+    live = ghi > glo
+    s_lo = np.where(live, t_lo // span, 0)
+    s_last = np.where(live, (t_hi - 1) // span, -1)  # a group with no keys covers no span
+    if not live.any():
+        return torch.zeros(0, 4, dtype=torch.int32)
+    # one item per (span, group that touches it), span-major, groups ascending within a span
+    t_lo32, t_hi32 = t_lo.astype(np.int32), t_hi.astype(np.int32)
+    first, last = int(s_lo[live].min()), int(s_last.max())
+    count = s_last - s_lo + 1  # 0 for a group with no keys
+    if int(count.sum()) >= _ITEMS_PER_SPAN_LOOP * (last - first + 1):
+        parts_g, parts_a, parts_n = _by_span(s_lo, s_last, t_lo32, t_hi32, span, first, last)
+    else:
+        parts_g, parts_a, parts_n = _by_sort(count, s_lo, t_lo32, t_hi32, span)
+    start = _tail_start(parts_n, shape)
+    g, a, n = np.concatenate(parts_g), np.concatenate(parts_a), np.concatenate(parts_n)
+    # the items within the last slots x span tiles, cut into pieces of span // split tiles
+    piece = max(span // shape.split, 1)
+    tg, ta, tn = g[start:], a[start:], n[start:]
+    cuts = (tn + piece - 1) // piece
+    idx = np.repeat(np.arange(tn.size, dtype=np.int64), cuts)
+    k = np.arange(idx.size, dtype=np.int32) - np.repeat((np.cumsum(cuts) - cuts).astype(np.int32), cuts)
+    a2 = ta[idx] + k * piece
+    out = np.empty((start + idx.size, 4), np.int32)
+    head, tail = out[:start], out[start:]
+    head[:, 0], head[:, 1], head[:, 2] = g[:start] * r, a[:start] * tile, n[:start]
+    tail[:, 0], tail[:, 1], tail[:, 2] = tg[idx] * r, a2 * tile, np.minimum(piece, ta[idx] + tn[idx] - a2)
+    out[:, 3] = 0
     return torch.from_numpy(out)
+
+
+def _by_span(s_lo: np.ndarray, s_last: np.ndarray, t_lo: np.ndarray, t_hi: np.ndarray, span: int, first: int,
+             last: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The items span by span, each span's groups found by a pass over the groups: no sort of the items (a batch's
+    few spans of thousands of groups each). Per span: (groups, first tiles, tile counts)."""
+    parts_g, parts_a, parts_n = [], [], []
+    for sp in range(first, last + 1):
+        gs = np.flatnonzero((s_lo <= sp) & (s_last >= sp)).astype(np.int32)
+        a = np.maximum(t_lo[gs], sp * span)
+        parts_g.append(gs)
+        parts_a.append(a)
+        parts_n.append(np.minimum(t_hi[gs], (sp + 1) * span) - a)
+    return parts_g, parts_a, parts_n
+
+
+def _by_sort(count: np.ndarray, s_lo: np.ndarray, t_lo: np.ndarray, t_hi: np.ndarray, span: int
+             ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The items group after group, then a stable sort on the span (few items over many spans, where a pass over
+    the groups per span would cost more than the sort). As one part."""
+    g = np.repeat(np.arange(count.size, dtype=np.int32), count)
+    s = np.arange(g.size, dtype=np.int32) - np.repeat((np.cumsum(count) - count - s_lo).astype(np.int32), count)
+    # g is already ascending, so a stable sort on the span alone gives span-major order (a radix sort on 16 bits)
+    order = np.argsort(s.astype(np.uint16) if s.size and s.max() < 1 << 16 else s, kind="stable")
+    g, s = g[order], s[order]
+    a = np.maximum(s * span, t_lo[g])
+    return [g], [a], [np.minimum((s + 1) * span, t_hi[g]) - a]
 
 
 def _group_reduce(v: np.ndarray, groups: int, r: int, op: np.ufunc) -> np.ndarray:
@@ -97,19 +140,21 @@ def _group_reduce(v: np.ndarray, groups: int, r: int, op: np.ufunc) -> np.ndarra
     return out
 
 
-def _split_tail(g: np.ndarray, a: np.ndarray, n: np.ndarray, shape: WorkShape):
-    """Cut the items that lie entirely within the last slots x span tiles into pieces of span // split (only
-    that tail is rebuilt: the items before it stay as they are)."""
-    piece = max(shape.span // shape.split, 1)
-    if piece >= shape.span or not n.size:
-        return g, a, n
-    suffix = np.cumsum(n[::-1])[::-1]  # non-increasing: the cut items are a tail
-    start = int(np.searchsorted(-suffix, -shape.slots * shape.span))  # first item with suffix <= slots x span
-    tg, ta, tn = g[start:], a[start:], n[start:]
-    parts = (tn + piece - 1) // piece
-    idx = np.repeat(np.arange(tn.size, dtype=np.int64), parts)
-    k = np.arange(idx.size, dtype=tn.dtype) - np.repeat((np.cumsum(parts) - parts).astype(tn.dtype), parts)
-    a2 = ta[idx] + k * piece
-    n2 = np.minimum(piece, ta[idx] + tn[idx] - a2)
-    return (np.concatenate((g[:start], tg[idx])), np.concatenate((a[:start], a2)),
-            np.concatenate((n[:start], n2)))
+def _tail_start(parts_n: list[np.ndarray], shape: WorkShape) -> int:
+    """Index of the first item (of the spans' items in order) whose suffix, the tiles from it to the end, is within
+    slots x span: the tail the last wave drains. Found span by span from the end (a sum per span, prefix sums only
+    in the span where the tail starts); no tail when pieces would not be shorter than items."""
+    total = sum(x.size for x in parts_n)
+    if max(shape.span // shape.split, 1) >= shape.span:
+        return total
+    limit, acc, off = shape.slots * shape.span, 0, total
+    for p in range(len(parts_n) - 1, -1, -1):
+        off -= parts_n[p].size
+        tiles = int(parts_n[p].sum())
+        if acc + tiles <= limit:
+            acc += tiles
+            continue
+        # item i of this span: suffix = acc + tiles - (tiles before i) <= limit  <=>  tiles before i >= tiles - limit + acc
+        prefix = np.cumsum(parts_n[p])
+        return off + int(np.searchsorted(prefix - parts_n[p], tiles - limit + acc))
+    return 0
