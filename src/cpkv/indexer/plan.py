@@ -134,8 +134,8 @@ class IndexerPlan:
             np.subtract(a[r], c.key_start, out=rel_ks_h[r], casting="same_kind")
             np.subtract(b[r], c.key_start, out=rel_ke_h[r], casting="same_kind")
         ks_d, ke_d, rel_ks, rel_ke = staged.send()
-        max_len = max((c.max_len for c in chunks), default=0)
-        return cls(ks_d, ke_d, rel_ks, rel_ke, tuple(chunks), budget, max(max_len, 0), a, b)
+        max_len = max((c.max_len for c in chunks), default=0)  # widths are >= 0 (split_chunks checked them)
+        return cls(ks_d, ke_d, rel_ks, rel_ke, tuple(chunks), budget, max_len, a, b)
 
     def work_items(self, chunk: IndexerChunk, shape: WorkShape) -> torch.Tensor:
         """The logits kernel's work items of ``chunk`` for ``shape`` (cpkv.kernels.mqa_logits.work), on the plan's

@@ -56,15 +56,16 @@ def logits_work_items(ks: Sequence[int], ke: Sequence[int], key_start: int, n_co
     if not len(ks) or n_cols <= 0:
         return torch.zeros(0, 4, dtype=torch.int32)
     r, tile, span = shape.rows, shape.tile, shape.span
-    n = len(ks)
+    ks_a, ke_a = np.asarray(ks, dtype=np.int64).reshape(-1), np.asarray(ke, dtype=np.int64).reshape(-1)
+    n = ks_a.size
     big = n_cols + tile * span
     groups = -(-n // r)
     # rows clipped to the block, empty ones neutral, padded to whole groups: written in place (no temporaries)
     glo = np.full(groups * r, big, np.int64)
     ghi = np.full(groups * r, -1, np.int64)
     lo, hi = glo[:n], ghi[:n]
-    np.subtract(np.asarray(ks, dtype=np.int64).reshape(-1), key_start, out=lo)
-    np.subtract(np.asarray(ke, dtype=np.int64).reshape(-1), key_start, out=hi)
+    np.subtract(ks_a, key_start, out=lo)
+    np.subtract(ke_a, key_start, out=hi)
     np.maximum(lo, 0, out=lo)
     np.minimum(hi, n_cols, out=hi)
     empty = hi <= lo
