@@ -1,6 +1,7 @@
 """Benchmark (GPU): host microseconds per launch of the kinds of op a forward issues (torch elementwise, allocation,
-view, cuBLAS GEMM, a Triton kernel through our wrapper, a CUDA graph replay of 50 kernels, an event record). A 2 s spin holds the stream meanwhile, so no launch waits for the GPU. Run from the
-repository root:
+view, cuBLAS GEMM, Triton kernels through our wrappers with direct launches (``cpkv.kernels.launch.fast``) and
+through Triton's JIT launcher, a CUDA graph replay of 50 kernels, an event record). A 2 s spin holds the stream
+meanwhile, so no launch waits for the GPU. Run from the repository root:
 
     PYTHONPATH=src python3 benchmarks/launch_cost.py
 """
@@ -11,7 +12,9 @@ import time
 
 import torch
 
+from cpkv.kernels import launch
 from cpkv.kernels.add_norm.triton import add_rms_norm
+from cpkv.kernels.rope.triton import rope_interleaved
 
 
 def timed(fn, n: int = 500) -> float:
@@ -38,8 +41,16 @@ def main() -> None:
         "torch.empty": timed(lambda: torch.empty(64, 6144, device=dev, dtype=torch.bfloat16)),
         "a[:, :128] view": timed(lambda: a[:, :128]),
         "torch.mm": timed(lambda: torch.mm(a, m)),
-        "add_rms_norm wrapper": timed(lambda: add_rms_norm(a, b, w, 1e-5, c, x)),
     }
+    q = torch.randn(64, 64, 64, device=dev, dtype=torch.bfloat16)
+    cos, sin = torch.randn(64, 32, device=dev), torch.randn(64, 32, device=dev)
+    qo = torch.empty_like(q)
+    for name, fn in (("add_rms_norm", lambda: add_rms_norm(a, b, w, 1e-5, c, x)),
+                     ("rope_interleaved", lambda: rope_interleaved(q, cos, sin, qo))):
+        res[f"{name} wrapper, direct launch"] = timed(fn)
+        launch.ENABLED[0] = False  # every launch through Triton's JIT launcher
+        res[f"{name} wrapper, JIT launcher"] = timed(fn)
+        launch.ENABLED[0] = True
     g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
