@@ -1,6 +1,7 @@
 """Benchmark (GPU): host microseconds per launch of the kinds of op a forward issues (torch elementwise, allocation,
-view, cuBLAS GEMM, Triton kernels through our wrappers with direct launches (``cpkv.kernels.launch.fast``) and
-through Triton's JIT launcher, a CUDA graph replay of 50 kernels, an event record). A 2 s spin holds the stream
+view, cuBLAS GEMM under each library torch can prefer, a Triton kernel through our wrapper and bare through Triton's
+JIT launcher, Triton's argument binder alone, a prepared launch (the compiled kernel's C launcher on raw arguments,
+what compose's gathers run), a CUDA graph replay of 50 kernels, an event record). A GPU spin holds the stream
 meanwhile, so no launch waits for the GPU. Run from the repository root:
 
     PYTHONPATH=src python3 benchmarks/launch_cost.py
@@ -8,20 +9,23 @@ meanwhile, so no launch waits for the GPU. Run from the repository root:
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
 
-from cpkv.kernels import launch
+from cpkv.kernels.add_norm import triton as add_norm_triton
 from cpkv.kernels.add_norm.triton import add_rms_norm
 from cpkv.kernels.rope.triton import rope_interleaved
+
+REPEATS = 5
 
 
 def timed(fn, n: int = 500) -> float:
     """Host µs per call of ``fn`` (warmed up; the GPU held busy by a spin, so launches never wait)."""
     for _ in range(50):
         fn()
-    torch.cuda._sleep(int(2e9))
+    torch.cuda._sleep(int(3e8))  # ~0.15 s: longer than the n launches
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -42,15 +46,43 @@ def main() -> None:
         "a[:, :128] view": timed(lambda: a[:, :128]),
         "torch.mm": timed(lambda: torch.mm(a, m)),
     }
+    # the GEMM library torch picks and the two it can be told to prefer; F.linear as the model's Linear calls it
+    mt = m.t().contiguous()
+    before = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        res[f"torch.mm ({lib})"] = timed(lambda: torch.mm(a, m))
+        res[f"F.linear ({lib})"] = timed(lambda: torch.nn.functional.linear(a, mt))
+    torch.backends.cuda.preferred_blas_library(before)
+    res["F.linear"] = timed(lambda: torch.nn.functional.linear(a, mt))
     q = torch.randn(64, 64, 64, device=dev, dtype=torch.bfloat16)
     cos, sin = torch.randn(64, 32, device=dev), torch.randn(64, 32, device=dev)
     qo = torch.empty_like(q)
-    for name, fn in (("add_rms_norm", lambda: add_rms_norm(a, b, w, 1e-5, c, x)),
-                     ("rope_interleaved", lambda: rope_interleaved(q, cos, sin, qo))):
-        res[f"{name} wrapper, direct launch"] = timed(fn)
-        launch.ENABLED[0] = False  # every launch through Triton's JIT launcher
-        res[f"{name} wrapper, JIT launcher"] = timed(fn)
-        launch.ENABLED[0] = True
+    # one Triton kernel (add_rms_norm's) and the rope wrapper, interleaved over REPEATS rounds (medians): the public wrapper,
+    # the bare kernel through Triton's JIT launcher, Triton's binder alone (the part of a launch that specialises
+    # the arguments), and a prepared launch (the floor)
+    kern = add_norm_triton._add_rms_norm
+    args = (a, b, w, c, x, x, x, 1e-5, a.stride(0), b.stride(0), c.stride(0), x.stride(0), 0, 0, 0)
+    kw = dict(D=6144, G_PAD=64, HAS_DELTA=True, QUANT=False, num_warps=8, enable_fp_fusion=False)
+    compiled = kern[(64,)](*args, **kw)
+    binder = kern.device_caches[torch.cuda.current_device()][4]
+    raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in binder(*args, **kw)[0].values()]
+    stream = torch._C._cuda_getCurrentRawStream
+
+    def prepared():
+        compiled.run(64, 1, 1, stream(0), compiled.function, compiled.packed_metadata, None, None, None, *raw)
+    ways = {
+        "add_rms_norm wrapper": lambda: add_rms_norm(a, b, w, 1e-5, c, x),
+        "rope_interleaved wrapper": lambda: rope_interleaved(q, cos, sin, qo),
+        "bare kernel, JIT launcher": lambda: kern[(64,)](*args, **kw),
+        "binder alone": lambda: binder(*args, **kw),
+        "prepared launch (C launcher, raw arguments)": prepared,
+    }
+    got: dict[str, list[float]] = {}
+    for _ in range(REPEATS):
+        for name, fn in ways.items():
+            got.setdefault(name, []).append(timed(fn))
+    res.update({k: round(statistics.median(v), 2) for k, v in got.items()})
     g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -20,7 +20,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import check_grid
-from cpkv.kernels.launch import fast
 
 GROUP = 128
 
@@ -63,7 +62,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     g_pad = 1 << max(0, (-(-d // GROUP) - 1).bit_length())
     quant = q is not None
     dummy = x
-    fast(_add_rms_norm)[check_grid((t,))](
+    _add_rms_norm[check_grid((t,))](
         h, delta if delta is not None else h, weight, h_out if h_out is not None else dummy, x,
         q if quant else dummy, s if quant else dummy, float(eps), h.stride(0),
         delta.stride(0) if delta is not None else 0, h_out.stride(0) if h_out is not None else 0, x.stride(0),

@@ -13,7 +13,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
-from cpkv.kernels.launch import fast
 
 BLOCK_T, BLOCK_D = 4, 512
 
@@ -46,7 +45,7 @@ def combine(y: torch.Tensor, inv: torch.Tensor, add: torch.Tensor | None, out: t
         return
     k = inv.shape[0] // t
     nb = cdiv(d, BLOCK_D)
-    fast(_combine)[check_grid(flat_grid(nb, cdiv(t, BLOCK_T)))](
+    _combine[check_grid(flat_grid(nb, cdiv(t, BLOCK_T)))](
         y, inv, add if add is not None else out, out, t, d, y.stride(0), add.stride(0) if add is not None else 0,
         out.stride(0), nb, K=k, HAS_ADD=add is not None, BT=BLOCK_T, BD=BLOCK_D, num_warps=4,
         enable_fp_fusion=False)

@@ -77,7 +77,6 @@ import torch
 
 from cpkv.kernels import platform
 from cpkv.kernels.grid import cdiv, check_grid
-from cpkv.kernels.launch import fast
 
 BLOCK = 128          # rows, columns and K per tile / block
 MAX_REGS = 168       # launch-wide cap: 12 warps x 32 x 168 = 64,512 of the 65,536 registers
@@ -535,7 +534,7 @@ def launch(a: torch.Tensor, a_s: torch.Tensor | None, offs: torch.Tensor, b: tor
         a_s = b_s = offs.view(1, 1, -1)
     bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
     grid = check_grid((min(bound, platform.sm_count(a)),))
-    fast(load())[grid](
+    load()[grid](
         a_desc, b_desc, c_desc, a_s, offs, tiles, b_s, c, e, n, k,
         a_s.stride(-2), a_s.stride(-1), b_s.stride(0), b_s.stride(1), b_s.stride(2), c.stride(0),
         EP=expert_slots(e), STAGES=stages, PAIR=pair, GROUP_M=max(1, int(group_m)),

@@ -32,7 +32,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.gluon_ws import expert_slots
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
-from cpkv.kernels.launch import fast
 
 try:
     import triton
@@ -312,7 +311,7 @@ def act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: torch.Ten
     if m == 0:
         return
     g = cdiv(k, GROUP)
-    fast(_act_quant)[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
+    _act_quant[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), g, s if rows is None else rows,
         HAS_NROWS=rows is not None, BLOCK_M=QUANT_ROWS, num_warps=4)
 
@@ -325,7 +324,7 @@ def swiglu_quant(gu: torch.Tensor, rw: torch.Tensor | None, q: torch.Tensor, s: 
     if m == 0:
         return
     g = cdiv(i, GROUP)
-    fast(_swiglu_quant)[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
+    _swiglu_quant[check_grid(flat_grid(g, cdiv(m, QUANT_ROWS)))](
         gu, gu if rw is None else rw, q, s, m, i, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), g,
         s if rows is None else rows, HAS_NROWS=rows is not None, HAS_RW=rw is not None, BLOCK_M=QUANT_ROWS,
         num_warps=4)
@@ -418,7 +417,7 @@ def grouped_gemm(a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torc
     meta = {"LOG_E": e.bit_length(), "BLOCK_M": bm, "EVEN_K": k % 128 == 0, "TMA": bool(flags.get("TMA")),
             "PERSISTENT": persistent, "PREFETCH": bool(flags.get("PREFETCH")),
             "EMAP": bool(flags.get("EMAP")) and e <= EMAP_MAX, "EP": expert_slots(e)}
-    fast(_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
+    (_tuned(variant) if config is None else _grouped_v)[grid](*args, **meta, **(config or {}))
 
 
 def _gluon(variant: str, a: torch.Tensor, a_s: torch.Tensor, offs: torch.Tensor, b: torch.Tensor,

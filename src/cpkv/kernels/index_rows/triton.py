@@ -35,7 +35,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
-from cpkv.kernels.launch import fast
 
 DOT_PRECISION = "tf32x3"  # head_weights: three tf32 products, float32-level accuracy on the tensor cores
 BLOCK_ROWS, NUM_WARPS = 64, 2  # index_rows: rows per program (one per thread). 2026-12-01, one H200, T 32768 (GLM-5):
@@ -146,7 +145,7 @@ def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
         return
     lw, lb, eps = norm if norm is not None else (x, x, 0.0)
     win = weights if weights is not None else out
-    fast(_index_rows)[check_grid((cdiv(rows, BLOCK_ROWS),))](
+    _index_rows[check_grid((cdiv(rows, BLOCK_ROWS),))](
         x, lw, lb, cos, sin, win, fp8, out, rows, heads, float(eps), d ** -0.5,
         x.stride(0), cos.stride(0), sin.stride(0), fp8.stride(0), out.stride(0), D=d, ROPE=r,
         INTERLEAVED=interleaved, NORM=norm is not None, FOLD=weights is not None, BLOCK=BLOCK_ROWS,
@@ -183,7 +182,7 @@ def head_weights(x: torch.Tensor, w: torch.Tensor, scale: float, out: torch.Tens
     if t == 0:
         return
     bm, bk = HEAD_BLOCKS
-    fast(_head_weights)[check_grid((cdiv(t, bm),))](
+    _head_weights[check_grid((cdiv(t, bm),))](
         x, w, out, t, n, float(scale), x.stride(0), w.stride(0), out.stride(0), K=k, BLOCK_M=bm,
         BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_K=bk, PRECISION=DOT_PRECISION, num_warps=4,
         num_stages=3, enable_fp_fusion=False)

@@ -42,7 +42,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cpkv.kernels.grid import logits_grid
-from cpkv.kernels.launch import fast
 
 BLOCK_S = 64  # keys per tile: one warpgroup's wgmma M
 
@@ -255,7 +254,7 @@ def mqa_logits_gluon(q, k, k_scale, weights, ks, ke, out, *, col_offset: int = 0
         grid = (items.shape[0],)
     else:
         grid = logits_grid(n_cols, T, span * BLOCK_S, bq)
-    fast(mqa_logits_gluon_kernel)[grid](
+    mqa_logits_gluon_kernel[grid](
         q, k_desc, k_scale, weights, ks, ke, out, items if items is not None else ks,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k_scale.stride(0), weights.stride(0), out.stride(0),

@@ -34,7 +34,6 @@ import triton.language as tl
 
 from cpkv.kernels.grid import logits_grid
 from cpkv.kernels.mqa_logits.config import LogitsConfig
-from cpkv.kernels.launch import fast
 from cpkv.kernels.platform import capability, gluon_importable, sm_count
 
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -257,7 +256,7 @@ def mqa_logits_triton(
                                 span=cfg.gluon_span, stages=cfg.gluon_stages, items=work(shape) if shape else None)
     use_tma = cfg.tma and _tma_ready(k)
     extra = {"k_desc": _key_descriptor(k, cfg.block_s) if use_tma else k, "USE_TMA": use_tma}
-    fast(mqa_logits_kernel_lanes)[grid](
+    mqa_logits_kernel_lanes[grid](
         q, k, k_scale, weights, ks, ke, out,
         T, k.shape[0], col_offset, n_cols,
         q.stride(0), k.stride(0) // k_align, k_scale.stride(0), weights.stride(0), out.stride(0),

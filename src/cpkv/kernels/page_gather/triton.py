@@ -30,8 +30,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cpkv.kernels.launch import direct_ok, fast
-
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
 # one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
 # 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
@@ -104,6 +102,10 @@ def launch_params(page_bytes: int, aligned16: bool, block: int) -> tuple[torch.d
     return dtype, ebytes, vec, elems, block, -(-elems // block)
 
 
+_COMPILED: dict[tuple, Any] = {}
+FAST_LAUNCH = [True]  # cleared for good if a direct launch of a compiled kernel ever fails
+
+
 def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                        page: torch.Tensor, *, aligned16: bool = True, config: dict | None = None) -> None:
     """Triton gather. ``bases``: int64 [n_src] device tensor of byte addresses; ``aligned16``: every source
@@ -112,7 +114,14 @@ def page_gather_triton(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tenso
     semantics."""
     if dest.numel() == 0:
         return
-    _Launch(out, bases, dest, src, page, aligned16, config).jit()
+    launch = _Launch(out, bases, dest, src, page, aligned16, config)
+    compiled = _COMPILED.get(launch.key)
+    if compiled is not None and FAST_LAUNCH[0]:
+        try:
+            return _launch(compiled, launch.grid, launch.args, out.device)
+        except Exception:  # noqa: BLE001 - fall back to the JIT launcher for good
+            FAST_LAUNCH[0] = False
+    _COMPILED[launch.key] = launch.jit()
 
 
 def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
@@ -126,15 +135,10 @@ def gather_launcher(out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, 
     launch is not possible (launch hooks installed, or direct launches disabled after a failure)."""
     if dest.numel() == 0:
         return _noop
-    if not direct_ok():
+    if not _direct_launch_ok():
         return functools.partial(page_gather_triton, out, bases, dest, src, page, aligned16=aligned16, config=config)
     launch = _Launch(out, bases, dest, src, page, aligned16, config)
-    with torch.cuda.device(out.device):  # the module is loaded into the current device's context
-        compiled = launch.jit(warmup=True)  # Triton's cache: compiled once per specialisation
-        run = compiled.run  # loads the binary on first use
-    raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in launch.args)
-    return _fast((run, launch.grid, compiled.function, compiled.packed_metadata, out.device.index or 0), raw,
-                 launch.args[:5], out.shape[-1] * out.element_size())
+    return _direct(launch.key, lambda: launch.jit(warmup=True), launch.grid, launch.args, launch.args[:5], out.device)
 
 
 def relaunch_with(launch: Callable[[], None], out: torch.Tensor, bases: torch.Tensor) -> Callable[[], None] | None:
@@ -155,17 +159,44 @@ def relaunch_with(launch: Callable[[], None], out: torch.Tensor, bases: torch.Te
                  launch.page_bytes)
 
 
+def _direct_launch_ok() -> bool:
+    """Whether launches may bypass Triton's JIT launcher (no launch hooks installed, no earlier failure)."""
+    from triton import knobs
+    return FAST_LAUNCH[0] and all(_no_hook(h) for h in (knobs.runtime.launch_enter_hook,
+                                                          knobs.runtime.launch_exit_hook))
+
+
+def _no_hook(hook: Any) -> bool:
+    """None (Triton < 3.5), or an empty hook chain (Triton >= 3.5 always installs a ``HookChain``)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+def _direct(key: tuple, compile_fn: Callable[[], Any], grid: tuple[int, int, int], args: tuple, keep: tuple,
+            device: torch.device) -> Callable[[], None]:
+    """A zero-argument launch of the kernel compiled under ``key`` (``compile_fn`` compiles it if needed)
+    with ``args`` as raw values; ``keep`` holds the tensors those addresses point into (out, bases, dest, src,
+    page)."""
+    with torch.cuda.device(device):  # the module is loaded into the current device's context
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            compiled = _COMPILED[key] = compile_fn()
+        run = compiled.run  # loads the binary on first use
+    raw = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
+    return _fast((run, grid, compiled.function, compiled.packed_metadata, device.index or 0), raw, keep,
+                 keep[0].shape[-1] * keep[0].element_size())
+
+
 def _fast(spec: tuple, raw: tuple, keep: tuple, page_bytes: int) -> Callable[[], None]:
     """The zero-argument launch of ``spec`` (run, grid, function, metadata, device index) with ``raw``;
     ``page_bytes``: the output's page size (what ``relaunch_with`` must keep)."""
     run, (g0, g1, g2), function, meta, index = spec
     current_stream = torch._C._cuda_getCurrentRawStream
 
-    def launch() -> None:
+    def fast() -> None:
         run(g0, g1, g2, current_stream(index), function, meta, None, None, None, *raw)
-    launch.tensors = keep  # the launch holds raw addresses: keep what they point to alive
-    launch.spec, launch.raw, launch.page_bytes = spec, raw, page_bytes
-    return launch
+    fast.tensors = keep  # the launch holds raw addresses: keep what they point to alive
+    fast.spec, fast.raw, fast.page_bytes = spec, raw, page_bytes
+    return fast
 
 
 def _noop() -> None:
@@ -173,9 +204,9 @@ def _noop() -> None:
 
 
 class _Launch:
-    """One gather's launch: grid, positional arguments, and how to run it (``fast``) or compile it."""
+    """One gather's launch: grid, positional arguments, the compile-cache key, and how to JIT it."""
 
-    __slots__ = ("grid", "args", "warps")
+    __slots__ = ("grid", "args", "key", "warps")
 
     def __init__(self, out: torch.Tensor, bases: torch.Tensor, dest: torch.Tensor, src: torch.Tensor,
                  page: torch.Tensor, aligned16: bool, config: dict | None) -> None:
@@ -190,16 +221,29 @@ class _Launch:
         self.grid = (units, 1, 1)
         self.args = (out.view(dtype), bases, dest, src, page, addr, n, units, elems, ebytes, vec, block)
         self.warps = cfg["num_warps"]
+        # what Triton specialises on: dtypes, constexprs, 16-byte alignment of pointers, ints == 1 or % 16
+        self.key = (self.warps, out.device.index, dest.dtype, src.dtype, page.dtype, *self.args[8:],
+                    *(t.data_ptr() % 16 == 0 for t in self.args[:5]), addr % 16 == 0, n == 1, n % 16 == 0,
+                    units == 1, units % 16 == 0)
 
     def jit(self, warmup: bool = False) -> Any:
-        """Launch (through ``cpkv.kernels.launch.fast``), or with ``warmup`` compile without a launch; returns the
-        compiled kernel."""
+        """Compile through Triton's JIT (and launch, unless ``warmup``); returns the compiled kernel."""
         a = self.args
         kernel = load()
         kw = dict(PAGE_ELEMS=a[8], ELEM_BYTES=a[9], VEC=a[10], BLOCK=a[11], num_warps=self.warps)
         if warmup:
             return kernel.warmup(*a[:8], grid=self.grid, **kw)
-        return fast(kernel)[self.grid](*a[:8], **kw)
+        return kernel[self.grid](*a[:8], **kw)
+
+
+def _launch(compiled: Any, grid: tuple[int, int, int], args: tuple, device: torch.device) -> None:
+    """Launch an already compiled kernel directly (what Triton's JIT launcher does after its cache lookup,
+    without re-binding and re-specialising the arguments: ~30 us -> a few us of host time)."""
+    from triton import knobs
+    stream = torch.cuda.current_stream(device).cuda_stream
+    meta = compiled.launch_metadata(grid, stream, *args)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, meta,
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
 
 
 def _pow2_at_least(n: int) -> int:

@@ -13,7 +13,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
-from cpkv.kernels.launch import fast
 
 BLOCK = 64  # (token, head) rows per program
 
@@ -48,6 +47,6 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out:
     t, h, r = x.shape
     if t * h == 0:
         return
-    fast(_rope_interleaved)[check_grid((cdiv(t * h, BLOCK),))](
+    _rope_interleaved[check_grid((cdiv(t * h, BLOCK),))](
         x, cos, sin, out, t * h, h, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0),
         out.stride(1), HALF=r // 2, BLOCK_R=BLOCK, num_warps=4, enable_fp_fusion=False)

@@ -19,7 +19,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
-from cpkv.kernels.launch import fast
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 2026-12-01, one H200, x [32768, 6144] x bf16 gate [256, 6144]:
 # 0.184 ms (F.linear in float32 2.573 ms; benchmarks/elem_kernels.py). A float32 gate: at most 128 columns and 2
@@ -87,6 +86,6 @@ def router_scores(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> Non
         return
     bm, bn, bk, warps, stages = launch_config(gate.dtype == torch.float32)
     bn = min(bn, max(16, 1 << (n - 1).bit_length()))
-    fast(_router_gemm)[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
+    _router_gemm[check_grid((cdiv(t, bm) * cdiv(n, bn),))](
         x, gate, out, t, n, k, x.stride(0), gate.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=gate.dtype == torch.float32, num_warps=warps, num_stages=stages)

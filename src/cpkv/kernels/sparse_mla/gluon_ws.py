@@ -84,7 +84,6 @@ from typing import Any
 import torch
 
 from cpkv.kernels.grid import sparse_mla_grid
-from cpkv.kernels.launch import fast
 
 LOG2E = 1.4426950408889634
 MAX_REGS = 168  # launch-wide cap: 12 warps x 168 = 64512 of the 65536 registers; partitions re-split them
@@ -529,7 +528,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | None, ks: 
     dense = indices is None
     idx = ks if dense else indices
     n_tiles = sparse_mla_grid(t, h, 64)[0]
-    return fast(load())[(min(n_tiles, _sm_count(q.device)),)](
+    return load()[(min(n_tiles, _sm_count(q.device)),)](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, 0 if dense else indices.shape[1], sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),

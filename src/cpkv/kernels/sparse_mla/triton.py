@@ -36,7 +36,6 @@ import torch
 
 from cpkv.kernels.platform import capability, gluon_importable
 from cpkv.kernels.grid import sparse_mla_grid
-from cpkv.kernels.launch import fast
 
 LOG2E = 1.4426950408889634
 USE_GLUON_BY_DEFAULT = True  # warp-specialised Gluon kernel: faster and correct on H200 (module docstring)
@@ -188,7 +187,7 @@ def launch(
 
         return out, lse, sparse_mla_ws.launch(q, kv, indices, ks, ke, sm_scale, out, lse)
     grid = sparse_mla_grid(t, h, cfg.block_h)
-    compiled = fast(load())[grid](
+    compiled = load()[grid](
         q, kv, idx, ks if dense else idx, ke if dense else idx, out, lse,
         kv.shape[0], h, topk, sm_scale * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), 0 if dense else indices.stride(0),

@@ -20,7 +20,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, _live_rows, tl
 from cpkv.kernels.grid import cdiv, check_grid, flat_grid
-from cpkv.kernels.launch import fast
 
 try:
     from triton.language.extra.cuda import libdevice
@@ -64,7 +63,7 @@ def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor | None, out: torch.Tensor
         return
     g = cdiv(i, BLOCK_N)
     exact_exp = libdevice is not None and not os.environ.get("TRITON_INTERPRET")
-    fast(_swiglu_weighted)[check_grid(flat_grid(g, cdiv(m, BLOCK_M)))](
+    _swiglu_weighted[check_grid(flat_grid(g, cdiv(m, BLOCK_M)))](
         gu, out if rw is None else rw, out, m, i, gu.stride(0), out.stride(0), g, out if rows is None else rows,
         LIBDEVICE=exact_exp, WEIGHTED=rw is not None, HAS_NROWS=rows is not None, BM=BLOCK_M, BN=BLOCK_N,
         num_warps=4, enable_fp_fusion=False)

@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from cpkv.kernels.launch import fast
-
 GROUP = 128
 # (rows per program, warps) of each kernel: the fastest shape of `cpkv bench attention --sweep` (BENCHMARKS.md)
 DEQUANT_LAUNCH = (8, 4)
@@ -101,7 +99,7 @@ def dequant(fp8: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor,
     out = torch.empty((s, d_l + d_r), dtype=torch.bfloat16, device=fp8.device)
     if s:
         kernel = load()[0]
-        fast(kernel)[(triton_cdiv(s, block_s),)](
+        kernel[(triton_cdiv(s, block_s),)](
             fp8, scale, rope, out, s, fp8.stride(0), scale.stride(0), rope.stride(0), out.stride(0),
             G=d_l // GROUP, D_R=d_r, BLOCK_S=block_s, num_warps=warps,
         )
@@ -116,7 +114,7 @@ def quant(x: torch.Tensor, fp8: torch.Tensor, scale: torch.Tensor, rope: torch.T
     s, d_l = fp8.shape
     if s:
         kernel = load()[1]
-        fast(kernel)[(triton_cdiv(s, block_s),)](
+        kernel[(triton_cdiv(s, block_s),)](
             x, fp8, scale, rope, s, x.stride(0), fp8.stride(0), scale.stride(0), rope.stride(0),
             D_L=d_l, G=d_l // GROUP, D_R=rope.shape[1], BLOCK_S=block_s, num_warps=warps,
         )

@@ -20,7 +20,6 @@ import torch
 
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
-from cpkv.kernels.launch import fast
 
 GROUP = 128
 LAUNCH = (8, 4)  # (rows per program, warps): kernels/token_kv's quantisation launch
@@ -83,7 +82,7 @@ def token_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
         return
     block_t, warps = launch or LAUNCH
     o = out if out is not None else kv
-    fast(_token_rows)[check_grid((cdiv(t, block_t),))](
+    _token_rows[check_grid((cdiv(t, block_t),))](
         kv, weight, cos, sin, fp8, scale, rope, o, t, float(eps), kv.stride(0), cos.stride(0), sin.stride(0),
         fp8.stride(0), scale.stride(0), rope.stride(0), o.stride(0), D_L=d_l, G=d_l // GROUP,
         HALF=rope.shape[1] // 2, BLOCK_T=block_t, HAS_OUT=out is not None, num_warps=warps, enable_fp_fusion=False)

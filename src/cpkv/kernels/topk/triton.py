@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from cpkv.kernels.launch import fast
 from cpkv.kernels.platform import sm_count
 
 SAMPLE = 4096
@@ -259,7 +258,7 @@ def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     kblock = min(4096, 1 << max(k - 1, 1).bit_length())
     target = int((k * c) ** 0.5)
     scratch = torch.empty(programs, 2 * c, dtype=torch.int32, device=x.device)
-    fast(topk_stream_kernel)[(programs,)](
+    topk_stream_kernel[(programs,)](
         x, lo, hi, lo if base is None else base, out, scratch, T, programs, x.stride(0) // 4, out.stride(0),
         BASE=base is not None, K=k, C=c, TARGET=target, BLOCK=cfg.block, SAMPLE=SAMPLE, KBLOCK=kblock, CBLOCK=1024, RETRIES=RETRIES,
         DEPTH=cfg.depth,
