@@ -18,15 +18,21 @@ def expect(cond: bool, what: str, got: object) -> None:
 
 
 def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    expect(isinstance(t, torch.Tensor), f"{name} to be a torch.Tensor", type(t).__name__)
-    expect(t.dim() == ndim, f"{name} with {ndim} dims", f"shape {tuple(t.shape)}")
-    names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-    expect(t.dtype in dtypes, f"{name} of dtype {names}", t.dtype)
+    """AttentionError unless ``t`` is a tensor of ``ndim`` dims and one of ``dtypes`` (the message is built only
+    on failure: the entry points check every call, once per layer)."""
+    if not isinstance(t, torch.Tensor):
+        expect(False, f"{name} to be a torch.Tensor", type(t).__name__)
+    if t.dim() != ndim:
+        expect(False, f"{name} with {ndim} dims", f"shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        expect(False, f"{name} of dtype {names}", t.dtype)
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    expect(len(set(devices.values())) == 1, "all tensors on one device", devices)
+    first = next(iter(tensors.values())).device
+    if any(t.device != first for t in tensors.values()):
+        expect(False, "all tensors on one device", {name: t.device for name, t in tensors.items()})
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

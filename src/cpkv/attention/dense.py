@@ -21,7 +21,8 @@ def dense_causal_mla(
     t = q.shape[0]
     for name, x in (("ks", ks), ("ke", ke)):
         check_tensor(name, x, 1, INDEX_DTYPES)
-        expect(x.shape[0] == t, f"{name} of {t} entries (one per query token)", f"shape {tuple(x.shape)}")
+        if x.shape[0] != t:
+            expect(False, f"{name} of {t} entries (one per query token)", f"shape {tuple(x.shape)}")
     check_same_device(q=q, kv=kv, ks=ks, ke=ke)
     if not kernel_applies(q, d_v):
         out, lse = ref.dense_causal_mla_ref(q, kv, ks, ke, sm_scale, d_v)

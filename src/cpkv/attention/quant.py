@@ -21,7 +21,8 @@ def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None) -> torch.
     """
     fmt = _check_format(fmt)
     check_tensor("rows", rows, 2, (torch.uint8,))
-    expect(rows.shape[1] == fmt.row_bytes, f"rows of {fmt.row_bytes} bytes for {fmt}", rows.shape[1])
+    if rows.shape[1] != fmt.row_bytes:  # messages built only on failure (these run once per layer)
+        expect(False, f"rows of {fmt.row_bytes} bytes for {fmt}", rows.shape[1])
     if rows.stride(1) != 1 or rows.stride(0) % 4:
         rows = rows.contiguous()
     if not (use_triton(rows) and _kernel_fits(fmt)):
@@ -40,7 +41,8 @@ def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tens
     fmt = _check_format(fmt)
     check_tensor("kv", kv, 2, FLOAT_DTYPES)
     width = fmt.fp8_bytes + fmt.rope_dims
-    expect(kv.shape[1] == width, f"kv of {width} dims for {fmt}", f"shape {tuple(kv.shape)}")
+    if kv.shape[1] != width:
+        expect(False, f"kv of {width} dims for {fmt}", f"shape {tuple(kv.shape)}")
     if not (use_triton(kv) and _kernel_fits(fmt)):
         return ref.quant_token_kv_ref(kv, fmt)
     from cpkv.kernels.token_kv import triton as token_kv
@@ -63,8 +65,8 @@ def token_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
 
     fmt = _check_format(fmt)
     check_tensor("kv", kv, 2, FLOAT_DTYPES)
-    expect(kv.shape[1] == fmt.fp8_bytes + fmt.rope_dims, f"kv of {fmt.fp8_bytes + fmt.rope_dims} dims for {fmt}",
-           f"shape {tuple(kv.shape)}")
+    if kv.shape[1] != fmt.fp8_bytes + fmt.rope_dims:
+        expect(False, f"kv of {fmt.fp8_bytes + fmt.rope_dims} dims for {fmt}", f"shape {tuple(kv.shape)}")
     if not (use_triton(kv) and _rows_kernel_fits(fmt)):
         return rows_ref.token_rows_ref(kv, weight, cos, sin, eps, fmt)
     from cpkv.kernels.token_rows import triton as kern
@@ -85,8 +87,8 @@ def _check_format(fmt: RowFormat | None) -> RowFormat:
     fmt = fmt or ref.GLM5_TOKEN
     expect(isinstance(fmt, RowFormat), "fmt to be a cpkv.config.RowFormat", type(fmt).__name__)
     groups = fmt.fp8_bytes // QUANT_GROUP
-    expect(fmt.fp8_bytes > 0 and groups * QUANT_GROUP == fmt.fp8_bytes and fmt.scale_count == groups,
-           f"a format with one float32 scale per {QUANT_GROUP} fp8 values", fmt)
+    if not (fmt.fp8_bytes > 0 and groups * QUANT_GROUP == fmt.fp8_bytes and fmt.scale_count == groups):
+        expect(False, f"a format with one float32 scale per {QUANT_GROUP} fp8 values", fmt)
     return fmt
 
 

@@ -24,8 +24,8 @@ def sparse_mla(
     """
     check_inputs(q, kv, sm_scale, d_v)
     check_tensor("indices", indices, 2, INDEX_DTYPES)
-    expect(indices.shape[0] == q.shape[0], f"indices with {q.shape[0]} rows (one per query token)",
-           f"shape {tuple(indices.shape)}")
+    if indices.shape[0] != q.shape[0]:  # messages built only on failure (these run once per layer)
+        expect(False, f"indices with {q.shape[0]} rows (one per query token)", f"shape {tuple(indices.shape)}")
     check_same_device(q=q, kv=kv, indices=indices)
     peer = _flashmla(q, kv, d_v, backend)
     if peer is not None:
@@ -72,8 +72,10 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, d_v: int) -
     check_tensor("q", q, 3, (torch.bfloat16,))
     check_tensor("kv", kv, 2, (torch.bfloat16,))
     d_qk = q.shape[2]
-    expect(kv.shape[1] == d_qk, f"kv rows of d_qk = {d_qk} dims (q's last dim)", f"shape {tuple(kv.shape)}")
-    expect(isinstance(d_v, int) and 0 < d_v <= d_qk, f"0 < d_v <= d_qk = {d_qk}", d_v)
+    if kv.shape[1] != d_qk:  # messages built only on failure (these run once per layer)
+        expect(False, f"kv rows of d_qk = {d_qk} dims (q's last dim)", f"shape {tuple(kv.shape)}")
+    if not (isinstance(d_v, int) and 0 < d_v <= d_qk):
+        expect(False, f"0 < d_v <= d_qk = {d_qk}", d_v)
     expect(isinstance(sm_scale, (int, float)) and sm_scale > 0, "a positive float sm_scale", sm_scale)
 
 
