@@ -490,6 +490,16 @@ def tma_epilogue_applies(c: torch.Tensor) -> bool:
     return c.dtype in _C_TYPES and c.data_ptr() % 16 == 0 and (c.stride(0) * c.element_size()) % 16 == 0
 
 
+@lru_cache(maxsize=None)
+def smem_layout(rows: int, cols: int, dtype: str) -> Any:
+    """The default NVMMA shared layout of a [rows, cols] TMA box of Gluon dtype ``dtype`` (a name in
+    ``gluon.language``), built once per shape (building one costs ~10 µs of host time, and a launch needs two or
+    three)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, dtype))
+
+
 def launch(a: torch.Tensor, a_s: torch.Tensor | None, offs: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor | None,
            c: torch.Tensor, tiles: torch.Tensor, stages: int = STAGES, pair: bool = False, group_m: int = 1,
            epi_tma: bool = False, ahead: bool = False, wide: bool = False, inflight: bool = False) -> None:
@@ -518,18 +528,15 @@ def launch(a: torch.Tensor, a_s: torch.Tensor | None, offs: torch.Tensor, b: tor
                          f"of shared memory, expected at most {SHARED_MAX}")
     if r == 0 or e == 0:
         return
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    ab = getattr(gl, _AB_TYPES[a.dtype])
-    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, kb],
-                              gl.NVMMASharedLayout.get_default_for([BLOCK, kb], ab))
-    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [bn, kb],
-                              gl.NVMMASharedLayout.get_default_for([bn, kb], ab))
+    ab = _AB_TYPES[a.dtype]
+    a_desc = TensorDescriptor(a, [r, k], [a.stride(0), 1], [BLOCK, kb], smem_layout(BLOCK, kb, ab))
+    b_desc = TensorDescriptor(b, [e * n, k], [b.stride(1), 1], [bn, kb], smem_layout(bn, kb, ab))
     c_desc = a_desc  # unused without the TMA epilogue
     if epi_tma:  # one warpgroup's half tile: 64 rows x 128 columns
-        c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK // 2, BLOCK], getattr(gl, _C_TYPES[c.dtype]))
-        c_desc = TensorDescriptor(c, [r, n], [c.stride(0), 1], [BLOCK // 2, BLOCK], c_layout)
+        c_desc = TensorDescriptor(c, [r, n], [c.stride(0), 1], [BLOCK // 2, BLOCK],
+                                  smem_layout(BLOCK // 2, BLOCK, _C_TYPES[c.dtype]))
     if not scaled:  # no scales: the kernel never reads these (any tensor will do)
         a_s = b_s = offs.view(1, 1, -1)
     bound = (cdiv(r, BLOCK) + e) * (n // BLOCK)  # row tiles: each expert adds at most one partial one
