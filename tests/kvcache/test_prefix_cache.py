@@ -115,3 +115,29 @@ def test_insert_over_spilled_page_adopts_the_fresh_copy():
     assert cache.insert([5] * 8, fresh) == []
     assert cache.match([5] * 8).pages == fresh
     assert cache.host.num_free == 2 and cache.num_device_pages == 2
+
+
+def test_keys_are_the_same_for_every_integer_sequence_type():
+    """A page's key depends on its ids only: lists, tuples and numpy arrays of any integer dtype (the engine keeps
+    int64 arrays, tests and replays pass lists) find each other's pages; the partial last page is not keyed."""
+    import numpy as np
+
+    cache, allocs = make()
+    toks = [7, 3, 150_000, 2**40, 0, 1, 2, 3, 9]
+    pages, _ = put(cache, allocs, np.asarray(toks, dtype=np.int64), [0, 1])
+    for seq in (toks, tuple(toks), np.asarray(toks, dtype=np.int64), np.asarray(toks[:8] + [5], dtype=np.uint64)):
+        got = cache.match(seq)
+        assert got.num_tokens == 8 and got.pages == pages
+    small, _ = put(cache, allocs, [11, 12, 13, 14, 15], [1])
+    assert cache.match(np.asarray([11, 12, 13, 14], dtype=np.int32)).pages == small  # int32 ids, as int64 keys
+    assert cache.match([7, 3, 150_000, 2**40 + 1] + toks[4:]).num_tokens == 0  # one id differs: another page
+    assert [len(k) for k in cache._keys(toks)] == [8 * P, 8 * P]
+    assert cache._keys(toks[:3]) == [] and cache._keys(np.zeros(0, dtype=np.int64)) == []
+
+
+def test_keys_out_of_int64_are_a_one_line_error():
+    cache, allocs = make()
+    with pytest.raises(PageError, match="within int64"):
+        cache.match([2**64, 1, 2, 3])
+    with pytest.raises(PageError, match="within int64"):
+        cache.match(["a", "b", "c", "d"])

@@ -100,7 +100,7 @@ class Side:
         raise AssertionError(kind)
 
     def state(self) -> tuple:
-        out, stack = [], [((), self.cache.root)]
+        out, stack = [], [(b"", self.cache.root)]
         while stack:
             path, node = stack.pop()
             for key, child in sorted(node.children.items()):

@@ -23,13 +23,15 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from cpkv.errors import PageError
 from cpkv.kvcache.allocator import PageAllocator
 
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]
+    key: bytes  # the page's token ids (or page keys) as int64 bytes (``PrefixCache._keys``)
     parent: "Node | None"
     owner: int
     page_id: int  # >= 1 while on a device pool, -1 while on the host tier
@@ -38,7 +40,7 @@ class Node:
     last_use: int = 0
     lock: int = 0
     device_children: int = 0
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    children: dict[bytes, "Node"] = field(default_factory=dict)
 
     @property
     def on_device(self) -> bool:
@@ -72,7 +74,7 @@ class PrefixCache:
     def __init__(self, page_size: int, allocators: Sequence[PageAllocator], host_pages: int = 0) -> None:
         self.page_size = page_size
         self.allocators = list(allocators)
-        self.root = Node(key=(), parent=None, owner=-1, page_id=0)
+        self.root = Node(key=b"", parent=None, owner=-1, page_id=0)
         self._clock = 0
         self._next_id = 1
         self._device_leaves: set[Node] = set()
@@ -84,9 +86,21 @@ class PrefixCache:
         self.stats = {"spilled": 0, "reloaded": 0, "evicted": 0}
 
     # -- lookup ------------------------------------------------------------------------------------
-    def _keys(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+    def _keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """One key per full page of ``tokens`` (ints, or an integer numpy array): the page's ids as int64 bytes.
+        Equal pages give equal keys whatever the sequence type. Bytes slices of one conversion: a 200K-token
+        int64 array was 23 ms as tuples of numpy scalars on the dev VM, and every admission's match and every
+        chunk's commit keys the whole prompt (BENCHMARKS.md, session 17)."""
         P = self.page_size
-        return [tuple(tokens[i:i + P]) for i in range(0, len(tokens) - len(tokens) % P, P)]
+        n = len(tokens) - len(tokens) % P
+        if n <= 0:
+            return []
+        try:
+            raw = np.ascontiguousarray(tokens[:n], dtype=np.int64).tobytes()
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise PageError(f"prefix cache keys must be integers within int64: {exc}") from None
+        w = 8 * P
+        return [raw[i:i + w] for i in range(0, 8 * n, w)]
 
     def match(self, tokens: Sequence[int]) -> Match:
         """Longest cached prefix of ``tokens`` made of full pages; refreshes its LRU stamp."""
