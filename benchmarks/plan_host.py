@@ -1,7 +1,8 @@
 """Host ms of one batch's plan on the CPU (2026-12-01, issue 14): the 90 %-cached 32K batch of ``cpkv bench
 engine`` (29,440 cached + 3,328 new tokens, page 64, GLM-5 shapes), per rank 0 of cp 1 and 2, and the last
 32K chunk of its cold 128K prompt (98,304 cached + 32,768 new) and the cold 32K batch (nothing planned ahead of it:
-its plan runs while the GPU waits or runs only the first layer) at cp 1, median of N.
+its plan runs while the GPU waits or runs only the first layer) at cp 1, and a cached turn of a 200K-token
+conversation (196,608 cached + 3,584 new) at cp 8, median of N.
 
     PYTHONPATH=src python3 benchmarks/plan_host.py [N]
 
@@ -29,6 +30,7 @@ from cpkv.model.ops import Rotary
 P, CACHED, NEW = 64, 29440, 3328
 LONG_CHUNK = (98304, 32768)
 COLD = (0, 32768)
+TURN_200K = (196608, 3584)  # a cached turn of a 200K-token conversation, at cp 8 (the case the design exists for)
 SHAPE = WorkShape(rows=4, tile=64, span=64, slots=132 * 4, split=4)
 
 
@@ -48,7 +50,7 @@ def main(n: int) -> None:
     model = SimpleNamespace(cfg=cfg, device=torch.device("cpu"),
                             rotary=lambda pos: Rotary.build(pos, cfg.qk_rope_head_dim, cfg.rope))
     page_bytes = {k: P * cfg.row_bytes(k) for k in ("token", "index")}
-    for cp, (cached, new) in ((1, (CACHED, NEW)), (2, (CACHED, NEW)), (1, LONG_CHUNK), (1, COLD)):
+    for cp, (cached, new) in ((1, (CACHED, NEW)), (2, (CACHED, NEW)), (1, LONG_CHUNK), (1, COLD), (8, TURN_200K)):
         lay = build_layout([(cached, new)], page_size=P, cp=cp)
         ids = list(range(1, lay.num_current + 1))
         spec = BatchSpec(lay, (tuple(range(cached + new)),), tuple(ids))
