@@ -180,3 +180,48 @@ def test_a_taken_port_is_one_error_line_before_any_rank_starts(capsys):
         assert main(["serve", "--port", str(s.getsockname()[1])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cpkv serve: error: --host 127.0.0.1 --port ") and "--port 0" in err[0]
+
+
+class BlockingTokenizer:
+    """A chat tokenizer whose ``chat`` waits until the test releases it: tokenization that runs on the event loop
+    would hold every other request until then."""
+
+    has_chat_template = True
+    stop_ids = frozenset()
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.release, self.returned = threading.Event(), threading.Event(), False
+
+    def chat(self, messages) -> list[int]:
+        self.entered.set()
+        self.release.wait(60.0)  # only a server tokenizing on its event loop reaches this bound
+        self.returned = True
+        return [1, 2, 3]
+
+    def decode(self, ids) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_tokenizing_a_chat_leaves_the_event_loop_serving():
+    """/health answers while a chat request's tokenization is still running, and the chat completes after it."""
+    tok, client = BlockingTokenizer(), ScriptedClient()
+    fe = Frontend(client, Metrics(), 64)
+    app = build_app(ServeState(fe, tok, "tiny", "tiny"))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            chat = asyncio.create_task(http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+            await until(tok.entered.is_set)
+            health = await http.get("/health")
+            answered_during = not tok.returned
+            tok.release.set()
+            await until(lambda: 1 in client.calls)
+            client.answer(1, [5, 6])
+            return health, answered_during, await chat
+    health, answered_during, chat = asyncio.run(main())
+    assert health.status_code == 200 and answered_during
+    assert chat.status_code == 200 and client.calls[1][0] == [1, 2, 3]
+    assert chat.json()["choices"][0]["message"]["content"] == "5 6"

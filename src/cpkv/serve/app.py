@@ -87,7 +87,12 @@ class _Api:
         async def route(request: Request) -> Response:
             try:
                 g = parse(load_json(await request.body()))
-                tokens = self._tokens(g)
+                if g.kind == "chat" or isinstance(g.prompt, str):
+                    # text to tokenize: on a worker thread, so the event loop keeps serving every other
+                    # request meanwhile (a long conversation's template and tokenization take 0.1-2 s)
+                    tokens = await anyio.to_thread.run_sync(self._tokens, g)
+                else:
+                    tokens = self._tokens(g)
                 return await answer(request, g, tokens)
             except Disconnected:
                 return Response(status_code=499)  # nobody reads it: the client is gone
