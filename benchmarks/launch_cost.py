@@ -1,8 +1,9 @@
 """Benchmark (GPU): host microseconds per launch of the kinds of op a forward issues (torch elementwise, allocation,
-view, cuBLAS GEMM under each library torch can prefer, a Triton kernel through our wrapper and bare through Triton's
-JIT launcher, Triton's argument binder alone, a prepared launch (the compiled kernel's C launcher on raw arguments,
-what compose's gathers run), a CUDA graph replay of 50 kernels, an event record). A GPU spin holds the stream
-meanwhile, so no launch waits for the GPU. Run from the repository root:
+view, cuBLAS GEMM under each library torch can prefer, Triton kernels through our wrappers, the page gather kernel
+bare through Triton's JIT launcher, Triton's argument binder alone for it, and its prepared launch as compose runs it
+(``gather_launcher``: the compiled kernel's C launcher on raw addresses), a CUDA graph replay of 50 kernels, an event
+record). A GPU spin holds the stream meanwhile, so no launch waits for the GPU. Public names only. Run from the
+repository root:
 
     PYTHONPATH=src python3 benchmarks/launch_cost.py
 """
@@ -14,8 +15,8 @@ import time
 
 import torch
 
-from cpkv.kernels.add_norm import triton as add_norm_triton
 from cpkv.kernels.add_norm.triton import add_rms_norm
+from cpkv.kernels.page_gather.triton import DEFAULT_CONFIG, gather_launcher, launch_params, load
 from cpkv.kernels.rope.triton import rope_interleaved
 
 REPEATS = 5
@@ -58,25 +59,30 @@ def main() -> None:
     q = torch.randn(64, 64, 64, device=dev, dtype=torch.bfloat16)
     cos, sin = torch.randn(64, 32, device=dev), torch.randn(64, 32, device=dev)
     qo = torch.empty_like(q)
-    # one Triton kernel (add_rms_norm's) and the rope wrapper, interleaved over REPEATS rounds (medians): the public wrapper,
-    # the bare kernel through Triton's JIT launcher, Triton's binder alone (the part of a launch that specialises
-    # the arguments), and a prepared launch (the floor)
-    kern = add_norm_triton._add_rms_norm
-    args = (a, b, w, c, x, x, x, 1e-5, a.stride(0), b.stride(0), c.stride(0), x.stride(0), 0, 0, 0)
-    kw = dict(D=6144, G_PAD=64, HAS_DELTA=True, QUANT=False, num_warps=8, enable_fp_fusion=False)
-    compiled = kern[(64,)](*args, **kw)
-    binder = kern.device_caches[torch.cuda.current_device()][4]
-    raw = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in binder(*args, **kw)[0].values()]
-    stream = torch._C._cuda_getCurrentRawStream
-
-    def prepared():
-        compiled.run(64, 1, 1, stream(0), compiled.function, compiled.packed_metadata, None, None, None, *raw)
+    # one Triton kernel (page gather's: 64 token pages of 41,984 B) three ways, beside the wrappers, interleaved
+    # over REPEATS rounds (medians): bare through Triton's JIT launcher, Triton's binder alone (the part of a launch
+    # that specialises the arguments), and compose's prepared launch (the floor). Session 17's call 2 timed
+    # add_rms_norm's kernel the same three ways (the script at 2a9f805)
+    pool = torch.randint(0, 255, (128, 64 * 656), dtype=torch.uint8, device=dev)
+    out = torch.empty(64, 64 * 656, dtype=torch.uint8, device=dev)
+    bases = torch.tensor([pool.data_ptr()], dtype=torch.int64, device=dev)
+    dest, src, page = (torch.arange(64, dtype=torch.int32, device=dev), torch.zeros(64, dtype=torch.int32, device=dev),
+                       torch.arange(0, 128, 2, dtype=torch.int32, device=dev))
+    dtype, ebytes, vec, elems, block, nblocks = launch_params(out.shape[1], True, DEFAULT_CONFIG["block"])
+    grid = (64 * nblocks,)
+    args = (out.view(dtype), bases, dest, src, page, out.data_ptr(), 64, grid[0])
+    kw = dict(PAGE_ELEMS=elems, ELEM_BYTES=ebytes, VEC=vec, BLOCK=block, num_warps=DEFAULT_CONFIG["num_warps"])
+    kern = load()
+    kern[grid](*args, **kw)
+    assert torch.equal(out, pool[::2]), "page gather: wrong bytes"
+    binder = kern.device_caches[torch.cuda.current_device()][4]  # Triton's own, made by its first launch
+    prepared = gather_launcher(out, bases, dest, src, page)
     ways = {
         "add_rms_norm wrapper": lambda: add_rms_norm(a, b, w, 1e-5, c, x),
         "rope_interleaved wrapper": lambda: rope_interleaved(q, cos, sin, qo),
-        "bare kernel, JIT launcher": lambda: kern[(64,)](*args, **kw),
-        "binder alone": lambda: binder(*args, **kw),
-        "prepared launch (C launcher, raw arguments)": prepared,
+        "page gather kernel, bare, JIT launcher": lambda: kern[grid](*args, **kw),
+        "page gather kernel, binder alone": lambda: binder(*args, **kw),
+        "page gather kernel, prepared launch (gather_launcher)": prepared,
     }
     got: dict[str, list[float]] = {}
     for _ in range(REPEATS):
