@@ -225,3 +225,25 @@ def test_tokenizing_a_chat_leaves_the_event_loop_serving():
     assert health.status_code == 200 and answered_during
     assert chat.status_code == 200 and client.calls[1][0] == [1, 2, 3]
     assert chat.json()["choices"][0]["message"]["content"] == "5 6"
+
+
+def test_a_bad_chat_tokenized_off_the_loop_is_still_a_named_4xx():
+    """Errors raised where the tokenization runs (its worker thread) come back as the same JSON 4xx naming the field,
+    and the engine sees nothing."""
+    tok, client = BlockingTokenizer(), ScriptedClient()
+    tok.release.set()
+    app = build_app(ServeState(Frontend(client, Metrics(), 64), tok, "tiny", "tiny"))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            wrong = await http.post("/v1/chat/completions", json={
+                "model": "other", "messages": [{"role": "user", "content": "hi"}]})
+            outside = await http.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 1})
+            return wrong, outside
+    tok.encode = lambda text: [1, client.vocab_size]  # a text prompt whose second id is outside the vocabulary
+    wrong, outside = asyncio.run(main())
+    assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
+    assert "not served here" in wrong.json()["error"]["message"]
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt"
+    assert "outside the vocabulary" in outside.json()["error"]["message"]
+    assert client.calls == {}
