@@ -57,6 +57,7 @@ ITEMS = (
     ("compose_bytes", "dense compose buffers", "lower --pages-per-rank or --chunk-size"),
     ("logits_bytes", "indexer logits chunk", "lower CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
     ("activation_bytes", "activations at the chunk size", "lower --chunk-size"),
+    ("graph_bytes", "CUDA graph buffers and pool", "lower --graph-tokens (0: no graphs)"),
     ("workspace_bytes", "other workspace", "a fixed cost per rank: give each rank more memory"),
 )
 
@@ -146,6 +147,7 @@ class Setup:
     pages_per_rank: int | None = None
     host_pages: int = 0
     logits_budget: int | None = None
+    graph_tokens: int = 0  # the engine's graph_tokens (cpkv.engine.graphs): 0, no graphs
 
     def __post_init__(self) -> None:
         CPConfig(self.cp, self.page_size)  # validates
@@ -183,7 +185,7 @@ def busiest_rows(adm: Admission) -> int:
     return min(adm.extend_cap, (-(-pages // adm.cp) + 2 * adm.caps.max_requests) * adm.page_size)
 
 
-def activation_parts(s: Setup, rows: int, keys: int) -> dict[str, int]:
+def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None) -> dict[str, int]:
     """Bytes of the tensors live at each phase of a layer on a rank with ``rows`` query tokens over ``keys``
     dense keys (``c``: the compute dtype's bytes): {"persistent", "attention", "mlp", "moe"}; the peak is
     persistent + the largest phase.
@@ -194,7 +196,8 @@ def activation_parts(s: Setup, rows: int, keys: int) -> dict[str, int]:
     slots), the dense keys dequantised to bf16 [K, 576] (fp8 rows; exact rows are read in place). mlp: the
     dense SwiGLU's [T, 2I] and [T, I]. moe: float32 router scores [T, E] (three), routing [T, k], dispatch
     receive and return buffers of static capacity chunk x k rows [., d] each, the grouped SwiGLU's [., 2I]
-    and [., I] over them, the combine's [T k, d], and the shared experts' [T, 3 I_shared].
+    and [., I] over them, the combine's [T k, d], and the shared experts' [T, 3 I_shared]. ``capacity``: those
+    buffers' rows instead (``graph_bytes``).
     """
     m, t, c = s.model, rows, DTYPE_BYTES[s.compute]
     d, h, kr = m.hidden_size, m.num_heads, m.kv_lora_rank
@@ -209,10 +212,31 @@ def activation_parts(s: Setup, rows: int, keys: int) -> dict[str, int]:
         parts["mlp"] = 3 * t * m.intermediate_size * c
     if "sparse" in m.mlp_layer_types:
         k, mi = m.num_experts_per_tok, m.moe_intermediate_size
-        capacity = s.caps(2).effective_extend(s.page_size) * k  # static: every token of the chunk, k times
+        if capacity is None:
+            capacity = s.caps(2).effective_extend(s.page_size) * k  # static: every token of the chunk, k times
         parts["moe"] = 3 * t * m.n_routed_experts * 4 + t * k * 12 + capacity * (2 * d + 3 * mi) * c
         parts["moe"] += t * k * d * c + 3 * t * mi * m.n_shared_experts * c
     return parts
+
+
+def graph_bytes(s: Setup) -> int:
+    """``cpkv.engine.graphs``' memory at ``s.graph_tokens`` rows: its fixed buffers (h, delta, the projection's h
+    [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; the KV and index rows; the indexer's query,
+    counted as float32, and head weights) and the pool its captures keep, bounded by the activations of the
+    pieces it captures (no dense keys; the MoE's pairs T k rows without expert parallelism, none with it: those
+    MoE pieces run eagerly)."""
+    t = s.graph_tokens
+    if not t or s.device != "cuda":
+        return 0
+    m, c = s.model, DTYPE_BYTES[s.compute]
+    q_bytes = 2 if m.kv_dtype == "fp8" else DTYPE_BYTES[m.kv_dtype]
+    fixed = t * (3 * m.hidden_size * c + m.num_heads * m.kv_lora_rank * c + m.qk_rope_head_dim * 4
+                 + m.num_heads * m.d_qk * q_bytes + m.kv_bytes_per_token()
+                 + m.index_n_heads * (m.index_head_dim + 1) * 4)
+    parts = activation_parts(s, t, 0, capacity=t * m.num_experts_per_tok)
+    if s.expert_shards > 1:
+        parts["moe"] = 0
+    return fixed + parts["persistent"] + max(parts["attention"], parts["mlp"], parts["moe"])
 
 
 def items_at(s: Setup, pages: int) -> dict[str, int]:
@@ -234,6 +258,7 @@ def items_at(s: Setup, pages: int) -> dict[str, int]:
         "compose_bytes": adm.dense_bytes(slots + adm.staging_pages) + ARENA_SLACK,
         "logits_bytes": logits,
         "activation_bytes": activations,
+        "graph_bytes": graph_bytes(s),
         "workspace_bytes": fixed + int(share * (activations + logits)),
     }
 

@@ -106,6 +106,18 @@ def recording(device: torch.device, on: bool = True, clocks: bool = False,
         _ACTIVE = None
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No marks inside (a CUDA graph's capture: its pieces' marks would be captured events; the replay is marked
+    instead)."""
+    global _ACTIVE
+    rec, _ACTIVE = _ACTIVE, None
+    try:
+        yield
+    finally:
+        _ACTIVE = rec
+
+
 def sm_clock_mhz() -> int:
     """The current SM clock (MHz) of the current CUDA device, from a spin of PROBE_CYCLES cycles between two
     events (synchronises)."""

@@ -18,7 +18,7 @@ from cpkv.model.model import default_dtype, load_model, precision_config
 from cpkv.model.weights import random_weights, save_checkpoint
 
 PER_RANK = {"weights_bytes", "expert_bytes", "kv_bytes", "kv_tokens", "kv_pages", "staging_bytes", "compose_bytes",
-            "logits_bytes", "activation_bytes", "workspace_bytes", "total_bytes", "budget_bytes", "experts"}
+            "logits_bytes", "activation_bytes", "graph_bytes", "workspace_bytes", "total_bytes", "budget_bytes", "experts"}
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -41,6 +41,21 @@ def test_plan_json(capsys, model, cp):
     assert out["node"]["kv_tokens_shared"] == cp * r["kv_tokens"] == cp * out["node"]["kv_tokens_replicated"]
     if cp == 8:
         assert r["kv_tokens"] >= 100_000 and r["total_bytes"] <= 141 * GB
+
+
+def test_graph_tokens_take_their_buffers_and_pool_from_the_kv_pool(capsys):
+    """--graph-tokens N: the graphs' bytes grow with N (0 without), the KV pool gives up what they take, and the
+    plan's suggested run passes the option on."""
+    _, off = plan(capsys, "--model", "glm5", "--cp", "8")
+    _, small = plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens", "512")
+    _, big = plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens", "2048")
+    g = [x["per_rank"]["graph_bytes"] for x in (off, small, big)]
+    assert g[0] == 0 < g[1] < g[2] < 2 * GB
+    kv = [x["per_rank"]["kv_tokens"] for x in (off, small, big)]
+    assert kv[0] > kv[1] > kv[2] >= 100_000
+    assert all(x["per_rank"]["total_bytes"] <= 141 * GB for x in (off, small, big))
+    assert main(["plan", "--model", "glm5", "--cp", "8", "--gpu-memory", "141", "--graph-tokens", "512"]) == 0
+    assert "--graph-tokens 512" in capsys.readouterr().out
 
 
 def test_plan_text_names_the_largest_item(capsys):

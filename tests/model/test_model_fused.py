@@ -73,14 +73,15 @@ class _UnfusedLayer(DSALayer):
         latent = rms_norm_ref(kv[:, :kr], self.w["self_attn.kv_a_layernorm.weight"], layer_mod.LATENT_NORM_EPS)
         return torch.cat((latent.float(), rot.interleaved_ref(kv[:, kr:])), dim=1)
 
-    def _query(self, qr, rot):
+    def _query(self, qr, rot, out=None):
         cfg = self.cfg
         q = F.linear(qr, self.w["self_attn.q_b_proj.weight"]).view(
             qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
         dtype = _kv_torch_dtype(cfg) if self.exact else torch.bfloat16
-        return torch.cat((q_lat.float(), rot.interleaved_ref(q_rope)), dim=-1).to(dtype)
+        q = torch.cat((q_lat.float(), rot.interleaved_ref(q_rope)), dim=-1).to(dtype)
+        return q if out is None else out.copy_(q)
 
     def _rope_first(self, x, rot):
         r = self.cfg.qk_rope_head_dim

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
                    help="then run the timed runs again with N busy-loop processes on the host (no N: one per "
                         "core) and report each case's slowdown under that load")
+    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=0, metavar="N",
+                   help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs "
+                        "(cpkv.engine.graphs; default 0: off)")
     p.add_argument("--json", action="store_true")
 
 
@@ -230,7 +233,7 @@ def _setup(args: argparse.Namespace):
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
                        page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1,
-                       chain=not getattr(args, "no_chain", False))
+                       chain=not getattr(args, "no_chain", False), graph_tokens=getattr(args, "graph_tokens", 0))
     return cfg, cfg_m, load_model_config(args.model), trace
 
 
@@ -385,6 +388,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "sparse_mla": sparse_mla_used(args.device),
+            "graph_tokens": getattr(args, "graph_tokens", 0), "graphs": (st.get("graphs_per_rank") or [None])[0],
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else (
                 "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); "
@@ -428,6 +432,11 @@ def _print(rep: dict, as_json: bool) -> None:
     print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
           f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
           f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
+    gr = rep.get("graphs")
+    if gr:
+        print(f"CUDA graphs up to {gr['max_tokens']} tokens: {gr['batches']} batches of the timed run through them, "
+              f"{gr['graphs_held']} pieces captured, {gr['eager_pieces']} run eagerly, buffers "
+              f"{gr['buffer_bytes'] / 2**20:.0f} MiB")
 
 
 def _print_mode(rep: dict) -> None:

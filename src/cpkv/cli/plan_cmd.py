@@ -18,7 +18,7 @@ DEFAULT_GPU_GB = 141.0  # an H200, when no GPU is visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import positive_float, positive_int
+    from cpkv.cli.args import bounded_int, positive_float, positive_int
     from cpkv.config import DEFAULT_PAGE_SIZE
     from cpkv.memplan import WEIGHTS
 
@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=positive_int, default=8, help="requests per batch (default 8)")
     p.add_argument("--pages-per-rank", type=positive_int,
                    help="plan this pool (page 0 reserved) instead of the largest that fits")
+    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=0, metavar="N",
+                   help="the engine's --graph-tokens: its CUDA graphs' buffers and pool (default 0: none)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         model.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
                       page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,
-                      pages_per_rank=args.pages_per_rank)
+                      pages_per_rank=args.pages_per_rank, graph_tokens=args.graph_tokens)
     plan = plan_memory(setup)
     if args.json:
         from cpkv.cli.fmt import emit_json
@@ -89,6 +91,7 @@ def show(plan, args: argparse.Namespace) -> None:
         alone = reference_bytes(m, s.weights, s.compute, s.device) > s.budget  # --verify's single-rank model
         print(f"fits: cpkv run --model {args.model} --cp {s.cp} --device cuda --weights {s.weights} --chunk-size "
               f"{s.chunk_size} --page-size {s.page_size} --pages-per-rank {plan.pages}"
+              f"{f' --graph-tokens {s.graph_tokens}' if s.graph_tokens else ''}"
               f"{' --no-verify' if alone else ''} ...")
         return
     print(f"does not fit: {plan.total / GB:.1f} GB per rank needed, {s.budget / GB:.1f} GB available; "
@@ -157,7 +160,7 @@ def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
         where = f"a rank's share of the host's available memory ({cfg.cp} ranks)"
     setup = Setup(model, cfg.cp, total // sharing, weights=cfg.weights_dtype, compute=COMPUTE_DTYPES[cfg.device], device=cfg.device, page_size=cfg.page_size,
                   chunk_size=cfg.chunk_size, max_requests=cfg.caps().max_requests, pages_per_rank=cfg.pages_per_rank,
-                  host_pages=cfg.host_pages)
+                  host_pages=cfg.host_pages, graph_tokens=cfg.graph_tokens)
     why = refusal(plan_memory(setup), where)
     if why is not None:
         raise ConfigError(f"{why} (cpkv plan shows every item)")

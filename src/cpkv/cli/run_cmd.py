@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="linear weights: fp8 (kept / quantised to 128x128 block-scaled fp8, block-scaled GEMMs), bf16 "
                         "(widened to the compute dtype), auto (default: fp8 for an fp8 checkpoint on CUDA at fp8 "
                         "precision, else bf16)")
+    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=0, metavar="N",
+                   help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs, "
+                        "captured once per token bucket (default 0: off; memory: cpkv plan --graph-tokens)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
                         "README, Reliability: the output policy)")
@@ -94,7 +97,8 @@ def engine_config(args: argparse.Namespace, cp: int):
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
-                        weights=args.weights, warmup=args.device == "cuda" if args.warmup is None else args.warmup)
+                        weights=args.weights, graph_tokens=getattr(args, "graph_tokens", 0),
+                        warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 
 def load_requests(args: argparse.Namespace, vocab_size: int):

@@ -47,6 +47,9 @@ class EngineConfig:
     full_hit: str = "page"
     precision: str = "fp8"  # fp8 KV rows, or exact: rows, indexer keys and queries in the model dtype
     weights: str = "auto"  # linear weights kept fp8 (block-scaled GEMMs) or widened to the compute dtype (WEIGHTS)
+    graph_tokens: int = 0  # a rank's batches of up to this many tokens run each layer's token-only pieces as CUDA
+    #                        graphs, one per token bucket (cpkv.engine.graphs); 0: off. On CPU: the same
+    #                        buffers and padding, run eagerly
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
     sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ConfigError(f"unknown admission policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
         CPConfig(self.cp, self.page_size, self.strategy)  # validates
         CacheConfig(self.pages_per_rank, self.host_pages)  # validates
+        if not isinstance(self.graph_tokens, int) or not 0 <= self.graph_tokens <= 1 << 16:
+            raise ConfigError(f"graph_tokens must be an integer in 0..65536, got {self.graph_tokens!r}")
         for key in ("chunk_size", "max_requests"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")

@@ -100,6 +100,7 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
     stats["attention"] = {k: sum(o.stats["attention"][k] for o in outs) for k in ("dense", "sparse")}
     stats["experts_per_rank"] = [o.stats.get("experts", 0) for o in outs]  # routed experts each rank holds
     stats["gpu_memory_per_rank"] = [o.stats.get("gpu_memory") for o in outs]  # CUDA: setup and peak bytes
+    stats["graphs_per_rank"] = [o.stats.get("graphs") for o in outs]  # graph_tokens: each rank's graph counts
     return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats)
 
 

@@ -34,6 +34,7 @@ from cpkv.upload import stage
 if TYPE_CHECKING:
     from cpkv.compose.plan import ComposePlan
     from cpkv.compose.runtime import ComposeRuntime
+    from cpkv.engine.graphs import LayerGraphs
 
 
 @dataclass(frozen=True)
@@ -147,23 +148,34 @@ def _logits_work_shape(model: DSAModel):
 
 
 def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], ComposePlan] | ComposePlan",
-              plan: RankPlan) -> dict[int, torch.Tensor]:
+              plan: RankPlan, graphs: "LayerGraphs | None" = None) -> dict[int, torch.Tensor]:
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
     ``prepare``: builds the batch's compose plan (``rt.prepare``: it persists current pages into the batch's
     page ids; the engine asks it for the first layer's compose launches alone, the others are prepared once the
     first layer is launched), called once the first layer's projections are launched, then ``plan.complete``;
     or the compose plan itself, built ahead (``plan`` completed then too);
-    ``plan``: this rank's ``rank_plan`` of the batch.
+    ``plan``: this rank's ``rank_plan`` of the batch;
+    ``graphs``: the model's ``cpkv.engine.graphs.LayerGraphs``: a batch whose token count is in its buckets runs
+    each layer's token-only pieces through it (captured CUDA graphs), the rest eagerly as without it.
     """
     # topk: the last full indexer layer's, reused by shared layers; delta: the last layer's MLP output, added by
     # the next layer's fused input norm (or before the final norm)
     mark("rank plan")
+    t = plan.num_tokens
+    g = graphs if graphs is not None and graphs.bucket(t) is not None else None
     h, delta, topk = model.embed(plan.ids), None, None
     mark("embed")
     rot = plan.rotary(model)  # behind the embedding on the GPU
-    p = model.layers[0].project(h, rot, delta) if plan.num_tokens and model.layers else None
-    mark("L0 project")
+    if g is not None:
+        g.begin(h, rot)
+
+    def project(n: int, layer):
+        p = None if not t else g.project(n, layer) if g is not None else layer.project(h, rot, delta)
+        mark(f"L{n} project")
+        return p
+
+    p = project(0, model.layers[0]) if model.layers else None
     compose = prepare() if callable(prepare) else prepare  # the plan's host work while the GPU runs the first
     #                                                           projections (unless it was built ahead)
     mark("compose plan")
@@ -171,8 +183,7 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     rows_at = compose.query_rows
     for n, layer in enumerate(model.layers):
         if n:
-            p = layer.project(h, rot, delta) if plan.num_tokens else None
-            mark(f"L{n} project")
+            p = project(n, layer)
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
             if p is not None:
@@ -182,7 +193,11 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
         if attn is None:  # the attention plan's host work behind the first compose (unless built ahead)
             attn = plan.complete(model)
             mark("attention plan")
-        if p is not None:
+        if p is not None and g is not None:
+            latent, topk = layer.attention(p, dense, attn, topk)
+            g.finish(n, layer, latent, plan.ep)
+            mark(f"L{n} mlp")
+        elif p is not None:
             h, delta, topk = layer.attend_split(p.h, p, dense, attn, topk, plan.ep)
         elif plan.ep is not None and layer.is_moe:
             layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
@@ -190,6 +205,8 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
             rt.prepare_launches(compose)
     if not plan.last:
         return {}
+    if g is not None:
+        h, delta = g.result()
     rows = plan.last_rows
     logits = model.logits(h.index_select(0, rows), None if delta is None else delta.index_select(0, rows))
     mark("logits")

@@ -39,6 +39,7 @@ import torch
 from cpkv.dist import RankContext
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.forward import BatchSpec, rank_plan, run_batch
+from cpkv.engine.graphs import for_model
 from cpkv.kvcache.allocator import PageAllocator
 from cpkv.kvcache.manager import KVCacheManager
 from cpkv.model.model import DSAModel, load_model
@@ -95,6 +96,9 @@ class RankEngine:
         self.rt = ComposeRuntime.create(ctx, model.cfg, num_pages=cfg.pages_per_rank, page_size=cfg.page_size,
                                         caps=caps, mode=cfg.mode)
         self.ep = self._expert_exchange()
+        # small batches' layer pieces as CUDA graphs (captured once per model: later runs replay them)
+        self.graphs = for_model(model, cfg.graph_tokens) if cfg.graph_tokens else None
+        self._graph_counts = self.graphs.counts() if self.graphs is not None else None  # before this run
         self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
         self.kv = KVCacheManager(cfg.page_size, allocators, cfg.host_pages,
@@ -296,9 +300,10 @@ class RankEngine:
                                       (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
                         if ahead is None:
                             first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
-                            out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep))
+                            out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep),
+                                            self.graphs)
                         else:
-                            out = run_batch(self.model, self.rt, ahead.compose, ahead.plan)
+                            out = run_batch(self.model, self.rt, ahead.compose, ahead.plan, self.graphs)
                         self.host_s.append(time.perf_counter() - launch)  # every kernel of the forward launched
                         mark("launched")
                         if look_ahead is not None and look_ahead():
@@ -472,8 +477,18 @@ class RankEngine:
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
             "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead, "host_s": self.host_s,
             "chained": self.chained,
-            "marks": self.marks,
+            "marks": self.marks, "graphs": self._graph_stats(),
         }
+
+    def _graph_stats(self) -> dict | None:
+        """With cfg.graph_tokens: this run's batches through the graphs' buffers, pieces captured and pieces run
+        eagerly (first uses; MoE layers under expert parallelism), the captures held, the buffers' bytes."""
+        if self.graphs is None:
+            return None
+        now, then = self.graphs.counts(), self._graph_counts
+        return {"max_tokens": self.graphs.max_tokens, "batches": now["batches"] - then["batches"],
+                "captured": now["captured"] - then["captured"], "eager_pieces": now["eager_pieces"] -
+                then["eager_pieces"], "graphs_held": now["captured"], "buffer_bytes": now["buffer_bytes"]}
 
     def _experts_held(self) -> int:
         """Routed experts this rank holds (0 for a model without MoE layers)."""

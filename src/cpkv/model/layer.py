@@ -167,9 +167,10 @@ class DSALayer:
         return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
-    def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None) -> Projected:
+    def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None,
+                q_out: torch.Tensor | None = None) -> Projected:
         """h [T, hidden] (compute dtype), delta [T, hidden] or None (the previous layer's MLP output, not yet
-        added) -> Projected (module docstring)."""
+        added) -> Projected (module docstring). ``q_out``: where to write the query (``_query``), else new."""
         lin = self.lin
         # x quantised once (fp8) for q_a, kv_a and the indexer's wk, in the add + norm kernel
         h, x, xa = self._add_norm(h, delta, "input_layernorm.weight", lin["self_attn.q_a_proj"])
@@ -178,9 +179,9 @@ class DSALayer:
                             lin["self_attn.q_b_proj"], LATENT_NORM_EPS)[2]
         token = self._token_rows(lin["self_attn.kv_a_proj_with_mqa"](xa), rot)
         if not self.full:
-            return Projected(self._query(qa, rot), token, None, None, None, h)
+            return Projected(self._query(qa, rot, q_out), token, None, None, None, h)
         iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
-        return Projected(self._query(qa, rot), token, index, iq, iw, h)
+        return Projected(self._query(qa, rot, q_out), token, index, iq, iw, h)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None,
                   eps: float | None = None):
@@ -216,9 +217,14 @@ class DSALayer:
         return token_rows(kv, self.w["self_attn.kv_a_layernorm.weight"], rot.cos, rot.sin, LATENT_NORM_EPS,
                           self.cfg.token_format)
 
-    def _query(self, qr, rot: Rotary) -> torch.Tensor:
+    @property
+    def query_dtype(self) -> torch.dtype:
+        """The absorbed query's dtype: bfloat16 (fp8 precision) or the KV dtype (exact)."""
+        return _kv_torch_dtype(self.cfg) if self.exact else torch.bfloat16
+
+    def _query(self, qr, rot: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
         """qr [T, q_lora] (or its QuantAct) -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or
-        the KV dtype."""
+        the KV dtype (written into ``out`` when given: a contiguous tensor of that shape and dtype)."""
         cfg = self.cfg
         q = self.lin["self_attn.q_b_proj"](qr)
         q = q.view(q.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
@@ -226,8 +232,13 @@ class DSALayer:
         # out = cat((q_nope W_UK, rope(q_rope)), -1) in the query dtype, each part written into its slice:
         # the absorbed product straight from the batched GEMM (when dtypes match), the rotation rounded once
         kr = cfg.kv_lora_rank
-        dtype = _kv_torch_dtype(cfg) if self.exact else torch.bfloat16
-        out = torch.empty(q.shape[0], cfg.num_heads, kr + cfg.qk_rope_head_dim, dtype=dtype, device=q.device)
+        dtype = self.query_dtype
+        shape = (q.shape[0], cfg.num_heads, kr + cfg.qk_rope_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=q.device)
+        elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"q_out must be a contiguous {dtype} tensor of shape {shape}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         lat = out[..., :kr]
         if dtype == q.dtype:
             torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
@@ -285,17 +296,29 @@ class DSALayer:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``attend`` without its last residual add -> (h + attention [T, hidden], the MLP's output [T, hidden],
         topk); h + MLP output is the layer's output (the next layer's ``project`` adds it in its norm)."""
+        latent, topk = self.attention(p, dense, plan, topk)
+        h, out = self.finish(h, latent, ep)
+        return h, out, topk
+
+    def attention(self, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
+                  topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The part of ``attend_split`` that reads the composed keys -> (latent [T, H, kv_lora], topk)."""
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
             mark(f"L{self.n} indexer")
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
         mark(f"L{self.n} attention")
+        return latent, topk
+
+    def finish(self, h: torch.Tensor, latent: torch.Tensor, ep: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of ``attend_split``, row by row over the rank's tokens: latent [T, H, kv_lora] through W_UV
+        and o_proj, the residual add with the post-attention norm, the MLP -> (h + attention, the MLP's output)."""
         o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
         h, x, xa = self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
         out = self._mlp(x, xa, ep)
         mark(f"L{self.n} mlp")
-        return h, out, topk
+        return h, out
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
