@@ -53,6 +53,34 @@ def test_replays_give_the_eager_pieces_bytes_batch_after_batch():
     assert cap.eager_runs == 2 * layers * len(seen) and cap.batches == 5
 
 
+def test_warm_captures_every_bucket_and_batches_then_only_replay():
+    """``warm``: every layer's A and C at every bucket captured before any batch (each run once eagerly on the
+    buffers' scratch first); batches after it run no piece eagerly and give the eager pieces' bytes."""
+    from cpkv.engine.graphs import LayerGraphs
+    from cpkv.model import load_model
+
+    model = load_model("tiny", seed=1, device="cuda")
+    cap, ref = LayerGraphs(model, 64), LayerGraphs(model, 64, capture=False)
+    layers = len(model.layers)
+    assert cap.sizes == (16, 32, 64)
+    assert cap.warm() == 2 * layers * 3 == cap.captured == cap.eager_runs and cap.warm_s > 0
+    assert ref.warm() == 0 and ref.captured == 0
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cfg = model.cfg
+    for t in (20, 64, 3):
+        h = torch.randn(t, cfg.hidden_size, generator=gen, device="cuda").to(model.dtype)
+        rot = model.rotary(torch.arange(t, device="cuda") * 7)
+        assert cap.begin(h, rot) == ref.begin(h, rot)
+        for n, layer in enumerate(model.layers):
+            a, b = cap.project(n, layer), ref.project(n, layer)
+            assert torch.equal(a.q, b.q) and torch.equal(a.token, b.token), (t, n)
+            latent = torch.randn(t, cfg.num_heads, cfg.kv_lora_rank, generator=gen, device="cuda").to(torch.bfloat16)
+            cap.finish(n, layer, latent)
+            ref.finish(n, layer, latent)
+            assert all(torch.equal(x, y) for x, y in zip(cap.result(), ref.result())), (t, n)
+    assert cap.eager_runs == 2 * layers * 3 and cap.batches == 3
+
+
 def _trace():
     from cpkv.scheduler.trace import TraceRequest
 
@@ -64,8 +92,9 @@ def _trace():
 @pytest.mark.parametrize("cp", [1, 2])
 def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
     """The tiny model at cp 1 (every piece captured) and cp 2 (the MoE layers' C pieces eager: expert parallelism)
-    under the sync check, warmed up: the timed run captures nothing new, runs no piece eagerly but the MoE
-    layers' under expert parallelism, and its logits match the reference and the run without graphs."""
+    under the sync check: the engine captures every bucket before its first batch, so its batches capture
+    nothing, run no piece eagerly but the MoE layers' under expert parallelism, and its logits match the
+    reference and the run without graphs."""
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs, verify_run
 
@@ -76,9 +105,13 @@ def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
     assert [r.id for r in on.requests] == ["a0", "b0", "a1", "b1", "a2"] and not on.rejected
     report = verify_run(on, trace)
     assert report.ok, report
+    from cpkv.engine.graphs import buckets
+
     moe = on.cfg.model_config().mlp_layer_types.count("sparse")
+    layers = on.cfg.model_config().num_layers
     for st in on.stats["graphs_per_rank"]:
-        assert st["batches"] >= 2 and st["captured"] == 0 and st["graphs_held"] > 0
+        assert st["batches"] >= 2 and st["captured"] == 0 and st["warm_s"] > 0
+        assert st["graphs_held"] == len(buckets(256)) * (2 * layers - (moe if cp > 1 else 0))
         assert st["eager_pieces"] == (moe * st["batches"] if cp > 1 else 0), st
     for a, b in zip(off.requests, on.requests):  # bf16 GEMMs over more rows may round another way
         torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0.05 * float(a.logits.abs().max()))

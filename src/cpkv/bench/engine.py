@@ -66,9 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-load", type=a.bounded_int(1, 4096), nargs="?", const=-1, default=0, metavar="N",
                    help="then run the timed runs again with N busy-loop processes on the host (no N: one per "
                         "core) and report each case's slowdown under that load")
-    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=0, metavar="N",
+    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs "
-                        "(cpkv.engine.graphs; default 0: off)")
+                        "(cpkv.engine.graphs; default: as cpkv run, 1024 on CUDA; 0: off)")
     p.add_argument("--json", action="store_true")
 
 
@@ -213,7 +213,7 @@ def _replace(cfg, **kw):
 
 def _setup(args: argparse.Namespace):
     from cpkv.config import CPConfig
-    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.config import EngineConfig, default_graph_tokens
     from cpkv.errors import ConfigError
     from cpkv.model.config import load_model_config
 
@@ -233,7 +233,8 @@ def _setup(args: argparse.Namespace):
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
                        page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1,
-                       chain=not getattr(args, "no_chain", False), graph_tokens=getattr(args, "graph_tokens", 0))
+                       chain=not getattr(args, "no_chain", False),
+                       graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None)))
     return cfg, cfg_m, load_model_config(args.model), trace
 
 
@@ -388,7 +389,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "device": device, "gemm_tflops": ceiling, "runs": args.runs, "chunk_size": args.chunk_size,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "sparse_mla": sparse_mla_used(args.device),
-            "graph_tokens": getattr(args, "graph_tokens", 0), "graphs": (st.get("graphs_per_rank") or [None])[0],
+            "graph_tokens": timed[0].cfg.graph_tokens, "graphs": (st.get("graphs_per_rank") or [None])[0],
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else (
                 "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); "

@@ -79,9 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="linear weights: fp8 (kept / quantised to 128x128 block-scaled fp8, block-scaled GEMMs), bf16 "
                         "(widened to the compute dtype), auto (default: fp8 for an fp8 checkpoint on CUDA at fp8 "
                         "precision, else bf16)")
-    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=0, metavar="N",
+    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs, "
-                        "captured once per token bucket (default 0: off; memory: cpkv plan --graph-tokens)")
+                        "captured for every token bucket at start (default: 1024 with --device cuda, else 0: off; "
+                        "memory: cpkv plan --graph-tokens)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
                         "README, Reliability: the output policy)")
@@ -91,13 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, cp: int):
-    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.config import EngineConfig, default_graph_tokens
 
     return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, cp=cp, mode=args.mode,
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
-                        weights=args.weights, graph_tokens=getattr(args, "graph_tokens", 0),
+                        weights=args.weights,
+                        graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None)),
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 

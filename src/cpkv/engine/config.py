@@ -12,7 +12,13 @@ if TYPE_CHECKING:
 
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
-WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
+WEIGHTS = ("auto", "fp8", "bf16")
+GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md, session 18)
+
+
+def default_graph_tokens(device: str, asked: int | None) -> int:
+    """``asked``, else GRAPH_TOKENS on CUDA and 0 elsewhere (off CUDA the graphs' buffers only add copies)."""
+    return asked if asked is not None else GRAPH_TOKENS if device == "cuda" else 0  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
 
 
 def is_preset(model: str) -> bool:

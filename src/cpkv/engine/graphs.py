@@ -26,6 +26,7 @@ protocol the tests check on CPU (and the GPU tests compare a replay with, byte f
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -82,6 +83,7 @@ class LayerGraphs:
         self.graphs: dict[tuple[int, str, int], Any] = {}
         self.eager_runs = 0  # pieces run eagerly (first use, or not capturable)
         self.batches = 0     # batches run through the buffers
+        self.warm_s = 0.0    # seconds ``warm`` took
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._stream = torch.cuda.Stream(dev) if self.capture else None
 
@@ -119,13 +121,17 @@ class LayerGraphs:
     def counts(self) -> dict[str, int]:
         """Batches through the buffers, pieces captured and pieces run eagerly so far, the buffers' bytes."""
         return {"batches": self.batches, "captured": self.captured, "eager_pieces": self.eager_runs,
-                "buffer_bytes": self.nbytes()}
+                "buffer_bytes": self.nbytes(), "warm_s": round(self.warm_s, 3)}
 
     def project(self, n: int, layer: Any) -> Projected:
         """Layer ``n``'s A piece over the bucket's rows -> its Projected over the batch's T rows (views of the
         fixed buffers; h is None: C reads it from the buffers)."""
-        tb = self._tb
+        self._run((n, "A", self._tb), self._project_piece(n, layer, self._tb), True)
+        t = self._t
+        view = lambda name: self.out[name][:t] if layer.full or name == "token" else None  # noqa: E731
+        return Projected(self.q[:t], self.out["token"][:t], view("index"), view("iq"), view("iw"))
 
+    def _project_piece(self, n: int, layer: Any, tb: int):
         def piece() -> None:
             rot = Rotary(self.cos[:tb], self.sin[:tb])
             p = layer.project(self.h[:tb], rot, self.delta[:tb] if n else None, q_out=self.q[:tb])
@@ -133,11 +139,7 @@ class LayerGraphs:
                 value = getattr(p, name)
                 if value is not None:
                     self._buffer(name, value)[:tb].copy_(value)
-
-        self._run((n, "A", tb), piece, True)
-        t = self._t
-        view = lambda name: self.out[name][:t] if getattr(layer, "full", True) or name == "token" else None  # noqa
-        return Projected(self.q[:t], self.out["token"][:t], view("index"), view("iq"), view("iw"))
+        return piece
 
     def finish(self, n: int, layer: Any, latent: torch.Tensor, ep: Any = None) -> None:
         """Layer ``n``'s C piece: the batch's ``latent`` [T, H, kv_lora] into the buffer, then W_UV, o_proj,
@@ -146,13 +148,32 @@ class LayerGraphs:
         self.latent[: self._t].copy_(latent)
         capturable = not (ep is not None and layer.is_moe)
         rows = self._tb if capturable else self._t
+        self._run((n, "C", rows), self._finish_piece(layer, rows, ep), capturable)
 
+    def _finish_piece(self, layer: Any, rows: int, ep: Any = None):
         def piece() -> None:
             h, out = layer.finish(self.out["h"][:rows], self.latent[:rows], ep)
             self.h[:rows].copy_(h)
             self.delta[:rows].copy_(out)
+        return piece
 
-        self._run((n, "C", rows), piece, capturable)
+    def warm(self) -> int:
+        """Capture every layer's pieces at every bucket now (each runs once eagerly first, over whatever the
+        buffers hold: their results are scratch) -> the pieces captured. The engine calls it before its first
+        batch, so that no batch pays for a capture. Under expert parallelism the MoE layers' C pieces are left
+        out (they run eagerly). Nothing to do off CUDA."""
+        if not self.capture:
+            return 0
+        t0, before = time.perf_counter(), self.captured
+        ep = self.model.expert_parallel
+        for tb in self.sizes:
+            for n, layer in enumerate(self.model.layers):
+                self._run((n, "A", tb), self._project_piece(n, layer, tb), True)
+                if not (ep and layer.is_moe):
+                    self._run((n, "C", tb), self._finish_piece(layer, tb), True)
+        torch.cuda.current_stream(self.device).synchronize()
+        self.warm_s += time.perf_counter() - t0
+        return self.captured - before
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, delta) [T, hidden] after the last layer: views of the buffers (read them before the next batch)."""

@@ -98,7 +98,9 @@ class RankEngine:
         self.ep = self._expert_exchange()
         # small batches' layer pieces as CUDA graphs (captured once per model: later runs replay them)
         self.graphs = for_model(model, cfg.graph_tokens) if cfg.graph_tokens else None
-        self._graph_counts = self.graphs.counts() if self.graphs is not None else None  # before this run
+        if self.graphs is not None:
+            self.graphs.warm()  # every bucket's pieces captured before the first batch (once per model)
+        self._graph_counts = self.graphs.counts() if self.graphs is not None else None  # before this run's batches
         self.host = HostTier(self.rt.pool, cfg.host_pages) if cfg.host_pages else None
         allocators = [PageAllocator(cfg.pages_per_rank, f"rank {r} pool") for r in range(cfg.cp)]
         self.kv = KVCacheManager(cfg.page_size, allocators, cfg.host_pages,
@@ -481,14 +483,16 @@ class RankEngine:
         }
 
     def _graph_stats(self) -> dict | None:
-        """With cfg.graph_tokens: this run's batches through the graphs' buffers, pieces captured and pieces run
-        eagerly (first uses; MoE layers under expert parallelism), the captures held, the buffers' bytes."""
+        """With cfg.graph_tokens: this run's batches through the graphs' buffers, pieces its batches captured and
+        ran eagerly (first uses, none once warmed; the MoE layers' under expert parallelism), the captures held,
+        the buffers' bytes and the seconds ``LayerGraphs.warm`` took (capturing every bucket before any batch)."""
         if self.graphs is None:
             return None
         now, then = self.graphs.counts(), self._graph_counts
         return {"max_tokens": self.graphs.max_tokens, "batches": now["batches"] - then["batches"],
                 "captured": now["captured"] - then["captured"], "eager_pieces": now["eager_pieces"] -
-                then["eager_pieces"], "graphs_held": now["captured"], "buffer_bytes": now["buffer_bytes"]}
+                then["eager_pieces"], "graphs_held": now["captured"], "buffer_bytes": now["buffer_bytes"],
+                "warm_s": now["warm_s"]}
 
     def _experts_held(self) -> int:
         """Routed experts this rank holds (0 for a model without MoE layers)."""
