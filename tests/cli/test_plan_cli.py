@@ -44,10 +44,13 @@ def test_plan_json(capsys, model, cp):
 
 
 def test_graph_tokens_take_their_buffers_and_pool_from_the_kv_pool(capsys):
-    """--graph-tokens N: the graphs' bytes grow with N (0 without), the KV pool gives up what they take, and the
-    plan's suggested run passes the option on."""
-    _, off = plan(capsys, "--model", "glm5", "--cp", "8")
+    """--graph-tokens N (default 1024, as cpkv run on CUDA): the graphs' bytes grow with N (0 without), the KV
+    pool gives up what they take, and the plan's suggested run passes the option on."""
+    _, off = plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens", "0")
     _, small = plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens", "512")
+    _, default = plan(capsys, "--model", "glm5", "--cp", "8")
+    assert default["per_rank"]["graph_bytes"] == plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens",
+                                                      "1024")[1]["per_rank"]["graph_bytes"]
     _, big = plan(capsys, "--model", "glm5", "--cp", "8", "--graph-tokens", "2048")
     g = [x["per_rank"]["graph_bytes"] for x in (off, small, big)]
     assert g[0] == 0 < g[1] < g[2] < 2 * GB

@@ -19,6 +19,7 @@ DEFAULT_GPU_GB = 141.0  # an H200, when no GPU is visible
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli.args import bounded_int, positive_float, positive_int
+    from cpkv.engine.config import GRAPH_TOKENS
     from cpkv.config import DEFAULT_PAGE_SIZE
     from cpkv.memplan import WEIGHTS
 
@@ -37,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=positive_int, default=8, help="requests per batch (default 8)")
     p.add_argument("--pages-per-rank", type=positive_int,
                    help="plan this pool (page 0 reserved) instead of the largest that fits")
-    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=0, metavar="N",
-                   help="the engine's --graph-tokens: its CUDA graphs' buffers and pool (default 0: none)")
+    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=GRAPH_TOKENS, metavar="N",
+                   help=f"the engine's --graph-tokens: its CUDA graphs' buffers and pool (default {GRAPH_TOKENS}, "
+                        "as cpkv run on CUDA; 0: none)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
