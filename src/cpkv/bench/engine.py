@@ -436,8 +436,8 @@ def _print(rep: dict, as_json: bool) -> None:
     gr = rep.get("graphs")
     if gr:
         print(f"CUDA graphs up to {gr['max_tokens']} tokens: {gr['batches']} batches of the timed run through them, "
-              f"{gr['graphs_held']} pieces captured, {gr['eager_pieces']} run eagerly, buffers "
-              f"{gr['buffer_bytes'] / 2**20:.0f} MiB")
+              f"{gr['graphs_held']} pieces captured in {gr['warm_s']} s, {gr['eager_pieces']} run eagerly, "
+              f"{gr['device_bytes'] / 2**20:.0f} MiB of buffers and pool")
 
 
 def _print_mode(rep: dict) -> None:

@@ -247,6 +247,7 @@ def emit(result, report, args, trace, times, ok) -> None:
     cfg = result.cfg
     emit_json({"ok": ok, "cp": cfg.cp, "experts_per_rank": result.stats.get("experts_per_rank"),
                "gpu_memory_per_rank": result.stats.get("gpu_memory_per_rank") if cfg.device == "cuda" else None,
+               "graph_tokens": cfg.graph_tokens, "graphs_per_rank": result.stats.get("graphs_per_rank"),
                "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
                "weights_dtype": result.summary["weights_dtype"], "mode": result.summary["mode"],
                "policy": cfg.policy, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,

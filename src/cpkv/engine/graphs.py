@@ -84,6 +84,8 @@ class LayerGraphs:
         self.eager_runs = 0  # pieces run eagerly (first use, or not capturable)
         self.batches = 0     # batches run through the buffers
         self.warm_s = 0.0    # seconds ``warm`` took
+        self.warm_bytes = 0  # device bytes ``warm`` left allocated: the captures' pool and the buffers it made
+        self._init_bytes = self.nbytes()  # the buffers made here (A's other results come at its first run)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._stream = torch.cuda.Stream(dev) if self.capture else None
 
@@ -119,9 +121,11 @@ class LayerGraphs:
         return tb
 
     def counts(self) -> dict[str, int]:
-        """Batches through the buffers, pieces captured and pieces run eagerly so far, the buffers' bytes."""
+        """Batches through the buffers, pieces captured and pieces run eagerly so far, the buffers' bytes, the seconds
+        ``warm`` took, and the device bytes the graphs hold once warmed (buffers and pool)."""
         return {"batches": self.batches, "captured": self.captured, "eager_pieces": self.eager_runs,
-                "buffer_bytes": self.nbytes(), "warm_s": round(self.warm_s, 3)}
+                "buffer_bytes": self.nbytes(), "warm_s": round(self.warm_s, 3),
+                "device_bytes": self._init_bytes + self.warm_bytes}
 
     def project(self, n: int, layer: Any) -> Projected:
         """Layer ``n``'s A piece over the bucket's rows -> its Projected over the batch's T rows (views of the
@@ -165,6 +169,7 @@ class LayerGraphs:
         if not self.capture:
             return 0
         t0, before = time.perf_counter(), self.captured
+        mem0 = torch.cuda.memory_allocated(self.device)
         ep = self.model.expert_parallel
         for tb in self.sizes:
             for n, layer in enumerate(self.model.layers):
@@ -173,6 +178,7 @@ class LayerGraphs:
                     self._run((n, "C", tb), self._finish_piece(layer, tb), True)
         torch.cuda.current_stream(self.device).synchronize()
         self.warm_s += time.perf_counter() - t0
+        self.warm_bytes += torch.cuda.memory_allocated(self.device) - mem0
         return self.captured - before
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:

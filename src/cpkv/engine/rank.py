@@ -485,14 +485,15 @@ class RankEngine:
     def _graph_stats(self) -> dict | None:
         """With cfg.graph_tokens: this run's batches through the graphs' buffers, pieces its batches captured and
         ran eagerly (first uses, none once warmed; the MoE layers' under expert parallelism), the captures held,
-        the buffers' bytes and the seconds ``LayerGraphs.warm`` took (capturing every bucket before any batch)."""
+        the buffers' bytes, the seconds ``LayerGraphs.warm`` took (capturing every bucket before any batch) and the
+        device bytes the graphs hold (buffers and the captures' pool; CUDA)."""
         if self.graphs is None:
             return None
         now, then = self.graphs.counts(), self._graph_counts
         return {"max_tokens": self.graphs.max_tokens, "batches": now["batches"] - then["batches"],
                 "captured": now["captured"] - then["captured"], "eager_pieces": now["eager_pieces"] -
                 then["eager_pieces"], "graphs_held": now["captured"], "buffer_bytes": now["buffer_bytes"],
-                "warm_s": now["warm_s"]}
+                "warm_s": now["warm_s"], "device_bytes": now["device_bytes"]}
 
     def _experts_held(self) -> int:
         """Routed experts this rank holds (0 for a model without MoE layers)."""
