@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from cpkv.config import DEFAULT_PAGE_SIZE, AdmissionCaps, CPConfig, ModelConfig
+from cpkv.config import DEFAULT_PAGE_SIZE, KINDS, AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import ConfigError
 from cpkv.model.checkpoint import expected_shapes, fp8_scale_shape
 from cpkv.scheduler.admission import Admission
@@ -221,18 +221,19 @@ def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None
 
 def graph_bytes(s: Setup) -> int:
     """``cpkv.engine.graphs``' memory at ``s.graph_tokens`` rows: its fixed buffers (h, delta, the projection's h
-    [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; the KV and index rows; the indexer's query,
-    counted as float32, and head weights) and the pool its captures keep, bounded by the activations of the
-    pieces it captures (no dense keys; the MoE's pairs T k rows without expert parallelism, none with it: those
-    MoE pieces run eagerly)."""
+    [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; a layer's token and index rows; the indexer's
+    query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
+    bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
+    parallelism, none with it: those MoE pieces run eagerly)."""
     t = s.graph_tokens
     if not t or s.device != "cuda":
         return 0
     m, c = s.model, DTYPE_BYTES[s.compute]
     q_bytes = 2 if m.kv_dtype == "fp8" else DTYPE_BYTES[m.kv_dtype]
+    iq_bytes = 1 if m.kv_dtype == "fp8" else DTYPE_BYTES[m.kv_dtype]
+    rows = sum(m.row_bytes(k) for k in KINDS)
     fixed = t * (3 * m.hidden_size * c + m.num_heads * m.kv_lora_rank * c + m.qk_rope_head_dim * 4
-                 + m.num_heads * m.d_qk * q_bytes + m.kv_bytes_per_token()
-                 + m.index_n_heads * (m.index_head_dim + 1) * 4)
+                 + m.num_heads * m.d_qk * q_bytes + rows + m.index_n_heads * (m.index_head_dim * iq_bytes + 4))
     parts = activation_parts(s, t, 0, capacity=t * m.num_experts_per_tok)
     if s.expert_shards > 1:
         parts["moe"] = 0

@@ -94,7 +94,7 @@ def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
     """The tiny model at cp 1 (every piece captured) and cp 2 (the MoE layers' C pieces eager: expert parallelism)
     under the sync check: the engine captures every bucket before its first batch, so its batches capture
     nothing, run no piece eagerly but the MoE layers' under expert parallelism, and its logits match the
-    reference and the run without graphs."""
+    reference and the run without graphs; the memory plan's graph item bounds the memory the graphs hold."""
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs, verify_run
 
@@ -109,7 +109,13 @@ def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
 
     moe = on.cfg.model_config().mlp_layer_types.count("sparse")
     layers = on.cfg.model_config().num_layers
+    from cpkv.memplan import Setup, graph_bytes
+
+    bound = graph_bytes(Setup(on.cfg.model_config(), cp, 1 << 50, weights=on.cfg.weights_dtype, compute="bfloat16",
+                              page_size=64, chunk_size=4096, max_requests=1, graph_tokens=256))
     for st in on.stats["graphs_per_rank"]:
+        # the memory plan's item bounds what the graphs hold, measured (reserved: buffers and the captures' pool)
+        assert st["buffer_bytes"] < st["device_bytes"] <= bound, (st, bound)
         assert st["batches"] >= 2 and st["captured"] == 0 and st["warm_s"] > 0
         assert st["graphs_held"] == len(buckets(256)) * (2 * layers - (moe if cp > 1 else 0))
         assert st["eager_pieces"] == (moe * st["batches"] if cp > 1 else 0), st

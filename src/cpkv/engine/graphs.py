@@ -84,7 +84,7 @@ class LayerGraphs:
         self.eager_runs = 0  # pieces run eagerly (first use, or not capturable)
         self.batches = 0     # batches run through the buffers
         self.warm_s = 0.0    # seconds ``warm`` took
-        self.warm_bytes = 0  # device bytes ``warm`` left allocated: the captures' pool and the buffers it made
+        self.warm_bytes = 0  # device bytes ``warm`` left reserved: the captures' pool and the buffers it made
         self._init_bytes = self.nbytes()  # the buffers made here (A's other results come at its first run)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._stream = torch.cuda.Stream(dev) if self.capture else None
@@ -168,17 +168,26 @@ class LayerGraphs:
         out (they run eagerly). Nothing to do off CUDA."""
         if not self.capture:
             return 0
-        t0, before = time.perf_counter(), self.captured
-        mem0 = torch.cuda.memory_allocated(self.device)
         ep = self.model.expert_parallel
+        todo = []
         for tb in self.sizes:
             for n, layer in enumerate(self.model.layers):
-                self._run((n, "A", tb), self._project_piece(n, layer, tb), True)
-                if not (ep and layer.is_moe):
-                    self._run((n, "C", tb), self._finish_piece(layer, tb), True)
-        torch.cuda.current_stream(self.device).synchronize()
+                if (n, "A", tb) not in self.graphs:
+                    todo.append(((n, "A", tb), self._project_piece(n, layer, tb)))
+                if (n, "C", tb) not in self.graphs and not (ep and layer.is_moe):
+                    todo.append(((n, "C", tb), self._finish_piece(layer, tb)))
+        if not todo:
+            return 0
+        t0, before = time.perf_counter(), self.captured
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        mem0 = torch.cuda.memory_reserved(self.device)
+        for key, piece in todo:
+            self._run(key, piece, True)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the eager runs' blocks, cached for the capture stream alone, go back
         self.warm_s += time.perf_counter() - t0
-        self.warm_bytes += torch.cuda.memory_allocated(self.device) - mem0
+        self.warm_bytes += torch.cuda.memory_reserved(self.device) - mem0  # the pool, and the buffers made here
         return self.captured - before
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
