@@ -162,15 +162,16 @@ class LayerGraphs:
         return piece
 
     def warm(self) -> int:
-        """Capture every layer's pieces at every bucket now (each runs once eagerly first, over whatever the
-        buffers hold: their results are scratch) -> the pieces captured. The engine calls it before its first
+        """Capture every layer's pieces at every bucket now, the largest bucket first (each piece runs once eagerly
+        first, over whatever the buffers hold: their results are scratch) -> the pieces captured. In ascending
+        order the pool grew with the sum of the buckets (each bucket's freed blocks too small for the next). The engine calls it before its first
         batch, so that no batch pays for a capture. Under expert parallelism the MoE layers' C pieces are left
         out (they run eagerly). Nothing to do off CUDA."""
         if not self.capture:
             return 0
         ep = self.model.expert_parallel
         todo = []
-        for tb in self.sizes:
+        for tb in reversed(self.sizes):  # largest first: the smaller buckets' temporaries fit in its freed blocks
             for n, layer in enumerate(self.model.layers):
                 if (n, "A", tb) not in self.graphs:
                     todo.append(((n, "A", tb), self._project_piece(n, layer, tb)))
