@@ -224,7 +224,7 @@ def graph_bytes(s: Setup) -> int:
     [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; a layer's token and index rows; the indexer's
     query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
     bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
-    parallelism, none with it: those MoE pieces run eagerly)."""
+    parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers)."""
     t = s.graph_tokens
     if not t or s.device != "cuda":
         return 0
@@ -234,9 +234,10 @@ def graph_bytes(s: Setup) -> int:
     rows = sum(m.row_bytes(k) for k in KINDS)
     fixed = t * (3 * m.hidden_size * c + m.num_heads * m.kv_lora_rank * c + m.qk_rope_head_dim * 4
                  + m.num_heads * m.d_qk * q_bytes + rows + m.index_n_heads * (m.index_head_dim * iq_bytes + 4))
-    parts = activation_parts(s, t, 0, capacity=t * m.num_experts_per_tok)
-    if s.expert_shards > 1:
-        parts["moe"] = 0
+    ep = s.expert_shards > 1 and "sparse" in m.mlp_layer_types
+    if ep:  # the R pieces' results: x and the shared experts' output [T, d], expert ids and weights [T, k]
+        fixed += t * (2 * m.hidden_size * c + m.num_experts_per_tok * 12)
+    parts = activation_parts(s, t, 0, capacity=0 if ep else t * m.num_experts_per_tok)
     return fixed + parts["persistent"] + max(parts["attention"], parts["mlp"], parts["moe"])
 
 

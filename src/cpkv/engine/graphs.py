@@ -4,10 +4,11 @@ A batch of a few hundred tokens per rank is bound by the host (docs/design.md, "
 a layer costs it ~2.7 ms (dense) to ~4.5 ms (MoE) whatever the token count. Most of a layer depends on the
 rank's token count alone, so that part is captured once per (layer, token bucket) and replayed in one launch:
 
-    A  ``DecoderLayer.project``: norms, projections, RoPE, the rows' quantisation, the indexer's inputs   graph
+    A  ``DSALayer.project``: norms, projections, RoPE, the rows' quantisation, the indexer's inputs   graph
        the row writes, compose, the dense KV, indexer top-k, sparse MLA (the key count varies)          eager
-    C  ``DecoderLayer.finish``: W_UV, o_proj, residual + norm, the MLP or MoE                          graph
-       (under expert parallelism a MoE layer's C stays eager: its exchange rounds count the group's barrier up)
+    C  ``DSALayer.finish``: W_UV, o_proj, residual + norm, the MLP or MoE                          graph
+       under expert parallelism a MoE layer's C is R (``finish_routed``: C up to routing and the shared
+       experts, graph) then its exchange, eager (``finish_experts``: the rounds count the group's barrier up)
 
 The rank's T tokens run as the bucket's Tb >= T rows. The pieces read and write fixed buffers of
 ``max_tokens`` rows (each bucket a prefix of them, every layer the same ones); the eager part reads rows
@@ -17,7 +18,7 @@ per-row norms, per-row (1 x 128 block) quantisation, GEMMs, per-token routing), 
 
 A piece runs eagerly the first time its (layer, bucket) is met, on the capture stream (JIT compiles,
 autotuning, cuBLAS's workspace for that stream, first-use caches), and is captured right after; later batches
-replay it. The graphs share one memory pool: a piece's temporaries are dead when it ends, its results are
+replay it. The engine meets them all before its first batch (``warm``, the largest bucket first). The graphs share one memory pool: a piece's temporaries are dead when it ends, its results are
 copied into the fixed buffers (the query is written there directly), and pieces run one at a time on one
 stream, so any order of replays is safe.
 
@@ -81,7 +82,7 @@ class LayerGraphs:
         self.q = z(max_tokens, cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=q_dtype)
         self.out: dict[str, torch.Tensor] = {}  # A's other results, allocated at a piece's first (eager) run
         self.graphs: dict[tuple[int, str, int], Any] = {}
-        self.eager_runs = 0  # pieces run eagerly (first use, or not capturable)
+        self.eager_runs = 0  # pieces run eagerly (each once, at its first use: a capture follows it)
         self.batches = 0     # batches run through the buffers
         self.warm_s = 0.0    # seconds ``warm`` took
         self.warm_bytes = 0  # device bytes ``warm`` left reserved: the captures' pool and the buffers it made
@@ -130,7 +131,7 @@ class LayerGraphs:
     def project(self, n: int, layer: Any) -> Projected:
         """Layer ``n``'s A piece over the bucket's rows -> its Projected over the batch's T rows (views of the
         fixed buffers; h is None: C reads it from the buffers)."""
-        self._run((n, "A", self._tb), self._project_piece(n, layer, self._tb), True)
+        self._run((n, "A", self._tb), self._project_piece(n, layer, self._tb))
         t = self._t
         view = lambda name: self.out[name][:t] if layer.full or name == "token" else None  # noqa: E731
         return Projected(self.q[:t], self.out["token"][:t], view("index"), view("iq"), view("iw"))
@@ -148,35 +149,53 @@ class LayerGraphs:
     def finish(self, n: int, layer: Any, latent: torch.Tensor, ep: Any = None) -> None:
         """Layer ``n``'s C piece: the batch's ``latent`` [T, H, kv_lora] into the buffer, then W_UV, o_proj,
         the residual and the MLP over the bucket's rows (h and delta updated in the buffers). A MoE layer under
-        expert parallelism runs it eagerly over the batch's T rows (its exchange was prepared with them)."""
-        self.latent[: self._t].copy_(latent)
-        capturable = not (ep is not None and layer.is_moe)
-        rows = self._tb if capturable else self._t
-        self._run((n, "C", rows), self._finish_piece(layer, rows, ep), capturable)
+        expert parallelism replays its R piece instead (C up to the exchange: routing and the shared experts) and
+        runs the exchange eagerly over the batch's T rows (it was prepared with every rank's T, and its barrier
+        rounds count up), adding the shared experts' output into delta."""
+        t, tb = self._t, self._tb
+        self.latent[:t].copy_(latent)
+        if ep is not None and layer.is_moe:
+            self._run((n, "R", tb), self._routed_piece(layer, tb))
+            out = self.out
+            layer.finish_experts(out["x"][:t], out["idx"][:t], out["rw"][:t],
+                                 out["shared"][:t] if "shared" in out else None, ep, out=self.delta[:t])
+            return
+        self._run((n, "C", tb), self._finish_piece(layer, tb))
 
-    def _finish_piece(self, layer: Any, rows: int, ep: Any = None):
+    def _finish_piece(self, layer: Any, rows: int):
         def piece() -> None:
-            h, out = layer.finish(self.out["h"][:rows], self.latent[:rows], ep)
+            h, out = layer.finish(self.out["h"][:rows], self.latent[:rows])
             self.h[:rows].copy_(h)
             self.delta[:rows].copy_(out)
+        return piece
+
+    def _routed_piece(self, layer: Any, rows: int):
+        def piece() -> None:
+            h, x, idx, rw, shared = layer.finish_routed(self.out["h"][:rows], self.latent[:rows])
+            self.h[:rows].copy_(h)
+            for name, value in (("x", x), ("idx", idx), ("rw", rw), ("shared", shared)):
+                if value is not None:
+                    self._buffer(name, value)[:rows].copy_(value)
         return piece
 
     def warm(self) -> int:
         """Capture every layer's pieces at every bucket now, the largest bucket first (each piece runs once eagerly
         first, over whatever the buffers hold: their results are scratch) -> the pieces captured. In ascending
         order the pool grew with the sum of the buckets (each bucket's freed blocks too small for the next). The engine calls it before its first
-        batch, so that no batch pays for a capture. Under expert parallelism the MoE layers' C pieces are left
-        out (they run eagerly). Nothing to do off CUDA."""
+        batch, so that no batch pays for a capture. Under expert parallelism a MoE layer's R piece is captured in
+        place of its C. Nothing to do off CUDA."""
         if not self.capture:
             return 0
         ep = self.model.expert_parallel
         todo = []
         for tb in reversed(self.sizes):  # largest first: the smaller buckets' temporaries fit in its freed blocks
             for n, layer in enumerate(self.model.layers):
-                if (n, "A", tb) not in self.graphs:
-                    todo.append(((n, "A", tb), self._project_piece(n, layer, tb)))
-                if (n, "C", tb) not in self.graphs and not (ep and layer.is_moe):
+                todo.append(((n, "A", tb), self._project_piece(n, layer, tb)))
+                if ep and layer.is_moe:
+                    todo.append(((n, "R", tb), self._routed_piece(layer, tb)))
+                else:
                     todo.append(((n, "C", tb), self._finish_piece(layer, tb)))
+        todo = [(key, piece) for key, piece in todo if key not in self.graphs]
         if not todo:
             return 0
         t0, before = time.perf_counter(), self.captured
@@ -184,7 +203,7 @@ class LayerGraphs:
         torch.cuda.empty_cache()
         mem0 = torch.cuda.memory_reserved(self.device)
         for key, piece in todo:
-            self._run(key, piece, True)
+            self._run(key, piece)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager runs' blocks, cached for the capture stream alone, go back
         self.warm_s += time.perf_counter() - t0
@@ -205,13 +224,13 @@ class LayerGraphs:
                                                device=self.device)
         return buf
 
-    def _run(self, key: tuple[int, str, int], piece: Any, capturable: bool) -> None:
+    def _run(self, key: tuple[int, str, int], piece: Any) -> None:
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
             return
         self.eager_runs += 1
-        if not (self.capture and capturable):
+        if not self.capture:
             piece()
             return
         cur, s = torch.cuda.current_stream(self.device), self._stream

@@ -314,11 +314,37 @@ class DSALayer:
     def finish(self, h: torch.Tensor, latent: torch.Tensor, ep: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of ``attend_split``, row by row over the rank's tokens: latent [T, H, kv_lora] through W_UV
         and o_proj, the residual add with the post-attention norm, the MLP -> (h + attention, the MLP's output)."""
-        o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
-        h, x, xa = self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
+        h, x, xa = self._post_attention(h, latent)
         out = self._mlp(x, xa, ep)
         mark(f"L{self.n} mlp")
         return h, out
+
+    def finish_routed(self, h: torch.Tensor, latent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``finish`` of a MoE layer under expert parallelism up to its exchange, the part that is row by row
+        over the rank's own tokens -> (h + attention, x (the normed rows the experts take), expert ids int64
+        [T, k], routing weights float32 [T, k], the shared experts' output [T, hidden] or None); then
+        ``finish_experts``."""
+        h, x, xa = self._post_attention(h, latent)
+        idx, weights, shared = self._route(x, xa)
+        return h, x, idx, weights, shared
+
+    def finish_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                       ep: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts through the batch's exchange ``ep`` (every rank, every MoE layer), plus the shared
+        experts' output -> the MLP's output [T, hidden] (written into ``out`` when given)."""
+        from cpkv.model.moe import experts_ep
+
+        y = experts_ep(x, idx, weights, self.moe, ep)
+        if shared is not None:
+            y = torch.add(y, shared, out=out) if out is not None else y + shared
+        elif out is not None:
+            y = out.copy_(y)
+        mark(f"L{self.n} mlp")
+        return y
+
+    def _post_attention(self, h: torch.Tensor, latent: torch.Tensor):
+        o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
+        return self._add_norm(h, o, "post_attention_layernorm.weight", self._mlp_reader)
 
     def _latent_out(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, H, kv_lora] -> o [T, H * v] = einsum("thc,hvc->thv", latent, W_UV), the batched GEMM
@@ -372,6 +398,17 @@ class DSALayer:
         _, x, xa = self._add_norm(h, None, "post_attention_layernorm.weight", self._mlp_reader)
         return self._mlp(x, xa, ep)
 
+    def _route(self, x: torch.Tensor, xa: Any):
+        """A MoE layer's routing of x and its shared experts' output -> (idx, weights, shared or None)."""
+        from cpkv.model.moe import route
+
+        w = self.w
+        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
+                             fused=not self.exact)
+        shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
+        mark(f"L{self.n} route+shared")
+        return idx, weights, shared
+
     @property
     def _mlp_reader(self) -> Linear | None:
         """The Linear whose quantisation decides the MLP's normed input's: the dense MLP's or the shared experts'
@@ -381,15 +418,11 @@ class DSALayer:
 
     def _mlp(self, x: torch.Tensor, xa: Any, ep: Any = None) -> torch.Tensor:
         """x [T, hidden] (normed), xa: x or its QuantAct -> the MLP's output [T, hidden] (``mlp``)."""
-        from cpkv.model.moe import experts, experts_ep, route
+        from cpkv.model.moe import experts, experts_ep
 
-        w = self.w
         if self.moe is None:
             return swiglu(xa, *self.dense_mlp)
-        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
-                             fused=not self.exact)
-        shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
-        mark(f"L{self.n} route+shared")
+        idx, weights, shared = self._route(x, xa)
         if ep is not None:
             out = experts_ep(x, idx, weights, self.moe, ep)
             return out if shared is None else out + shared
