@@ -148,6 +148,23 @@ def test_pads_are_zeroed_at_each_batch(tiny):
     assert torch.equal(g.h[32:50], h[32:50])  # past the bucket: untouched (no piece reads it)
 
 
+def test_the_graphs_do_not_keep_their_model_alive():
+    """``for_model``'s table is keyed weakly by the model: once the engine drops a model (a bench's next weights
+    mode), its graphs and buffers go with it."""
+    import gc
+    import weakref
+
+    from cpkv.engine.graphs import for_model
+
+    model = load_model("tiny", seed=3)
+    g = for_model(model, 32)
+    assert for_model(model, 32) is g and for_model(model, 64) is not g
+    ref, gref = weakref.ref(model), weakref.ref(for_model(model, 64))
+    del model, g
+    gc.collect()
+    assert ref() is None and gref() is None
+
+
 def test_bad_graph_tokens_is_a_config_error():
     from cpkv.engine.config import EngineConfig
     from cpkv.errors import ConfigError

@@ -66,7 +66,9 @@ class LayerGraphs:
     """One model's fixed buffers and captured pieces (one per model and ``max_tokens``: ``for_model``)."""
 
     def __init__(self, model: Any, max_tokens: int, capture: bool | None = None) -> None:
-        self.model, self.max_tokens = model, max_tokens
+        # weakly: for_model's table is keyed weakly by the model, and a strong reference here would keep every
+        # model a process ever ran alive (a bench runs fp8 then bf16 weights of one model, one at a time)
+        self._model, self.max_tokens = weakref.ref(model), max_tokens
         self.sizes = buckets(max_tokens)
         self.device = model.device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -186,10 +188,11 @@ class LayerGraphs:
         place of its C. Nothing to do off CUDA."""
         if not self.capture:
             return 0
-        ep = self.model.expert_parallel
+        model = self._model()
+        ep = model.expert_parallel
         todo = []
         for tb in reversed(self.sizes):  # largest first: the smaller buckets' temporaries fit in its freed blocks
-            for n, layer in enumerate(self.model.layers):
+            for n, layer in enumerate(model.layers):
                 todo.append(((n, "A", tb), self._project_piece(n, layer, tb)))
                 if ep and layer.is_moe:
                     todo.append(((n, "R", tb), self._routed_piece(layer, tb)))
