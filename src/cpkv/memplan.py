@@ -225,7 +225,7 @@ def graph_bytes(s: Setup) -> int:
     query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
     bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
     parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers)."""
-    t = s.graph_tokens
+    t = min(s.graph_tokens, s.chunk_size)  # as the engine caps it: no rank's batch is larger than the chunk
     if not t or s.device != "cuda":
         return 0
     m, c = s.model, DTYPE_BYTES[s.compute]

@@ -97,7 +97,8 @@ class RankEngine:
                                         caps=caps, mode=cfg.mode)
         self.ep = self._expert_exchange()
         # small batches' layer pieces as CUDA graphs (captured once per model: later runs replay them)
-        self.graphs = for_model(model, cfg.graph_tokens) if cfg.graph_tokens else None
+        # (no rank's batch holds more new tokens than the chunk: buckets past it would never run)
+        self.graphs = for_model(model, min(cfg.graph_tokens, cfg.chunk_size)) if cfg.graph_tokens else None
         if self.graphs is not None:
             self.graphs.warm()  # every bucket's pieces captured before the first batch (once per model)
         self._graph_counts = self.graphs.counts() if self.graphs is not None else None  # before this run's batches
