@@ -73,13 +73,15 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     from cpkv.model.config import load_model_config
 
     rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "256",
-               "--long", "512", "--chunk-size", "256", "--page-size", "16", "--runs", "2", "--host-profile", "--json"])
+               "--long", "512", "--chunk-size", "256", "--page-size", "16", "--runs", "2", "--host-profile",
+               "--turn", "40", "--json"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     cases = {c["case"]: c for c in rep["cases"]}
-    assert [c for c in cases] == ["cold", "cached", "long"]
-    assert (cases["cold"]["batches"], cases["cached"]["batches"], cases["long"]["batches"]) == (1, 1, 2)
+    assert [c for c in cases] == ["cold", "cached", "long", "turn"]
+    assert [cases[k]["batches"] for k in ("cold", "cached", "long", "turn")] == [1, 1, 2, 1]
     assert cases["cached"]["cached"] == 224 and cases["long"]["prompt"] == 512
+    assert (cases["turn"]["prompt"], cases["turn"]["cached"]) == (296, 256)  # the cached case's whole prompt
     assert all(len(c["batch_s_runs"]) == 2 and c["ratio_to_gemm"] > 0 for c in cases.values())
     assert all(0 < c["host_s"] <= 1.01 * max(c["batch_s_runs"]) for c in cases.values())  # launched before the end
     assert "breakdown" not in cases["cold"]  # the profiled run records CUDA kernels only
@@ -109,7 +111,8 @@ def test_no_chain_waits_for_every_batch(capsys):
         reps.append(json.loads(capsys.readouterr().out))
     chained, plain = reps
     assert chained["chained_batches"] >= 1 and plain["chained_batches"] == 0
-    assert [c["case"] for c in chained["cases"]] == [c["case"] for c in plain["cases"]] == ["cold", "cached", "long"]
+    assert [c["case"] for c in chained["cases"]] == [c["case"] for c in plain["cases"]] == ["cold", "cached", "long",
+                                                                                            "turn"]
 
 
 def test_idle_stretches_name_the_kernels_around_them():
@@ -166,8 +169,8 @@ def test_bench_engine_trace_dir_writes_each_batch_timeline(tmp_path, capsys):
     from cpkv.cli import main
 
     rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128",
-               "--long", "0", "--chunk-size", "128", "--page-size", "16", "--runs", "1", "--no-profile",
-               "--trace-dir", str(tmp_path), "--json"])
+               "--long", "0", "--turn", "0", "--chunk-size", "128", "--page-size", "16", "--runs", "1",
+               "--no-profile", "--trace-dir", str(tmp_path), "--json"])
     assert rc == 0
     json.loads(capsys.readouterr().out)
     files = sorted((tmp_path / "auto").glob("rank0_batch*.json.gz"))

@@ -65,7 +65,7 @@ def test_bench_engine_reports_each_case_under_host_load(capsys):
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     load, quiet = rep["host_load"], {c["case"]: c for c in rep["cases"]}
-    assert load["procs"] == 1 and [c["case"] for c in load["cases"]] == ["cold", "cached"]
+    assert load["procs"] == 1 and [c["case"] for c in load["cases"]] == ["cold", "cached", "turn"]
     for c in load["cases"]:
         assert c["quiet_s"] == quiet[c["case"]]["batch_s"] and len(c["loaded_s_runs"]) == 2 and c["loaded_s"] > 0
         assert c["slowdown"] == pytest.approx(c["loaded_s"] / c["quiet_s"] - 1, abs=1e-3)

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long", type=a.bounded_int(0, a.MAX_TOKENS), default=131072, help="tokens of the long prompt (default 131072; 0: none)")
     p.add_argument("--chunk-size", type=a.tokens, default=32768, help="chunk size (default 32768)")
     p.add_argument("--cached", type=a.share, default=0.9, help="cached share of the warm case (default 0.9)")
+    p.add_argument("--turn", type=a.bounded_int(0, a.MAX_TOKENS), default=448,
+                   help="new tokens of the turn case, a follow-up turn on the cached case's whole prompt (default 448: "
+                        "a rank's share of a 3.6K-token turn at cp 8, a host-bound size; 0: none)")
     p.add_argument("--runs", type=a.bounded_int(1, 10_000), default=3, help="timed runs (default 3)")
     p.add_argument("--cp", type=a.ranks, default=1, help="rank processes (default 1: the whole GPU)")
     p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
@@ -227,8 +230,9 @@ def _setup(args: argparse.Namespace):
     if args.chunk_size % P:
         raise ConfigError(f"--chunk-size: expected a multiple of --page-size {P}, got {args.chunk_size}")
     prefix = int(args.prompt * args.cached) // P * P
-    trace = bench_trace(args.prompt, prefix, args.long)
-    tokens = 2 * args.prompt + args.long
+    turn = getattr(args, "turn", 0)
+    trace = bench_trace(args.prompt, prefix, args.long, turn)
+    tokens = 2 * args.prompt + args.long + turn
     pages = -(-tokens // P) + 16
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
     cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
@@ -238,17 +242,18 @@ def _setup(args: argparse.Namespace):
     return cfg, cfg_m, load_model_config(args.model), trace
 
 
-def bench_trace(prompt: int, prefix: int, long: int = 0):
+def bench_trace(prompt: int, prefix: int, long: int = 0, turn: int = 0):
     """cold: a fresh prompt; base: the prefix alone (fills the cache); hit: base + the rest; long: a fresh
-    long prompt (several chunks)."""
+    long prompt (several chunks); turn: hit + ``turn`` new tokens (its whole prompt cached: a small batch)."""
     from cpkv.scheduler.trace import TraceRequest
 
     trace = [TraceRequest("cold", 0.0, prompt), TraceRequest("base", 0.0, prefix),
              TraceRequest("hit", 0.0, prompt, None, "base")]
-    return trace + ([TraceRequest("long", 0.0, long)] if long else [])
+    trace += [TraceRequest("long", 0.0, long)] if long else []
+    return trace + ([TraceRequest("turn", 0.0, prompt + turn, None, "hit")] if turn else [])
 
 
-CASES = (("cold", "cold"), ("cached", "hit"), ("long", "long"))
+CASES = (("cold", "cold"), ("cached", "hit"), ("long", "long"), ("turn", "turn"))
 
 
 def _batches(res, rid: str) -> list[int]:
