@@ -40,6 +40,16 @@ def test_invariants_hold_for_random_batches(case):
     expected = [(i, k) for i, r in enumerate(L.requests) for k in
                 ["prefix"] * len(r.prefix_pages) + ["current"] * len(r.current_pages)]
     assert kinds == expected
+    # each slot (built on first use) is its page: owner / writer, pool id, compact index, tokens, slot number
+    want = []
+    for r in L.requests:
+        for k, pp in enumerate(r.prefix_pages):
+            want.append((r.slot_start + k, r.index, "prefix", pp.owner, pp.page_id, -1, k * page_size,
+                         min((k + 1) * page_size, r.prefix_len)))
+        for c in r.current_pages:
+            want.append((r.current_slot_start + c.index, r.index, "current", c.writer, -1, c.compact, c.start, c.end))
+    assert [tuple(p) for p in L.logical_pages] == want and L.num_slots == len(want)
+    assert L.num_prefix_pages == sum(len(r.prefix_pages) for r in L.requests)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

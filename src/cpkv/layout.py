@@ -21,6 +21,7 @@ Remainders rotate across the requests of a batch so that short requests do not a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple, Sequence
 
 from cpkv.config import STRATEGIES, is_power_of_two
@@ -109,15 +110,25 @@ class BatchLayout:
     cp: int
     strategy: str
     requests: tuple[RequestLayout, ...]
-    logical_pages: tuple[LogicalPage, ...]
     current_pages: tuple[CurrentPage, ...]
     rank_current: tuple[tuple[int, ...], ...]
     rank_query_ranges: tuple[tuple[tuple[int, int, int], ...], ...]
     rank_work: tuple[int, ...]
 
+    @cached_property
+    def logical_pages(self) -> tuple[LogicalPage, ...]:
+        """Every slot of the dense buffer in order: each request's prefix pages, then its current pages. Built on
+        first use (the engine's plans read the requests' pages directly: a 200K-token prefix is 3,072 slots)."""
+        P, out = self.page_size, []
+        for r in self.requests:
+            out.extend(_prefix_slots(r.index, r.prefix_pages, r.slot_start, r.prefix_len, P))
+            out.extend(LogicalPage(r.current_slot_start + k, r.index, "current", c.writer, -1, c.compact, c.start,
+                                   c.end) for k, c in enumerate(r.current_pages))
+        return tuple(out)
+
     @property
     def num_slots(self) -> int:
-        return len(self.logical_pages)
+        return self.requests[-1].slot_end if self.requests else 0
 
     @property
     def num_current(self) -> int:
@@ -302,13 +313,11 @@ def build_layout(
 
 def _assemble(reqs, given, page_size: int, cp: int, strategy: str) -> BatchLayout:
     requests: list[RequestLayout] = []
-    logical: list[LogicalPage] = []
     current: list[CurrentPage] = []
-    rot = 0
+    rot = slots = 0
     for i, (prefix, extend) in enumerate(reqs):
         _check_prefix_pages(i, given[i], cdiv(prefix, page_size), cp)
-        slot_start = len(logical)
-        logical.extend(_prefix_slots(i, given[i], slot_start, prefix, page_size))
+        slot_start = slots
         n = cdiv(extend, page_size)
         writers = split_writers(n, cp, strategy, rot)
         rot += rotation_step(n, cp, strategy)
@@ -318,9 +327,9 @@ def _assemble(reqs, given, page_size: int, cp: int, strategy: str) -> BatchLayou
             page = CurrentPage(i, k, len(current), start, min(start + page_size, prefix + extend), w)
             cur.append(page)
             current.append(page)
-            logical.append(LogicalPage(len(logical), i, "current", w, -1, page.compact, page.start, page.end))
+        slots += len(given[i]) + n
         requests.append(RequestLayout(i, prefix, extend, tuple(given[i]), tuple(cur), slot_start))
-    return _finish(requests, logical, current, page_size, cp, strategy)
+    return _finish(requests, current, page_size, cp, strategy)
 
 
 def _prefix_slots(i: int, pages: Sequence[PrefixPage], slot_start: int, prefix: int, P: int) -> list[LogicalPage]:
@@ -333,7 +342,7 @@ def _prefix_slots(i: int, pages: Sequence[PrefixPage], slot_start: int, prefix: 
     return out
 
 
-def _finish(requests, logical, current, page_size: int, cp: int, strategy: str) -> BatchLayout:
+def _finish(requests, current, page_size: int, cp: int, strategy: str) -> BatchLayout:
     rank_current: list[list[int]] = [[] for _ in range(cp)]
     ranges: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
     work = [0] * cp
@@ -346,7 +355,7 @@ def _finish(requests, logical, current, page_size: int, cp: int, strategy: str) 
         else:
             runs.append((c.request, c.start, c.end))
     return BatchLayout(
-        page_size=page_size, cp=cp, strategy=strategy, requests=tuple(requests), logical_pages=tuple(logical),
+        page_size=page_size, cp=cp, strategy=strategy, requests=tuple(requests),
         current_pages=tuple(current), rank_current=tuple(tuple(x) for x in rank_current),
         rank_query_ranges=tuple(tuple(x) for x in ranges), rank_work=tuple(work),
     )
