@@ -6,7 +6,7 @@ conversation (196,608 cached + 3,584 new) at cp 8, median of N.
 
     PYTHONPATH=src python3 benchmarks/plan_host.py [N]
 
-Parts: the batch layout, the compose plan, the rank plan (token ids, positions, rotary tables, indexer chunk
+Parts: the batch layout (its prefix pages given, as the engine gives them), the compose plan, the rank plan (token ids, positions, rotary tables, indexer chunk
 plan; its device math runs on the CPU here) and the indexer logits work items of the H200 Gluon kernel's
 shape (rows 4, 64-key tiles, spans of 64, 132 SMs x 4 programs, last wave split 4): the forward used to
 build those on first use inside layer 0, the plan builds them now. No GPU, no Triton needed.
@@ -51,7 +51,8 @@ def main(n: int) -> None:
                             rotary=lambda pos: Rotary.build(pos, cfg.qk_rope_head_dim, cfg.rope))
     page_bytes = {k: P * cfg.row_bytes(k) for k in ("token", "index")}
     for cp, (cached, new) in ((1, (CACHED, NEW)), (2, (CACHED, NEW)), (1, LONG_CHUNK), (1, COLD), (8, TURN_200K)):
-        lay = build_layout([(cached, new)], page_size=P, cp=cp)
+        owners = [(k % cp, 1 + k // cp) for k in range(cached // P)]  # as the engine passes them: explicit pages
+        lay = build_layout([(cached, new)], page_size=P, cp=cp, prefix_pages=[owners])
         ids = list(range(1, lay.num_current + 1))
         spec = BatchSpec(lay, (tuple(range(cached + new)),), tuple(ids))
         ip = rank_plan(spec, 0, model).complete(model).indexer
@@ -61,7 +62,7 @@ def main(n: int) -> None:
                 r = slice(c.row_start, c.row_end)
                 logits_work_items(ip.host_ks[r], ip.host_ke[r], c.key_start, c.width, SHAPE)
 
-        parts = {"layout": lambda: build_layout([(cached, new)], page_size=P, cp=cp),
+        parts = {"layout": lambda: build_layout([(cached, new)], page_size=P, cp=cp, prefix_pages=[owners]),
                  "compose plan": lambda: ComposePlan(lay, 0, 200, page_bytes, torch.device("cpu"), ids),
                  "rank plan": lambda: rank_plan(spec, 0, model).complete(model),
                  "work items": items}
