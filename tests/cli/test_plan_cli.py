@@ -57,6 +57,8 @@ def test_graph_tokens_take_their_buffers_and_pool_from_the_kv_pool(capsys):
     kv = [x["per_rank"]["kv_tokens"] for x in (off, small, big)]
     assert kv[0] > kv[1] > kv[2] >= 100_000
     assert all(x["per_rank"]["total_bytes"] <= 141 * GB for x in (off, small, big))
+    _, exact = plan(capsys, "--model", "glm5", "--cp", "8", "--precision", "exact")
+    assert exact["per_rank"]["graph_bytes"] == 0  # exact precision runs eagerly unless asked
     assert main(["plan", "--model", "glm5", "--cp", "8", "--gpu-memory", "141", "--graph-tokens", "512"]) == 0
     assert "--graph-tokens 512" in capsys.readouterr().out
 

@@ -165,6 +165,14 @@ def test_the_graphs_do_not_keep_their_model_alive():
     assert ref() is None and gref() is None
 
 
+def test_graphs_are_on_by_default_only_on_cuda_at_fp8_precision():
+    from cpkv.engine.config import GRAPH_TOKENS, default_graph_tokens
+
+    assert default_graph_tokens("cuda", None) == default_graph_tokens("cuda", None, "fp8") == GRAPH_TOKENS == 1024
+    assert default_graph_tokens("cuda", None, "exact") == default_graph_tokens("cpu", None) == 0
+    assert default_graph_tokens("cpu", 64) == 64 and default_graph_tokens("cuda", 0) == 0
+
+
 def test_bad_graph_tokens_is_a_config_error():
     from cpkv.engine.config import EngineConfig
     from cpkv.errors import ConfigError

@@ -38,15 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=positive_int, default=8, help="requests per batch (default 8)")
     p.add_argument("--pages-per-rank", type=positive_int,
                    help="plan this pool (page 0 reserved) instead of the largest that fits")
-    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=GRAPH_TOKENS, metavar="N",
-                   help=f"the engine's --graph-tokens: its CUDA graphs' buffers and pool (default {GRAPH_TOKENS}, "
-                        "as cpkv run on CUDA; 0: none)")
+    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=None, metavar="N",
+                   help=f"the engine's --graph-tokens: its CUDA graphs' buffers and pool (default {GRAPH_TOKENS} at fp8 "
+                        "precision, 0 at exact, as cpkv run on CUDA; 0: none)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
     from cpkv.config import CPConfig
+    from cpkv.engine.config import default_graph_tokens
     from cpkv.memplan import GB, Setup, default_weights, plan_memory
     from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
 
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         model.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
                       page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,
-                      pages_per_rank=args.pages_per_rank, graph_tokens=args.graph_tokens)
+                      pages_per_rank=args.pages_per_rank,
+                      graph_tokens=default_graph_tokens("cuda", args.graph_tokens, args.precision))
     plan = plan_memory(setup)
     if args.json:
         from cpkv.cli.fmt import emit_json

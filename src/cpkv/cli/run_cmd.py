@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "precision, else bf16)")
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs, "
-                        "captured for every token bucket at start (default: 1024 with --device cuda, else 0: off; "
+                        "captured for every token bucket at start (default: 1024 with --device cuda at fp8 precision, else "
+                        "0: off; "
                         "memory: cpkv plan --graph-tokens)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
@@ -99,7 +100,8 @@ def engine_config(args: argparse.Namespace, cp: int):
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
                         weights=args.weights,
-                        graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None)),
+                        graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None),
+                                                          args.precision),
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
 
 

@@ -16,9 +16,13 @@ WEIGHTS = ("auto", "fp8", "bf16")
 GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md, session 18)
 
 
-def default_graph_tokens(device: str, asked: int | None) -> int:
-    """``asked``, else GRAPH_TOKENS on CUDA and 0 elsewhere (off CUDA the graphs' buffers only add copies)."""
-    return asked if asked is not None else GRAPH_TOKENS if device == "cuda" else 0  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
+def default_graph_tokens(device: str, asked: int | None, precision: str = "fp8") -> int:
+    """``asked``, else GRAPH_TOKENS on CUDA at fp8 precision and 0 otherwise (off CUDA the graphs' buffers only add
+    copies; ``--precision exact``, a checking mode whose torch paths were not run under capture, stays eager
+    unless asked)."""
+    if asked is not None:
+        return asked
+    return GRAPH_TOKENS if device == "cuda" and precision == "fp8" else 0  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
 
 
 def is_preset(model: str) -> bool:

@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on CUDA at fp8 precision, else bf16)")
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches (prefill chunks and decode steps) of up to N tokens run each layer's "
-                        "token-only pieces as CUDA graphs, captured at start (default: 1024 with --device cuda, "
-                        "else 0: off)")
+                        "token-only pieces as CUDA graphs, captured at start (default: 1024 with --device cuda at "
+                        "fp8 precision, else 0: off)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run one chunked prompt and two decode steps before listening (default: on with --device "
                         "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
