@@ -18,9 +18,10 @@ per-row norms, per-row (1 x 128 block) quantisation, GEMMs, per-token routing), 
 
 A piece runs eagerly the first time its (layer, bucket) is met, on the capture stream (JIT compiles,
 autotuning, cuBLAS's workspace for that stream, first-use caches), and is captured right after; later batches
-replay it. The engine meets them all before its first batch (``warm``, the largest bucket first). The graphs share one memory pool: a piece's temporaries are dead when it ends, its results are
-copied into the fixed buffers (the query is written there directly), and pieces run one at a time on one
-stream, so any order of replays is safe.
+replay it. The engine meets them all before its first batch (``warm``, the largest bucket first). The graphs
+share one memory pool: a piece's temporaries are dead when it ends, its results are copied into the fixed
+buffers (the query is written there directly), and pieces run one at a time on one stream, so any order of
+replays is safe.
 
 Off CUDA, or with ``capture`` false, every piece runs eagerly through the same buffers and padding: the
 protocol the tests check on CPU (and the GPU tests compare a replay with, byte for byte).
@@ -183,9 +184,9 @@ class LayerGraphs:
     def warm(self) -> int:
         """Capture every layer's pieces at every bucket now, the largest bucket first (each piece runs once eagerly
         first, over whatever the buffers hold: their results are scratch) -> the pieces captured. In ascending
-        order the pool grew with the sum of the buckets (each bucket's freed blocks too small for the next). The engine calls it before its first
-        batch, so that no batch pays for a capture. Under expert parallelism a MoE layer's R piece is captured in
-        place of its C. Nothing to do off CUDA."""
+        order the pool grew with the sum of the buckets (each bucket's freed blocks too small for the next). The
+        engine calls it before its first batch, so that no batch pays for a capture. Under expert parallelism a
+        MoE layer's R piece is captured in place of its C. Nothing to do off CUDA."""
         if not self.capture:
             return 0
         model = self._model()
@@ -221,8 +222,9 @@ class LayerGraphs:
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = self.out.get(name)
         if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype:
-            if self.capture and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"the graph buffer {name!r} changed shape during a capture")
+            if self.capture and self.graphs:  # a captured graph writes the old buffer's address
+                raise RuntimeError(f"the graph buffer {name!r} would change shape after a capture: "
+                                   f"{tuple(buf.shape[1:]) if buf is not None else None} to {tuple(like.shape[1:])}")
             buf = self.out[name] = torch.zeros((self.max_tokens,) + tuple(like.shape[1:]), dtype=like.dtype,
                                                device=self.device)
         return buf
