@@ -240,7 +240,7 @@ def test_a_bad_chat_tokenized_off_the_loop_is_still_a_named_4xx():
                 "model": "other", "messages": [{"role": "user", "content": "hi"}]})
             outside = await http.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 1})
             return wrong, outside
-    tok.encode = lambda text: [1, client.vocab_size]  # a text prompt whose second id is outside the vocabulary
+    tok.text = lambda text: [1, client.vocab_size]  # a text prompt whose second id is outside the vocabulary
     wrong, outside = asyncio.run(main())
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
     assert "not served here" in wrong.json()["error"]["message"]

@@ -90,6 +90,26 @@ def test_segment_ids_equal_the_whole_tokenization_turn_after_turn(tmp_path, kind
     assert tok.stats["cached"] > tok.stats["segments"] // 2
 
 
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_text_prompts_through_the_cache_equal_the_whole_encoding(tmp_path, kind):
+    """A client that renders the template itself and sends each turn as text (``/generate``): ``text`` gives
+    ``encode``'s ids and tokenizes only the new turn's text."""
+    from cpkv.serve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(_bpe(tmp_path / kind, kind)))
+    rng = random.Random(4)
+    msgs = _chat(rng, 14)
+    for n in range(1, len(msgs) + 1):
+        prompt = tok.tok.apply_chat_template(msgs[:n], add_generation_prompt=True, tokenize=False)
+        before = tok.stats["chars_tokenized"]
+        assert tok.text(prompt) == tok.encode(prompt), (kind, n)
+        if n > 2:
+            assert tok.stats["chars_tokenized"] - before <= len(msgs[n - 1]["content"]) + 8
+    for cut in (1, 7, 30, 100):  # any text at all, role markers cut in half included
+        assert tok.text(prompt[:-cut]) == tok.encode(prompt[:-cut])
+    assert tok.segment_cache
+
+
 def test_added_tokens_the_cache_cannot_follow_tokenize_whole(tmp_path):
     """Added tokens matched on normalised text (with a normaliser), or that strip their neighbours' spaces: the
     cache is off and chats are the whole tokenization."""
@@ -102,6 +122,8 @@ def test_added_tokens_the_cache_cannot_follow_tokenize_whole(tmp_path):
         assert not tok.segment_cache, name
         msgs = _chat(rng, 6)
         assert tok.chat(msgs) == tok._chat_whole(msgs)
+        text = tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert tok.text(text) == tok.encode(text)
         assert tok.stats["segments"] == 0
 
 

@@ -120,7 +120,7 @@ class _Api:
         elif isinstance(g.prompt, str):
             if st.tok is None:
                 raise BadRequest(f"model {st.model} has no tokenizer: give the prompt as token ids", g.prompt_field)
-            tokens = st.tok.encode(g.prompt)
+            tokens = st.tok.text(g.prompt)
         else:
             tokens = list(g.prompt or [])
         _check_tokens(tokens, g, client.vocab_size, st.model)

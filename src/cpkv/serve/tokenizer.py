@@ -16,7 +16,8 @@ the ids of a stretch seen before (the earlier turns) come from a cache. The ids 
 - the first chat a Tokenizer serves is also tokenized whole (its first ``CHECK_MESSAGES`` messages) and
   compared; a difference turns the cache off.
 
-The cache holds at most ``CACHE_CHARS`` characters of text (least recently used out first).
+Text prompts (``/generate``, ``/v1/completions``; often a chat the client rendered itself) go through the same
+cache (``text``). The cache holds at most ``CACHE_CHARS`` characters of text (least recently used out first).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 CACHE_CHARS = 64 << 20  # characters of text whose ids the segment cache keeps (~ 20 M tokens)
 CHECK_MESSAGES = 4      # the first chat's messages also tokenized whole, to check the segments' ids
+CHECK_CHARS = 20000     # and the first text prompt's first characters
 
 
 class Tokenizer:
@@ -42,7 +44,7 @@ class Tokenizer:
         self._cache: OrderedDict[tuple[str | None, str], list[int]] = OrderedDict()
         self._cache_chars, self._cache_limit = 0, cache_chars
         self._lock = threading.Lock()  # chats are tokenized on worker threads
-        self._checked = False
+        self._checked = self._text_checked = False
         self.stats = {"segments": 0, "cached": 0, "chars_tokenized": 0}
 
     @property
@@ -75,6 +77,21 @@ class Tokenizer:
                 self._split = None  # tokenize whole from now on
                 return self._chat_whole(messages)
         return ids
+
+    def text(self, prompt: str) -> list[int]:
+        """``encode(prompt)`` through the segment cache: a client that renders the chat template itself and sends
+        each turn as text (``/generate``, ``/v1/completions``) gets the earlier turns' ids from the cache too. The
+        first text a Tokenizer serves (its first ``CHECK_CHARS`` characters) is also tokenized whole and compared;
+        a difference turns the cache off."""
+        if self._split is None:
+            return self.encode(prompt)
+        if not self._text_checked:
+            self._text_checked = True
+            head = prompt[:CHECK_CHARS]
+            if self.encode_segments(head) != self.encode(head):
+                self._split = None
+                return self.encode(prompt)
+        return self.encode_segments(prompt)
 
     def _chat_whole(self, messages: list[dict[str, Any]]) -> list[int]:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
