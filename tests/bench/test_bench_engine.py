@@ -81,7 +81,7 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert [c for c in cases] == ["cold", "cached", "long", "turn"]
     assert [cases[k]["batches"] for k in ("cold", "cached", "long", "turn")] == [1, 1, 2, 1]
     assert cases["cached"]["cached"] == 224 and cases["long"]["prompt"] == 512
-    assert (cases["turn"]["prompt"], cases["turn"]["cached"]) == (296, 256)  # the cached case's whole prompt
+    assert (cases["turn"]["prompt"], cases["turn"]["cached"]) == (296, 256)  # the cold case's whole prompt
     assert all(len(c["batch_s_runs"]) == 2 and c["ratio_to_gemm"] > 0 for c in cases.values())
     assert all(0 < c["host_s"] <= 1.01 * max(c["batch_s_runs"]) for c in cases.values())  # launched before the end
     assert "breakdown" not in cases["cold"]  # the profiled run records CUDA kernels only
@@ -103,14 +103,16 @@ def test_no_chain_waits_for_every_batch(capsys):
     each batch instead: none chained, the same cases."""
     from cpkv.cli import main
 
-    base = ["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "128", "--long",
-            "256", "--chunk-size", "128", "--page-size", "16", "--runs", "1", "--no-profile", "--json"]
+    base = ["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "256", "--long",
+            "512", "--chunk-size", "256", "--page-size", "16", "--runs", "1", "--turn", "40", "--no-profile", "--json"]
     reps = []
-    for extra in ([], ["--no-chain"]):
+    for extra in ([], ["--no-chain"], ["--turn=0"]):
         assert main(base + extra) == 0
         reps.append(json.loads(capsys.readouterr().out))
-    chained, plain = reps
+    chained, plain, no_turn = reps
     assert chained["chained_batches"] >= 1 and plain["chained_batches"] == 0
+    # the turn case waits only on the cold prompt: it keeps no other batch from being planned ahead and chained
+    assert chained["chained_batches"] >= no_turn["chained_batches"] >= 1
     assert [c["case"] for c in chained["cases"]] == [c["case"] for c in plain["cases"]] == ["cold", "cached", "long",
                                                                                             "turn"]
 

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=a.tokens, default=32768, help="chunk size (default 32768)")
     p.add_argument("--cached", type=a.share, default=0.9, help="cached share of the warm case (default 0.9)")
     p.add_argument("--turn", type=a.bounded_int(0, a.MAX_TOKENS), default=448,
-                   help="new tokens of the turn case, a follow-up turn on the cached case's whole prompt (default 448: "
+                   help="new tokens of the turn case, a follow-up turn on the cold case's whole prompt (default 448: "
                         "a rank's share of a 3.6K-token turn at cp 8, a host-bound size; 0: none)")
     p.add_argument("--runs", type=a.bounded_int(1, 10_000), default=3, help="timed runs (default 3)")
     p.add_argument("--cp", type=a.ranks, default=1, help="rank processes (default 1: the whole GPU)")
@@ -244,13 +244,15 @@ def _setup(args: argparse.Namespace):
 
 def bench_trace(prompt: int, prefix: int, long: int = 0, turn: int = 0):
     """cold: a fresh prompt; base: the prefix alone (fills the cache); hit: base + the rest; long: a fresh
-    long prompt (several chunks); turn: hit + ``turn`` new tokens (its whole prompt cached: a small batch)."""
+    long prompt (several chunks); turn: cold + ``turn`` new tokens (its whole prompt cached: a small batch)."""
     from cpkv.scheduler.trace import TraceRequest
 
     trace = [TraceRequest("cold", 0.0, prompt), TraceRequest("base", 0.0, prefix),
              TraceRequest("hit", 0.0, prompt, None, "base")]
     trace += [TraceRequest("long", 0.0, long)] if long else []
-    return trace + ([TraceRequest("turn", 0.0, prompt + turn, None, "hit")] if turn else [])
+    # the turn follows the cold prompt, which finishes first: a turn waiting on a later request would keep the
+    # engine from planning ahead (and chaining the long prompt's chunks) until that request ends
+    return trace + ([TraceRequest("turn", 0.0, prompt + turn, None, "cold")] if turn else [])
 
 
 CASES = (("cold", "cold"), ("cached", "hit"), ("long", "long"), ("turn", "turn"))
