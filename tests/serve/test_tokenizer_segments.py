@@ -137,3 +137,21 @@ def test_the_cache_stays_within_its_characters(tmp_path):
         msgs = _chat(rng, 8)
         assert tok.chat(msgs) == whole._chat_whole(msgs)
         assert tok._cache_chars <= 2000 and tok._cache_chars == sum(len(t) for _, t in tok._cache)
+
+
+def test_a_stretch_whose_marker_the_tokenizer_merges_falls_back_to_the_whole_text(tmp_path):
+    """Should a stretch come back without its added token in front (a tokenizer merging across it), the text is
+    tokenized whole, and from then on every text: the right ids, no error."""
+    from cpkv.serve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(_bpe(tmp_path / "b", "bytelevel")))
+    rng = random.Random(5)
+    msgs = _chat(rng, 6)
+    assert tok.chat(msgs[:2]) == tok._chat_whole(msgs[:2]) and tok.segment_cache
+    whole = tok.encode
+    tok.encode = lambda text: whole(text)[1:] if text.startswith("<|") else whole(text)  # the marker swallowed
+    prompt = tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert tok.encode_segments(prompt) == tok.encode(prompt)  # the (patched) whole encoding: was a RuntimeError
+    assert not tok.segment_cache
+    tok.encode = whole
+    assert tok.text(prompt) == whole(prompt) and tok.chat(msgs) == tok._chat_whole(msgs)

@@ -62,7 +62,7 @@ def _flashmla(q: torch.Tensor, kv: torch.Tensor, d_v: int, backend: str | None):
 
     fn = flashmla.load()
     if fn is None:
-        if choice == "flashmla":  # the import's error read only for the message (an import attempt costs ~0.3 ms)
+        if choice == "flashmla":  # the import error is read only for the message (each import attempt is costly)
             expect(False, "the flash_mla package (CPKV_SPARSE_MLA=flashmla)", flashmla.import_error())
         return None
     return fn if flashmla.applies(q, kv, d_v) else None

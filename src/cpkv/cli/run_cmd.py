@@ -81,9 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "precision, else bf16)")
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs, "
-                        "captured for every token bucket at start (default: 1024 with --device cuda at fp8 precision, else "
-                        "0: off; "
-                        "memory: cpkv plan --graph-tokens)")
+                        "captured for every token bucket at start (default: 1024 with --device cuda at fp8 "
+                        "precision, else 0: off; memory: cpkv plan --graph-tokens)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
                         "README, Reliability: the output policy)")

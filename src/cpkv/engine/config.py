@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
-WEIGHTS = ("auto", "fp8", "bf16")
+WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
 GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md, session 18)
 
 
@@ -22,7 +22,7 @@ def default_graph_tokens(device: str, asked: int | None, precision: str = "fp8")
     unless asked)."""
     if asked is not None:
         return asked
-    return GRAPH_TOKENS if device == "cuda" and precision == "fp8" else 0  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
+    return GRAPH_TOKENS if device == "cuda" and precision == "fp8" else 0
 
 
 def is_preset(model: str) -> bool:

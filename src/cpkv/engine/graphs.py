@@ -12,7 +12,7 @@ rank's token count alone, so that part is captured once per (layer, token bucket
 
 The rank's T tokens run as the bucket's Tb >= T rows. The pieces read and write fixed buffers of
 ``max_tokens`` rows (each bucket a prefix of them, every layer the same ones); the eager part reads rows
-[0, T) and writes the latent's rows [0, T). Rows [T, Tb) of the embedding, the rotary tables and the latent are
+[0, T) and writes the latent's rows [0, T) (and, for a MoE layer under expert parallelism, delta's). Rows [T, Tb) of the embedding, the rotary tables and the latent are
 zeros at the batch's start: what the pad rows compute is finite, row by row (every op of A and C is row-wise:
 per-row norms, per-row (1 x 128 block) quantisation, GEMMs, per-token routing), and never read back.
 
@@ -134,7 +134,12 @@ class LayerGraphs:
     def project(self, n: int, layer: Any) -> Projected:
         """Layer ``n``'s A piece over the bucket's rows -> its Projected over the batch's T rows (views of the
         fixed buffers; h is None: C reads it from the buffers)."""
-        self._run((n, "A", self._tb), self._project_piece(n, layer, self._tb))
+        key = (n, "A", self._tb)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()  # (the replay path builds no closure: this runs for every layer of every batch)
+        else:
+            self._run(key, self._project_piece(n, layer, self._tb))
         t = self._t
         view = lambda name: self.out[name][:t] if layer.full or name == "token" else None  # noqa: E731
         return Projected(self.q[:t], self.out["token"][:t], view("index"), view("iq"), view("iw"))
@@ -158,12 +163,18 @@ class LayerGraphs:
         t, tb = self._t, self._tb
         self.latent[:t].copy_(latent)
         if ep is not None and layer.is_moe:
-            self._run((n, "R", tb), self._routed_piece(layer, tb))
+            key, make = (n, "R", tb), self._routed_piece
+        else:
+            key, make = (n, "C", tb), self._finish_piece
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+        else:
+            self._run(key, make(layer, tb))
+        if key[1] == "R":
             out = self.out
             layer.finish_experts(out["x"][:t], out["idx"][:t], out["rw"][:t],
                                  out["shared"][:t] if "shared" in out else None, ep, out=self.delta[:t])
-            return
-        self._run((n, "C", tb), self._finish_piece(layer, tb))
 
     def _finish_piece(self, layer: Any, rows: int):
         def piece() -> None:
@@ -230,10 +241,7 @@ class LayerGraphs:
         return buf
 
     def _run(self, key: tuple[int, str, int], piece: Any) -> None:
-        g = self.graphs.get(key)
-        if g is not None:
-            g.replay()
-            return
+        """A piece not captured yet: run it eagerly, then (CUDA) capture it."""
         self.eager_runs += 1
         if not self.capture:
             piece()

@@ -485,7 +485,7 @@ class RankEngine:
 
     def _graph_stats(self) -> dict | None:
         """With cfg.graph_tokens: this run's batches through the graphs' buffers, pieces its batches captured and
-        ran eagerly (first uses, none once warmed; the MoE layers' under expert parallelism), the captures held,
+        ran eagerly (first uses: none once warmed), the captures held,
         the buffers' bytes, the seconds ``LayerGraphs.warm`` took (capturing every bucket before any batch) and the
         device bytes the graphs hold (buffers and the captures' pool; CUDA)."""
         if self.graphs is None:

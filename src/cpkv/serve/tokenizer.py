@@ -111,11 +111,16 @@ class Tokenizer:
                 ids.append(self._added[part])
                 prev = part
             elif part:
-                ids.extend(self._stretch(prev, part))
+                got = self._stretch(prev, part)
+                if got is None:  # the tokenizer merged across an added token: whole texts from now on
+                    self._split = None
+                    return self.encode(text)
+                ids.extend(got)
         return ids
 
-    def _stretch(self, prev: str | None, text: str) -> list[int]:
-        """The ids of ``text`` where it follows the added token ``prev`` (None: at the start)."""
+    def _stretch(self, prev: str | None, text: str) -> list[int] | None:
+        """The ids of ``text`` where it follows the added token ``prev`` (None: at the start); None when the
+        tokenizer did not keep ``prev`` whole in front of it."""
         key = (prev, text)
         with self._lock:
             self.stats["segments"] += 1
@@ -129,7 +134,7 @@ class Tokenizer:
         else:
             got = self.encode(prev + text)
             if not got or got[0] != self._added[prev]:
-                raise RuntimeError(f"the tokenizer did not keep the added token {prev!r} whole")
+                return None
             got = got[1:]
         with self._lock:
             self.stats["chars_tokenized"] += len(text)
