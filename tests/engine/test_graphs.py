@@ -148,6 +148,22 @@ def test_pads_are_zeroed_at_each_batch(tiny):
     assert torch.equal(g.h[32:50], h[32:50])  # past the bucket: untouched (no piece reads it)
 
 
+def test_a_buffer_first_made_after_a_capture_is_allowed_a_changed_one_is_not(tiny):
+    """Under expert parallelism warm captures layer 0's A before the first MoE layer's R piece makes the exchange's
+    buffers ('x', 'idx', ...): a buffer made for the first time then is fine (no graph holds its address; the GPU
+    test failed on this in 2026-12-02's first call), one that would be replaced after a capture is an error."""
+    g = LayerGraphs(tiny, 64, capture=False)
+    g.capture, g.graphs[(0, "A", 64)] = True, object()  # as if a piece had been captured (no CUDA here)
+    x = g._buffer("x", torch.zeros(4, 8))
+    assert x.shape == (64, 8) and g._buffer("x", torch.ones(9, 8)) is x
+    with pytest.raises(RuntimeError, match="'x' would change shape"):
+        g._buffer("x", torch.zeros(4, 9))
+    with pytest.raises(RuntimeError, match="'x' would change shape"):
+        g._buffer("x", torch.zeros(4, 8, dtype=torch.int32))
+    g.graphs.clear()  # nothing captured yet: the buffer is simply remade
+    assert g._buffer("x", torch.zeros(4, 9)).shape == (64, 9)
+
+
 def test_the_graphs_do_not_keep_their_model_alive():
     """``for_model``'s table is keyed weakly by the model: once the engine drops a model (a bench's next weights
     mode), its graphs and buffers go with it."""

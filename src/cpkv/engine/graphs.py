@@ -233,9 +233,10 @@ class LayerGraphs:
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = self.out.get(name)
         if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype:
-            if self.capture and self.graphs:  # a captured graph writes the old buffer's address
+            if buf is not None and self.capture and self.graphs:  # a captured graph writes the old address
                 raise RuntimeError(f"the graph buffer {name!r} would change shape after a capture: "
-                                   f"{tuple(buf.shape[1:]) if buf is not None else None} to {tuple(like.shape[1:])}")
+                                   f"{tuple(buf.shape[1:])} {buf.dtype} to {tuple(like.shape[1:])} {like.dtype}")
+            # (a buffer made for the first time after other captures is fine: no graph holds its address yet)
             buf = self.out[name] = torch.zeros((self.max_tokens,) + tuple(like.shape[1:]), dtype=like.dtype,
                                                device=self.device)
         return buf
