@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|graphs|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|graphs|serve|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -43,6 +43,16 @@ if want grouped_bf16; then  # the bf16 expert GEMM's switches against torch._gro
 fi
 if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
+fi
+if want serve; then  # `cpkv serve` on the GPU at cp 2 (expert parallelism), closed loop on the seed-shaped trace, graphs off
+    # then on (the default). The GPU machine has no starlette / uvicorn: carry their wheels in out/wheels, made here by
+    # `pip download starlette uvicorn prometheus-client httpx anyio h11 click sniffio idna certifi httpcore
+    #  typing-extensions -d out/wheels --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 --no-deps`
+    python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
+        pip install -q --no-index --no-deps out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    step serve 300 env CPKV="python3 -m cpkv" BOOT_S=150 WARMUP=2 TRACE="--requests 24 --scale 1" \
+        GEOM="--model glm5 --cp 2 --chunk-size 16384 --page-size 64 --pages-per-rank 8192 --max-requests 16" \
+        SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/serve" "eager=--graph-tokens 0" "graphs="
 fi
 peers=""; for d in .peers out/peers; do [ -f "$d/build_flashmla.sh" ] && peers=$d && break; done
 flashmla() {  # builds FlashMLA once; true when it is importable

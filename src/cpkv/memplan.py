@@ -47,6 +47,12 @@ ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's
 # fragmentation (weights, pool, staging and arena are single allocations made once, which do not fragment).
 # CPU: 384 MiB per rank process (the interpreter with torch imported, libtorch's private pages, gloo).
 WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (384 << 20, 0.0)}
+# The CUDA graphs' memory beyond their tensors: torch's caching allocator takes memory in segments (20 MiB at least for
+# a block over 1 MiB, 2 MiB for smaller ones), and the graphs use two pools (the default one for the buffers made at
+# a piece's first run, their own for the captures): one partly used segment of each size in each. Measured on the
+# H200 (2026-12-02): the tiny model's graphs held 38.5 MB against 2.7 MB of tensors; GLM-5's 4 layers 654.6 MB
+# against 629 MB.
+GRAPH_SEGMENT_SLACK = 2 * ((20 << 20) + (2 << 20))
 
 # (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
 ITEMS = (
@@ -224,7 +230,8 @@ def graph_bytes(s: Setup) -> int:
     [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; a layer's token and index rows; the indexer's
     query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
     bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
-    parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers)."""
+    parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers), and the
+    allocator's segments (GRAPH_SEGMENT_SLACK)."""
     t = min(s.graph_tokens, s.chunk_size)  # as the engine caps it: no rank's batch is larger than the chunk
     if not t or s.device != "cuda":
         return 0
@@ -238,7 +245,7 @@ def graph_bytes(s: Setup) -> int:
     if ep:  # the R pieces' results: x and the shared experts' output [T, d], expert ids and weights [T, k]
         fixed += t * (2 * m.hidden_size * c + m.num_experts_per_tok * 12)
     parts = activation_parts(s, t, 0, capacity=0 if ep else t * m.num_experts_per_tok)
-    return fixed + parts["persistent"] + max(parts["attention"], parts["mlp"], parts["moe"])
+    return fixed + parts["persistent"] + max(parts["attention"], parts["mlp"], parts["moe"]) + GRAPH_SEGMENT_SLACK
 
 
 def items_at(s: Setup, pages: int) -> dict[str, int]:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pattern", choices=PATTERNS, default="random",
                         help="indices: random (distinct uniform rows of [0, S)), window (a contiguous run of "
                              "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
-                             "L2-resident, isolates the compute side)")
+                             "L2-resident, isolates the compute side); the --peer comparison uses them too")
     parser.add_argument("--sweep", action="store_true",
                         help="also time every candidate kernel config at the first T, and the token-KV launch shapes")
     parser.add_argument("--kv-quant-rows", type=a.bounded_int(1, 1 << 30), default=1 << 20,
@@ -307,14 +307,16 @@ def _peer_bench(args: argparse.Namespace, peer: Any) -> dict[str, Any]:
     cases = []
     for shape in args.peer_shapes or PEER_SHAPES:
         print(f"cpkv bench attention: peer shape s_q {shape[0]} s_kv {shape[1]} h {shape[2]}", file=sys.stderr)
-        cases.append(_peer_case(shape, args.topk, peer, args.peer_rounds))
+        cases.append(_peer_case(shape, args.topk, peer, args.peer_rounds, args.pattern))
     ratios = [c["cpkv_over_peer"] for c in cases]
-    return {"name": args.peer, "cases": cases, "min_ratio": min(ratios),
+    return {"name": args.peer, "pattern": args.pattern, "cases": cases, "min_ratio": min(ratios),
             "geo_mean_ratio": statistics.geometric_mean(ratios)}
 
 
-def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int) -> dict[str, Any]:
-    """One shape: same q / kv / indices (distinct random rows per query) for both; alternating timed rounds."""
+def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
+               pattern: str = "random") -> dict[str, Any]:
+    """One shape: same q / kv / indices (``pattern``: distinct random rows per query; hot: rows of [0, 2 topk),
+    L2-resident, so that the comparison is of the two kernels' compute side) for both; alternating timed rounds."""
     import statistics
 
     import torch
@@ -322,7 +324,7 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int) -
     from cpkv.attention import sparse_mla
 
     s_q, s_kv, h = shape
-    inp = _inputs(s_q, h, topk, s_kv, "random")
+    inp = _inputs(s_q, h, topk, s_kv, pattern)
     q, kv, idx, scale = inp["q"], inp["kv"], inp["idx"], inp["scale"]
     kv3, idx3 = kv[:, None, :], idx[:, None, :]  # FlashMLA: kv [s_kv, h_kv = 1, d_qk], indices [s_q, 1, topk]
     ours = lambda: sparse_mla(q, kv, idx, scale, backend="cpkv")  # noqa: E731
@@ -389,7 +391,7 @@ def _report(res: dict[str, Any], as_json: bool) -> None:
 
 
 def _report_peer(p: dict[str, Any], table: Any) -> None:
-    print(f"sparse MLA vs {p['name']} (same inputs, alternating rounds): cpkv / {p['name']} min "
+    print(f"sparse MLA vs {p['name']} (same inputs, indices {p['pattern']}, alternating rounds): cpkv / {p['name']} min "
           f"{p['min_ratio']:.3f}, geometric mean {p['geo_mean_ratio']:.3f}")
     table(["s_q", "s_kv", "h_q", f"{p['name']} ms", f"{p['name']} TFLOP/s", "cpkv ms", "cpkv TFLOP/s",
            f"cpkv / {p['name']}", "out cos diff", "out max diff", "lse max diff", "cpkv rel err"],
