@@ -44,15 +44,16 @@ fi
 if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
 fi
-if want serve; then  # `cpkv serve` on the GPU at cp 2 (expert parallelism), closed loop on the seed-shaped trace, graphs off
-    # then on (the default). The GPU machine has no starlette / uvicorn: carry their wheels in out/wheels, made here by
+if want serve; then  # `cpkv serve` on the GPU at cp 2 (expert parallelism), closed loop on the seed-shaped trace: a first
+    # server fills the kernel caches (a fresh machine's first server compiles: the second one ran 1.6x faster in
+    # 2026-12-02's first try), then graphs on (the default), off, on again. The GPU machine has no starlette / uvicorn: carry their wheels in out/wheels, made here by
     # `pip download starlette uvicorn prometheus-client httpx anyio h11 click sniffio idna certifi httpcore
     #  typing-extensions -d out/wheels --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 --no-deps`
     python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
-        pip install -q --no-index --no-deps out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+        python3 -m pip install -q --no-index --no-deps out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
     step serve 300 env CPKV="python3 -m cpkv" BOOT_S=150 WARMUP=2 TRACE="--requests 24 --scale 1" \
         GEOM="--model glm5 --cp 2 --chunk-size 16384 --page-size 64 --pages-per-rank 8192 --max-requests 16" \
-        SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/serve" "eager=--graph-tokens 0" "graphs="
+        SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/serve" "prime=" "graphs=" "eager=--graph-tokens 0" "graphs2="
 fi
 peers=""; for d in .peers out/peers; do [ -f "$d/build_flashmla.sh" ] && peers=$d && break; done
 flashmla() {  # builds FlashMLA once; true when it is importable
