@@ -45,8 +45,8 @@ if want engine_cp2; then
     step engine_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --no-profile --json
 fi
 if want serve; then  # `cpkv serve` on the GPU at cp 2 (expert parallelism), closed loop on the seed-shaped trace: a first
-    # server fills the kernel caches (a fresh machine's first server compiles: the second one ran 1.6x faster in
-    # 2026-12-02's first try), then graphs on (the default), off, on again. The GPU machine has no starlette / uvicorn: carry their wheels in out/wheels, made here by
+    # server fills the kernel caches (on a fresh machine the first server compiles its kernels, which would weigh on
+    # whichever option ran first), then graphs on (the default), off, on again. The GPU machine has no starlette / uvicorn: carry their wheels in out/wheels, made here by
     # `pip download starlette uvicorn prometheus-client httpx anyio h11 click sniffio idna certifi httpcore
     #  typing-extensions -d out/wheels --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 --no-deps`
     python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
