@@ -30,6 +30,9 @@ if want graphs; then  # the CUDA graphs of small batches: their GPU tests, then 
     step graphs_tests 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_graphs_gpu.py
     step graphs_ab 150 python3 -m cpkv bench engine --long 0 --runs 5 --no-profile --graph-tokens 0 --json
     step graphs_on 150 python3 -m cpkv bench engine --long 0 --runs 5 --no-profile --marks --json
+    # cp 2 (two ranks on the GPU, expert parallelism): the MoE layer's exchange runs eagerly between its R piece and
+    # the next layer; its marks show whether the host keeps ahead of the GPU there
+    step graphs_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --runs 3 --no-profile --marks --json
 fi
 if want engine; then  # issue 24's table: bf16 weights (its figures) and fp8 (as GLM-5 ships), host load after
     step engine 560 python3 -m cpkv bench engine --weights bf16,fp8 --json --host-load
