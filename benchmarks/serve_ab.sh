@@ -12,34 +12,15 @@ set -euo pipefail
 out=${1:?usage: $0 OUT_DIR NAME=OPTIONS ...}; shift
 [ $# -gt 0 ] || { echo "usage: $0 OUT_DIR NAME=OPTIONS ..."; exit 2; }
 mkdir -p "$out"
-cpkv=${CPKV:-cpkv}
-port=${PORT:-30000}
-url="http://127.0.0.1:$port"
-GEOM=${GEOM:---model tiny --cp 2 --chunk-size 512 --page-size 64 --pages-per-rank 256 --max-requests 8}
-SERVE_EXTRA=${SERVE_EXTRA:---device cpu}
 TRACE=${TRACE:---requests 40 --scale 0.0078125}
-WARMUP=${WARMUP:-4}
-pid=
-
-stop() {  # SIGTERM, then wait for it (the server drains and ends its ranks)
-    if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" || true; pid=; fi
-}
-trap stop EXIT
+. "$(dirname "$0")/serve_lib.sh"
 
 # shellcheck disable=SC2086
 $cpkv bench serve --make-trace "$out/trace.jsonl" $TRACE
 for spec in "$@"; do
     name=${spec%%=*}; opts=${spec#*=}
     # shellcheck disable=SC2086
-    $cpkv serve --port "$port" $GEOM $SERVE_EXTRA $opts >"$out/serve_$name.log" 2>&1 &
-    pid=$!
-    for i in $(seq "${BOOT_S:-600}"); do
-        if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$url/health" \
-            2>/dev/null; then break; fi
-        if ! kill -0 "$pid" 2>/dev/null; then echo "server ($name) exited:"; tail -5 "$out/serve_$name.log"; exit 1; fi
-        [ "$i" -lt "${BOOT_S:-600}" ] || { echo "server ($name) did not become healthy"; exit 1; }
-        sleep 1
-    done
+    start_server "$name" $opts
     # shellcheck disable=SC2086
     $cpkv bench serve --url "$url" --trace "$out/trace.jsonl" $GEOM --warmup "$WARMUP" --closed-loop \
         --out-jsonl "$out/$name.jsonl" --json >"$out/$name.json"

@@ -17,33 +17,13 @@
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR}
 mkdir -p "$out"
-cpkv=${CPKV:-cpkv}
-port=${PORT:-30000}
-url="http://127.0.0.1:$port"
-GEOM=${GEOM:---model tiny --cp 2 --chunk-size 512 --page-size 64 --pages-per-rank 256 --max-requests 8}
-SERVE_EXTRA=${SERVE_EXTRA:---device cpu}
 TRACE=${TRACE:---requests 120 --scale 0.0078125}
 LOAD=${LOAD:-}
-WARMUP=${WARMUP:-4}
-pid=
+. "$(dirname "$0")/serve_lib.sh"
 
-start() {  # start a server with the given policy; wait until /health answers 200
-    # shellcheck disable=SC2086
-    $cpkv serve --port "$port" --policy "$1" $GEOM $SERVE_EXTRA >"$out/serve_$2.log" 2>&1 &
-    pid=$!
-    for _ in $(seq "${BOOT_S:-600}"); do
-        if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$url/health" \
-            2>/dev/null; then return 0; fi
-        if ! kill -0 "$pid" 2>/dev/null; then echo "server ($2) exited:"; tail -5 "$out/serve_$2.log"; exit 1; fi
-        sleep 1
-    done
-    echo "server ($2) did not become healthy"; stop; exit 1
+start() {  # policy, name
+    start_server "$2" --policy "$1"
 }
-
-stop() {  # SIGTERM, then wait for it (the server drains and ends its ranks)
-    if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" || true; pid=; fi
-}
-trap stop EXIT
 
 bench() {  # name, policy, options...
     local name=$1 policy=$2; shift 2
