@@ -96,6 +96,43 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
     assert layers > 1 and t["layers"] == layers and t["extrapolated"] and set(t) >= {"256", "512"}
     assert t["512"] == pytest.approx(sum(cases["long"]["chunk_s"]) * layers, abs=2e-3)
     assert rep["indexer_layers"] == [0]
+    assert rep["copy_gbs"] > 0
+    for c in cases.values():  # the floor: per chunk the longer of FLOPs at the GEMM rate and weights at the copy rate
+        # (both ratios are of batch_s, which is rounded to 0.1 ms: 2 % of these CPU batches)
+        assert c["floor_s"] > 0 and c["ratio_to_floor"] >= 0.98 * c["ratio_to_gemm"], c
+        assert len(c["chunks"]) == c["batches"] and c["chunks"][0][0] == c["cached"]
+
+
+def test_weight_floor_bytes_against_the_memory_plan():
+    """The bytes a cp-1 batch reads at least once, against memplan's own count of the weights: with every expert
+    hit (many tokens) it is the plan's replicated bytes and all experts, less the embedding table and kv_b_proj
+    (the layers read its W_UK / W_UV copies, which the plan counts too); one token hits exactly k experts per MoE
+    layer; a batch that ends no request reads no LM head."""
+    import math
+
+    from cpkv.bench.engine import weight_floor_bytes
+    from cpkv.memplan import tensor_bytes, weight_bytes
+    from cpkv.model.checkpoint import expected_shapes
+    from cpkv.model.config import load_model_config
+
+    for model, layers in (("tiny", None), ("glm5", 4)):
+        cfg = load_model_config(model, layers)
+        shapes = expected_shapes(cfg)
+        for weights in ("bf16", "fp8"):
+            wb = weight_bytes(cfg, weights, "bfloat16")
+            unread = sum(tensor_bytes(n, sh, weights, "bfloat16") for n, sh in shapes.items()
+                         if n == "model.embed_tokens.weight" or n.endswith("kv_b_proj.weight"))
+            head = tensor_bytes("lm_head.weight", shapes["lm_head.weight"], weights, "bfloat16")
+            base = wb.replicated - unread
+            e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+            assert wb.moe_layers >= 1
+            assert weight_floor_bytes(cfg, weights, 10 ** 6) == pytest.approx(base + wb.expert * e * wb.moe_layers)
+            assert weight_floor_bytes(cfg, weights, 1) == pytest.approx(base + wb.expert * k * wb.moe_layers)
+            assert weight_floor_bytes(cfg, weights, 1, head=False) == pytest.approx(
+                base - head + wb.expert * k * wb.moe_layers)
+            t = 7  # between: the expected count of experts hit under uniform routing
+            want = base + wb.expert * wb.moe_layers * e * (1 - (1 - k / e) ** t)
+            assert math.isclose(weight_floor_bytes(cfg, weights, t), want, rel_tol=1e-12)
 
 
 def test_no_chain_waits_for_every_batch(capsys):

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     check_diagnostics(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
+    copy = copy_gbs(args.device)
     sustained = sustained_gemm() if args.device == "cuda" else None
     dense = dense_split(cfg_m)
     slices, jobs = [], []
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
                                (got.get("marks") or [None])[0]))
     for rep in reports:
         add_sustained(rep, sustained)
+        add_floor(rep, cfg_m, copy)
     report = reports[0]
     if len(reports) > 1:
         report["other_weights"] = reports[1:]
@@ -284,7 +286,8 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=No
            "ratio_runs": [round(flops / s / 1e12 / ceiling, 4) for s in per_run],
            "chunk_s": [round(statistics.median(r.stats["batch_s"][k] for r in runs), 4) for k in idx],
            # until the host had launched the whole forward (the same runs): near batch_s = bound by the host
-           "host_s": round(statistics.median(sum(r.stats["host_s"][k] for k in idx) for r in runs), 4)}
+           "host_s": round(statistics.median(sum(r.stats["host_s"][k] for k in idx) for r in runs), 4),
+           "chunks": [list(c) for c in chunks]}
     if prof is not None and prof.stats.get("kernels"):
         med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
         row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])
@@ -303,6 +306,79 @@ def add_sustained(rep: dict, sustained: dict | None) -> None:
     rep["gemm_sustained"] = sustained
     for c in rep["cases"]:
         c["ratio_to_sustained_gemm"] = round(c["tflops"] / sustained["tflops"], 4)
+
+
+def add_floor(rep: dict, cfg, copy: float) -> None:
+    """Each case's floor and its ratio to it (cp 1 only: a rank's weights and FLOPs are the whole batch's): per
+    chunk the longer of its FLOPs at the bf16 GEMM rate and the weights it reads once (``weight_floor_bytes``) at
+    the device's copy rate, summed. A small batch reads more bytes than it has FLOPs for (a 448-token turn's MoE layer
+    reads every expert), so its ratio to the GEMM rate alone says little of how near it runs to what it can."""
+    rep["copy_gbs"] = copy
+    if rep["cp"] != 1 or not copy:
+        return
+    gemm, weights = rep["gemm_tflops"], rep.get("weights_dtype") or "bf16"
+    for c in rep["cases"]:
+        last = len(c["chunks"]) - 1  # the chunk with the request's last token: the only one that reads the head
+        floor = sum(max(prefill_flops(cfg, p, e) / (gemm * 1e12),
+                        weight_floor_bytes(cfg, weights, e, head=i == last) / (copy * 1e9))
+                    for i, (p, e) in enumerate(c["chunks"]))
+        c["floor_s"] = float(f"{floor:.4g}")
+        c["ratio_to_floor"] = round(floor / c["batch_s"], 4)
+
+
+def weight_floor_bytes(cfg, weights: str, tokens: int, head: bool = True) -> float:
+    """Bytes of weights a cp-1 batch of ``tokens`` new tokens reads at least once, stored as ``weights`` (bf16
+    compute): every tensor but the embedding table (it reads its tokens' rows), kv_b_proj (the layers read their
+    W_UK / W_UV copies of it, counted instead) and, unless ``head`` (the batch ends a request: its last token's
+    logits), the LM head; and of each MoE layer's routed experts those its tokens' top-k pairs
+    are expected to hit under uniform routing, E (1 - (1 - k/E)^T) (the router's real choice may hit fewer: a
+    floor, not an estimate)."""
+    from cpkv.memplan import DTYPE_BYTES, tensor_bytes
+    from cpkv.model.checkpoint import expected_shapes
+
+    total, expert = 0, {}
+    for name, shape in expected_shapes(cfg).items():
+        if name == "model.embed_tokens.weight" or name.endswith("kv_b_proj.weight") or (
+                name == "lm_head.weight" and not head):
+            continue
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            expert[layer] = expert.get(layer, 0) + tensor_bytes(name, shape, weights, "bfloat16")
+            continue
+        total += tensor_bytes(name, shape, weights, "bfloat16")
+    h, kr = cfg.num_heads, cfg.kv_lora_rank
+    total += cfg.num_layers * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * kr * DTYPE_BYTES["bfloat16"]
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if expert and e:
+        hit = e * (1 - (1 - k / e) ** tokens)
+        total += sum(b / e for b in expert.values()) * hit  # one expert's bytes per layer x the experts hit
+    return float(total)
+
+
+def copy_gbs(device: str) -> float:
+    """The device's ``copy_`` rate, GB/s of bytes read and written (1 GiB on CUDA, 64 MiB on CPU)."""
+    import time
+
+    import torch
+
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    reps = 20 if device == "cuda" else 5
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    rate = 2 * n * reps / (time.perf_counter() - t) / 1e9
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return round(rate, 1)
 
 
 AHEAD_MS = 0.1  # a mark the GPU reached within this of the host issuing it: the GPU was waiting for the host
@@ -439,7 +515,9 @@ def _print(rep: dict, as_json: bool) -> None:
                                                               for c in rep["cases"]))
     print(f"{rep['model']} shapes, {rep['layers']} layers (indexer on {len(rep['indexer_layers'])}, MoE on "
           f"{rep['moe_layers']}), cp {rep['cp']} ({rep['device']}, mode {rep['mode']}, "
-          f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run")
+          f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run; floor "
+          f"(cp 1): the longer of a chunk's FLOPs at that rate and its weights read once at the copy rate "
+          f"({rep.get('copy_gbs') or 0:.4g} GB/s)")
     gr = rep.get("graphs")
     if gr:
         print(f"CUDA graphs up to {gr['max_tokens']} tokens: {gr['batches']} batches of the timed run through them, "
@@ -453,9 +531,12 @@ def _print_mode(rep: dict) -> None:
     from cpkv.bench.breakdown import LABELS, PARTS
 
     rows = rep["cases"]
-    table(("case", "prompt", "cached", "batches", "batch s", "runs s", "prompt tok/s", "TFLOP/s", "of GEMM", "spread"),
+    floor = lambda r: f"{r['ratio_to_floor']:.1%}" if "ratio_to_floor" in r else "-"  # noqa: E731
+    table(("case", "prompt", "cached", "batches", "batch s", "runs s", "prompt tok/s", "TFLOP/s", "of GEMM", "of floor",
+           "spread"),
           [(r["case"], r["prompt"], r["cached"], r["batches"], r["batch_s"], " ".join(map(str, r["batch_s_runs"])),
-            r["prompt_tokens_per_s"], r["tflops"], f"{r['ratio_to_gemm']:.1%}", f"{r['spread']:.1%}") for r in rows])
+            r["prompt_tokens_per_s"], r["tflops"], f"{r['ratio_to_gemm']:.1%}", floor(r), f"{r['spread']:.1%}")
+           for r in rows])
     with_parts = [r for r in rows if "breakdown" in r]
     if with_parts:
         print()
