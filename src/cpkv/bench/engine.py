@@ -330,9 +330,10 @@ def weight_floor_bytes(cfg, weights: str, tokens: int, head: bool = True) -> flo
     """Bytes of weights a cp-1 batch of ``tokens`` new tokens reads at least once, stored as ``weights`` (bf16
     compute): every tensor but the embedding table (it reads its tokens' rows), kv_b_proj (the layers read their
     W_UK / W_UV copies of it, counted instead) and, unless ``head`` (the batch ends a request: its last token's
-    logits), the LM head; and of each MoE layer's routed experts those its tokens' top-k pairs
-    are expected to hit under uniform routing, E (1 - (1 - k/E)^T) (the router's real choice may hit fewer: a
-    floor, not an estimate)."""
+    logits), the LM head; and of each MoE layer's routed experts those its tokens' top-k pairs are expected to hit
+    under uniform routing, E (1 - (1 - k/E)^T). Skewed routing hits fewer, so for a batch of few tokens this can
+    exceed what it must read; from T k >= 8 E (a 448-token batch of GLM-5 at cp 1: 14 E) every expert is hit
+    unless the router leaves some without a single pair."""
     from cpkv.memplan import DTYPE_BYTES, tensor_bytes
     from cpkv.model.checkpoint import expected_shapes
 
