@@ -154,6 +154,25 @@ def test_no_chain_waits_for_every_batch(capsys):
                                                                                             "turn"]
 
 
+def test_each_case_says_whether_its_batches_were_planned_ahead(capsys):
+    """The turn (its prefix the cold prompt) is planned during the batch before it in the standard trace (after the
+    long prompt's last chunk), so its time is from that batch's end; with no long prompt it runs right after the
+    base batch, which plans nothing ahead (the cached request waits on base), so its time is from its own start, its
+    plan included. The report says which: the two turns are different measurements. A long prompt's chunks after
+    its first are planned ahead."""
+    from cpkv.cli import main
+
+    base = ["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "1", "--prompt", "256", "--chunk-size",
+            "256", "--page-size", "16", "--runs", "1", "--turn", "40", "--no-profile", "--json"]
+    got = {}
+    for long in ("512", "0"):
+        assert main(base + ["--long", long]) == 0
+        got[long] = {c["case"]: c for c in json.loads(capsys.readouterr().out)["cases"]}
+    assert got["512"]["turn"]["planned_ahead"] == [True] and got["0"]["turn"]["planned_ahead"] == [False]
+    assert got["512"]["long"]["planned_ahead"] == [False, True]
+    assert got["0"]["cold"]["planned_ahead"] == got["512"]["cold"]["planned_ahead"] == [False]
+
+
 def test_idle_stretches_name_the_kernels_around_them():
     from cpkv.bench.breakdown import idle_between
 

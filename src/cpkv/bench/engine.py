@@ -287,7 +287,10 @@ def case_row(name: str, runs, rid: str, cfg, ceiling: float, prof=None, hprof=No
            "chunk_s": [round(statistics.median(r.stats["batch_s"][k] for r in runs), 4) for k in idx],
            # until the host had launched the whole forward (the same runs): near batch_s = bound by the host
            "host_s": round(statistics.median(sum(r.stats["host_s"][k] for k in idx) for r in runs), 4),
-           "chunks": [list(c) for c in chunks]}
+           "chunks": [list(c) for c in chunks],
+           # per chunk: planned during the batch before (its plan and launch hidden behind that batch's GPU work, its
+           # time from that batch's end) or not (from its own start: its plan, and any launch the GPU waits for, count)
+           "planned_ahead": [bool(runs[0].stats["batch_ahead"][k]) for k in idx]}
     if prof is not None and prof.stats.get("kernels"):
         med = {k: statistics.median(r.stats["batch_s"][k] for r in runs) for k in idx}
         row["breakdown"] = parts([(prof.stats["kernels"][k], med[k]) for k in idx])
@@ -533,11 +536,12 @@ def _print_mode(rep: dict) -> None:
 
     rows = rep["cases"]
     floor = lambda r: f"{r['ratio_to_floor']:.1%}" if "ratio_to_floor" in r else "-"  # noqa: E731
-    table(("case", "prompt", "cached", "batches", "batch s", "runs s", "prompt tok/s", "TFLOP/s", "of GEMM", "of floor",
-           "spread"),
-          [(r["case"], r["prompt"], r["cached"], r["batches"], r["batch_s"], " ".join(map(str, r["batch_s_runs"])),
-            r["prompt_tokens_per_s"], r["tflops"], f"{r['ratio_to_gemm']:.1%}", floor(r), f"{r['spread']:.1%}")
-           for r in rows])
+    ahead = lambda r: f"{sum(r['planned_ahead'])}/{r['batches']}" if "planned_ahead" in r else "-"  # noqa: E731
+    table(("case", "prompt", "cached", "batches", "planned ahead", "batch s", "runs s", "prompt tok/s", "TFLOP/s",
+           "of GEMM", "of floor", "spread"),
+          [(r["case"], r["prompt"], r["cached"], r["batches"], ahead(r), r["batch_s"],
+            " ".join(map(str, r["batch_s_runs"])), r["prompt_tokens_per_s"], r["tflops"], f"{r['ratio_to_gemm']:.1%}",
+            floor(r), f"{r['spread']:.1%}") for r in rows])
     with_parts = [r for r in rows if "breakdown" in r]
     if with_parts:
         print()

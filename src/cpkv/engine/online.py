@@ -145,6 +145,7 @@ class OnlineRankEngine(RankEngine):
         (agreed by every rank) extends its generation -> (news, the next batch built ahead or None)."""
         finished, logits, nxt = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead_online(batch))
         self.batch_log.clear()  # per-batch records are for a trace's report; a server keeps none
+        self.batch_ahead.clear()
         self.batch_s.clear()
         self.host_s.clear()
         mine = [int(torch.argmax(logits[r.rid])) if r.rid in logits else -1 for r in finished]

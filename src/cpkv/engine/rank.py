@@ -117,6 +117,7 @@ class RankEngine:
         self.batch_s: list[float] = []           # per batch: seconds from plan to logits (device synced); a batch
         #                                          planned ahead: from the end of the batch before
         self.planned_ahead = 0                   # batches whose plan was built during the batch before
+        self.batch_ahead: list[bool] = []        # per batch: was it one of those (its plan off its critical path)
         self.chained = 0                         # batches whose end the host did not wait for (module docstring)
         self._chain: _Chain | None = None        # those since the last synchronisation
         self._run_prof = None                    # with cfg.profile on CUDA (no trace_dir): one profiler over the run
@@ -339,6 +340,7 @@ class RankEngine:
             self.host_funcs.append(host_functions(hp))
         self.batches += 1
         self.batch_log.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
+        self.batch_ahead.append(ahead is not None)
         if self.cfg.fault == (self.rank, self.batches):
             os._exit(3)  # fault injection (tests): this rank dies mid-run
         if finished is None:
@@ -478,8 +480,8 @@ class RankEngine:
             "weights_dtype": self.model.weights_dtype,
             "batch_log": self.batch_log, "batch_s": self.batch_s, "kernels": self.kernels,
             "host_ops": self.host_ops, "host_funcs": self.host_funcs, "experts": self._experts_held(),
-            "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead, "host_s": self.host_s,
-            "chained": self.chained,
+            "gpu_memory": self._gpu_memory(), "planned_ahead": self.planned_ahead, "batch_ahead": self.batch_ahead,
+            "host_s": self.host_s, "chained": self.chained,
             "marks": self.marks, "graphs": self._graph_stats(),
         }
 
