@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|graphs|serve|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -33,6 +33,10 @@ if want graphs; then  # the CUDA graphs of small batches: their GPU tests, then 
     # cp 2 (two ranks on the GPU, expert parallelism): the MoE layer's exchange runs eagerly between its R piece and
     # the next layer; its marks show whether the host keeps ahead of the GPU there
     step graphs_cp2 150 python3 -m cpkv bench engine --cp 2 --long 0 --runs 3 --no-profile --marks --json
+fi
+if want host; then  # a lone small batch at fp8 (the turn without the long prompt follows a batch that plans nothing
+    # ahead: its plan and launches count): where its host time goes, bf16 beside fp8 (session 19: 22 ms for 8 of GPU)
+    step host 200 python3 -m cpkv bench engine --weights bf16,fp8 --long 0 --runs 3 --no-profile --host-profile --marks --json
 fi
 if want engine; then  # issue 24's table: bf16 weights (its figures) and fp8 (as GLM-5 ships), host load after
     step engine 560 python3 -m cpkv bench engine --weights bf16,fp8 --json --host-load
