@@ -103,35 +103,34 @@ def test_bench_engine_runs_every_case_on_cpu(capsys):
         assert len(c["chunks"]) == c["batches"] and c["chunks"][0][0] == c["cached"]
 
 
-def test_weight_floor_bytes_against_the_memory_plan():
-    """The bytes a cp-1 batch reads at least once, against memplan's own count of the weights: with every expert
-    hit (many tokens) it is the plan's replicated bytes and all experts, less the embedding table and kv_b_proj
-    (the layers read its W_UK / W_UV copies, which the plan counts too); one token hits exactly k experts per MoE
-    layer; a batch that ends no request reads no LM head."""
+def test_weight_floor_bytes_against_the_checkpoints_tensors():
+    """The bytes a cp-1 batch reads at least once, against a count made here tensor by tensor from the checkpoint's
+    shapes: every tensor but the embedding table and kv_b_proj, plus the W_UK / W_UV copies the layers read instead
+    of kv_b_proj; of each MoE layer's experts, all with many tokens, exactly k with one token, the expected count
+    under uniform routing between; no LM head for a batch that ends no request."""
     import math
 
     from cpkv.bench.engine import weight_floor_bytes
-    from cpkv.memplan import tensor_bytes, weight_bytes
+    from cpkv.memplan import tensor_bytes
     from cpkv.model.checkpoint import expected_shapes
     from cpkv.model.config import load_model_config
 
     for model, layers in (("tiny", None), ("glm5", 4)):
         cfg = load_model_config(model, layers)
-        shapes = expected_shapes(cfg)
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        copies = cfg.num_layers * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * 2
         for weights in ("bf16", "fp8"):
-            wb = weight_bytes(cfg, weights, "bfloat16")
-            unread = sum(tensor_bytes(n, sh, weights, "bfloat16") for n, sh in shapes.items()
-                         if n == "model.embed_tokens.weight" or n.endswith("kv_b_proj.weight"))
-            head = tensor_bytes("lm_head.weight", shapes["lm_head.weight"], weights, "bfloat16")
-            base = wb.replicated - unread
-            e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-            assert wb.moe_layers >= 1
-            assert weight_floor_bytes(cfg, weights, 10 ** 6) == pytest.approx(base + wb.expert * e * wb.moe_layers)
-            assert weight_floor_bytes(cfg, weights, 1) == pytest.approx(base + wb.expert * k * wb.moe_layers)
+            size = {n: tensor_bytes(n, sh, weights, "bfloat16") for n, sh in expected_shapes(cfg).items()}
+            experts = sum(b for n, b in size.items() if ".mlp.experts." in n)  # every expert of every MoE layer
+            base = sum(b for n, b in size.items() if ".mlp.experts." not in n and n != "model.embed_tokens.weight"
+                       and not n.endswith("kv_b_proj.weight")) + copies
+            assert experts > 0
+            assert weight_floor_bytes(cfg, weights, 10 ** 6) == pytest.approx(base + experts)
+            assert weight_floor_bytes(cfg, weights, 1) == pytest.approx(base + experts * k / e)
             assert weight_floor_bytes(cfg, weights, 1, head=False) == pytest.approx(
-                base - head + wb.expert * k * wb.moe_layers)
+                base - size["lm_head.weight"] + experts * k / e)
             t = 7  # between: the expected count of experts hit under uniform routing
-            want = base + wb.expert * wb.moe_layers * e * (1 - (1 - k / e) ** t)
+            want = base + experts * (1 - (1 - k / e) ** t)
             assert math.isclose(weight_floor_bytes(cfg, weights, t), want, rel_tol=1e-12)
 
 

@@ -21,7 +21,7 @@ import argparse
 import math
 from typing import Any
 
-from cpkv.bench.timing import do_bench_ms
+from cpkv.bench.timing import copy_gbs, do_bench_ms
 from cpkv.scheduler.costs import unit_costs_attention
 
 PATTERNS = ("random", "window", "hot")
@@ -102,9 +102,9 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     gemm = _gemm_tflops()
-    copy_gbs = _copy_gbs()
+    copy_rate = copy_gbs()
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "gemm_tflops": gemm, "copy_gbs": copy_gbs,
+        "device": torch.cuda.get_device_name(), "gemm_tflops": gemm, "copy_gbs": copy_rate,
         "heads": args.heads, "topk": args.topk, "kv_rows": args.kv_rows, "pattern": args.pattern,
         "cases": [], "sweep": [],
     }
@@ -128,16 +128,6 @@ def _gemm_tflops() -> float:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = do_bench_ms(lambda: torch.matmul(a, b), 300, warmup_ms=25)
     return 2 * 8192**3 / ms / 1e9
-
-
-def _copy_gbs(nbytes: int = 1 << 30) -> float:
-    """GB/s (bytes read + written) of a device-to-device ``copy_`` of ``nbytes`` bytes."""
-    import torch
-
-    src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    ms = do_bench_ms(lambda: dst.copy_(src), 200, warmup_ms=25)
-    return 2 * nbytes / ms / 1e6
 
 
 def _inputs(t: int, h: int, topk: int, s: int, pattern: str) -> dict[str, Any]:
@@ -258,14 +248,14 @@ def _token_kv_cases(s: int, rep_ms: int, sweep: bool) -> tuple[dict[str, Any], d
         ("quant", s * (576 * 4 + 656), lambda: quant_token_kv(x),
          lambda shape: token_kv.quant(x, *row_views(torch.empty_like(rows), GLM5_TOKEN), launch=shape)),
     ):
-        copy_gbs = _copy_gbs(moved // 2)
+        copy_rate = copy_gbs(moved // 2)
         ms = do_bench_ms(fn, rep_ms, warmup_ms=25)
-        case = {"rows": s, "bytes_moved": moved, "ms": ms, "gbs": moved / ms / 1e6, "copy_gbs": copy_gbs,
-                "ratio_to_copy": moved / ms / 1e6 / copy_gbs,
+        case = {"rows": s, "bytes_moved": moved, "ms": ms, "gbs": moved / ms / 1e6, "copy_gbs": copy_rate,
+                "ratio_to_copy": moved / ms / 1e6 / copy_rate,
                 "launch": list(getattr(token_kv, f"{name.upper()}_LAUNCH"))}
         if sweep:
             case["sweep"] = [{"launch": list(shape), "ms": (t := do_bench_ms(lambda: launch_fn(shape), rep_ms, warmup_ms=25)),
-                              "ratio_to_copy": moved / t / 1e6 / copy_gbs} for shape in KV_LAUNCHES]
+                              "ratio_to_copy": moved / t / 1e6 / copy_rate} for shape in KV_LAUNCHES]
         cases.append(case)
     del x, rows
     torch.cuda.empty_cache()

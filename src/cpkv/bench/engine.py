@@ -319,70 +319,59 @@ def add_floor(rep: dict, cfg, copy: float) -> None:
     rep["copy_gbs"] = copy
     if rep["cp"] != 1 or not copy:
         return
-    gemm, weights = rep["gemm_tflops"], rep.get("weights_dtype") or "bf16"
+    gemm, stored = rep["gemm_tflops"], rep.get("weights_dtype") or "bf16"
+    # the memory plan's terms: fp8 linear weights, or weights widened to the compute dtype (float32 on the CPU)
+    weights, compute = ("fp8", "bfloat16") if stored == "fp8" else ("bf16", "float32" if stored == "float32" else
+                                                                    "bfloat16")
     for c in rep["cases"]:
         last = len(c["chunks"]) - 1  # the chunk with the request's last token: the only one that reads the head
         floor = sum(max(prefill_flops(cfg, p, e) / (gemm * 1e12),
-                        weight_floor_bytes(cfg, weights, e, head=i == last) / (copy * 1e9))
+                        weight_floor_bytes(cfg, weights, e, head=i == last, compute=compute) / (copy * 1e9))
                     for i, (p, e) in enumerate(c["chunks"]))
         c["floor_s"] = float(f"{floor:.4g}")
         c["ratio_to_floor"] = round(floor / c["batch_s"], 4)
 
 
-def weight_floor_bytes(cfg, weights: str, tokens: int, head: bool = True) -> float:
-    """Bytes of weights a cp-1 batch of ``tokens`` new tokens reads at least once, stored as ``weights`` (bf16
-    compute): every tensor but the embedding table (it reads its tokens' rows), kv_b_proj (the layers read their
+def weight_floor_bytes(cfg, weights: str, tokens: int, head: bool = True, compute: str = "bfloat16") -> float:
+    """Bytes of weights a cp-1 batch of ``tokens`` new tokens reads at least once, stored as ``weights`` with
+    ``compute`` the model dtype (``memplan.weight_bytes``' terms): every tensor but the embedding table (it reads its tokens' rows), kv_b_proj (the layers read their
     W_UK / W_UV copies of it, counted instead) and, unless ``head`` (the batch ends a request: its last token's
     logits), the LM head; and of each MoE layer's routed experts those its tokens' top-k pairs are expected to hit
     under uniform routing, E (1 - (1 - k/E)^T). Skewed routing hits fewer, so for a batch of few tokens this can
     exceed what it must read; from T k >= 8 E (a 448-token batch of GLM-5 at cp 1: 14 E) every expert is hit
     unless the router leaves some without a single pair."""
-    from cpkv.memplan import DTYPE_BYTES, tensor_bytes
+    from cpkv.memplan import tensor_bytes, weight_bytes
     from cpkv.model.checkpoint import expected_shapes
 
-    total, expert = 0, {}
-    for name, shape in expected_shapes(cfg).items():
-        if name == "model.embed_tokens.weight" or name.endswith("kv_b_proj.weight") or (
-                name == "lm_head.weight" and not head):
-            continue
-        if ".mlp.experts." in name:
-            layer = name.split(".")[2]
-            expert[layer] = expert.get(layer, 0) + tensor_bytes(name, shape, weights, "bfloat16")
-            continue
-        total += tensor_bytes(name, shape, weights, "bfloat16")
-    h, kr = cfg.num_heads, cfg.kv_lora_rank
-    total += cfg.num_layers * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) * kr * DTYPE_BYTES["bfloat16"]
+    wb = weight_bytes(cfg, weights, compute)  # replicated: all but the routed experts, W_UK / W_UV copies included
+    unread = sum(tensor_bytes(n, sh, weights, compute) for n, sh in expected_shapes(cfg).items()
+                 if n == "model.embed_tokens.weight" or n.endswith("kv_b_proj.weight")
+                 or (n == "lm_head.weight" and not head))
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    if expert and e:
-        hit = e * (1 - (1 - k / e) ** tokens)
-        total += sum(b / e for b in expert.values()) * hit  # one expert's bytes per layer x the experts hit
-    return float(total)
+    hit = e * (1 - (1 - k / e) ** tokens) if e and wb.moe_layers else 0.0
+    return float(wb.replicated - unread + wb.expert * wb.moe_layers * hit)
 
 
 def copy_gbs(device: str) -> float:
-    """The device's ``copy_`` rate, GB/s of bytes read and written (1 GiB on CUDA, 64 MiB on CPU)."""
+    """The device's ``copy_`` rate, GB/s of bytes read and written: CUDA as every benchmark measures it
+    (``cpkv.bench.timing.copy_gbs``, 1 GiB), CPU by the host clock over 64 MiB."""
     import time
 
     import torch
 
-    n = (1 << 30) if device == "cuda" else (64 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    reps = 20 if device == "cuda" else 5
     if device == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    rate = 2 * n * reps / (time.perf_counter() - t) / 1e9
-    del src, dst
-    if device == "cuda":
+        from cpkv.bench import timing
+
+        rate = timing.copy_gbs()
         torch.cuda.empty_cache()
-    return round(rate, 1)
+        return round(rate, 1)
+    src = torch.empty(64 << 20, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return round(2 * src.numel() * 5 / (time.perf_counter() - t) / 1e9, 1)
 
 
 AHEAD_MS = 0.1  # a mark the GPU reached within this of the host issuing it: the GPU was waiting for the host

@@ -36,3 +36,13 @@ def do_bench_ms(fn: Callable[[], object], rep_ms: int = 60, warmup_ms: int = 10)
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_gbs(nbytes: int = 1 << 30) -> float:
+    """GB/s (bytes read + written) of a device-to-device ``copy_`` of ``nbytes`` bytes (``do_bench_ms``)."""
+    import torch
+
+    src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    ms = do_bench_ms(lambda: dst.copy_(src), 200, warmup_ms=25)
+    return 2 * nbytes / ms / 1e6

@@ -331,16 +331,14 @@ class DSALayer:
     def finish_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
                        ep: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts through the batch's exchange ``ep`` (every rank, every MoE layer), plus the shared
-        experts' output -> the MLP's output [T, hidden] (written into ``out`` when given)."""
+        experts' output -> the MLP's output [T, hidden] (written into ``out`` when given). Its caller marks the
+        layer's MLP done."""
         from cpkv.model.moe import experts_ep
 
         y = experts_ep(x, idx, weights, self.moe, ep)
         if shared is not None:
-            y = torch.add(y, shared, out=out) if out is not None else y + shared
-        elif out is not None:
-            y = out.copy_(y)
-        mark(f"L{self.n} mlp")
-        return y
+            return torch.add(y, shared, out=out) if out is not None else y + shared
+        return out.copy_(y) if out is not None else y
 
     def _post_attention(self, h: torch.Tensor, latent: torch.Tensor):
         o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
@@ -418,14 +416,13 @@ class DSALayer:
 
     def _mlp(self, x: torch.Tensor, xa: Any, ep: Any = None) -> torch.Tensor:
         """x [T, hidden] (normed), xa: x or its QuantAct -> the MLP's output [T, hidden] (``mlp``)."""
-        from cpkv.model.moe import experts, experts_ep
+        from cpkv.model.moe import experts
 
         if self.moe is None:
             return swiglu(xa, *self.dense_mlp)
         idx, weights, shared = self._route(x, xa)
         if ep is not None:
-            out = experts_ep(x, idx, weights, self.moe, ep)
-            return out if shared is None else out + shared
+            return self.finish_experts(x, idx, weights, shared, ep)
         if len(self.experts) != self.cfg.n_routed_experts:
             raise ValueError(f"layer {self.n} holds routed experts {self.experts.start}..{self.experts.stop - 1} of "
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
