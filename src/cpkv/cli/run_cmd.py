@@ -98,7 +98,7 @@ def engine_config(args: argparse.Namespace, cp: int):
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
-                        weights=args.weights,
+                        weights=args.weights, record=bool(getattr(args, "verify", False)),
                         graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None),
                                                           args.precision),
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
@@ -295,6 +295,24 @@ def show(result, report, args, times) -> None:
           f"{'equal' if report.tokens_equal else 'DIFFER'}, max |logit diff| {report.max_logit_diff:.3g} "
           f"<= {report.tolerance:.3g} needed, {report.checked} requests checked, {len(result.rejected)} rejected)",
           file=sys.stdout)
+    print(decisions_line(report))
+    for t in report.ties:
+        print(f"  request {t['id']!r}: first token {t['run']} where the reference's is {t['reference']}, a tie "
+              f"(its logit {t['gap']:.3g} below the reference's largest, within the tolerance)")
+    for f in report.failures:
+        print(f"  request {f['id']!r} FAILED: {f.get('why')}")
+
+
+def decisions_line(report) -> str:
+    """One line: the run's discrete decisions that differed from the reference's, and their largest margins."""
+    if not report.decisions:
+        return "decisions: not recorded (the reference took its own)"
+    parts = []
+    for kind, name in (("route", "expert choices"), ("index", "indexer selections")):
+        c = report.decisions[kind]
+        parts.append(f"{c.differed} of {c.compared} {name} differ (largest margin {c.max_margin:.3g}, "
+                     f"{c.unexplained} over {report.decision_tolerance[kind]:.3g})")
+    return "decisions, the reference under the run's own: " + "; ".join(parts)
 
 
 def _clip(text: str, width: int = 100) -> str:

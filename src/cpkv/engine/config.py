@@ -62,6 +62,8 @@ class EngineConfig:
     #                        buffers and padding, run eagerly
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
+    record: bool = False  # record the layers' discrete decisions (experts, indexer selections) for verification
+    plant: str | None = None  # testing: a planted fault (cpkv.engine.taps.PLANTS) verification must catch
     sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
     #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
     profile: bool = False  # benchmarks (CUDA): each batch's kernels (name, start, end) from one profiler over the
@@ -94,6 +96,12 @@ class EngineConfig:
         for key in ("chunk_size", "max_requests"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        if self.plant is not None:
+            from cpkv.engine.taps import PLANTS
+            if self.plant not in PLANTS:
+                raise ConfigError(f"unknown planted fault {self.plant!r}; expected one of {', '.join(PLANTS)}")
+            if self.graph_tokens:
+                raise ConfigError("a planted fault runs eagerly: graph_tokens must be 0")
         if self.chunk_size % self.page_size:
             raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
         if self.num_layers is not None and self.num_layers < 1:

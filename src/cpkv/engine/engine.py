@@ -61,6 +61,7 @@ class RunResult:
     wall_s: float
     pages_used: list[int]
     stats: dict[str, Any]
+    decisions: list = field(default_factory=list)  # cfg.record: every rank's BatchDecisions (cpkv.engine.taps)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -101,7 +102,8 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
     stats["experts_per_rank"] = [o.stats.get("experts", 0) for o in outs]  # routed experts each rank holds
     stats["gpu_memory_per_rank"] = [o.stats.get("gpu_memory") for o in outs]  # CUDA: setup and peak bytes
     stats["graphs_per_rank"] = [o.stats.get("graphs") for o in outs]  # graph_tokens: each rank's graph counts
-    return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats)
+    decisions = [d for o in outs for d in o.decisions]
+    return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats, decisions)
 
 
 def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0,
@@ -147,11 +149,24 @@ class VerifyReport:
     # requests with NaN/Inf logits: {"id", "run" / "reference": what is non-finite (None: finite), "where": the
     # reference's first non-finite layer (None: the reference stays finite)}
     nonfinite: list[dict[str, Any]] = field(default_factory=list)
+    # the run's discrete decisions against the reference's own (cpkv.engine.taps): {"route" | "index":
+    # DecisionCount}; empty when the run recorded none (the reference then took its own)
+    decisions: dict[str, Any] = field(default_factory=dict)
+    decision_tolerance: dict[str, float] = field(default_factory=dict)
+    ties: list[dict[str, Any]] = field(default_factory=list)  # first tokens that differ within the tolerance
+    requests: list[dict[str, Any]] = field(default_factory=list)  # per request: diff, tolerance, verdict, why
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The requests that failed, each with its reason."""
+        return [r for r in self.requests if not r["ok"]]
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "tokens_equal": self.tokens_equal, "max_logit_diff": self.max_logit_diff,
                 "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked,
-                "nonfinite": self.nonfinite}
+                "nonfinite": self.nonfinite, "ties": self.ties,
+                "decisions": {k: c.to_json(self.decision_tolerance[k]) for k, c in self.decisions.items()},
+                "requests": self.requests}
 
 
 def describe_nonfinite(logits: torch.Tensor) -> str:
@@ -245,37 +260,81 @@ def write_logits(path: str, result: RunResult) -> None:
 
 
 def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_request=None) -> VerifyReport:
-    """Rerun every completed request on one process (no CP, no cache) and compare.
+    """Rerun every completed request on one process (no CP, no cache) under the run's own discrete decisions,
+    and compare (docs/design.md, "Verification").
 
-    ok = every logit finite on both sides, first tokens equal and every |logit difference| <= atol + rtol *
-    max |reference logit|. A request with NaN/Inf logits (the run's or the reference's) fails and is listed in
-    ``nonfinite`` with the first layer where its reference values went non-finite (such a request is rerun
-    once with a check after every layer); it takes no part in ``max_logit_diff`` (a NaN would compare as "no
-    difference").
+    When the run recorded its decisions (``EngineConfig.record``), the reference makes its own, counts those that
+    differ with their margins (``cpkv.engine.taps.Forced``) and then takes the run's, so that the logits compare
+    numerics alone. A request passes when: its logits are finite on both sides; every |logit difference| <= atol
+    + rtol * max |reference logit|; every differing decision's margin is within what rounding explains; its first
+    token is the reference's, or (a tie) the reference's logit of it lies within the tolerance of its largest.
+    A request with NaN/Inf logits is listed in ``nonfinite`` with the first layer where its reference values went
+    non-finite; it takes no part in ``max_logit_diff`` (a NaN would compare as "no difference").
     ``on_request(n)`` is called after the n-th request is compared (progress).
     """
+    from cpkv.engine.decisions import DecisionLog
+    from cpkv.engine.taps import INDEX_MARGIN, ROUTE_MARGIN, DecisionCount, Forced
+
     cfg = result.cfg
     device = "cuda" if cfg.device == "cuda" else "cpu"
     model = model or _reference_model(cfg)
     tokens = materialize_tokens(trace, vocab_size=model.cfg.vocab_size)
+    log = DecisionLog.build(result.decisions, {r.id: tokens[r.id] for r in result.requests}) \
+        if result.decisions else None
     atol, rtol = TOLERANCE[device]
-    equal, worst, worst_id, ok, tol_used = True, 0.0, None, True, atol
-    nonfinite: list[dict[str, Any]] = []
+    report = VerifyReport(True, True, 0.0, atol, None, len(result.requests))
+    if log is not None:
+        report.decisions = {"route": DecisionCount(), "index": DecisionCount()}
+        report.decision_tolerance = {"route": ROUTE_MARGIN[device], "index": INDEX_MARGIN[device]}
     for n, r in enumerate(result.requests, start=1):
-        ref = model.reference_prefill(tokens[r.id]).cpu()
-        ref_finite = bool(torch.isfinite(ref).all())
-        if not (ref_finite and r.finite):  # rerun once, checking each layer, to say where it went non-finite
-            nonfinite.append({"id": r.id, "run": None if r.finite else describe_nonfinite(r.logits),
-                              "reference": None if ref_finite else describe_nonfinite(ref),
-                              "where": first_nonfinite(model, tokens[r.id])})
-            equal, ok = False, False
-        else:
-            diff = float((ref - r.logits).abs().max())
-            tol = atol + rtol * float(ref.abs().max())
-            equal &= int(ref.argmax()) == r.first_token
-            ok &= diff <= tol
-            if diff >= worst:
-                worst, worst_id, tol_used = diff, r.id, tol
+        forced = Forced(*log.for_request(r.id), device) if log is not None else None
+        ref = model.reference_prefill(tokens[r.id], tap=forced).cpu()
+        _check_request(report, r, ref, forced, model, tokens[r.id], atol, rtol)
         if on_request is not None:
             on_request(n)
-    return VerifyReport(ok and equal, equal, worst, tol_used, worst_id, len(result.requests), nonfinite)
+    report.ok = all(x["ok"] for x in report.requests)
+    return report
+
+
+def _check_request(report: VerifyReport, r: RequestResult, ref: torch.Tensor, forced, model, tokens, atol: float,
+                   rtol: float) -> None:
+    """Compare one request's logits with its reference's ``ref``; its entry into ``report`` (module docstring)."""
+    entry: dict[str, Any] = {"id": r.id, "ok": True}
+    report.requests.append(entry)
+    unexplained = []
+    if forced is not None:
+        for kind, count in forced.summary().items():
+            report.decisions[kind].merge(count)
+            entry[f"{kind}_differed"] = count.differed
+            if count.unexplained:
+                unexplained.append(f"{count.unexplained} {kind} decision(s) differ beyond rounding (largest margin "
+                                   f"{count.max_margin:.3g} > {forced.route_tol if kind == 'route' else forced.index_tol:.3g}"
+                                   f", layer {count.worst[0][0]}, position {count.worst[0][1]})")
+    ref_finite = bool(torch.isfinite(ref).all())
+    if not (ref_finite and r.finite):  # rerun once, checking each layer, to say where it went non-finite
+        report.nonfinite.append({"id": r.id, "run": None if r.finite else describe_nonfinite(r.logits),
+                                 "reference": None if ref_finite else describe_nonfinite(ref),
+                                 "where": first_nonfinite(model, tokens)})
+        report.tokens_equal = False
+        entry.update(ok=False, why="non-finite logits")
+        return
+    diff = float((ref - r.logits).abs().max())
+    tol = atol + rtol * float(ref.abs().max())
+    entry.update(diff=round(diff, 6), tolerance=round(tol, 6))
+    if diff >= report.max_logit_diff:
+        report.max_logit_diff, report.worst, report.tolerance = diff, r.id, tol
+    why = list(unexplained)
+    if diff > tol:
+        why.append(f"max |logit diff| {diff:.3g} > {tol:.3g}")
+    if int(ref.argmax()) != r.first_token:
+        report.tokens_equal = False
+        gap = float(ref.max() - ref[r.first_token])
+        if gap <= tol:
+            report.ties.append({"id": r.id, "run": r.first_token, "reference": int(ref.argmax()),
+                                "gap": round(gap, 6)})
+            entry["first_token"] = "tie"
+        else:
+            why.append(f"first token {r.first_token} where the reference's is {int(ref.argmax())}, {gap:.3g} "
+                       f"above it (> {tol:.3g})")
+    if why:
+        entry.update(ok=False, why="; ".join(why))

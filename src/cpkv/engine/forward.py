@@ -59,6 +59,7 @@ class RankPlan:
     topk: int = 0
     attn: AttnPlan | None = None
     rot: Rotary | None = None    # built by ``rotary`` (after the embedding is launched)
+    reqs: tuple[int, ...] = ()   # per query-token run: its request's index in the batch
 
     @property
     def num_tokens(self) -> int:
@@ -132,7 +133,8 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
     mark("rank plan uploaded")
     counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
     return RankPlan(ids_d, pos_d, last, last_d, ep.prepare(counts) if ep is not None else None,
-                    tuple((s, e, base) for _, s, e, base in runs), model.cfg.index_topk)
+                    tuple((s, e, base) for _, s, e, base in runs), model.cfg.index_topk,
+                    reqs=tuple(req for req, _, _, _ in runs))
 
 
 def _logits_work_shape(model: DSAModel):
@@ -163,6 +165,9 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
     # the next layer's fused input norm (or before the final norm)
     mark("rank plan")
     t = plan.num_tokens
+    tap = model.tap
+    if tap is not None:
+        tap.begin(plan)
     g = graphs if graphs is not None and graphs.bucket(t) is not None else None
     h, delta, topk = model.embed(plan.ids), None, None
     mark("embed")
@@ -186,7 +191,9 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
             p = project(n, layer)
         for kind in model.cfg.kinds_at(n):  # shared indexer layers write and compose no index rows
             rows = rt.current_rows(compose, n, kind)
-            if p is not None:
+            if p is not None and tap is not None:
+                tap.write_rows(n, kind, rows, rows_at, getattr(p, kind))
+            elif p is not None:
                 rows.index_copy_(0, rows_at, getattr(p, kind))
         dense = rt.compose_layer(compose, n)  # the layer's kinds: one barrier round and one gather call under symm
         mark(f"L{n} compose")

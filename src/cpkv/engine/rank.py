@@ -82,6 +82,7 @@ class RankOutput:
     wall_s: float = 0.0
     pages_used: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    decisions: list = field(default_factory=list)  # with cfg.record: per batch, cpkv.engine.taps.BatchDecisions
 
 
 class RankEngine:
@@ -96,6 +97,12 @@ class RankEngine:
         self.rt = ComposeRuntime.create(ctx, model.cfg, num_pages=cfg.pages_per_rank, page_size=cfg.page_size,
                                         caps=caps, mode=cfg.mode)
         self.ep = self._expert_exchange()
+        self.tap = model.tap if cfg.record or cfg.plant else None  # installed by rank_main, before any capture
+        if (cfg.record or cfg.plant) and self.tap is None:
+            raise ValueError("a run that records decisions needs its model's tap (rank_main installs it)")
+        if model.tap is not None:  # this run's planted fault (or none) may fire once
+            model.tap.reset(cfg.plant, cfg.page_size)
+        self.decisions: list = []  # per batch: its BatchDecisions (host copies, complete once the run ends)
         # small batches' layer pieces as CUDA graphs (captured once per model: later runs replay them)
         # (no rank's batch holds more new tokens than the chunk: buckets past it would never run)
         self.graphs = for_model(model, min(cfg.graph_tokens, cfg.chunk_size)) if cfg.graph_tokens else None
@@ -200,6 +207,7 @@ class RankEngine:
             self._run_prof = None
         for r in blocked:
             self.out.rejected[r.id] = "parent: its parent never finished"
+        self.out.decisions = [d.numpy() for d in self.decisions]  # every batch ended
         self.out.wall_s = time.perf_counter() - t0
         self._finish_stats()
         return self.out
@@ -304,10 +312,14 @@ class RankEngine:
                                       (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
                         if ahead is None:
                             first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
-                            out = run_batch(self.model, self.rt, first, rank_plan(spec, self.rank, self.model, self.ep),
-                                            self.graphs)
+                            plan = rank_plan(spec, self.rank, self.model, self.ep)
+                            out = run_batch(self.model, self.rt, first, plan, self.graphs)
                         else:
-                            out = run_batch(self.model, self.rt, ahead.compose, ahead.plan, self.graphs)
+                            plan = ahead.plan
+                            out = run_batch(self.model, self.rt, ahead.compose, plan, self.graphs)
+                        if self.tap is not None:  # host copies behind the forward
+                            self.decisions.append(self.tap.collect(plan, [e.rid for e in batch.entries],
+                                                                   self.batches))
                         self.host_s.append(time.perf_counter() - launch)  # every kernel of the forward launched
                         mark("launched")
                         if look_ahead is not None and look_ahead():
@@ -517,6 +529,11 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
             models[key] = rank_model(ctx, cfg)
+            if any(c.record or c.plant for c, _ in jobs):  # before any graph is captured
+                from cpkv.engine.taps import Recorder
+                plant = next((c.plant for c, _ in jobs if c.plant), None)
+                models[key].set_tap(Recorder(models[key], max(c.chunk_size for c, _ in jobs), cfg.page_size,
+                                             ctx.rank, plant))
         model = models[key]
         for layer in model.layers:
             layer.stats.update(dense=0, sparse=0)

@@ -119,6 +119,9 @@ class DSALayer:
         self.dense_mlp = self._swiglu(weights, "mlp.") if not sparse else None
         self.shared_mlp = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
         self.stats = {"dense": 0, "sparse": 0}
+        # the layer's discrete decisions go through ``tap`` when set (cpkv.engine.taps: recorded by a verified run,
+        # forced on the reference that checks it, a planted fault in tests); None: decided here
+        self.tap: Any = None
 
     def _linear(self, name: str) -> Linear:
         """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
@@ -306,6 +309,8 @@ class DSALayer:
         kv = self._dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
+            if self.tap is not None:
+                topk = self.tap.select(self, p, dense["index"], plan, topk)
             mark(f"L{self.n} indexer")
         latent = self._attention(p, kv, topk, plan)  # [T, H, kv_lora]
         mark(f"L{self.n} attention")
@@ -337,8 +342,10 @@ class DSALayer:
 
         y = experts_ep(x, idx, weights, self.moe, ep)
         if shared is not None:
-            return torch.add(y, shared, out=out) if out is not None else y + shared
-        return out.copy_(y) if out is not None else y
+            y = torch.add(y, shared, out=out) if out is not None else y + shared
+        elif out is not None:
+            y = out.copy_(y)
+        return y if self.tap is None else self.tap.moe_out(self, y)
 
     def _post_attention(self, h: torch.Tensor, latent: torch.Tensor):
         o = self.lin["self_attn.o_proj"](self._latent_out(latent.to(h.dtype)))
@@ -401,8 +408,11 @@ class DSALayer:
         from cpkv.model.moe import route
 
         w = self.w
-        idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
-                             fused=not self.exact)
+        if self.tap is not None:
+            idx, weights = self.tap.route(self, x)
+        else:
+            idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
+                                 fused=not self.exact)
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         mark(f"L{self.n} route+shared")
         return idx, weights, shared
@@ -428,7 +438,8 @@ class DSALayer:
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
         # x's fp8 rows (made by the norm) gathered per pair; the shared experts' output added in the combine
         xq = (xa.q, xa.s) if isinstance(xa, QuantAct) else None
-        return experts(x, idx, weights, self.moe, xq=xq, add=shared, fused=not self.exact)
+        y = experts(x, idx, weights, self.moe, xq=xq, add=shared, fused=not self.exact)
+        return y if self.tap is None else self.tap.moe_out(self, y)
 
 
 def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,6 +65,7 @@ class DSAModel:
         src = to_fp8(src, consume=True) if fp8 else to_dense(src, self.dtype, consume=True)
         self.weights = {k: _place(k, src.pop(k), self.device, self.dtype) for k in list(src)}
         self.layers = []
+        self.tap = None  # set_tap
         for n in range(cfg.num_layers):
             self.layers.append(DSALayer(cfg, self.weights, n, self.experts))
             prefix = f"model.layers.{n}.mlp.experts."  # stacked in the layer now: the per-expert tensors go
@@ -119,10 +120,26 @@ class DSAModel:
         return {k: sum(layer.stats[k] for layer in self.layers) for k in ("dense", "sparse")}
 
     # -- the single-process reference ---------------------------------------------------------------
+    def set_tap(self, tap) -> None:
+        """Route every layer's discrete decisions through ``tap`` (``cpkv.engine.taps``); None: decided in place."""
+        self.tap = tap
+        for layer in self.layers:
+            layer.tap = tap
+
     def reference_prefill(self, tokens: Sequence[int],
-                          after_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                          after_layer: Callable[[int, torch.Tensor], None] | None = None,
+                          tap=None) -> torch.Tensor:
         """One request from scratch on one process -> float32 [vocab] logits of its last token.
-        ``after_layer(n, h)`` sees the hidden states [T, hidden] after layer n (n = -1: the embeddings)."""
+        ``after_layer(n, h)`` sees the hidden states [T, hidden] after layer n (n = -1: the embeddings).
+        ``tap``: the layers' decisions go through it for this call (``cpkv.engine.taps.Forced``: a verified run's
+        own decisions)."""
+        if tap is not None:
+            kept = self.tap
+            self.set_tap(tap)
+            try:
+                return self.reference_prefill(tokens, after_layer)
+            finally:
+                self.set_tap(kept)
         n = len(tokens)
         ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
         rot = self.rotary(torch.arange(n, device=self.device))

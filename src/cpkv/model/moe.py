@@ -34,19 +34,47 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
           fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k]) (module docstring). ``fused`` False: the
     scores as ``F.linear`` in float32 also on CUDA (``--precision exact`` runs)."""
-    t, e, g = x.shape[0], cfg.n_routed_experts, cfg.n_group
+    scores, choice = route_scores(x, gate, bias, fused)
+    idx = pick_experts(choice, cfg)
+    return idx, route_weights(scores, idx, cfg)
+
+
+def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
+                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (scores float32 [T, E] = sigmoid(x W_gate^T), choice float32 [T, E] = scores + bias)."""
     scores = router_scores(x, gate) if fused else F.linear(x.float(), gate.float()).sigmoid()
-    choice = scores + bias.float()
+    return scores, scores + bias.float()
+
+
+def pick_experts(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """choice float32 [T, E] -> the k chosen expert ids int64 [T, k] (unordered): the k best choices within the
+    topk_group best groups (a group's score: the sum of its 2 best choices)."""
+    t, e, g = choice.shape[0], cfg.n_routed_experts, cfg.n_group
     if cfg.topk_group < g:  # group-limited routing (every group kept, GLM-5's one group: nothing to mask)
-        group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
-        groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1), float("-inf"))
-    idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        choice = choice.masked_fill(~kept_groups(choice, cfg).repeat_interleave(e // g, dim=1), float("-inf"))
+    return choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+
+
+def group_scores(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """choice float32 [T, E] -> float32 [T, n_group]: each group's score (the sum of its 2 best choices)."""
+    t, e, g = choice.shape[0], cfg.n_routed_experts, cfg.n_group
+    return choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+
+
+def kept_groups(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """choice float32 [T, E] -> bool [T, n_group]: the topk_group best groups of each token."""
+    scores = group_scores(choice, cfg)
+    groups = scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, groups, True)
+
+
+def route_weights(scores: torch.Tensor, idx: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """scores float32 [T, E], idx int64 [T, k] -> the routing weights float32 [T, k]: the chosen scores (/ their
+    sum when norm_topk_prob) * routed_scaling_factor."""
     w = scores.gather(1, idx)
     if cfg.norm_topk_prob:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return idx, w * cfg.routed_scaling_factor
+    return w * cfg.routed_scaling_factor
 
 
 def router_scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

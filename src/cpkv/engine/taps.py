@@ -1,0 +1,329 @@
+"""The layers' discrete decisions made visible: recorded by a run, forced on the reference that verifies it.
+
+A DSA layer takes two kinds of discrete decisions, and either can flip on rounding noise: the router's top-k
+experts of each token in a MoE layer (``cpkv.model.moe``), and the indexer's top-k keys of each query in a full
+layer (``DSALayer.select``). Two runs whose hidden states differ by one bf16 ulp can pick a different 8th expert
+when the 8th and 9th scores nearly tie, and their logits then differ by far more than rounding. A verification
+that compares logits alone cannot tell such a flip from a defect, so (docs/design.md, "Verification"):
+
+    Recorder   set on a rank's model (``DSAModel.set_tap``) when a run is verified: every MoE layer's expert ids
+               (written into a fixed buffer of ``max_tokens`` rows, inside the CUDA graphs too) and every full
+               layer's selected keys, copied to host memory behind each batch (no device -> host sync in the
+               forward) -> per batch a ``BatchDecisions`` (rows -> request and position, in the rank's token order)
+    Forced     set on the single-process reference for one request: it makes its own decisions, compares them
+               with the run's, then uses the run's, so that the logits compare numerics only. Each differing
+               decision has a margin, the gap in the reference's own scores between what it would pick and what
+               the run picked: a flip rounding can explain has a small one, a defect (a wrong expert, a stale
+               key) a large one. ``summary()`` counts them.
+
+Tests plant faults through the Recorder (``PLANTS``, ``EngineConfig.plant``; eager runs only): one expert's
+contribution dropped for one token, one MoE output row zeroed, one indexer selection replaced by the query's
+lowest-scored key, one KV page of one rank left stale (its rows not written). Each must fail verification.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from cpkv.model.moe import group_scores, kept_groups, pick_experts, route_scores, route_weights
+
+PLANTS = ("expert", "combine", "index", "page")
+
+# A differing decision is explained by rounding when its margin is at most this (docs/design.md, "Verification"):
+# the router's choice values (sigmoid scores + bias, in [0, 2)) absolutely; the indexer's scores relative to the
+# largest |score| the query sees.
+ROUTE_MARGIN = {"cpu": 2e-3, "cuda": 1e-2}
+INDEX_MARGIN = {"cpu": 2e-2, "cuda": 5e-2}
+
+
+def _router(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.w["mlp.gate.weight"], layer.w["mlp.gate.e_score_correction_bias"]
+
+
+# -- the run's side ------------------------------------------------------------------------------------------
+@dataclass
+class BatchDecisions:
+    """One batch's decisions on one rank, in the rank's token order: ``runs`` (request id, start, end, first dense
+    row) per query-token run; ``route`` {layer: int64 [T, k] expert ids}; ``select`` {layer: int32 [T, topk]
+    dense rows, -1 none}. Host tensors (pinned on CUDA, valid once the batch ended) until ``numpy``."""
+
+    batch: int
+    runs: tuple[tuple[Hashable, int, int, int], ...]
+    route: dict[int, Any]
+    select: dict[int, Any]
+
+    def numpy(self) -> "BatchDecisions":
+        """Plain numpy arrays (picklable), selections as positions in their request (dense row - first row)."""
+        base = np.concatenate([np.full(e - s, b, np.int64) for _, s, e, b in self.runs]) if self.runs else \
+            np.zeros(0, np.int64)
+        select = {}
+        for n, rows in self.select.items():
+            a = rows.numpy().astype(np.int64)
+            select[n] = np.where(a >= 0, a - base[:, None], -1).astype(np.int32)
+        return BatchDecisions(self.batch, self.runs, {n: r.numpy().astype(np.int16) for n, r in self.route.items()},
+                              select)
+
+
+class Recorder:
+    """The run's tap (module docstring). ``max_tokens``: the most query tokens a rank's batch holds (the chunk);
+    ``plant``: one of PLANTS or None; ``rank``: planted faults fire on rank 0 only, once per run."""
+
+    def __init__(self, model, max_tokens: int, page_size: int, rank: int, plant: str | None = None) -> None:
+        if plant is not None and plant not in PLANTS:
+            raise ValueError(f"unknown planted fault {plant!r}; expected one of {', '.join(PLANTS)}")
+        self.cfg, self.device = model.cfg, model.device
+        self.max_tokens, self.page_size, self.rank, self.plant = max_tokens, page_size, rank, plant
+        self.moe_layers = [n for n, kind in enumerate(self.cfg.mlp_layer_types) if kind == "sparse"]
+        self.route_buf: dict[int, torch.Tensor] = {}  # fixed: the captured graphs write these addresses
+        self.selected: dict[int, torch.Tensor] = {}
+        self.plan: Any = None
+        self.fired = False
+        self.stale = False
+
+    def reset(self, plant: str | None, page_size: int) -> None:
+        """A new run, with its planted fault (or none), which may fire once."""
+        self.plant, self.page_size = plant, page_size
+        self.fired = self.stale = False
+
+    def begin(self, plan) -> None:
+        """A batch's forward starts (``cpkv.engine.forward.run_batch``)."""
+        self.plan, self.selected = plan, {}
+        if self.plant == "page" and self._may_fire() and plan.num_tokens:
+            self.fired = self.stale = True
+        else:
+            self.stale = False
+
+    def _may_fire(self) -> bool:
+        return self.rank == 0 and not self.fired
+
+    def route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact)
+        idx = pick_experts(choice, self.cfg)
+        buf = self.route_buf.get(layer.n)
+        if buf is None:
+            buf = self.route_buf[layer.n] = torch.full((self.max_tokens, idx.shape[1]), -1, dtype=torch.int64,
+                                                       device=idx.device)
+        buf[: idx.shape[0]].copy_(idx)
+        w = route_weights(scores, idx, self.cfg)
+        row = self._fault_row("expert", layer)
+        if row is not None:
+            w[row, 0] = 0.0  # the token's first expert contributes nothing
+        return idx, w
+
+    def _fault_row(self, kind: str, layer) -> int | None:
+        """The row a token fault hits now: the first finished request's last token on rank 0, first MoE layer."""
+        if self.plant != kind or not self._may_fire() or layer.n != self.moe_layers[0] or not self.plan.last:
+            return None
+        self.fired = True
+        return self.plan.last[0][1]
+
+    def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
+        row = self._fault_row("combine", layer)
+        if row is not None:
+            y[row].zero_()
+        return y
+
+    def select(self, layer, p, index_dense: torch.Tensor, plan, topk: torch.Tensor) -> torch.Tensor:
+        if self.plant == "index" and self._may_fire():
+            topk = self._replace_best(layer, p, index_dense, plan, topk)
+        self.selected[layer.n] = topk
+        return topk
+
+    def _replace_best(self, layer, p, index_dense, plan, topk: torch.Tensor) -> torch.Tensor:
+        """The planted index fault: the query seeing the most keys has its best key replaced by its worst."""
+        ks, ke = plan.ks.cpu().long(), plan.ke.cpu().long()
+        i = int((ke - ks).argmax())
+        if int(ke[i] - ks[i]) <= topk.shape[1]:
+            return topk  # every key selected: nothing to replace (tried again next batch)
+        self.fired = True
+        s = index_scores(layer, p, index_dense, plan.ks, plan.ke, [i])[0]
+        sel = topk[i].long()
+        sel = sel[sel >= 0]
+        best = sel[s[sel].argmax()]
+        free = torch.ones_like(s, dtype=torch.bool)
+        free[sel] = False
+        free[: int(ks[i])] = False
+        free[int(ke[i]):] = False
+        worst = torch.where(free, s, torch.full_like(s, float("inf"))).argmin()
+        topk = topk.clone()
+        topk[i] = torch.where(topk[i] == best, worst.to(topk.dtype), topk[i])
+        return topk
+
+    def write_rows(self, n: int, kind: str, rows: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
+        """The rank's own KV rows of layer ``n`` into the compose runtime's current rows (``rows[at] = values``);
+        the planted page fault leaves the rank's first page of the batch unwritten (stale) in every layer."""
+        if self.stale:
+            skip = min(self.page_size, at.shape[0])
+            at, values = at[skip:], values[skip:]
+        rows.index_copy_(0, at, values)
+
+    def collect(self, plan, rids: Sequence[Hashable], batch: int) -> BatchDecisions:
+        """This batch's decisions copied to host memory behind its forward (call once it is launched)."""
+        t = plan.num_tokens
+        runs = tuple((rids[req], s, e, base) for req, (s, e, base) in zip(plan.reqs, plan.runs))
+        route = {n: _host(buf[:t]) for n, buf in self.route_buf.items()} if t else {}
+        return BatchDecisions(batch, runs, route, {n: _host(v) for n, v in self.selected.items()})
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of x, enqueued on the stream (pinned, non-blocking, on CUDA)."""
+    if x.device.type != "cuda":
+        return x.clone()
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)
+
+
+def index_scores(layer, p, index_dense: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+                 rows: Sequence[int]) -> torch.Tensor:
+    """The indexer's scores of query ``rows`` over every dense key -> float64 [len(rows), S], -inf outside each
+    row's [ks, ke): the fp8 path's formula (``cpkv.indexer.ref``) or the exact one (``cpkv.model.exact``)."""
+    r = torch.as_tensor(list(rows), dtype=torch.long, device=index_dense.device)
+    q, w = p.iq.index_select(0, r), p.iw.index_select(0, r)
+    if layer.exact:
+        from cpkv.model.exact import unpack_rows
+
+        k = unpack_rows(index_dense, layer.cfg.index_format).double()
+        dots = torch.einsum("thd,sd->ths", q.double(), k) * layer.cfg.index_head_dim ** -0.5
+        s = torch.einsum("th,ths->ts", w.double(), dots.relu_())
+    else:
+        from cpkv.indexer import dequantize_index_rows
+        from cpkv.indexer.ref import mqa_logits_ref
+
+        k, scale = dequantize_index_rows(index_dense)
+        s = mqa_logits_ref(q, k, scale, w, ks[r], ke[r], clean=False, dtype=torch.float64)
+    j = torch.arange(s.shape[1], device=s.device)[None, :]
+    visible = (j >= ks[r].long()[:, None]) & (j < ke[r].long()[:, None])
+    return s.masked_fill(~visible, float("-inf"))
+
+
+# -- the reference's side ------------------------------------------------------------------------------------
+@dataclass
+class DecisionCount:
+    """The decisions of one kind compared on the reference: how many, how many differed, the largest margin, how
+    many had a margin over the tolerance (unexplained), and (layer, position, margin) of the largest few."""
+
+    compared: int = 0
+    differed: int = 0
+    unexplained: int = 0
+    max_margin: float = 0.0
+    unforced: int = 0  # decisions the run did not record (the reference kept its own)
+    worst: list = field(default_factory=list)
+
+    def add(self, layer: int, pos: int, margin: float, tol: float) -> None:
+        self.differed += 1
+        self.unexplained += margin > tol
+        self.max_margin = max(self.max_margin, margin)
+        self.worst = sorted(self.worst + [(layer, pos, margin)], key=lambda x: -x[2])[:3]
+
+    def merge(self, other: "DecisionCount") -> None:
+        self.compared += other.compared
+        self.unforced += other.unforced
+        for layer, pos, m in other.worst:
+            self.worst = sorted(self.worst + [(layer, pos, m)], key=lambda x: -x[2])[:3]
+        self.differed += other.differed
+        self.unexplained += other.unexplained
+        self.max_margin = max(self.max_margin, other.max_margin)
+
+    def to_json(self, tol: float) -> dict[str, Any]:
+        return {"compared": self.compared, "differed": self.differed, "unexplained": self.unexplained,
+                "max_margin": round(self.max_margin, 6), "tolerance": tol, "unforced": self.unforced,
+                "largest": [{"layer": n, "position": p, "margin": round(m, 6)} for n, p, m in self.worst]}
+
+
+class Forced:
+    """The reference's tap for one request (module docstring): ``route`` {layer: int64 [L, k], -1 rows unknown},
+    ``select`` {layer: (int32 [L, topk] positions, bool [L] known)}; ``device``: "cpu" or "cuda" (tolerances)."""
+
+    def __init__(self, route: dict[int, np.ndarray], select: dict[int, tuple[np.ndarray, np.ndarray]],
+                 device: str) -> None:
+        self.route_rec, self.select_rec = route, select
+        self.route_tol, self.index_tol = ROUTE_MARGIN[device], INDEX_MARGIN[device]
+        self.counts = {"route": DecisionCount(), "index": DecisionCount()}
+
+    def route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = layer.cfg
+        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact)
+        own = pick_experts(choice, cfg)
+        rec = self.route_rec.get(layer.n)
+        count = self.counts["route"]
+        if rec is None:
+            count.unforced += own.shape[0]
+            return own, route_weights(scores, own, cfg)
+        run = torch.as_tensor(rec, device=own.device)
+        known = run[:, 0] >= 0
+        count.compared += int(known.sum())
+        count.unforced += int((~known).sum())
+        run = torch.where(known[:, None], run, own)
+        differ = (own.sort(-1).values != run.sort(-1).values).any(-1)
+        for t in differ.nonzero().flatten().tolist():
+            count.add(layer.n, t, route_margin(choice[t], own[t], run[t], cfg), self.route_tol)
+        return run, route_weights(scores, run, cfg)
+
+    def select(self, layer, p, index_dense: torch.Tensor, plan, topk: torch.Tensor) -> torch.Tensor:
+        rec = self.select_rec.get(layer.n)
+        count = self.counts["index"]
+        if rec is None:
+            count.unforced += topk.shape[0]
+            return topk
+        sel, known = (torch.as_tensor(a, device=topk.device) for a in rec)
+        count.compared += int(known.sum())
+        count.unforced += int((~known).sum())
+        run = torch.where(known[:, None], sel.to(topk.dtype), topk)
+        differ = (topk.sort(-1).values != run.sort(-1).values).any(-1)
+        rows = differ.nonzero().flatten().tolist()
+        if rows:
+            scores = index_scores(layer, p, index_dense, plan.ks, plan.ke, rows)
+            for i, t in enumerate(rows):
+                count.add(layer.n, t, index_margin(scores[i], topk[t], run[t]), self.index_tol)
+        return run
+
+    def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def summary(self) -> dict[str, DecisionCount]:
+        return self.counts
+
+
+def route_margin(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg) -> float:
+    """How far the reference's own routing scores (``choice`` float32 [E]) are from preferring the run's experts
+    ``run`` [k] to its own ``own`` [k]: max choice of an expert only it picked - min choice of one only the run
+    picked, among the groups both kept; with group-limited routing, the same over the groups' scores when the
+    groups differ. <= 0: no preference."""
+    margins = []
+    e_per = cfg.n_routed_experts // cfg.n_group
+    keep = torch.ones_like(choice, dtype=torch.bool)
+    if cfg.topk_group < cfg.n_group:
+        gs = group_scores(choice[None], cfg)[0]
+        mine = kept_groups(choice[None], cfg)[0]
+        theirs = torch.zeros_like(mine).scatter_(0, run // e_per, True)
+        if not torch.equal(mine, theirs):
+            margins.append(_gap(gs, mine & ~theirs, theirs & ~mine))
+        keep = (mine & theirs).repeat_interleave(e_per)
+    o = torch.zeros_like(keep).scatter_(0, own, True)
+    r = torch.zeros_like(keep).scatter_(0, run, True)
+    margins.append(_gap(choice, o & ~r & keep, r & ~o & keep))
+    return max(margins)
+
+
+def index_margin(scores: torch.Tensor, own: torch.Tensor, run: torch.Tensor) -> float:
+    """The indexer's: the same gap over the reference's scores (float64 [S], -inf where not visible) of the keys
+    only it picked and those only the run picked, relative to the largest |score| visible."""
+    n = scores.shape[0]
+    o = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    r = torch.zeros_like(o)
+    o[own[own >= 0].long()] = True
+    r[run[run >= 0].long()] = True
+    seen = torch.isfinite(scores)
+    scale = float(scores[seen].abs().max()) if bool(seen.any()) else 1.0
+    bad = bool((r & ~seen).any())  # the run picked a key the query cannot see
+    gap = float("inf") if bad else _gap(scores, o & ~r, r & ~o)
+    return gap / (scale or 1.0)
+
+
+def _gap(values: torch.Tensor, only_mine: torch.Tensor, only_theirs: torch.Tensor) -> float:
+    if not bool(only_mine.any()) or not bool(only_theirs.any()):
+        return 0.0
+    return max(0.0, float(values[only_mine].max() - values[only_theirs].min()))
