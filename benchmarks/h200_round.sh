@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|verify|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -25,6 +25,14 @@ if want tests; then  # in two steps: together they outran one limit of 400 s (20
         tests/compose/test_compose_gpu.py tests/kernels --ignore=tests/kernels/test_fp8_gemm_gpu.py  # group fp8 runs it
     step tests_attn 200 python3 -m pytest -q -p no:cacheprovider tests/attention/test_attention_gpu.py \
         tests/indexer/test_indexer_gpu.py tests/test_timeline.py  # 157 tests, 104 s on 2026-12-02
+fi
+if want verify; then  # issue 43: cpkv run's verification over GLM-5 and DeepSeek-V3.2 at 4 layers (models x weights x
+    # precisions x seeds at each cp, ranks sharing the GPU), then the planted faults on the GPU
+    for cp in ${VERIFY_CP:-1 2 4 8}; do
+        step verify_cp$cp ${VERIFY_LIMIT:-150} python3 -m cpkv check verify --device cuda --models glm5,deepseek-v32 \
+            --weights bf16,fp8 --precision fp8,exact --seeds ${VERIFY_SEEDS:-0,1} --cp $cp --json
+    done
+    step verify_tests 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_verify_gpu.py ${VERIFY_TESTS:-}
 fi
 if want graphs; then  # the CUDA graphs of small batches: their GPU tests, then a cached turn's 448 tokens with and without
     step graphs_tests 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_graphs_gpu.py

@@ -386,7 +386,7 @@ def test_fp8_checkpoint_runs_fp8_on_cuda_and_verifies(tmp_path):
     cfg = dataclasses.replace(preset("tiny"), hidden_size=512, q_lora_rank=512, kv_lora_rank=512,
                               intermediate_size=512, moe_intermediate_size=128, index_n_heads=8)
     save_checkpoint(tmp_path, cfg, random_weights(cfg, seed=5), fp8=True)
-    ecfg = EngineConfig(model=str(tmp_path), cp=2, device="cuda", page_size=64, pages_per_rank=64, chunk_size=512,
+    ecfg = EngineConfig(model=str(tmp_path), cp=2, record=True, device="cuda", page_size=64, pages_per_rank=64, chunk_size=512,
                         warmup=True)
     assert ecfg.weights_dtype == "fp8"
     trace = [TraceRequest("a", 0.0, 700), TraceRequest("b", 0.0, 300)]

@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 CHECKS: dict[str, tuple[str, str]] = {
     "compose": ("cpkv.bench.check_cmd", "every compose mode on real rank processes against a reference"),
+    "verify": ("cpkv.bench.verify_cmd", "cpkv run's verification over models, weights, precisions, cp and seeds"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "compose": ("cpkv.bench.compose_cmd", "compose modes per layer and the page gather against a device copy"),
