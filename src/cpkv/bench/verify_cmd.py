@@ -144,8 +144,10 @@ def _brief(r: dict[str, Any]) -> str:
     d = r["decisions"]
     return (f"{r['model']} {r['weights']} weights {r['precision']} cp {r['cp']} seed {r['seed']}: "
             f"{'ok' if r['ok'] else 'FAILED'}, diff {r['max_logit_diff']:.3g} <= {r['tolerance']:.3g}, experts "
-            f"{d['route']['differed']}/{d['route']['compared']} differ (margin {d['route']['max_margin']:.2g}), "
-            f"selections {d['index']['differed']}/{d['index']['compared']} ({d['index']['max_margin']:.2g}), "
+            f"{d['route']['differed']}/{d['route']['compared']} differ (margin {d['route']['max_margin']:.2g}, noise "
+            f"{d['route']['score_noise']:.2g}, {d['route']['unexplained']} unexplained), "
+            f"selections {d['index']['differed']}/{d['index']['compared']} ({d['index']['max_margin']:.2g}, "
+            f"{d['index']['unexplained']} unexplained), "
             f"{len(r['ties'])} ties, run {r['run_s']} s, verify {r['verify_s']} s")
 
 

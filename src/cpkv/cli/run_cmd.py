@@ -310,8 +310,9 @@ def decisions_line(report) -> str:
     parts = []
     for kind, name in (("route", "expert choices"), ("index", "indexer selections")):
         c = report.decisions[kind]
-        parts.append(f"{c.differed} of {c.compared} {name} differ (largest margin {c.max_margin:.3g}, "
-                     f"{c.unexplained} over {report.decision_tolerance[kind]:.3g})")
+        noise = f", score noise {c.noise:.2g}" if kind == "route" else ""
+        parts.append(f"{c.differed} of {c.compared} {name} differ (largest margin {c.max_margin:.2g}{noise}, "
+                     f"{c.unexplained} beyond rounding)")
     return "decisions, the reference under the run's own: " + "; ".join(parts)
 
 

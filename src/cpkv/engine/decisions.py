@@ -23,6 +23,7 @@ class _Own:
 
     batch: np.ndarray
     route: dict[int, np.ndarray] = field(default_factory=dict)    # int16 [L, k], -1 rows unknown
+    values: dict[int, np.ndarray] = field(default_factory=dict)   # float32 [L, k]: their choice values
     select: dict[int, np.ndarray] = field(default_factory=dict)   # int32 [L, topk]
     chosen: dict[int, np.ndarray] = field(default_factory=dict)   # bool [L]: the selection was recorded
 
@@ -47,14 +48,18 @@ class DecisionLog:
                 o.batch[s:e] = b.batch
                 for layer, a in b.route.items():
                     _rows(o.route, layer, len(o.batch), a.shape[1], np.int16)[s:e] = a[at: at + n]
+                for layer, a in b.route_values.items():
+                    _rows(o.values, layer, len(o.batch), a.shape[1], np.float32)[s:e] = a[at: at + n]
                 for layer, a in b.select.items():
                     _rows(o.select, layer, len(o.batch), a.shape[1], np.int32)[s:e] = a[at: at + n]
                     o.chosen.setdefault(layer, np.zeros(len(o.batch), bool))[s:e] = True
                 at += n
         return cls(own, tokens)
 
-    def for_request(self, rid: Hashable) -> tuple[dict[int, np.ndarray], dict[int, tuple[np.ndarray, np.ndarray]]]:
-        """(route {layer: int64 [L, k], -1 rows unknown}, select {layer: (int32 [L, topk], bool [L] known)}) of
+    def for_request(self, rid: Hashable) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]],
+                                                  dict[int, tuple[np.ndarray, np.ndarray]]]:
+        """(route {layer: (int64 [L, k], -1 rows unknown; float32 [L, k] their choice values)}, select {layer:
+        (int32 [L, topk], bool [L] known)}) of
         every position of ``rid``'s prompt: its own, then its cached prefix's from earlier requests."""
         toks = np.asarray(self.tokens[rid])
         length = len(toks)
@@ -62,6 +67,7 @@ class DecisionLog:
         first = int(mine.batch[mine.batch >= 0].min()) if mine is not None and (mine.batch >= 0).any() else 1 << 62
         src = np.full(length, -1, np.int64)        # the batch that computed each position (its source's)
         route: dict[int, np.ndarray] = {}
+        values: dict[int, np.ndarray] = {}
         select: dict[int, np.ndarray] = {}
         known: dict[int, np.ndarray] = {}
         for other_id, o in self.own.items():
@@ -77,11 +83,13 @@ class DecisionLog:
             src[idx] = b[idx]
             for layer, a in o.route.items():
                 _rows(route, layer, length, a.shape[1], np.int64)[idx] = a[idx]
+            for layer, a in o.values.items():
+                _rows(values, layer, length, a.shape[1], np.float32)[idx] = a[idx]
             for layer, a in o.select.items():
                 _rows(select, layer, length, a.shape[1], np.int32)[idx] = a[idx]
                 k = known.setdefault(layer, np.zeros(length, bool))
                 k[idx] = o.chosen[layer][idx]
-        return route, {n: (select[n], known[n]) for n in select}
+        return {n: (route[n], values[n]) for n in route}, {n: (select[n], known[n]) for n in select}
 
 
 def _rows(d: dict[int, np.ndarray], layer: int, length: int, width: int, dtype) -> np.ndarray:

@@ -307,8 +307,8 @@ def _check_request(report: VerifyReport, r: RequestResult, ref: torch.Tensor, fo
             report.decisions[kind].merge(count)
             entry[f"{kind}_differed"] = count.differed
             if count.unexplained:
-                unexplained.append(f"{count.unexplained} {kind} decision(s) differ beyond rounding (largest margin "
-                                   f"{count.max_margin:.3g} > {forced.route_tol if kind == 'route' else forced.index_tol:.3g}"
+                unexplained.append(f"{count.unexplained} {kind} decision(s) differ beyond rounding (margin "
+                                   f"{count.worst[0][2]:.3g} > {count.worst[0][3]:.3g} allowed"
                                    f", layer {count.worst[0][0]}, position {count.worst[0][1]})")
     ref_finite = bool(torch.isfinite(ref).all())
     if not (ref_finite and r.finite):  # rerun once, checking each layer, to say where it went non-finite

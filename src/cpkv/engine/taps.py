@@ -32,10 +32,10 @@ from cpkv.model.moe import group_scores, kept_groups, pick_experts, route_scores
 
 PLANTS = ("expert", "combine", "index", "page")
 
-# A differing decision is explained by rounding when its margin is at most this (docs/design.md, "Verification"):
-# the router's choice values (sigmoid scores + bias, in [0, 2)) absolutely; the indexer's scores relative to the
-# largest |score| the query sees.
-ROUTE_MARGIN = {"cpu": 2e-3, "cuda": 1e-2}
+# A differing decision is explained by rounding when its margin is at most (docs/design.md, "Verification"): for
+# the router's choice values (sigmoid scores + bias, in [0, 2)), twice the score noise measured in the layer plus
+# this floor; for the indexer's scores, this share of the largest |score| the query sees.
+ROUTE_MARGIN = {"cpu": 1e-4, "cuda": 1e-3}
 INDEX_MARGIN = {"cpu": 2e-2, "cuda": 5e-2}
 
 
@@ -54,6 +54,7 @@ class BatchDecisions:
     runs: tuple[tuple[Hashable, int, int, int], ...]
     route: dict[int, Any]
     select: dict[int, Any]
+    route_values: dict[int, Any] = field(default_factory=dict)  # {layer: float32 [T, k]}: the run's choice values
 
     def numpy(self) -> "BatchDecisions":
         """Plain numpy arrays (picklable), selections as positions in their request (dense row - first row)."""
@@ -64,7 +65,7 @@ class BatchDecisions:
             a = rows.numpy().astype(np.int64)
             select[n] = np.where(a >= 0, a - base[:, None], -1).astype(np.int32)
         return BatchDecisions(self.batch, self.runs, {n: r.numpy().astype(np.int16) for n, r in self.route.items()},
-                              select)
+                              select, {n: r.numpy() for n, r in self.route_values.items()})
 
 
 class Recorder:
@@ -78,6 +79,7 @@ class Recorder:
         self.max_tokens, self.page_size, self.rank, self.plant = max_tokens, page_size, rank, plant
         self.moe_layers = [n for n, kind in enumerate(self.cfg.mlp_layer_types) if kind == "sparse"]
         self.route_buf: dict[int, torch.Tensor] = {}  # fixed: the captured graphs write these addresses
+        self.score_buf: dict[int, torch.Tensor] = {}  # the choice values of those experts (float32)
         self.selected: dict[int, torch.Tensor] = {}
         self.plan: Any = None
         self.fired = False
@@ -107,6 +109,11 @@ class Recorder:
             buf = self.route_buf[layer.n] = torch.full((self.max_tokens, idx.shape[1]), -1, dtype=torch.int64,
                                                        device=idx.device)
         buf[: idx.shape[0]].copy_(idx)
+        vals = self.score_buf.get(layer.n)
+        if vals is None:
+            vals = self.score_buf[layer.n] = torch.zeros((self.max_tokens, idx.shape[1]), dtype=torch.float32,
+                                                         device=idx.device)
+        torch.gather(choice, 1, idx, out=vals[: idx.shape[0]])
         w = route_weights(scores, idx, self.cfg)
         row = self._fault_row("expert", layer)
         if row is not None:
@@ -165,7 +172,8 @@ class Recorder:
         t = plan.num_tokens
         runs = tuple((rids[req], s, e, base) for req, (s, e, base) in zip(plan.reqs, plan.runs))
         route = {n: _host(buf[:t]) for n, buf in self.route_buf.items()} if t else {}
-        return BatchDecisions(batch, runs, route, {n: _host(v) for n, v in self.selected.items()})
+        scores = {n: _host(buf[:t]) for n, buf in self.score_buf.items()} if t else {}
+        return BatchDecisions(batch, runs, route, {n: _host(v) for n, v in self.selected.items()}, scores)
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -209,36 +217,49 @@ class DecisionCount:
     differed: int = 0
     unexplained: int = 0
     max_margin: float = 0.0
+    max_allowed: float = 0.0  # the largest margin allowed to a differing decision
     unforced: int = 0  # decisions the run did not record (the reference kept its own)
+    noise: float = 0.0  # route: the largest |run's choice value - reference's| of the run's experts
     worst: list = field(default_factory=list)
 
     def add(self, layer: int, pos: int, margin: float, tol: float) -> None:
         self.differed += 1
         self.unexplained += margin > tol
         self.max_margin = max(self.max_margin, margin)
-        self.worst = sorted(self.worst + [(layer, pos, margin)], key=lambda x: -x[2])[:3]
+        self.max_allowed = max(self.max_allowed, tol)
+        self.worst = sorted(self.worst + [(layer, pos, margin, tol)], key=lambda x: -x[2] / x[3])[:3]
 
     def merge(self, other: "DecisionCount") -> None:
         self.compared += other.compared
         self.unforced += other.unforced
-        for layer, pos, m in other.worst:
-            self.worst = sorted(self.worst + [(layer, pos, m)], key=lambda x: -x[2])[:3]
+        self.noise = max(self.noise, other.noise)
+        self.max_allowed = max(self.max_allowed, other.max_allowed)
+        self.worst = sorted(self.worst + other.worst, key=lambda x: -x[2] / x[3])[:3]
         self.differed += other.differed
         self.unexplained += other.unexplained
         self.max_margin = max(self.max_margin, other.max_margin)
 
     def to_json(self, tol: float) -> dict[str, Any]:
+        """``tol``: the kind's floor (route) or relative tolerance (index)."""
         return {"compared": self.compared, "differed": self.differed, "unexplained": self.unexplained,
                 "max_margin": round(self.max_margin, 6), "tolerance": tol, "unforced": self.unforced,
-                "largest": [{"layer": n, "position": p, "margin": round(m, 6)} for n, p, m in self.worst]}
+                "score_noise": round(self.noise, 6), "largest_allowed": round(self.max_allowed, 6),
+                "closest": [{"layer": n, "position": p, "margin": round(m, 6), "allowed": round(a, 6)}
+                            for n, p, m, a in self.worst]}
 
 
 class Forced:
-    """The reference's tap for one request (module docstring): ``route`` {layer: int64 [L, k], -1 rows unknown},
-    ``select`` {layer: (int32 [L, topk] positions, bool [L] known)}; ``device``: "cpu" or "cuda" (tolerances)."""
+    """The reference's tap for one request (module docstring): ``route`` {layer: (int64 [L, k] expert ids, -1 rows
+    unknown; float32 [L, k] the run's choice values of them)}, ``select`` {layer: (int32 [L, topk] positions,
+    bool [L] known)}; ``device``: "cpu" or "cuda" (tolerances).
 
-    def __init__(self, route: dict[int, np.ndarray], select: dict[int, tuple[np.ndarray, np.ndarray]],
-                 device: str) -> None:
+    A differing expert choice is explained by rounding when its margin is at most twice the layer's score noise
+    (the largest |run's choice value - reference's| over the request's tokens and their chosen experts: both
+    scores of a flipped pair moved by at most that much) plus ROUTE_MARGIN's floor; a differing indexer
+    selection when its margin is at most INDEX_MARGIN of the query's largest |score|."""
+
+    def __init__(self, route: dict[int, tuple[np.ndarray, np.ndarray]],
+                 select: dict[int, tuple[np.ndarray, np.ndarray]], device: str) -> None:
         self.route_rec, self.select_rec = route, select
         self.route_tol, self.index_tol = ROUTE_MARGIN[device], INDEX_MARGIN[device]
         self.counts = {"route": DecisionCount(), "index": DecisionCount()}
@@ -252,14 +273,17 @@ class Forced:
         if rec is None:
             count.unforced += own.shape[0]
             return own, route_weights(scores, own, cfg)
-        run = torch.as_tensor(rec, device=own.device)
+        run, values = (torch.as_tensor(a, device=own.device) for a in rec)
         known = run[:, 0] >= 0
         count.compared += int(known.sum())
         count.unforced += int((~known).sum())
         run = torch.where(known[:, None], run, own)
+        moved = (values - choice.gather(1, run)).abs()[known]
+        noise = float(moved.max()) if moved.numel() else 0.0
+        count.noise = max(count.noise, noise)
         differ = (own.sort(-1).values != run.sort(-1).values).any(-1)
         for t in differ.nonzero().flatten().tolist():
-            count.add(layer.n, t, route_margin(choice[t], own[t], run[t], cfg), self.route_tol)
+            count.add(layer.n, t, route_margin(choice[t], own[t], run[t], cfg), 2 * noise + self.route_tol)
         return run, route_weights(scores, run, cfg)
 
     def select(self, layer, p, index_dense: torch.Tensor, plan, topk: torch.Tensor) -> torch.Tensor:
