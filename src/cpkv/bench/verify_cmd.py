@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_ints(0, 2**31 - 1), default=[0], help="comma-separated seeds (default 0)")
     p.add_argument("--num-layers", type=a.layers, default=4, help="layers of each model (default 4)")
     p.add_argument("--requests", type=a.trace_requests, default=12, help="requests of the built-in trace (default 12)")
+    p.add_argument("--long", type=a.bounded_int(0, 1 << 20), default=0, metavar="N",
+                   help="add a two-turn conversation of N and N + 512 tokens (its second turn hits the first's pages): "
+                        "prompts past the model's index top-k run sparse selection (GLM-5's top-k is 2048; default 0: "
+                        "none)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=a.timeout_s, default=1800.0, help="seconds before one cp's ranks are ended")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -77,28 +81,41 @@ def _names(text: str, flag: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def engine_config(case: Case, num_layers: int, device: str):
+def engine_config(case: Case, num_layers: int, device: str, pages: int = 256):
     from cpkv.engine.config import EngineConfig, default_graph_tokens
 
     return EngineConfig(model=case.model, seed=case.seed, num_layers=num_layers, cp=case.cp, device=device,
-                        precision=case.precision, weights=case.weights, record=True,
+                        precision=case.precision, weights=case.weights, record=True, pages_per_rank=pages,
                         graph_tokens=default_graph_tokens(device, None, case.precision))
 
 
-def run_matrix(cases: Sequence[Case], *, num_layers: int = 4, requests: int = 12, device: str = "cpu",
-               timeout_s: float = 1800.0, on_progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per case (module docstring), in ``cases``' order."""
+def make_trace(requests: int, long: int = 0) -> list:
+    """The built-in trace of ``requests`` requests, plus a two-turn conversation of ``long`` and ``long`` + 512
+    tokens when ``long`` > 0."""
     from cpkv.cli.traces import default_trace
-    from cpkv.engine.engine import run_jobs
+    from cpkv.scheduler.trace import TraceRequest
 
     trace = default_trace(requests)
+    if long:
+        trace += [TraceRequest("long.t0", 0.0, long), TraceRequest("long.t1", 0.0, long + 512, parent="long.t0")]
+    return trace
+
+
+def run_matrix(cases: Sequence[Case], *, num_layers: int = 4, requests: int = 12, device: str = "cpu",
+               timeout_s: float = 1800.0, on_progress: Callable[[str], None] | None = None,
+               long: int = 0) -> list[dict[str, Any]]:
+    """One row per case (module docstring), in ``cases``' order."""
+    from cpkv.engine.engine import run_jobs
+
+    trace = make_trace(requests, long)
     results: dict[Case, Any] = {}
     for cp in dict.fromkeys(c.cp for c in cases):
         todo = [c for c in cases if c.cp == cp]
         if on_progress:
             on_progress(f"cp {cp}: {len(todo)} runs")
         t0 = time.monotonic()
-        outs = run_jobs([(engine_config(c, num_layers, device), trace) for c in todo], timeout_s=timeout_s)
+        pages = max(256, 2 * (2 * long + 512) // (64 * cp) + 64)  # the long conversation's pages, twice, per rank
+        outs = run_jobs([(engine_config(c, num_layers, device, pages), trace) for c in todo], timeout_s=timeout_s)
         for c, res in zip(todo, outs):
             results[c] = (res, (time.monotonic() - t0) / len(todo))
     return _verify_all(cases, results, trace, num_layers, device, on_progress)
@@ -168,12 +185,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         rows = run_matrix(cases, num_layers=args.num_layers, requests=args.requests, device=args.device,
-                          timeout_s=args.timeout, on_progress=progress)
+                          timeout_s=args.timeout, on_progress=progress, long=args.long)
     finally:
         bar.close()
     ok = all(r["ok"] for r in rows)
     if args.json:
         emit_json({"ok": ok, "device": args.device, "num_layers": args.num_layers, "requests": args.requests,
+                   "long": args.long,
                    "runs": rows})
     else:
         show(rows)

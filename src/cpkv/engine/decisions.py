@@ -25,6 +25,7 @@ class _Own:
     route: dict[int, np.ndarray] = field(default_factory=dict)    # int16 [L, k], -1 rows unknown
     values: dict[int, np.ndarray] = field(default_factory=dict)   # float32 [L, k]: their choice values
     select: dict[int, np.ndarray] = field(default_factory=dict)   # int32 [L, topk]
+    svalues: dict[int, np.ndarray] = field(default_factory=dict)  # float32 [L, topk]: the run's scores of them
     chosen: dict[int, np.ndarray] = field(default_factory=dict)   # bool [L]: the selection was recorded
 
 
@@ -53,13 +54,15 @@ class DecisionLog:
                 for layer, a in b.select.items():
                     _rows(o.select, layer, len(o.batch), a.shape[1], np.int32)[s:e] = a[at: at + n]
                     o.chosen.setdefault(layer, np.zeros(len(o.batch), bool))[s:e] = True
+                for layer, a in b.select_values.items():
+                    _rows(o.svalues, layer, len(o.batch), a.shape[1], np.float32)[s:e] = a[at: at + n]
                 at += n
         return cls(own, tokens)
 
     def for_request(self, rid: Hashable) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]],
                                                   dict[int, tuple[np.ndarray, np.ndarray]]]:
         """(route {layer: (int64 [L, k], -1 rows unknown; float32 [L, k] their choice values)}, select {layer:
-        (int32 [L, topk], bool [L] known)}) of
+        (int32 [L, topk], float32 [L, topk] their scores, bool [L] known)}) of
         every position of ``rid``'s prompt: its own, then its cached prefix's from earlier requests."""
         toks = np.asarray(self.tokens[rid])
         length = len(toks)
@@ -68,6 +71,7 @@ class DecisionLog:
         src = np.full(length, -1, np.int64)        # the batch that computed each position (its source's)
         route: dict[int, np.ndarray] = {}
         values: dict[int, np.ndarray] = {}
+        svalues: dict[int, np.ndarray] = {}
         select: dict[int, np.ndarray] = {}
         known: dict[int, np.ndarray] = {}
         for other_id, o in self.own.items():
@@ -89,7 +93,10 @@ class DecisionLog:
                 _rows(select, layer, length, a.shape[1], np.int32)[idx] = a[idx]
                 k = known.setdefault(layer, np.zeros(length, bool))
                 k[idx] = o.chosen[layer][idx]
-        return {n: (route[n], values[n]) for n in route}, {n: (select[n], known[n]) for n in select}
+            for layer, a in o.svalues.items():
+                _rows(svalues, layer, length, a.shape[1], np.float32)[idx] = a[idx]
+        return ({n: (route[n], values[n]) for n in route},
+                {n: (select[n], svalues[n], known[n]) for n in select})
 
 
 def _rows(d: dict[int, np.ndarray], layer: int, length: int, width: int, dtype) -> np.ndarray:

@@ -32,11 +32,11 @@ from cpkv.model.moe import group_scores, kept_groups, pick_experts, route_scores
 
 PLANTS = ("expert", "combine", "index", "page")
 
-# A differing decision is explained by rounding when its margin is at most (docs/design.md, "Verification"): for
-# the router's choice values (sigmoid scores + bias, in [0, 2)), twice the score noise measured in the layer plus
-# this floor; for the indexer's scores, this share of the largest |score| the query sees.
+# A differing decision is explained by rounding when its margin is at most twice the score noise measured in its
+# layer (docs/design.md, "Verification") plus this floor: for the router's choice values (sigmoid scores + bias, in
+# [0, 2)) absolutely, for the indexer's scores relative to the largest |score| the query sees.
 ROUTE_MARGIN = {"cpu": 1e-4, "cuda": 1e-3}
-INDEX_MARGIN = {"cpu": 2e-2, "cuda": 5e-2}
+INDEX_MARGIN = {"cpu": 1e-4, "cuda": 1e-3}
 
 
 def _router(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +55,7 @@ class BatchDecisions:
     route: dict[int, Any]
     select: dict[int, Any]
     route_values: dict[int, Any] = field(default_factory=dict)  # {layer: float32 [T, k]}: the run's choice values
+    select_values: dict[int, Any] = field(default_factory=dict)  # {layer: float32 [T, topk]}: its keys' scores
 
     def numpy(self) -> "BatchDecisions":
         """Plain numpy arrays (picklable), selections as positions in their request (dense row - first row)."""
@@ -65,7 +66,8 @@ class BatchDecisions:
             a = rows.numpy().astype(np.int64)
             select[n] = np.where(a >= 0, a - base[:, None], -1).astype(np.int32)
         return BatchDecisions(self.batch, self.runs, {n: r.numpy().astype(np.int16) for n, r in self.route.items()},
-                              select, {n: r.numpy() for n, r in self.route_values.items()})
+                              select, {n: r.numpy() for n, r in self.route_values.items()},
+                              {n: r.numpy() for n, r in self.select_values.items()})
 
 
 class Recorder:
@@ -136,7 +138,8 @@ class Recorder:
     def select(self, layer, p, index_dense: torch.Tensor, plan, topk: torch.Tensor) -> torch.Tensor:
         if self.plant == "index" and self._may_fire():
             topk = self._replace_best(layer, p, index_dense, plan, topk)
-        self.selected[layer.n] = topk
+        rows = torch.arange(topk.shape[0], device=topk.device)
+        self.selected[layer.n] = (topk, scores_at(layer, p, index_dense, rows, topk))
         return topk
 
     def _replace_best(self, layer, p, index_dense, plan, topk: torch.Tensor) -> torch.Tensor:
@@ -173,7 +176,9 @@ class Recorder:
         runs = tuple((rids[req], s, e, base) for req, (s, e, base) in zip(plan.reqs, plan.runs))
         route = {n: _host(buf[:t]) for n, buf in self.route_buf.items()} if t else {}
         scores = {n: _host(buf[:t]) for n, buf in self.score_buf.items()} if t else {}
-        return BatchDecisions(batch, runs, route, {n: _host(v) for n, v in self.selected.items()}, scores)
+        select = {n: _host(v) for n, (v, _) in self.selected.items()}
+        values = {n: _host(v) for n, (_, v) in self.selected.items()}
+        return BatchDecisions(batch, runs, route, select, scores, values)
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -184,26 +189,50 @@ def _host(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x, non_blocking=True)
 
 
-def index_scores(layer, p, index_dense: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
-                 rows: Sequence[int]) -> torch.Tensor:
-    """The indexer's scores of query ``rows`` over every dense key -> float64 [len(rows), S], -inf outside each
-    row's [ks, ke): the fp8 path's formula (``cpkv.indexer.ref``) or the exact one (``cpkv.model.exact``)."""
-    r = torch.as_tensor(list(rows), dtype=torch.long, device=index_dense.device)
-    q, w = p.iq.index_select(0, r), p.iw.index_select(0, r)
+ROW_BLOCK_BYTES = 1 << 27  # bounds the gathered keys of ``scores_at``
+
+
+def _index_keys(layer, index_dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(keys [S, Di] as stored, their per-key scale float32 [S] or None, the dot's factor) of a full layer's dense
+    index rows: fp8 keys with scales (``cpkv.indexer.ref``'s formula), or exact keys times Di^-1/2."""
     if layer.exact:
         from cpkv.model.exact import unpack_rows
+        return unpack_rows(index_dense, layer.cfg.index_format), None, layer.cfg.index_head_dim ** -0.5
+    from cpkv.indexer import dequantize_index_rows
+    k, scale = dequantize_index_rows(index_dense)
+    return k, scale, 1.0
 
-        k = unpack_rows(index_dense, layer.cfg.index_format).double()
-        dots = torch.einsum("thd,sd->ths", q.double(), k) * layer.cfg.index_head_dim ** -0.5
-        s = torch.einsum("th,ths->ts", w.double(), dots.relu_())
-    else:
-        from cpkv.indexer import dequantize_index_rows
-        from cpkv.indexer.ref import mqa_logits_ref
 
-        k, scale = dequantize_index_rows(index_dense)
-        s = mqa_logits_ref(q, k, scale, w, ks[r], ke[r], clean=False, dtype=torch.float64)
-    j = torch.arange(s.shape[1], device=s.device)[None, :]
+def scores_at(layer, p, index_dense: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores of query ``rows`` int64 [t] at dense ``keys`` int [t, n] (-1: none) -> float32 [t, n]
+    (NaN where -1): sum_h w_h relu(q_h . k) (times the key's scale, fp8; Di^-1/2 inside, exact), float32 sums."""
+    k, scale, factor = _index_keys(layer, index_dense)
+    out = torch.full(keys.shape, float("nan"), dtype=torch.float32, device=keys.device)
+    step = max(1, ROW_BLOCK_BYTES // max(1, 4 * keys.shape[1] * k.shape[1]))
+    for r0 in range(0, rows.shape[0], step):
+        r, kk = rows[r0:r0 + step], keys[r0:r0 + step].long()
+        safe = kk.clamp(min=0)
+        dots = torch.einsum("thd,tnd->thn", layer_q(p, r), k[safe].float()) * factor
+        s = torch.einsum("th,thn->tn", p.iw.index_select(0, r).float(), dots.relu_())
+        if scale is not None:
+            s = s * scale[safe]
+        out[r0:r0 + step] = torch.where(kk >= 0, s, float("nan"))
+    return out
+
+
+def layer_q(p, rows: torch.Tensor) -> torch.Tensor:
+    return p.iq.index_select(0, rows).float()
+
+
+def index_scores(layer, p, index_dense: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
+                 rows: Sequence[int]) -> torch.Tensor:
+    """The indexer's scores of query ``rows`` over every dense key -> float32 [len(rows), S], -inf outside each
+    row's [ks, ke) (``scores_at`` over all keys)."""
+    r = torch.as_tensor(list(rows), dtype=torch.long, device=index_dense.device)
+    n = index_dense.shape[0]
+    j = torch.arange(n, device=r.device)[None, :]
     visible = (j >= ks[r].long()[:, None]) & (j < ke[r].long()[:, None])
+    s = scores_at(layer, p, index_dense, r, torch.where(visible, j, -1))
     return s.masked_fill(~visible, float("-inf"))
 
 
@@ -292,17 +321,26 @@ class Forced:
         if rec is None:
             count.unforced += topk.shape[0]
             return topk
-        sel, known = (torch.as_tensor(a, device=topk.device) for a in rec)
+        sel, values, known = (torch.as_tensor(a, device=topk.device) for a in rec)
         count.compared += int(known.sum())
         count.unforced += int((~known).sum())
         run = torch.where(known[:, None], sel.to(topk.dtype), topk)
+        rows = known.nonzero().flatten()
+        scale = _row_scale(layer, p, index_dense, plan, rows)
+        ref = scores_at(layer, p, index_dense, rows, run[rows])
+        moved = ((values[rows] - ref).abs().nan_to_num(0.0) / scale[:, None]).amax(-1) if rows.numel() else ref
+        noise = float(moved.max()) if moved.numel() else 0.0
+        count.noise = max(count.noise, noise)
         differ = (topk.sort(-1).values != run.sort(-1).values).any(-1)
-        rows = differ.nonzero().flatten().tolist()
-        if rows:
-            scores = index_scores(layer, p, index_dense, plan.ks, plan.ke, rows)
-            for i, t in enumerate(rows):
-                count.add(layer.n, t, index_margin(scores[i], topk[t], run[t]), self.index_tol)
+        diff_rows = differ.nonzero().flatten().tolist()
+        if diff_rows:
+            scores = index_scores(layer, p, index_dense, plan.ks, plan.ke, diff_rows)
+            for i, t in enumerate(diff_rows):
+                count.add(layer.n, t, index_margin(scores[i], topk[t], run[t]), 2 * noise + self.index_tol)
         return run
+
+    def route_noise(self) -> float:
+        return self.counts["route"].noise
 
     def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
         return y
@@ -330,6 +368,19 @@ def route_margin(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg
     r = torch.zeros_like(keep).scatter_(0, run, True)
     margins.append(_gap(choice, o & ~r & keep, r & ~o & keep))
     return max(margins)
+
+
+def _row_scale(layer, p, index_dense: torch.Tensor, plan, rows: torch.Tensor) -> torch.Tensor:
+    """Each query row's largest |score| over the keys it sees (float32 [len(rows)]; 1 where it is 0): the scale
+    of its selection margins and score noise."""
+    out = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+    step = max(1, ROW_BLOCK_BYTES // max(1, 4 * index_dense.shape[0] * max(1, layer.cfg.index_n_heads)))
+    for r0 in range(0, rows.shape[0], step):
+        r = rows[r0:r0 + step].tolist()
+        m = index_scores(layer, p, index_dense, plan.ks, plan.ke, r).abs()
+        m = torch.where(torch.isfinite(m), m, 0.0).amax(-1)
+        out[r0:r0 + step] = torch.where(m > 0, m, 1.0)
+    return out
 
 
 def index_margin(scores: torch.Tensor, own: torch.Tensor, run: torch.Tensor) -> float:
