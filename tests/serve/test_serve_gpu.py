@@ -39,3 +39,37 @@ def test_serve_on_cuda_equals_cpkv_run(tmp_path):
     first = {r["id"]: r["first_token"] for r in json.loads(run.stdout)["requests"]}
     for i, o in enumerate(outs):
         assert [first[f"p{i}.{k}"] for k in range(4)] == o
+
+
+def test_serve_generate_equals_cpkv_run_at_glm5_shapes(tmp_path):
+    """GLM-5's shapes (4 layers, cp 2: expert parallelism over two ranks on the GPU): /generate's greedy tokens equal
+    ``cpkv run``'s first tokens for the prompt plus the tokens so far (its verification passing), except where the
+    run's own top two logits tie within its verification tolerance (either side may then break the tie: at most
+    one such token is allowed, and it must be such a tie)."""
+    from safetensors.torch import load_file
+
+    geo = ["--page-size", "64", "--chunk-size", "512", "--pages-per-rank", "256", "--max-requests", "8",
+           "--num-layers", "4", "--cp", "2"]
+    s = Server("glm5", "--device", "cuda", *geo)
+    try:
+        prompts = [prompt(1, 300), prompt(2, 700)]
+        outs = [generate(s, p, 4)["output_ids"] for p in prompts]
+    finally:
+        s.proc.send_signal(2)
+        assert s.proc.wait(timeout=WAIT_S) == 0, s.stderr
+    trace, logits = tmp_path / "t.jsonl", tmp_path / "l.safetensors"
+    trace.write_text("".join(json.dumps({"id": f"p{i}.{k}", "arrival": 0, "tokens": p + o[:k]}) + "\n"
+                             for i, (p, o) in enumerate(zip(prompts, outs)) for k in range(4)))
+    run = subprocess.run([sys.executable, "-m", "cpkv", "run", "--model", "glm5", "--device", "cuda", "--trace",
+                          str(trace), "--json", "--logits-out", str(logits), *geo], env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    first = {r["id"]: r["first_token"] for r in report["requests"]}
+    tol = report["verify"]["tolerance"]
+    lg = load_file(str(logits))
+    differ = [(i, k) for i, o in enumerate(outs) for k in range(4) if first[f"p{i}.{k}"] != o[k]]
+    assert len(differ) <= 1, (differ, outs, first)
+    for i, k in differ:
+        top2 = lg[f"p{i}.{k}"].topk(2).values
+        assert float(top2[0] - top2[1]) <= tol, (i, k, top2, tol)

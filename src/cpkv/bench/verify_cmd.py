@@ -152,7 +152,8 @@ def _row(c: Case, res, rep, run_s: float, verify_s: float) -> dict[str, Any]:
     return {"model": c.model, "weights": c.weights, "precision": c.precision, "cp": c.cp, "seed": c.seed,
             "ok": rep.ok, "requests": rep.checked, "rejected": len(res.rejected),
             "max_logit_diff": rep.max_logit_diff, "tolerance": rep.tolerance, "tokens_equal": rep.tokens_equal,
-            "ties": d["ties"], "decisions": d["decisions"], "failures": rep.failures,
+            "ties": d["ties"], "numerics_floors": d["numerics_floors"], "decisions": d["decisions"],
+            "failures": rep.failures,
             "graph_tokens": res.cfg.graph_tokens, "run_s": round(run_s, 2), "verify_s": round(verify_s, 2)}
 
 
@@ -165,7 +166,9 @@ def _brief(r: dict[str, Any]) -> str:
             f"{d['route']['score_noise']:.2g}, {d['route']['unexplained']} unexplained), "
             f"selections {d['index']['differed']}/{d['index']['compared']} ({d['index']['max_margin']:.2g}, "
             f"{d['index']['unexplained']} unexplained), "
-            f"{len(r['ties'])} ties, run {r['run_s']} s, verify {r['verify_s']} s")
+            f"{len(r['ties'])} ties, {len(r['numerics_floors'])} past the tolerance within the numerics floor "
+            f"(largest floor {max([f['floor'] for f in r['numerics_floors']], default=0):.3g}), run {r['run_s']} s, "
+            f"verify {r['verify_s']} s")
 
 
 def run(args: argparse.Namespace) -> int:

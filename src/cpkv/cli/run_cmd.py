@@ -299,6 +299,9 @@ def show(result, report, args, times) -> None:
     for t in report.ties:
         print(f"  request {t['id']!r}: first token {t['run']} where the reference's is {t['reference']}, a tie "
               f"(its logit {t['gap']:.3g} below the reference's largest, within the tolerance)")
+    for f in report.floors:
+        print(f"  request {f['id']!r}: max |logit diff| {f['diff']:.3g} over the tolerance {f['tolerance']:.3g}, checked "
+              f"against it plus the numerics floor {f['floor']:.3g} (the reference's own spread at other row counts)")
     for f in report.failures:
         print(f"  request {f['id']!r} FAILED: {f.get('why')}")
 

@@ -154,6 +154,7 @@ class VerifyReport:
     decisions: dict[str, Any] = field(default_factory=dict)
     decision_tolerance: dict[str, float] = field(default_factory=dict)
     ties: list[dict[str, Any]] = field(default_factory=list)  # first tokens that differ within the tolerance
+    floors: list[dict[str, Any]] = field(default_factory=list)  # requests checked against tolerance + numerics floor
     requests: list[dict[str, Any]] = field(default_factory=list)  # per request: diff, tolerance, verdict, why
 
     @property
@@ -164,7 +165,7 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "tokens_equal": self.tokens_equal, "max_logit_diff": self.max_logit_diff,
                 "tolerance": self.tolerance, "worst_request": self.worst, "checked": self.checked,
-                "nonfinite": self.nonfinite, "ties": self.ties,
+                "nonfinite": self.nonfinite, "ties": self.ties, "numerics_floors": self.floors,
                 "decisions": {k: c.to_json(self.decision_tolerance[k]) for k, c in self.decisions.items()},
                 "requests": self.requests}
 
@@ -287,18 +288,30 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_
         report.decisions = {"route": DecisionCount(), "index": DecisionCount()}
         report.decision_tolerance = {"route": ROUTE_MARGIN[device], "index": INDEX_MARGIN[device]}
     for n, r in enumerate(result.requests, start=1):
-        forced = Forced(*log.for_request(r.id), device) if log is not None else None
-        ref = model.reference_prefill(tokens[r.id], tap=forced).cpu()
-        _check_request(report, r, ref, forced, model, tokens[r.id], atol, rtol)
+        def reference(cuts=(), rid=r.id):  # the request's reference under the run's decisions (chunked: ``cuts``)
+            tap = Forced(*log.for_request(rid), device) if log is not None else None
+            return model.reference_prefill(tokens[rid], tap=tap, cuts=cuts).cpu(), tap
+
+        ref, forced = reference()
+        _check_request(report, r, ref, forced, model, tokens[r.id], atol, rtol, reference)
         if on_request is not None:
             on_request(n)
     report.ok = all(x["ok"] for x in report.requests)
     return report
 
 
+def numerics_floor(ref: torch.Tensor, reference, n: int) -> float:
+    """How far the reference lands from itself when the same prompt runs at other row counts (cut in two, and
+    at a third: each GEMM then sees other shapes, so other kernels and summation orders), under the same
+    decisions: max |logit difference| -> the rounding a run's batches can show on their own."""
+    return max(float((reference(cuts=cut)[0] - ref).abs().max()) for cut in ((n // 2,), (n // 3, 2 * n // 3)))
+
+
 def _check_request(report: VerifyReport, r: RequestResult, ref: torch.Tensor, forced, model, tokens, atol: float,
-                   rtol: float) -> None:
-    """Compare one request's logits with its reference's ``ref``; its entry into ``report`` (module docstring)."""
+                   rtol: float, reference=None) -> None:
+    """Compare one request's logits with its reference's ``ref``; its entry into ``report`` (module docstring).
+    ``reference(cuts)``: the reference again, as chunks: a request whose logits miss the tolerance gets it added
+    the numerics floor, how far the reference at other row counts lands from itself (``numerics_floor``)."""
     entry: dict[str, Any] = {"id": r.id, "ok": True}
     report.requests.append(entry)
     unexplained = []
@@ -320,6 +333,13 @@ def _check_request(report: VerifyReport, r: RequestResult, ref: torch.Tensor, fo
         return
     diff = float((ref - r.logits).abs().max())
     tol = atol + rtol * float(ref.abs().max())
+    gap = float(ref.max() - ref[r.first_token])
+    if max(diff, gap) > tol and reference is not None and len(tokens) > 1:
+        floor = numerics_floor(ref, reference, len(tokens))
+        entry["numerics_floor"] = round(floor, 6)
+        report.floors.append({"id": r.id, "floor": round(floor, 6), "diff": round(diff, 6),
+                              "tolerance": round(tol, 6)})
+        tol += floor
     entry.update(diff=round(diff, 6), tolerance=round(tol, 6))
     if diff >= report.max_logit_diff:
         report.max_logit_diff, report.worst, report.tolerance = diff, r.id, tol
@@ -328,7 +348,6 @@ def _check_request(report: VerifyReport, r: RequestResult, ref: torch.Tensor, fo
         why.append(f"max |logit diff| {diff:.3g} > {tol:.3g}")
     if int(ref.argmax()) != r.first_token:
         report.tokens_equal = False
-        gap = float(ref.max() - ref[r.first_token])
         if gap <= tol:
             report.ties.append({"id": r.id, "run": r.first_token, "reference": int(ref.argmax()),
                                 "gap": round(gap, 6)})

@@ -292,6 +292,11 @@ class Forced:
         self.route_rec, self.select_rec = route, select
         self.route_tol, self.index_tol = ROUTE_MARGIN[device], INDEX_MARGIN[device]
         self.counts = {"route": DecisionCount(), "index": DecisionCount()}
+        self.rows = slice(None)  # the positions of the reference's current chunk
+
+    def window(self, start: int, end: int) -> None:
+        """The reference runs positions [start, end) now (a chunked reference)."""
+        self.rows = slice(start, end)
 
     def route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = layer.cfg
@@ -302,7 +307,7 @@ class Forced:
         if rec is None:
             count.unforced += own.shape[0]
             return own, route_weights(scores, own, cfg)
-        run, values = (torch.as_tensor(a, device=own.device) for a in rec)
+        run, values = (torch.as_tensor(a[self.rows], device=own.device) for a in rec)
         known = run[:, 0] >= 0
         count.compared += int(known.sum())
         count.unforced += int((~known).sum())
@@ -321,7 +326,7 @@ class Forced:
         if rec is None:
             count.unforced += topk.shape[0]
             return topk
-        sel, values, known = (torch.as_tensor(a, device=topk.device) for a in rec)
+        sel, values, known = (torch.as_tensor(a[self.rows], device=topk.device) for a in rec)
         count.compared += int(known.sum())
         count.unforced += int((~known).sum())
         run = torch.where(known[:, None], sel.to(topk.dtype), topk)

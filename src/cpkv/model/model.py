@@ -128,30 +128,43 @@ class DSAModel:
 
     def reference_prefill(self, tokens: Sequence[int],
                           after_layer: Callable[[int, torch.Tensor], None] | None = None,
-                          tap=None) -> torch.Tensor:
+                          tap=None, cuts: Sequence[int] = ()) -> torch.Tensor:
         """One request from scratch on one process -> float32 [vocab] logits of its last token.
-        ``after_layer(n, h)`` sees the hidden states [T, hidden] after layer n (n = -1: the embeddings).
-        ``tap``: the layers' decisions go through it for this call (``cpkv.engine.taps.Forced``: a verified run's
-        own decisions)."""
+        ``after_layer(n, h)`` sees the hidden states [T, hidden] after layer n (n = -1: the embeddings; the last
+        chunk's rows with ``cuts``). ``tap``: the layers' decisions go through it for this call
+        (``cpkv.engine.taps.Forced``: a verified run's own decisions; told each chunk's positions). ``cuts``: run
+        the prompt as chunks [0, c1), [c1, c2), ..., each over the KV rows of those before (the same function at
+        other row counts: the verification's numerics floor)."""
         if tap is not None:
             kept = self.tap
             self.set_tap(tap)
             try:
-                return self.reference_prefill(tokens, after_layer)
+                return self.reference_prefill(tokens, after_layer, cuts=cuts)
             finally:
                 self.set_tap(kept)
         n = len(tokens)
         ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
-        rot = self.rotary(torch.arange(n, device=self.device))
-        plan = AttnPlan.build([0] * n, list(range(1, n + 1)), self.cfg.index_topk, self.device)
-        h, delta, topk = self.embed(ids), None, None  # delta: the last layer's MLP output, not yet added
-        if after_layer is not None:
-            after_layer(-1, h)
-        for i, layer in enumerate(self.layers):
-            p = layer.project(h, rot, delta)
-            h, delta, topk = layer.attend_split(p.h, p, {"token": p.token, "index": p.index}, plan, topk)
-            if after_layer is not None:
-                after_layer(i, h + delta)
+        bounds = [0, *[c for c in cuts if 0 < c < n], n]
+        kept_rows: list[dict[str, torch.Tensor]] = [{} for _ in self.layers]  # the chunks' KV rows, per layer
+        for s, e in zip(bounds, bounds[1:]):
+            if self.tap is not None and hasattr(self.tap, "window"):
+                self.tap.window(s, e)
+            rot = self.rotary(torch.arange(s, e, device=self.device))
+            plan = AttnPlan.build([0] * (e - s), list(range(s + 1, e + 1)), self.cfg.index_topk, self.device)
+            h, delta, topk = self.embed(ids[s:e]), None, None  # delta: the last layer's MLP output, not yet added
+            if after_layer is not None and e == n:
+                after_layer(-1, h)
+            for i, layer in enumerate(self.layers):
+                p = layer.project(h, rot, delta)
+                dense = {}
+                for kind in ("token", "index"):
+                    rows = getattr(p, kind)
+                    if rows is not None:
+                        before = kept_rows[i].get(kind)
+                        dense[kind] = kept_rows[i][kind] = rows if before is None else torch.cat((before, rows))
+                h, delta, topk = layer.attend_split(p.h, p, dense, plan, topk)
+                if after_layer is not None and e == n:
+                    after_layer(i, h + delta)
         return self.logits(h[-1:], None if delta is None else delta[-1:])[0]
 
 
