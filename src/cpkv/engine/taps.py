@@ -358,7 +358,8 @@ def route_margin(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg
     """How far the reference's own routing scores (``choice`` float32 [E]) are from preferring the run's experts
     ``run`` [k] to its own ``own`` [k]: max choice of an expert only it picked - min choice of one only the run
     picked, among the groups both kept; with group-limited routing, the same over the groups' scores when the
-    groups differ. <= 0: no preference."""
+    groups differ, halved (a group's score is the sum of two choice values, so rounding moves it twice as far):
+    the margin compares with twice the choice values' noise either way. <= 0: no preference."""
     margins = []
     e_per = cfg.n_routed_experts // cfg.n_group
     keep = torch.ones_like(choice, dtype=torch.bool)
@@ -366,8 +367,8 @@ def route_margin(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg
         gs = group_scores(choice[None], cfg)[0]
         mine = kept_groups(choice[None], cfg)[0]
         theirs = torch.zeros_like(mine).scatter_(0, run // e_per, True)
-        if not torch.equal(mine, theirs):
-            margins.append(_gap(gs, mine & ~theirs, theirs & ~mine))
+        if not torch.equal(mine, theirs):  # a group's score sums two choice values: twice their noise, halved here
+            margins.append(_gap(gs, mine & ~theirs, theirs & ~mine) / 2)
         keep = (mine & theirs).repeat_interleave(e_per)
     o = torch.zeros_like(keep).scatter_(0, own, True)
     r = torch.zeros_like(keep).scatter_(0, run, True)
