@@ -528,6 +528,7 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
         if key not in models:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
+            _release_device_memory(ctx.device)  # the last model's blocks back before the next one is made
             models[key] = rank_model(ctx, cfg)
             if any(c.record or c.plant for c, _ in jobs):  # before any graph is captured
                 from cpkv.engine.taps import Recorder
@@ -543,6 +544,16 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
                 layer.stats.update(dense=0, sparse=0)
         outputs.append(_run_once(ctx, cfg, model, trace))
     return outputs
+
+
+def _release_device_memory(device: torch.device) -> None:
+    """Free what the last model left (its graphs' pools, the allocator's cached blocks): ranks sharing one GPU each
+    hold a model, and the next model's load must not wait behind the last one's cached memory."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def share_cores(ctx: RankContext) -> None:
