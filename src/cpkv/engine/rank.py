@@ -575,10 +575,15 @@ def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
     as ``cfg.weights_dtype`` says."""
     ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
     share_cores(ctx)  # the load's CPU work (checkpoint reads, dequantisation) on the rank's share of the cores
-    model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                       precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
-    if ctx.device.type == "cuda":
-        torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
+    turns = ctx.world_size if ctx.shared_device and ctx.device.type == "cuda" else 1
+    for turn in range(turns):  # ranks sharing one GPU load one at a time: their load transients (a float32 draw
+        if turn == ctx.rank % turns:  # of the LM head, dense weights before quantisation) never pile up
+            model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                               precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
+        if turns > 1:
+            ctx.barrier()
     batch_threads(ctx.device)
     return model
 
