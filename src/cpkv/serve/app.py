@@ -286,11 +286,7 @@ def _with_usage(chunk: dict[str, Any], g: GenRequest, out: Outcome) -> dict[str,
 
 
 def _error_headers(status: int) -> dict[str, str] | None:
-    if status in (429, 503):
-        return {"Retry-After": "1"}
-    if status in (408, 413):  # the body was not read to its end: this connection cannot carry another request
-        return {"Connection": "close"}
-    return None
+    return {"Retry-After": "1"} if status in (429, 503) else None
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -11,8 +11,9 @@ rest, end every rank, exit 0 (a second signal stops at once). A rank that dies f
 Exposure: only the HTTP socket listens where ``--host`` says (the ranks' own sockets are on loopback:
 ``cpkv.dist.launch``); ``--api-key`` (or ``CPKV_API_KEY``) guards every path but /health and /metrics, and a
 non-loopback ``--host`` without a key is a warning line. Slow clients are cut off: ``--header-timeout`` for a
-request's headers (the connection is closed), ``--body-timeout`` for its body (408), ``KEEP_ALIVE_S`` idle
-between requests; ``--max-body-mb`` bounds a body (413).
+request's headers (the connection is closed), ``--body-timeout`` for its body (408; or, for the rest of a
+body already answered, the connection is closed), ``KEEP_ALIVE_S`` idle between requests; ``--max-body-mb``
+bounds a body (413).
 """
 from __future__ import annotations
 
@@ -192,7 +193,7 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
 
     from cpkv.engine.client import EngineClient
     from cpkv.serve.app import ServeState, build_app
-    from cpkv.serve.conn import header_timeout_protocol
+    from cpkv.serve.conn import deadline_protocol
     from cpkv.serve.frontend import Frontend
     from cpkv.serve.metrics import Metrics
     from cpkv.serve.tokenizer import load_tokenizer
@@ -217,7 +218,7 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         app = build_app(ServeState(fe, tok, name, max_body, args.body_timeout, args.api_key))
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S,
-                                http=header_timeout_protocol(args.header_timeout))
+                                http=deadline_protocol(args.header_timeout, args.body_timeout))
         server = _make_server(config, fe, args.shutdown_timeout)
         hooks.server = server
         host, port = sock.getsockname()[:2]

@@ -1,54 +1,75 @@
-"""The HTTP connection: uvicorn's h11 protocol with a deadline for a request's headers.
+"""The HTTP connection: uvicorn's h11 protocol with deadlines for the parts uvicorn leaves unbounded.
 
 uvicorn closes a keep-alive connection that stays idle between requests (``timeout_keep_alive``), but a client
-that connects, or sends part of its headers, and then goes quiet would hold its connection forever. Here a
-timer runs from the connection's start, and again after each answer, until a request's headers are complete
-(h11's view of the client leaves ``IDLE``); when it fires first, the connection is closed.
+that connects, or sends part of its headers, and then goes quiet would hold its connection forever; so would
+one still sending a body the server has already answered (a 413: uvicorn reads and drops the rest, so that the
+client, still writing, gets to read the answer instead of a reset). Here one timer per connection runs
+
+    headers   from the connection's start, and from each answer, until a request's headers are complete
+              (h11's view of the client leaves IDLE): ``header_timeout_s``
+    drain     from an answer sent before its request's body ended, until that body ends: ``body_timeout_s``
+
+and closes the connection when it fires first. Reading a body the app asked for is the app's deadline
+(``cpkv.serve.app.read_body``).
 """
 from __future__ import annotations
 
-import asyncio
 
-
-def header_timeout_protocol(timeout_s: float) -> type:
-    """An ``asyncio.Protocol`` class for ``uvicorn.Config(http=...)``: h11 with a ``timeout_s`` header deadline."""
+def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type:
+    """An ``asyncio.Protocol`` class for ``uvicorn.Config(http=...)``: h11 with the deadlines above."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderTimeoutProtocol(H11Protocol):
-        header_timer: asyncio.TimerHandle | None = None
+    limits = {"headers": header_timeout_s, "drain": body_timeout_s}
+
+    class DeadlineProtocol(H11Protocol):
+        deadline = None  # (kind, asyncio.TimerHandle) while one runs
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm()
+            self._watch()
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.conn.their_state is not h11.IDLE:  # a request's headers are in
-                self._disarm()
+            self._watch()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()  # waiting for the next request's headers
+            self._watch()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
+        def _kind(self) -> str | None:
+            """The deadline the connection's state calls for (None: a request is being read or answered)."""
+            if self.transport.is_closing():
+                return None
+            theirs = self.conn.their_state
+            if theirs is h11.IDLE:
+                return "headers"
+            if theirs is h11.SEND_BODY and self.conn.our_state is h11.DONE:
+                return "drain"
+            return None
+
+        def _watch(self) -> None:
+            """Start the deadline the state calls for; one already running for that state keeps its start (more
+            bytes of the same headers do not push it back)."""
+            kind = self._kind()
+            if self.deadline is not None and self.deadline[0] == kind:
+                return
             self._disarm()
-            self.header_timer = self.loop.call_later(timeout_s, self._headers_late)
+            if kind is not None:
+                self.deadline = (kind, self.loop.call_later(limits[kind], self._late, kind))
 
         def _disarm(self) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-                self.header_timer = None
+            if self.deadline is not None:
+                self.deadline[1].cancel()
+                self.deadline = None
 
-        def _headers_late(self) -> None:
-            self.header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        def _late(self, kind: str) -> None:
+            self.deadline = None
+            if self._kind() == kind:
                 self.transport.close()
 
-    HeaderTimeoutProtocol.timeout_s = timeout_s  # type: ignore[attr-defined]
-    return HeaderTimeoutProtocol
+    return DeadlineProtocol
