@@ -316,7 +316,8 @@ def test_slow_clients_are_cut_off_and_fast_ones_are_not():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()  # connections wait in the backlog until the server runs: no race with its start
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=deadline_protocol(0.3, 0.3))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=deadline_protocol(0.3, 0.3),
+                            timeout_keep_alive=1000)  # only the deadlines under test close a connection
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
