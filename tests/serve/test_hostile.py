@@ -390,3 +390,16 @@ def test_the_api_key_flag_and_variable(monkeypatch):
     assert build_parser(["serve"]).parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
     monkeypatch.setenv("CPKV_API_KEY", "has space")
     assert main(["serve", "--port", "0"]) == 2
+
+
+def test_cpkv_env_never_shows_the_key(monkeypatch, capsys):
+    from cpkv.cli import main
+
+    monkeypatch.setenv("CPKV_API_KEY", "topsecret-1")
+    assert main(["env", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["CPKV_API_KEY"]["value"] == "(set, hidden)" and rows["CPKV_API_KEY"]["valid"]
+    monkeypatch.setenv("CPKV_API_KEY", "topsecret 2")
+    assert main(["env"]) == 2
+    out = capsys.readouterr()
+    assert "topsecret" not in out.out + out.err and "CPKV_API_KEY=(hidden)" in out.err
