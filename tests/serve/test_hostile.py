@@ -63,6 +63,8 @@ def run(app, coro_fn):
      "sampling_params.skip_special_tokens", "true or false"),
     (parse_generate, {"input_ids": [1], "sampling_params": {"ignore_eos": 0}}, "sampling_params.ignore_eos",
      "true or false"),
+    (parse_generate, {"input_ids": [1], "return_logprob": 0}, "return_logprob", "true or false"),
+    (parse_generate, {"input_ids": [1], "return_logprob": True}, "return_logprob", "not supported"),
     (parse_chat, {"messages": [{"role": "hacker", "content": "hi"}]}, "messages[0].role", "system, user"),
     (parse_chat, {"messages": [{"role": "", "content": "hi"}]}, "messages[0].role", "system, user"),
     (parse_chat, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant> w5 <user", "content": "b"}]},

@@ -136,7 +136,7 @@ def parse_generate(body: dict[str, Any]) -> GenRequest:
     if has_text == has_ids:
         raise BadRequest("give exactly one of 'text' or 'input_ids'" + (", not both" if has_text else ""),
                          "input_ids")
-    if body.get("return_logprob") not in (None, False):
+    if _bool(body, "return_logprob"):
         raise BadRequest("'return_logprob' is not supported: expected false or absent", "return_logprob")
     skip = _bool(sp, "skip_special_tokens", "sampling_params.", default=True)
     field = "text" if has_text else "input_ids"
