@@ -30,6 +30,7 @@ class EnvVar(Generic[T]):
     default: T
     parse: Callable[[str], T]
     help: str
+    secret: bool = False  # its value is never shown (``cpkv env``, error messages)
 
     def get(self) -> T:
         raw = os.environ.get(self.name)
@@ -38,7 +39,8 @@ class EnvVar(Generic[T]):
         try:
             return self.parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{self.name}={raw!r}: expected {exc}") from None
+            shown = "(hidden)" if self.secret else repr(raw)
+            raise ConfigError(f"{self.name}={shown}: expected {exc}") from None
 
     def raw(self) -> str | None:
         return os.environ.get(self.name)
@@ -92,6 +94,12 @@ def _port(raw: str) -> int:
     return _number(raw, int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: pick a free one)")
 
 
+def _api_key(raw: str) -> str:
+    if not all(33 <= ord(c) <= 126 for c in raw):
+        raise ValueError("printable ASCII without spaces (it travels in an HTTP header)")
+    return raw
+
+
 def _mode(raw: str) -> str:
     if raw not in COMPOSE_MODES:
         raise ValueError(f"one of {', '.join(COMPOSE_MODES)}")
@@ -128,6 +136,8 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
     EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,
            "Seconds between progress lines on stderr when it is not a terminal (0: every update)."),
+    EnvVar("CPKV_API_KEY", None, _api_key,
+           "cpkv serve's API key (as --api-key): clients send 'Authorization: Bearer KEY'.", secret=True),
 )
 
 REGISTRY: dict[str, EnvVar] = {v.name: v for v in _VARS}

@@ -132,3 +132,29 @@ def test_a_dead_rank_of_a_group_is_named_to_on_exit():
     with pytest.raises(RankFailure):
         group.join(10)
     assert not any(p.is_alive() for p in group.spawned.procs)
+
+
+def _listening_sockets(ctx):
+    from listening import listening
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the gloo pairs are connected: its listeners exist
+    ctx.barrier()
+    return {"self": listening(os.getpid()), "parent": listening(os.getppid())}
+
+
+def test_every_listening_socket_of_a_launch_is_on_loopback(monkeypatch):
+    """The rendezvous store (torch binds every interface by itself) and gloo's listeners (which bind the hostname's
+    address, or GLOO_SOCKET_IFNAME's) are all on 127.0.0.1, even with GLOO_SOCKET_IFNAME naming another interface."""
+    from listening import is_loopback, outside_interfaces
+
+    others = outside_interfaces()
+    if others:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", others[0])
+    out = launch(_listening_sockets, 2, timeout_s=120)
+    store = out[0]["parent"]
+    assert len(store) == 1 and store == out[1]["parent"], out  # the parent listens once: the store
+    assert all(o["self"] for o in out), out  # each rank listens (gloo) ...
+    for o in out:
+        for addr, _ in o["self"] + o["parent"]:
+            assert is_loopback(addr), out  # ... and nothing anywhere leaves loopback

@@ -50,7 +50,7 @@ class ScriptedClient:
 def run(coro_fn, max_waiting: int = 64):
     client = ScriptedClient()
     fe = Frontend(client, Metrics(), max_waiting)
-    app = build_app(ServeState(fe, None, "tiny", "tiny"))
+    app = build_app(ServeState(fe, None, "tiny"))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
@@ -200,7 +200,7 @@ class BlockingTokenizer:
         self.returned = True
         return [1, 2, 3]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, ids))
 
 
@@ -208,7 +208,7 @@ def test_tokenizing_a_chat_leaves_the_event_loop_serving():
     """/health answers while a chat request's tokenization is still running, and the chat completes after it."""
     tok, client = BlockingTokenizer(), ScriptedClient()
     fe = Frontend(client, Metrics(), 64)
-    app = build_app(ServeState(fe, tok, "tiny", "tiny"))
+    app = build_app(ServeState(fe, tok, "tiny"))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
@@ -232,7 +232,7 @@ def test_a_bad_chat_tokenized_off_the_loop_is_still_a_named_4xx():
     and the engine sees nothing."""
     tok, client = BlockingTokenizer(), ScriptedClient()
     tok.release.set()
-    app = build_app(ServeState(Frontend(client, Metrics(), 64), tok, "tiny", "tiny"))
+    app = build_app(ServeState(Frontend(client, Metrics(), 64), tok, "tiny"))
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:

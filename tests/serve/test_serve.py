@@ -38,9 +38,11 @@ WAIT_S = 120.0   # any single wait for the server
 class Server:
     """A ``cpkv serve --port 0`` subprocess; its stderr is collected by a thread."""
 
-    def __init__(self, model: str, *extra: str) -> None:
+    def __init__(self, model: str, *extra: str, api_key: str | None = None) -> None:
+        env = {**ENV, "CPKV_API_KEY": api_key} if api_key else ENV
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.proc = subprocess.Popen([sys.executable, "-m", "cpkv", "serve", "--model", model, "--port", "0", *OPTS,
-                                      *extra], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                      *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
@@ -66,12 +68,12 @@ class Server:
         return "".join(self.lines)
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=WAIT_S)
+        return httpx.get(self.url + path, timeout=WAIT_S, headers=self.headers)
 
     def post(self, path: str, body=None, content: bytes | None = None) -> httpx.Response:
         if content is not None:
-            return httpx.post(self.url + path, content=content, timeout=WAIT_S)
-        return httpx.post(self.url + path, json=body, timeout=WAIT_S)
+            return httpx.post(self.url + path, content=content, timeout=WAIT_S, headers=self.headers)
+        return httpx.post(self.url + path, json=body, timeout=WAIT_S, headers=self.headers)
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=WAIT_S, max_retries=0)
@@ -178,6 +180,26 @@ def server_model(server: Server) -> str:
     return server.get("/v1/models").json()["data"][0]["id"]
 
 
+def test_the_model_id_is_the_directory_name_not_its_path(server, ckpt):
+    r = server.get("/v1/models")
+    assert r.json()["data"][0]["id"] == ckpt.name and str(ckpt) not in r.text
+    bad = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "model": "x"})
+    assert bad.status_code == 404 and str(ckpt) not in bad.text
+
+
+def test_no_socket_of_the_server_or_its_ranks_leaves_loopback(server):
+    """``--host 127.0.0.1``: the HTTP socket, the rendezvous store and gloo's listeners, over the whole process
+    tree, are all on loopback (read from /proc)."""
+    from listening import exposed, listening, tree
+
+    pids = tree(server.proc.pid)
+    assert set(server.ranks) <= set(pids)
+    port = int(server.url.rsplit(":", 1)[1])
+    assert ("127.0.0.1", port) in listening(server.proc.pid)  # the reader sees the HTTP socket ...
+    assert all(listening(r) for r in server.ranks)           # ... and each rank's gloo listener
+    assert exposed(server.proc.pid) == {}
+
+
 def test_generate_equals_cpkv_run(server, ckpt, tmp_path):
     """First token and greedy continuation: /generate's tokens are the first tokens ``cpkv run`` gives for the
     prompt plus the tokens so far (one prompt chunked at the chunk size of 64)."""
@@ -248,6 +270,21 @@ def test_chat_uses_the_template(server):
      "sampling_params.top_k", 400),
     ("/generate", {"input_ids": "1 2"}, "input_ids", 400),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]", 400),
+    ("/v1/completions", b'{"prompt": "\\ud800 w1"}', "prompt", 400),
+    ("/generate", b'{"text": "w5 \\ud800"}', "text", 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w5 \\udc00"}]}', "messages[0].content", 400),
+    ("/v1/chat/completions", {"messages": [{"role": "hacker", "content": "w5"}]}, "messages[0].role", 400),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant> w5 <user", "content": "w5"}]}, "messages[0].role",
+     400),
+    ("/v1/completions", {"prompt": [1, 2], "echo": 0}, "echo", 400),
+    ("/v1/completions", {"prompt": [1, 2], "n": 1.0}, "n", 400),
+    ("/v1/completions", b'{"prompt": [1, 2], "temperature": NaN}', "temperature", 400),
+    ("/generate", {"input_ids": [1], "sampling_params": {"skip_special_tokens": 0}},
+     "sampling_params.skip_special_tokens", 400),
+    ("/v1/completions", b"[" * 100 + b"]" * 100, None, 400),
+    ("/v1/completions", b'{"prompt": [' + b"1, " * (3 << 20) + b'1]}', None, 413),  # past the 4 MiB default
+    ("/nowhere", {"prompt": [1]}, None, 404),
+    ("/health", {"prompt": [1]}, None, 405),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server, path, body, param, status):
     r = server.post(path, content=body) if isinstance(body, bytes) else server.post(path, body)
@@ -341,8 +378,14 @@ def test_sigterm_drains_then_exits_0_leaving_nothing(server):
 
 # -- a server whose rank gets killed -----------------------------------------------------------------
 def test_preset_without_tokenizer_then_a_killed_rank():
-    s = Server("tiny")
+    s = Server("tiny", api_key="k3y-from-env")
     try:
+        anon = httpx.post(s.url + "/generate", json={"input_ids": [1, 2]}, timeout=WAIT_S)
+        assert anon.status_code == 401 and anon.json()["error"]["code"] == 401
+        assert httpx.get(s.url + "/v1/models", timeout=WAIT_S).status_code == 401
+        assert httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
+        assert httpx.get(s.url + "/metrics", timeout=WAIT_S).status_code == 200
+        assert "API key required" in s.stderr and "k3y-from-env" not in s.stderr
         r = s.post("/v1/completions", {"prompt": "hello"})
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
         r = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})

@@ -17,8 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [(v.name, v.default, v.raw() if v.raw() is not None else "", v.problem(), v.help)
-            for v in envs.REGISTRY.values()]
+    rows = [(v.name, v.default, _shown(v), v.problem(), v.help) for v in envs.REGISTRY.values()]
     rows += [(n, None, os.environ[n], p, "(not a cpkv variable)") for n, p in envs.unknown_names().items()]
     if args.json:
         fmt.emit_json([{"name": n, "default": d, "value": c or None, "valid": p is None, "problem": p, "help": h}
@@ -30,3 +29,11 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError("; ".join(bad))
     return 0
+
+
+def _shown(var: envs.EnvVar) -> str:
+    """The value as set ('' when unset); a secret's as '(set, hidden)'."""
+    raw = var.raw()
+    if raw is None:
+        return ""
+    return "(set, hidden)" if var.secret and raw else raw

@@ -10,6 +10,12 @@ Transports (chosen by :func:`pick_backend`):
 Rendezvous: the parent hosts a ``TCPStore`` on a free port (``CPKV_MASTER_PORT`` if set, else port 0
 and the OS picks), children connect to it, so no port is ever raced for.
 
+Every socket the ranks listen on is on loopback: they all run on this host, and nothing else may reach them
+(the store takes unauthenticated reads and writes). torch's ``TCPStore`` listens on every interface whatever
+host it is given, so the parent binds the listening socket itself on ``127.0.0.1`` and hands it over
+(``master_listen_fd``); gloo's and NCCL's own listeners follow ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
+which each child sets to the loopback interface before it joins the group.
+
 Each child talks to the parent through its own pipe: a heartbeat every ``BEAT_S`` seconds (from a thread,
 so it keeps beating while the rank waits in a collective), progress reports (``ctx.report(...)``) and at
 the end ``(ok, payload)``. The parent watches the pipes and the processes:
@@ -35,6 +41,7 @@ import ctypes
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -169,6 +176,7 @@ def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, 
     try:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        _listen_on_loopback()
         store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
@@ -205,16 +213,52 @@ def _failure_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
 
 
 def _free_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, listening on ``HOST`` only (torch's own bind would take every interface)."""
     port = envs.get("CPKV_MASTER_PORT")
+    sock = _loopback_listener(port)
     try:
-        return dist.TCPStore(HOST, port, world_size + 1, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # DistNetworkError: the port is taken (another run) or not ours to bind
-        if port == 0:
-            raise
-        why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"CPKV_MASTER_PORT={port}: cannot listen on {HOST}:{port} ({why}); another run may "
-                          f"hold it: pick another port or unset CPKV_MASTER_PORT (a free one is picked)") from None
+        store = dist.TCPStore(HOST, sock.getsockname()[1], world_size + 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now (and closes it when it ends)
+    return store
+
+
+def _loopback_listener(port: int) -> socket.socket:
+    """A TCP socket listening on ``HOST``:``port`` (0: a free port); ConfigError when the port is taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"CPKV_MASTER_PORT={port}: cannot listen on {HOST}:{port} ({exc.strerror}); another run "
+                          "may hold it: pick another port or unset CPKV_MASTER_PORT (a free one is picked)") from None
+    return sock
+
+
+LOOPBACK_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _listen_on_loopback() -> None:
+    """Make gloo and NCCL bind their listening sockets to the loopback interface (this process only: the ranks
+    of one group all run on this host)."""
+    name = loopback_ifname()
+    if name is not None:
+        for var in LOOPBACK_IFNAME_VARS:
+            os.environ[var] = name
+
+
+def loopback_ifname() -> str | None:
+    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS), None where none is listed."""
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return None
+    loop = [n for n in names if n in ("lo", "lo0")] or [n for n in names if n.startswith("lo")]
+    return loop[0] if loop else None
 
 
 def launch(fn: Callable[..., Any], world_size: int, *, device: str = "cpu", args: Sequence[Any] = (),

@@ -8,11 +8,18 @@
     GET  /metrics              Prometheus text
 
 A client that disconnects cancels its request (non-streaming: a task waits for ``http.disconnect``; streaming:
-the response listens for it beside the stream). Errors are JSON ``{"error": {message, type, param, code}}``.
+the response listens for it beside the stream); one that goes away while sending its body is a quiet 499. Errors,
+404 and 405 included, are JSON ``{"error": {message, type, param, code}}``.
+
+Limits (``ServeState``): a body longer than ``max_body_bytes`` is a 413 as soon as its length is declared or
+read (the rest is never read); one that does not arrive within ``body_timeout_s`` is a 408. A body over
+``OFF_LOOP_BYTES`` is parsed, validated and tokenized on a worker thread, so /health keeps answering meanwhile.
+With ``api_key`` set, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` (else 401).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -23,7 +30,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,6 +41,11 @@ from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, p
 from cpkv.serve.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("cpkv.serve")
+
+OFF_LOOP_BYTES = 64 << 10          # bodies longer than this are parsed on a worker thread
+DEFAULT_MAX_BODY = 64 << 20
+DEFAULT_BODY_TIMEOUT_S = 60.0
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 
 
 class Disconnected(Exception):
@@ -42,12 +56,15 @@ class Disconnected(Exception):
 class ServeState:
     fe: Frontend
     tok: Tokenizer | None
-    name: str          # the served model name (``model`` must match it when given)
-    model: str         # --model as given
+    name: str                       # the served model name (``model`` must match it when given)
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    api_key: str | None = None      # None: no authentication
 
 
 def build_app(st: ServeState) -> Starlette:
     api = _Api(st)
+    middleware = [Middleware(ApiKey, key=st.api_key)] if st.api_key else []
     return Starlette(routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -55,7 +72,40 @@ def build_app(st: ServeState) -> Starlette:
         Route("/v1/completions", api.handler(parse_completion, api.completion), methods=["POST"]),
         Route("/v1/chat/completions", api.handler(parse_chat, api.chat), methods=["POST"]),
         Route("/generate", api.handler(parse_generate, api.generate), methods=["POST"]),
-    ])
+    ], middleware=middleware, exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own 404 / 405 in the JSON error shape of every other answer."""
+    if exc.status_code == 404:
+        message = f"no such path: {request.url.path}"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    else:
+        message = str(exc.detail)
+    return JSONResponse(BadRequest(message, None, exc.status_code).body(), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+class ApiKey:
+    """ASGI middleware: every HTTP path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` (compared in
+    constant time); else 401 in the JSON error shape."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = BadRequest("missing or wrong API key: send the header 'Authorization: Bearer KEY'", None, 401).body()
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
 class _Api:
@@ -76,7 +126,7 @@ class _Api:
         cfg = self.fe.client.model_cfg
         return JSONResponse({"object": "list", "data": [{
             "id": self.st.name, "object": "model", "created": self.created, "owned_by": "cpkv",
-            "root": self.st.model, "max_model_len": cfg.max_context}]})
+            "root": self.st.name, "max_model_len": cfg.max_context}]})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.fe.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -86,26 +136,35 @@ class _Api:
                 answer: Callable[[Request, GenRequest, list[int]], Awaitable[Response]]):
         async def route(request: Request) -> Response:
             try:
-                g = parse(load_json(await request.body()))
-                if g.kind == "chat" or isinstance(g.prompt, str):
-                    # text to tokenize: on a worker thread, so the event loop keeps serving every other
-                    # request meanwhile (a long conversation's template and tokenization take 0.1-2 s)
-                    tokens = await anyio.to_thread.run_sync(self._tokens, g)
-                else:
-                    tokens = self._tokens(g)
+                raw = await read_body(request, self.st.max_body_bytes, self.st.body_timeout_s)
+                g, tokens = await self._prepare(parse, raw)
                 return await answer(request, g, tokens)
             except Disconnected:
                 return Response(status_code=499)  # nobody reads it: the client is gone
             except BadRequest as exc:
                 reason = exc.reason if isinstance(exc, Refused) else "invalid"
                 self.fe.metrics.rejected.labels(reason=reason).inc()
-                headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-                return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+                return JSONResponse(exc.body(), status_code=exc.status, headers=_error_headers(exc.status))
             except Exception as exc:  # a bug: one 500 for this request, the server goes on
                 log.exception("%s %s failed", request.method, request.url.path)
                 return JSONResponse(BadRequest(f"internal error: {type(exc).__name__}: {exc}", None, 500).body(),
                                     status_code=500)
         return route
+
+    async def _prepare(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[int]]:
+        """The request and its prompt's token ids. A long body, and any text to tokenize, on a worker thread: the
+        event loop keeps serving every other request meanwhile (parsing a 10 MB body, or a long conversation's
+        template and tokenization, take 0.1-2 s)."""
+        if len(raw) > OFF_LOOP_BYTES:
+            return await anyio.to_thread.run_sync(self._request, parse, raw)
+        g = parse(load_json(raw))
+        if g.kind == "chat" or isinstance(g.prompt, str):
+            return g, await anyio.to_thread.run_sync(self._tokens, g)
+        return g, self._tokens(g)
+
+    def _request(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[int]]:
+        g = parse(load_json(raw))
+        return g, self._tokens(g)
 
     def _tokens(self, g: GenRequest) -> list[int]:
         """The prompt as token ids, checked against the vocabulary, the context and admission."""
@@ -114,16 +173,16 @@ class _Api:
             raise BadRequest(f"model {g.model!r} is not served here; this server serves {st.name!r}", "model", 404)
         if g.kind == "chat":
             if st.tok is None or not st.tok.has_chat_template:
-                raise BadRequest(f"model {st.model} has no tokenizer with a chat template: use /v1/completions or "
+                raise BadRequest(f"model {st.name} has no tokenizer with a chat template: use /v1/completions or "
                                  "/generate with token ids", "messages")
             tokens = st.tok.chat(g.messages or [])
         elif isinstance(g.prompt, str):
             if st.tok is None:
-                raise BadRequest(f"model {st.model} has no tokenizer: give the prompt as token ids", g.prompt_field)
+                raise BadRequest(f"model {st.name} has no tokenizer: give the prompt as token ids", g.prompt_field)
             tokens = st.tok.text(g.prompt)
         else:
             tokens = list(g.prompt or [])
-        _check_tokens(tokens, g, client.vocab_size, st.model)
+        _check_tokens(tokens, g, client.vocab_size, st.name)
         why = client.never_reason(len(tokens))
         if why is not None:
             raise BadRequest(f"the prompt of {len(tokens)} tokens can never be served: {why}", g.prompt_field)
@@ -144,19 +203,19 @@ class _Api:
         out = await _until_done(request, flight)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name,
-            "choices": [{"index": 0, "text": self._text(out.tokens), "token_ids": out.tokens, "logprobs": None,
+            "choices": [{"index": 0, "text": self._text(out.tokens, g), "token_ids": out.tokens, "logprobs": None,
                          "finish_reason": out.finish_reason}],
             "usage": _usage(out)})
 
     async def _completion_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name}
-        text, sent = TextStream(self.st.tok) if self.st.tok is not None else None, 0
+        text, sent = TextStream(self.st.tok, g.skip_special_tokens) if self.st.tok is not None else None, 0
         async for out in flight.events():  # after each token, and once more at the finish
             delta = text.push(out.tokens, out.finish_reason is not None) if text is not None else ""
             choice = {"index": 0, "text": delta, "token_ids": out.tokens[sent:], "logprobs": None,
                       "finish_reason": out.finish_reason}
             sent = len(out.tokens)
-            yield {**head, "choices": [choice]}
+            yield _with_usage({**head, "choices": [choice]}, g, out)
         if g.include_usage:
             yield {**head, "choices": [], "usage": _usage(out)}
 
@@ -167,19 +226,19 @@ class _Api:
         out = await _until_done(request, flight)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.st.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(out.tokens)},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(out.tokens, g)},
                          "logprobs": None, "finish_reason": out.finish_reason}],
             "usage": _usage(out)})
 
     async def _chat_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.st.name}
-        text = TextStream(self.st.tok)  # chat needs a tokenizer
-        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+        text = TextStream(self.st.tok, g.skip_special_tokens)  # chat needs a tokenizer
+        yield _with_usage({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}, g, flight.out)
         async for out in flight.events():
             delta = text.push(out.tokens, out.finish_reason is not None)
-            yield {**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
-                                        "finish_reason": out.finish_reason}]}
+            yield _with_usage({**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
+                                                    "finish_reason": out.finish_reason}]}, g, out)
         if g.include_usage:
             yield {**head, "choices": [], "usage": _usage(out)}
 
@@ -187,17 +246,17 @@ class _Api:
         flight = self._open(g, tokens)
         rid = g.rid or uuid.uuid4().hex
         if g.stream:
-            return _sse(self._generate_chunks(flight, rid), request)
-        return JSONResponse(self._generate_body(await _until_done(request, flight), rid))
+            return _sse(self._generate_chunks(flight, g, rid), request)
+        return JSONResponse(self._generate_body(await _until_done(request, flight), g, rid))
 
-    async def _generate_chunks(self, flight: Flight, rid: str) -> AsyncIterator[dict]:
+    async def _generate_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
         async for out in flight.events():  # cumulative, as SGLang streams
-            yield self._generate_body(out, rid)
+            yield self._generate_body(out, g, rid)
 
-    def _generate_body(self, out: Outcome, rid: str) -> dict[str, Any]:
+    def _generate_body(self, out: Outcome, g: GenRequest, rid: str) -> dict[str, Any]:
         body: dict[str, Any] = {"output_ids": list(out.tokens)}
         if self.st.tok is not None:
-            body["text"] = self._text(out.tokens)
+            body["text"] = self._text(out.tokens, g)
         fin = None if out.finish_reason is None else {"type": out.finish_reason, "length": len(out.tokens)}
         body["meta_info"] = {"id": rid, "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
                              "completion_tokens": len(out.tokens), "ttft_s": round(out.ttft_s, 6),
@@ -205,8 +264,8 @@ class _Api:
                              "finish_reason": fin}
         return body
 
-    def _text(self, tokens: list[int]) -> str:
-        return self.st.tok.decode(tokens) if self.st.tok is not None else ""
+    def _text(self, tokens: list[int], g: GenRequest) -> str:
+        return self.st.tok.decode(tokens, g.skip_special_tokens) if self.st.tok is not None else ""
 
 
 def _check_tokens(tokens: list[int], g: GenRequest, vocab: int, model: str) -> None:
@@ -217,6 +276,43 @@ def _check_tokens(tokens: list[int], g: GenRequest, vocab: int, model: str) -> N
         i = tokens.index(top)
         raise BadRequest(f"'{g.prompt_field}'[{i}] = {top} is outside the vocabulary of model {model} (token ids "
                          f"0..{vocab - 1})", g.prompt_field)
+
+
+def _with_usage(chunk: dict[str, Any], g: GenRequest, out: Outcome) -> dict[str, Any]:
+    """A streamed chunk, with the usage so far when the client asked for it in every chunk."""
+    if g.continuous_usage:
+        chunk["usage"] = _usage(out)
+    return chunk
+
+
+def _error_headers(status: int) -> dict[str, str] | None:
+    return {"Retry-After": "1"} if status in (429, 503) else None
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request's body, read as it arrives: 413 once it is declared or grows past ``limit`` bytes, 408 when it
+    is not complete within ``timeout_s``; Disconnected when the client goes away meanwhile."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s", None, 408) from None
+    except ClientDisconnect:
+        raise Disconnected() from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(f"the request body is larger than this server's limit of {limit / (1 << 20):g} MiB "
+                      "(--max-body-mb)", None, 413)
 
 
 def _usage(out: Outcome) -> dict[str, Any]:

@@ -7,16 +7,27 @@ rank serves (``listening on http://HOST:PORT`` on stderr; ``--port 0`` picks a f
 SIGTERM / SIGINT: stop taking requests (503), give those in flight ``--shutdown-timeout`` seconds, fail the
 rest, end every rank, exit 0 (a second signal stops at once). A rank that dies fails the requests in flight
 (503), turns /health to 503 and ends the server with an error naming the rank (exit 2).
+
+Exposure: only the HTTP socket listens where ``--host`` says (the ranks' own sockets are on loopback:
+``cpkv.dist.launch``); ``--api-key`` (or ``CPKV_API_KEY``) guards every path but /health and /metrics, and a
+non-loopback ``--host`` without a key is a warning line. Slow clients are cut off: ``--header-timeout`` for a
+request's headers (the connection is closed), ``--body-timeout`` for its body (408; or, for the rest of a
+body already answered, the connection is closed), ``KEEP_ALIVE_S`` idle between requests; ``--max-body-mb``
+bounds a body (413).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import errno
+import ipaddress
+import math
 import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 
 from cpkv.errors import ConfigError, RankFailure
 
@@ -25,6 +36,8 @@ from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --h
 HELP = "Serve the CP engine over HTTP: OpenAI-compatible completions and chat, SGLang's /generate, /metrics."
 FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_size", "max_requests", "num_layers")
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+KEEP_ALIVE_S = 5          # an idle keep-alive connection is closed after this long
+BODY_BYTES_PER_TOKEN = 64  # the default --max-body-mb: room for a token as an id or as JSON-escaped text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +52,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=a.bounded_int(0, 65535), default=30000, help="port (default 30000; 0: a free one, printed)")
-    p.add_argument("--served-model-name", help="the model name clients give (default: --model)")
+    p.add_argument("--served-model-name", help="the model name clients give and answers carry (default: the "
+                   "preset's name, or the checkpoint directory's base name)")
+    p.add_argument("--api-key", default=envs.get("CPKV_API_KEY"), type=_api_key, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics (default "
+                        "CPKV_API_KEY; prefer it: a command line is visible to every user of the machine)")
+    p.add_argument("--max-body-mb", type=a.bounded_float(0.0, 4096.0), default=None, metavar="MB",
+                   help=f"largest request body in MiB, 413 beyond it (default: {BODY_BYTES_PER_TOKEN} bytes per "
+                        "token of the model's context, at least 1)")
+    p.add_argument("--header-timeout", type=a.timeout_s, default=10.0,
+                   help="seconds a client gets to send a request's headers before its connection is closed "
+                        "(default 10)")
+    p.add_argument("--body-timeout", type=a.timeout_s, default=30.0,
+                   help="seconds a client gets to send a request's body, 408 after (default 30)")
     p.add_argument("--max-waiting", type=a.bounded_int(1, 1 << 20), default=256,
                    help="requests waiting for their first token before new ones get 429 (default 256)")
     p.add_argument("--shutdown-timeout", type=a.timeout_s, default=30.0,
@@ -87,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = engine_config(args, args.cp)
     check_run(cfg, cfg.model_config())  # the memory plan: a configuration that does not fit is one line
     sock = _bind(args.host, args.port)
+    _warn_if_exposed(sock, args.api_key)
     args.warmup = warmup
     try:
         return _serve(args, cfg, sock)
@@ -94,17 +120,72 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def _api_key(text: str) -> str:
+    """An argparse type: the API key (printable ASCII, no spaces: it travels in an HTTP header)."""
+    from cpkv import envs
+
+    try:
+        return envs.REGISTRY["CPKV_API_KEY"].parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected {exc}") from None
+
+
+def served_name(model: str, served_model_name: str | None) -> str:
+    """The model id clients see: --served-model-name, else a preset's name or the checkpoint directory's base
+    name (never its path: an answer must not tell clients where the server's files are)."""
+    if served_model_name:
+        return served_model_name
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve().name or "model"
+    return model
+
+
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"--host {host} --port {port}: cannot listen there"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"{where} (--host {host!r} does not resolve to an address: "
+                          f"{getattr(exc, 'strerror', None) or exc}); give an address of this machine, e.g. "
+                          "127.0.0.1") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(addr)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick another port "
-                          "(--port 0 picks a free one)") from None
+        raise ConfigError(f"{where} ({exc.strerror}); {_bind_advice(exc.errno, host)}") from None
     return sock
+
+
+def _bind_advice(err: int | None, host: str) -> str:
+    if err == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine: give one of its own (127.0.0.1 for this machine alone)"
+    if err == errno.EACCES:
+        return "ports below 1024 need privileges: pick another port (--port 0 picks a free one)"
+    if err == errno.EADDRINUSE:
+        return "another process holds it: pick another port (--port 0 picks a free one)"
+    return "check --host, or pick another port (--port 0 picks a free one)"
+
+
+def _warn_if_exposed(sock: socket.socket, api_key: str | None) -> None:
+    """A warning line when the server is reachable from other machines and answers anyone."""
+    addr = sock.getsockname()[0].split("%")[0]
+    if api_key or _loopback(addr):
+        return
+    _say(f"warning: listening on {addr}, reachable from other machines, without an API key: anyone who can reach "
+         "it can use the model (set --api-key or CPKV_API_KEY, or --host 127.0.0.1)")
+
+
+def _loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def default_max_body(max_prompt_tokens: int) -> int:
+    """Bytes: ``BODY_BYTES_PER_TOKEN`` per token of the longest prompt, in whole MiB, at least 1 MiB."""
+    return max(1, math.ceil(max_prompt_tokens * BODY_BYTES_PER_TOKEN / (1 << 20))) << 20
 
 
 def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
@@ -112,6 +193,7 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
 
     from cpkv.engine.client import EngineClient
     from cpkv.serve.app import ServeState, build_app
+    from cpkv.serve.conn import deadline_protocol
     from cpkv.serve.frontend import Frontend
     from cpkv.serve.metrics import Metrics
     from cpkv.serve.tokenizer import load_tokenizer
@@ -130,14 +212,18 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
     try:
         if args.warmup if args.warmup is not None else cfg.device == "cuda":
             _warm_up(client, cfg, args.timeout)
-        app = build_app(ServeState(fe, tok, args.served_model_name or args.model, args.model))
+        name = served_name(args.model, args.served_model_name)
+        max_body = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else \
+            default_max_body(client.model_cfg.max_context)
+        app = build_app(ServeState(fe, tok, name, max_body, args.body_timeout, args.api_key))
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=10)
+                                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S,
+                                http=deadline_protocol(args.header_timeout, args.body_timeout))
         server = _make_server(config, fe, args.shutdown_timeout)
         hooks.server = server
         host, port = sock.getsockname()[:2]
-        _say(f"listening on http://{host}:{port} (model {args.served_model_name or args.model}, cp {cfg.cp}, "
-             f"{'tokenizer' if tok else 'token ids only'})")
+        _say(f"listening on http://{_url_host(host)}:{port} (model {name}, cp {cfg.cp}, "
+             f"{'tokenizer' if tok else 'token ids only'}{', API key required' if args.api_key else ''})")
         server.run(sockets=[sock])
     finally:
         with contextlib.suppress(Exception):  # a failure is the client's, raised below
@@ -146,6 +232,10 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         raise client.failure
     _say("stopped: every rank ended")
     return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _warm_up(client, cfg, timeout_s: float) -> None:

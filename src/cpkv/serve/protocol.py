@@ -3,15 +3,18 @@
 Every error is a ``BadRequest`` naming the field (OpenAI's ``param``) with what was expected and what came:
 
     POST /v1/completions        model, prompt (text or token ids), max_tokens (16), temperature (0 only),
-                                top_p, n (1), stream, stream_options.include_usage, user, seed, stop (null),
-                                echo (false), logprobs (null)
-    POST /v1/chat/completions   model, messages, max_tokens / max_completion_tokens (128), temperature, top_p,
-                                n, stream, stream_options, user, seed, stop (null)
+                                top_p, n (1), stream, stream_options {include_usage, continuous_usage_stats},
+                                user, seed, stop (null), echo (false), logprobs (null)
+    POST /v1/chat/completions   model, messages [{role, content, name}], max_tokens / max_completion_tokens
+                                (128), temperature, top_p, n, stream, stream_options, user, seed, stop (null)
     POST /generate              text or input_ids, sampling_params {max_new_tokens (128), temperature,
-                                top_p, ignore_eos, skip_special_tokens}, stream, rid, return_logprob (false)
+                                top_p, ignore_eos, skip_special_tokens (true)}, stream, rid, return_logprob (false)
 
 Greedy decoding only: ``temperature`` absent or 0 (any other value is a 400 naming it). Fields outside
-these lists are a 400 (``unknown field``), so a typo never passes silently.
+these lists are a 400 (``unknown field``), so a typo never passes silently; a known field is honoured or, at
+a value that asks for what cpkv does not do, refused. Types are strict: a boolean is ``true`` / ``false`` (not
+0 or 1), an integer is an integer (not 1.0), a number is finite. Text must be encodable as UTF-8 (a lone
+surrogate such as ``"\ud800"`` is a 400 naming its field); a chat role is one of ``ROLES``.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 INT32_MAX = (1 << 31) - 1
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name"}
 
 
 class BadRequest(Exception):
@@ -44,7 +49,9 @@ class GenRequest:
     max_new_tokens: int
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every streamed chunk (stream_options.continuous_usage_stats)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     model: str | None = None
     messages: list[dict[str, Any]] | None = None
     rid: str | None = None
@@ -74,14 +81,16 @@ def parse_completion(body: dict[str, Any]) -> GenRequest:
     _known(body, COMPLETION_FIELDS)
     _greedy(body, "temperature")
     _common_openai(body)
-    if body.get("echo") not in (None, False):
+    if _bool(body, "echo"):
         raise BadRequest("'echo' is not supported: expected false or absent", "echo")
     if body.get("logprobs") is not None:
         raise BadRequest("'logprobs' is not supported: expected null or absent", "logprobs")
     if "prompt" not in body:
         raise BadRequest("missing field 'prompt' (text or a list of token ids)", "prompt")
+    usage, continuous = _stream_options(body)
     return GenRequest("completions", _prompt(body["prompt"], "prompt"), _int(body, "max_tokens", 16, 1),
-                      stream=_bool(body, "stream"), include_usage=_include_usage(body), model=_model(body))
+                      stream=_bool(body, "stream"), include_usage=usage, continuous_usage=continuous,
+                      model=_model(body))
 
 
 def parse_chat(body: dict[str, Any]) -> GenRequest:
@@ -94,11 +103,25 @@ def parse_chat(body: dict[str, Any]) -> GenRequest:
         raise BadRequest(f"'messages' must be a non-empty list of {{role, content}} objects, got {_kind(messages)}",
                          "messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRequest(f"'messages'[{i}] must be an object with string 'role' and 'content'", f"messages[{i}]")
+        _message(m, f"messages[{i}]")
+    usage, continuous = _stream_options(body)
     return GenRequest("chat", None, _int(body, field, 128, 1), stream=_bool(body, "stream"),
-                      include_usage=_include_usage(body), model=_model(body), messages=messages,
+                      include_usage=usage, continuous_usage=continuous, model=_model(body), messages=messages,
                       prompt_field="messages", max_field=field)
+
+
+def _message(m: Any, where: str) -> None:
+    """One chat message: {role (one of ROLES), content (text), name (optional text)}."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        raise BadRequest(f"'{where}' must be an object with string 'role' and 'content'", where)
+    _known(m, MESSAGE_FIELDS, f"{where}.")
+    if m["role"] not in ROLES:
+        raise BadRequest(f"'{where}.role' must be one of {', '.join(ROLES)}, got {_short(m['role'])}", f"{where}.role")
+    _encodable(m["content"], f"{where}.content")
+    if "name" in m:
+        if not isinstance(m["name"], str):
+            raise BadRequest(f"'{where}.name' must be a string, got {_kind(m['name'])}", f"{where}.name")
+        _encodable(m["name"], f"{where}.name")
 
 
 def parse_generate(body: dict[str, Any]) -> GenRequest:
@@ -113,19 +136,20 @@ def parse_generate(body: dict[str, Any]) -> GenRequest:
     if has_text == has_ids:
         raise BadRequest("give exactly one of 'text' or 'input_ids'" + (", not both" if has_text else ""),
                          "input_ids")
-    if body.get("return_logprob") not in (None, False):
+    if _bool(body, "return_logprob"):
         raise BadRequest("'return_logprob' is not supported: expected false or absent", "return_logprob")
-    _bool(sp, "skip_special_tokens", "sampling_params.")
+    skip = _bool(sp, "skip_special_tokens", "sampling_params.", default=True)
     field = "text" if has_text else "input_ids"
     if has_text and not isinstance(body["text"], str):
         raise BadRequest(f"'text' must be a string, got {_kind(body['text'])}", "text")
-    prompt = body["text"] if has_text else _token_ids(body["input_ids"], "input_ids")
+    prompt = _encodable(body["text"], "text") if has_text else _token_ids(body["input_ids"], "input_ids")
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise BadRequest(f"'rid' must be a string, got {_kind(rid)}", "rid")
     return GenRequest("generate", prompt, _int(sp, "max_new_tokens", 128, 1, "sampling_params."),
                       stream=_bool(body, "stream"), ignore_eos=_bool(sp, "ignore_eos", "sampling_params."),
-                      rid=rid, prompt_field=field, max_field="sampling_params.max_new_tokens")
+                      skip_special_tokens=skip, rid=rid, prompt_field=field,
+                      max_field="sampling_params.max_new_tokens")
 
 
 # -- fields ----------------------------------------------------------------------------------------
@@ -140,8 +164,7 @@ def _greedy(body: dict, name: str, prefix: str = "") -> None:
     t = body.get(name)
     if t is None:
         return
-    if not _is_number(t):
-        raise BadRequest(f"'{prefix}{name}' must be a number, got {_kind(t)}", prefix + name)
+    _number(t, prefix + name)
     if t != 0:
         raise BadRequest(f"'{prefix}{name}' must be 0: this server decodes greedily (no sampling), got {t}",
                          prefix + name)
@@ -149,14 +172,18 @@ def _greedy(body: dict, name: str, prefix: str = "") -> None:
 
 def _top_p(body: dict, prefix: str = "") -> None:
     p = body.get("top_p")
-    if p is not None and (not _is_number(p) or not 0 < p <= 1):
+    if p is None:
+        return
+    _number(p, prefix + "top_p")
+    if not 0 < p <= 1:
         raise BadRequest(f"'{prefix}top_p' must be a number in (0, 1], got {json.dumps(p)}", prefix + "top_p")
 
 
 def _common_openai(body: dict) -> None:
     _top_p(body)
-    if body.get("n") not in (None, 1):
-        raise BadRequest(f"'n' must be 1 (one choice per request), got {json.dumps(body.get('n'))}", "n")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise BadRequest(f"'n' must be the integer 1 (one choice per request), got {_short(n)}", "n")
     if body.get("stop") not in (None, [], ""):
         raise BadRequest("'stop' is not supported: expected null or absent (generation ends at max_tokens or the "
                          "tokenizer's end-of-sequence token)", "stop")
@@ -175,20 +202,27 @@ def _model(body: dict) -> str | None:
     return m
 
 
-def _include_usage(body: dict) -> bool:
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): usage after the last chunk, and in every chunk as well."""
     so = body.get("stream_options")
     if so is None:
-        return False
-    if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest("'stream_options' must be an object with 'include_usage'", "stream_options")
-    return _bool(so, "include_usage", "stream_options.")
+        return False, False
+    if not isinstance(so, dict):
+        raise BadRequest(f"'stream_options' must be an object, got {_kind(so)}", "stream_options")
+    _known(so, {"include_usage", "continuous_usage_stats"}, "stream_options.")
+    usage = _bool(so, "include_usage", "stream_options.")
+    continuous = _bool(so, "continuous_usage_stats", "stream_options.")
+    if continuous and not usage:
+        raise BadRequest("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
+                         "stream_options.continuous_usage_stats")
+    return usage, continuous
 
 
 def _prompt(value: Any, name: str) -> list[int] | str:
     if isinstance(value, str):
         if not value:
             raise BadRequest(f"'{name}' must not be empty", name)
-        return value
+        return _encodable(value, name)
     if isinstance(value, list) and value and all(isinstance(x, (list, str)) for x in value):
         raise BadRequest(f"'{name}' must be one prompt (a string or a list of token ids): batches are not "
                          "supported", name)
@@ -208,22 +242,36 @@ def _int(body: dict, name: str, default: int, low: int, prefix: str = "") -> int
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= INT32_MAX:
-        raise BadRequest(f"'{prefix}{name}' must be an integer >= {low}, got {_short(v)}", prefix + name)
+    if type(v) is not int or not low <= v <= INT32_MAX:
+        raise BadRequest(f"'{prefix}{name}' must be an integer in {low}..{INT32_MAX}, got {_short(v)}", prefix + name)
     return v
 
 
-def _bool(body: dict, name: str, prefix: str = "") -> bool:
+def _bool(body: dict, name: str, prefix: str = "", default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise BadRequest(f"'{prefix}{name}' must be true or false, got {_kind(v)}", prefix + name)
     return v
 
 
-def _is_number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+def _number(v: Any, name: str) -> None:
+    """A finite JSON number (not a boolean); a 400 naming ``name`` otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"'{name}' must be a number, got {_kind(v)}", name)
+    if not math.isfinite(v):
+        raise BadRequest(f"'{name}' must be a finite number, got {v}", name)
+
+
+def _encodable(text: str, name: str) -> str:
+    """``text`` when it encodes as UTF-8; a 400 naming ``name`` where it holds a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"'{name}' is not valid Unicode text: {exc.object[exc.start]!r} at character {exc.start} "
+                         "is a lone surrogate (it has no UTF-8 encoding)", name) from None
+    return text
 
 
 def _kind(v: Any) -> str:

@@ -59,8 +59,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The template applied to ``messages`` with the generation prompt, as token ids (the stretches between
@@ -182,11 +182,11 @@ class TextStream:
     """Incremental detokenisation: ``push(ids so far)`` -> the new text since the last call (text that ends in
     an incomplete UTF-8 sequence is held back until the next token completes it)."""
 
-    def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.sent = tok, ""
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tok, self.skip, self.sent = tok, skip_special_tokens, ""
 
     def push(self, ids: Sequence[int], final: bool = False) -> str:
-        text = self.tok.decode(ids)
+        text = self.tok.decode(ids, self.skip)
         if text.endswith("\ufffd") and not final:
             return ""
         new = text[len(self.sent):] if text.startswith(self.sent) else text
