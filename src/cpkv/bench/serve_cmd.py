@@ -70,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.errors import ConfigError
+    from cpkv.files import check_inputs
 
+    check_inputs({"--trace": args.trace, "--costs": args.costs})  # the input policy, before anything is opened
     trace, source = _trace(args)
     if args.make_trace:
         _write(args.make_trace, "--make-trace", lambda path: _write_trace(trace, path))

@@ -37,7 +37,7 @@ import numpy as np
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
-from cpkv.files import absent
+from cpkv.files import absent, kind as file_kind
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
@@ -120,10 +120,14 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 
 
 def _size(file: Path) -> int:
+    """The file's size; CheckpointError for a path that is not a regular file (never opened: a FIFO blocks)."""
     try:
-        return os.stat(file).st_size
+        st = os.stat(file)
     except OSError as exc:
         raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
+    if file_kind(st):
+        raise CheckpointError(f"{file}: expected a safetensors file, got {file_kind(st)}")
+    return st.st_size
 
 
 def _entry(file: Path, name: str, info: object, data_bytes: int, data_start: int) -> TensorInfo:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cpkv.errors import ConfigError
+from cpkv.files import input_problem
 from cpkv.layout import causal_work
 from cpkv.scheduler.batch import Batch
 
@@ -57,6 +58,9 @@ class CostModel:
         """Defaults updated by each file in turn: a cost object, or a bench report with a ``costs`` object."""
         model = cls()
         for path in paths:
+            problem = input_problem(path)
+            if problem:
+                raise ConfigError(f"{path}: {problem}")
             try:
                 with open(path, "rb") as f:  # bounded: a cost file or bench report is a few KiB
                     raw = f.read(MAX_COSTS_BYTES + 1)

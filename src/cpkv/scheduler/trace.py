@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Sequence
 
 from cpkv.errors import TraceError
-from cpkv.files import atomic_output
+from cpkv.files import atomic_output, input_problem
 
 FIELDS = ("id", "arrival", "tokens", "prompt_len", "parent")
 DEFAULT_VOCAB = 512  # the smallest preset vocabulary: synthetic tokens are valid for every preset
@@ -66,7 +66,11 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The file's lines, read within MAX_TRACE_BYTES and MAX_LINE_BYTES (TraceError beyond either)."""
+    """The file's lines, read within MAX_TRACE_BYTES and MAX_LINE_BYTES (TraceError beyond either). A path that
+    is not a regular file (a FIFO, a device, a directory) is refused before it is opened (``cpkv.files``)."""
+    problem = input_problem(path)
+    if problem:
+        raise TraceError(f"{path}: {problem}")
     lines: list[str] = []
     total = 0
     try:
