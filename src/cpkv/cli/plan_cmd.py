@@ -18,20 +18,20 @@ DEFAULT_GPU_GB = 141.0  # an H200, when no GPU is visible
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import bounded_int, positive_float, positive_int
+    from cpkv.cli.args import bounded_int, layers, positive_float, positive_int, sim_ranks
     from cpkv.engine.config import GRAPH_TOKENS
     from cpkv.config import DEFAULT_PAGE_SIZE
     from cpkv.memplan import WEIGHTS
 
     p.add_argument("--model", required=True, help="preset (glm5, deepseek-v32, tiny) or checkpoint dir (config.json)")
-    p.add_argument("--cp", type=positive_int, required=True, help="ranks (one GPU each); the experts split over them")
+    p.add_argument("--cp", type=sim_ranks, required=True, help="ranks (one GPU each); the experts split over them")
     p.add_argument("--gpu-memory", type=positive_float, metavar="GB",
                    help=f"memory of one GPU in GB of 10^9 bytes (default: the visible GPU's, else {DEFAULT_GPU_GB:g})")
     p.add_argument("--weights", choices=WEIGHTS,
                    help="linear weights kept fp8 (block scales) or in bf16 (default: as the checkpoint ships them; "
                         "fp8 for the glm5 and deepseek-v32 presets)")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8", help="KV rows fp8 (default) or exact (bf16)")
-    p.add_argument("--num-layers", type=positive_int, help="the first N layers only")
+    p.add_argument("--num-layers", type=layers, help="the first N layers only (as cpkv run)")
     p.add_argument("--chunk-size", type=positive_int, default=16384, help="new tokens per batch (default 16384)")
     p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")

@@ -301,14 +301,31 @@ def layer_shapes(cfg: ModelConfig, n: int = 0) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the layers (embeddings, final norm, head), full public names -> shape."""
+    return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,),
+            "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, full public names -> shape."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    outer = outer_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": outer["model.embed_tokens.weight"]}
     for n in range(cfg.num_layers):
         out.update({f"model.layers.{n}.{k}": s for k, s in layer_shapes(cfg, n).items()})
-    out["model.norm.weight"] = (cfg.hidden_size,)
-    out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    out.update(outer)
     return out
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[int, int]:
+    """The first layer of each kind -> how many layers are of that kind. A layer's tensors (``layer_shapes``)
+    depend only on its kind, (indexer type, MLP type): a model's weights are counted per kind, in O(kinds)."""
+    first: dict[tuple[str, str], int] = {}
+    count: dict[tuple[str, str], int] = {}
+    for n, kind in enumerate(zip(cfg.indexer_types, cfg.mlp_layer_types)):
+        first.setdefault(kind, n)
+        count[kind] = count.get(kind, 0) + 1
+    return {first[k]: count[k] for k in first}
 
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
