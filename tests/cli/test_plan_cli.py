@@ -86,6 +86,22 @@ def test_plan_bounds_its_depth_and_ranks_like_run(capsys):
     assert rc == 1 and out["params"] > 1024 / 78 * 743e9  # every one of the 1024 layers counted
 
 
+def test_plan_options_have_runs_ranges():
+    """Every option plan shares with run takes run's range (nothing plan accepts is refused by the run it prints)."""
+    import argparse
+
+    from cpkv.cli import build_parser
+
+    def bounds(command: str) -> dict:
+        sub = next(a for a in build_parser([command])._actions if isinstance(a, argparse._SubParsersAction))
+        return {a.dest: getattr(a.type, "bounds", None) for a in sub.choices[command]._actions}
+
+    plan, run = bounds("plan"), bounds("run")
+    for dest in ("num_layers", "chunk_size", "page_size", "max_requests", "pages_per_rank", "graph_tokens"):
+        assert plan[dest] == run[dest] and plan[dest] is not None, dest
+    assert plan["cp"] == (1, 4096) and plan["gpu_memory"] == (0.0, 10_000.0)
+
+
 @pytest.mark.parametrize("cp", [512, 3])
 def test_expert_advice_names_the_divisors_that_fit(cp, capsys):
     """A --cp that does not divide the experts holds them all on every rank: more ranks would not help; the
