@@ -27,7 +27,11 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from cpkv.bench.serve import Clock
+    from cpkv.cli.fmt import Progress
 
 HELP = "Open-loop HTTP load generator for cpkv serve: TTFT percentiles, throughput, cache hits, replay prediction."
 GEOMETRY = {"cp": 2, "chunk_size": 512, "page_size": 64, "max_requests": 8, "pages_per_rank": 256}
@@ -233,7 +237,8 @@ class Waiting:
     next request's due time or the answers still awaited."""
 
     def __init__(self, dues: list[float]) -> None:
-        self.dues, self.clock = dues, None
+        self.dues: list[float] = dues
+        self.clock: Clock | None = None
 
     def note(self) -> str:
         from cpkv.bench.serve import waiting_note
@@ -241,12 +246,12 @@ class Waiting:
         return "warm-up" if self.clock is None else waiting_note(self.dues, self.clock.now())
 
 
-def tick_s(bar) -> float:
+def tick_s(bar: Progress) -> float:
     """Seconds between refreshes of the progress line while waiting: CPKV_PROGRESS_S, within 0.5..5."""
     return min(max(bar.interval_s, 0.5), 5.0)
 
 
-async def heartbeat(bar, note: Callable[[], str], tick: float) -> None:
+async def heartbeat(bar: Progress, note: Callable[[], str], tick: float) -> None:
     """Refresh ``bar`` with ``note()`` every ``tick`` seconds until cancelled: a wait for a far arrival or a slow
     server is a progress line on stderr (Progress prints it at its own interval), never silence."""
     import asyncio
