@@ -3,7 +3,7 @@ staging and arena against the compose code that allocates them, and the fits GLM
 from __future__ import annotations
 
 import dataclasses
-from math import ceil
+from math import ceil, prod
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from cpkv.memplan import ARENA_SLACK, GB, Setup, activation_parts, items_at, pla
 from cpkv.model.model import FLOAT32_WEIGHTS
 
 GLM5, DSV32 = preset("glm5"), preset("deepseek-v32")
+DEEP = {"glm5": GLM5, "deepseek-v32": DSV32, "glm5-1024": GLM5.with_layers(1024), "deepseek-v32-5": DSV32.with_layers(5)}
 
 
 def shape_params(m) -> dict[str, int]:
@@ -54,7 +55,7 @@ def absorbed(m, c: int) -> int:
     return m.num_layers * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * c
 
 
-@pytest.mark.parametrize("m", [GLM5, DSV32], ids=["glm5", "deepseek-v32"])
+@pytest.mark.parametrize("m", DEEP.values(), ids=DEEP)
 def test_parameter_count_by_hand(m):
     p = shape_params(m)
     moe = m.mlp_layer_types.count("sparse")
@@ -72,7 +73,7 @@ def test_glm5_parameters_match_the_published_figures():
     assert 75 * 256 * shape_params(GLM5)["expert"] == 724_775_731_200
 
 
-@pytest.mark.parametrize("m", [GLM5, DSV32], ids=["glm5", "deepseek-v32"])
+@pytest.mark.parametrize("m", DEEP.values(), ids=DEEP)
 @pytest.mark.parametrize("weights, compute", [("fp8", "bfloat16"), ("bf16", "bfloat16"), ("bf16", "float32")])
 def test_weight_bytes_by_hand(m, weights, compute):
     p, c = shape_params(m), {"bfloat16": 2, "float32": 4}[compute]
@@ -81,6 +82,30 @@ def test_weight_bytes_by_hand(m, weights, compute):
     assert w.replicated == linear + p["other"] * c + 4 * p["f32"] + absorbed(m, c)
     d, mi = m.hidden_size, m.moe_intermediate_size
     assert w.expert == (p["expert"] + 4 * 3 * blocks(mi, d) if weights == "fp8" else p["expert"] * c)
+
+
+PATTERNED = {"tiny": preset("tiny"), "glm5-7": GLM5.with_layers(7),
+             "patterned": dataclasses.replace(preset("tiny").with_layers(4), indexer_pattern=("full", "shared", "full",
+                                                                                            "shared"),
+                                              mlp_pattern=("sparse", "dense", "sparse", "sparse"))}
+
+
+@pytest.mark.parametrize("m", PATTERNED.values(), ids=PATTERNED)
+def test_weight_bytes_per_layer_kind_equal_a_tensor_by_tensor_count(m):
+    """weight_bytes counts each layer kind once (any depth is instant): the same figures as every tensor of
+    expected_shapes counted one by one."""
+    from cpkv.memplan import tensor_bytes
+    from cpkv.model.checkpoint import expected_shapes
+
+    shapes = expected_shapes(m)
+    first = next((n for n, t in enumerate(m.mlp_layer_types) if t == "sparse"), -1)
+    for weights, compute in (("fp8", "bfloat16"), ("bf16", "float32")):
+        w = weight_bytes(m, weights, compute)
+        assert w.params == sum(prod(s) for s in shapes.values())
+        assert w.replicated == absorbed(m, {"bfloat16": 2, "float32": 4}[compute]) + sum(
+            tensor_bytes(k, s, weights, compute) for k, s in shapes.items() if ".mlp.experts." not in k)
+        assert w.expert == sum(tensor_bytes(k, s, weights, compute) for k, s in shapes.items()
+                               if k.startswith(f"model.layers.{first}.mlp.experts.0."))
 
 
 def test_float32_weights_are_the_models():

@@ -1,4 +1,12 @@
-"""Output files: which paths cpkv writes to, and files that appear whole or not at all. No torch import.
+"""Input and output files: which paths cpkv reads and writes, and files that appear whole or not at all. No
+torch import.
+
+The input policy of every file a command reads (``--trace``, ``TRACE``, ``--costs``, every file of a checkpoint
+``--model``; README, "Reliability"): a path that is, or whose symlink points to, a directory, a device, a FIFO
+or a socket, and a symlink loop, are refused before the file is opened, one ``ConfigError`` naming the option
+(:func:`check_inputs`, from ``os.stat``: opening a FIFO would wait for a writer forever, a device may never
+end). A missing or unreadable file is left to the reader, which names it. Loaders check the same
+(:func:`input_problem`) before they open, for callers that declare no inputs.
 
 The output policy of every file a command writes (``--logits-out``, ``--save-trace``, ``--log-batches``,
 ``--plot``; README, "Reliability"):
@@ -72,6 +80,35 @@ def kind(st: os.stat_result) -> str | None:
     return next((what for test, what in _KINDS if test(st.st_mode)), None)
 
 
+def input_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file (what was expected, what is there), or None when it is a
+    regular file or does not exist (the reader names a missing file). Never opens it."""
+    if str(path) == "":
+        return "expected a file name, got an empty string"
+    try:
+        dest = destination(path)
+    except ConfigError:
+        return "expected a file, got a symlink loop (the links point at each other, never at a file)"
+    via = f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # missing, or not reachable: the reader's open names it
+    if kind(st):
+        return f"expected a regular file, got {kind(st)}{via}: cpkv reads only regular files"
+    return None
+
+
+def check_inputs(inputs: Mapping[str, Paths]) -> None:
+    """Raise ConfigError (naming the option) unless every input path (option -> path or paths, None: not given)
+    is a regular file or absent, under the input policy above."""
+    for option, paths in inputs.items():
+        for p in _each(paths):
+            problem = input_problem(p)
+            if problem:
+                raise ConfigError(f"{option} {p!r}: {problem}")
+
+
 def output_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot take an output file (what was expected, what is there), or None when it can."""
     if str(path) == "":
@@ -143,8 +180,10 @@ def _each(paths: Paths) -> list[str]:
 
 
 def check_outputs(outputs: Mapping[str, str | Path | None], inputs: Mapping[str, Paths] = {}) -> None:
-    """Raise ConfigError (naming the option) unless every output path (option -> path, None: not asked for) can
-    take a file under the policy above, and none is an input (label -> path or paths) or another output."""
+    """Raise ConfigError (naming the option) unless every input (label -> path or paths) is readable under the
+    input policy (:func:`check_inputs`), every output path (option -> path, None: not asked for) can take a file
+    under the output policy, and no output is an input or another output."""
+    check_inputs(inputs)
     seen: dict = {}  # identity -> (what, whether it is an output)
     for label, paths in inputs.items():
         many = len(_each(paths)) > 1

@@ -31,9 +31,10 @@ from functools import lru_cache
 
 from cpkv.config import DEFAULT_PAGE_SIZE, KINDS, AdmissionCaps, CPConfig, ModelConfig
 from cpkv.errors import ConfigError
-from cpkv.model.checkpoint import expected_shapes, fp8_scale_shape
+from cpkv.model.checkpoint import fp8_scale_shape, layer_kinds, layer_shapes, outer_shapes
 from cpkv.scheduler.admission import Admission
 
+MAX_ADVISED_CP = 4096  # the largest --cp an advice names (cpkv plan's bound)
 GB = 10**9  # --gpu-memory and the tables count decimal GB, as GPU memory is sold (an H200: 141 GB)
 GIB = 1 << 30
 DTYPE_BYTES = {"fp8": 1, "bfloat16": 2, "float32": 4}
@@ -57,7 +58,7 @@ GRAPH_SEGMENT_SLACK = 2 * ((20 << 20) + (2 << 20))
 # (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
 ITEMS = (
     ("weights_bytes", "replicated weights", "lower --num-layers"),
-    ("expert_bytes", "expert shard", "change --cp (more ranks, fewer experts each) or --num-layers"),
+    ("expert_bytes", "expert shard", "change --cp to a divisor of the routed experts, or --num-layers"),
     ("kv_bytes", "KV pool", "lower --pages-per-rank"),
     ("staging_bytes", "staging", "lower --chunk-size or --max-requests"),
     ("compose_bytes", "dense compose buffers", "lower --pages-per-rank or --chunk-size"),
@@ -97,24 +98,33 @@ class WeightBytes:
 
 @lru_cache(maxsize=64)
 def weight_bytes(model: ModelConfig, weights: str, compute: str) -> WeightBytes:
-    """Bytes of ``model``'s tensors (``model.checkpoint.expected_shapes``) stored as ``weights`` / ``compute``."""
+    """Bytes of ``model``'s tensors (``model.checkpoint.expected_shapes``) stored as ``weights`` / ``compute``,
+    counted once per layer kind (``layer_kinds``): any depth takes the same few milliseconds."""
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    params = replicated = expert = 0
-    first = f"model.layers.{_first_moe(model)}.mlp.experts.0."  # one expert: every expert has its shapes
-    for name, shape in expected_shapes(model).items():
-        params += math.prod(shape)
-        if ".mlp.experts." not in name:
-            replicated += tensor_bytes(name, shape, weights, compute)
-        elif name.startswith(first):
-            expert += tensor_bytes(name, shape, weights, compute)
+    params = sum(math.prod(shape) for shape in outer_shapes(model).values())
+    replicated = sum(tensor_bytes(name, shape, weights, compute) for name, shape in outer_shapes(model).items())
+    expert = 0
+    for n, layers in layer_kinds(model).items():
+        p, r, e = _layer_bytes(model, n, weights, compute)
+        params, replicated = params + layers * p, replicated + layers * r
+        expert = expert or e  # one routed expert of one MoE layer: every expert has its shapes
     h, nope, v, kr = model.num_heads, model.qk_nope_head_dim, model.v_head_dim, model.kv_lora_rank
     replicated += model.num_layers * h * (nope + v) * kr * DTYPE_BYTES[compute]  # W_UK, W_UV (layer.py)
     return WeightBytes(params, replicated, expert, model.mlp_layer_types.count("sparse"))
 
 
-def _first_moe(model: ModelConfig) -> int:
-    return model.mlp_layer_types.index("sparse") if "sparse" in model.mlp_layer_types else -1
+def _layer_bytes(model: ModelConfig, n: int, weights: str, compute: str) -> tuple[int, int, int]:
+    """Layer ``n``'s (parameters, replicated bytes, bytes of its routed expert 0: 0 in a dense layer)."""
+    params = replicated = expert = 0
+    for key, shape in layer_shapes(model, n).items():
+        name = f"model.layers.{n}.{key}"
+        params += math.prod(shape)
+        if ".mlp.experts." not in name:
+            replicated += tensor_bytes(name, shape, weights, compute)
+        elif key.startswith("mlp.experts.0."):
+            expert += tensor_bytes(name, shape, weights, compute)
+    return params, replicated, expert
 
 
 SHIPPED_FP8 = ("glm5", "deepseek-v32")  # presets whose public checkpoints ship fp8 block-scaled weights
@@ -357,7 +367,33 @@ def largest_text(plan: MemoryPlan) -> str:
     """'the largest item is the expert shard (181.2 GB): change --cp ...'"""
     key, size = plan.largest()
     label, advice = next((lbl, adv) for k, lbl, adv in ITEMS if k == key)
+    if key == "expert_bytes" and plan.setup.model.n_routed_experts:
+        advice = expert_advice(plan)
     return f"the largest item is the {label} ({_gb(size)} GB): {advice}"
+
+
+def expert_advice(plan: MemoryPlan) -> str:
+    """What to change when the expert shard is the largest item: the --cp values that divide the routed experts
+    (expert parallelism needs one) and make this plan fit (one GPU per rank, the same budget each); on the CPU,
+    where the ranks share the host, the divisors; --num-layers when none fits."""
+    s, e = plan.setup, plan.setup.model.n_routed_experts
+    if s.expert_shards == 1 and s.cp > 1:
+        now = f"{s.cp} does not divide the {e} routed experts, so every rank holds all of them"
+    else:
+        now = f"now {s.cp}: {s.experts_per_rank} of the {e} routed experts per rank"
+    if s.device != "cuda":
+        return f"change --cp ({now}) to a divisor of {e}, or lower --num-layers"
+    fit = [d for d in divisors(e, MAX_ADVISED_CP) if d != s.cp and plan_memory(replace(s, cp=d)).fits]
+    if not fit:
+        return f"change --cp ({now}; no --cp that divides them fits) or lower --num-layers"
+    shown = ", ".join(map(str, fit[:8])) + (f" ({len(fit) - 8} more)" if len(fit) > 8 else "")
+    return f"change --cp ({now}) to a divisor of {e} that fits: {shown}; or lower --num-layers"
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    """The divisors of ``n`` (>= 1) up to ``limit``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({x for d in small for x in (d, n // d) if x <= limit})
 
 
 def reference_bytes(model: ModelConfig, weights: str, compute: str, device: str) -> int:

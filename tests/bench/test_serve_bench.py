@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -444,3 +445,79 @@ def test_text_report_names_the_failures(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "0 of 2 completed, 1 failed, 0 not sent, 1 skipped (parent failed)" in out
     assert "1 x HTTP 429: refused by the test (429)" in out and "no calibration" in out
+
+
+# -- issue 40: a long wait is never silent -------------------------------------------------------------------
+def test_waiting_note_names_the_next_arrival_or_the_answers():
+    from cpkv.bench.serve import waiting_note
+
+    dues = [0.0, 0.0, 5.0, 9e6]
+    assert waiting_note(dues, 0.0) == "next request due in 5 s"
+    assert waiting_note(dues, 4.6) == "next request due in 0 s"
+    assert waiting_note(dues, 5.0) == "next request due in 8999995 s"
+    assert waiting_note(dues, 9e6) == waiting_note([], 0.0) == "waiting for answers"
+
+
+def test_heartbeat_refreshes_the_progress_line_while_the_load_waits(capsys):
+    """Driven by the event loop alone (tick 0, a fake clock): every tick sets the bar's note, and a bar that prints
+    at every update (interval 0) prints it."""
+    from cpkv.bench.serve_cmd import Waiting, heartbeat, tick_s
+    from cpkv.cli.fmt import Progress
+
+    bar = Progress(3, "cpkv bench serve", enabled=False, interval_s=0)
+    bar.done = 1
+    waiting, clock = Waiting([0.0, 2.0, 9e6]), FakeClock()
+    notes = []
+
+    async def go() -> None:
+        beat = asyncio.ensure_future(heartbeat(bar, waiting.note, 0))
+        for t in (None, 0.5, 3.0, 9e6):
+            if t is not None:
+                waiting.clock, clock.t = clock, t
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            notes.append(bar.note)
+        beat.cancel()
+
+    run(go)
+    assert notes == ["warm-up", "next request due in 2 s", "next request due in 8999997 s", "waiting for answers"]
+    lines = capsys.readouterr().err.splitlines()
+    assert "cpkv bench serve: 1/3 (next request due in 8999997 s, " in "\n".join(lines)
+    assert all(line.startswith("cpkv bench serve: 1/3 (") for line in lines)
+    assert tick_s(Progress(1, "x", enabled=False, interval_s=0)) == 0.5
+    assert tick_s(Progress(1, "x", enabled=False, interval_s=60)) == 5.0
+
+
+def test_a_far_arrival_is_announced_and_waited_for_with_progress(tmp_path):
+    """The whole command, against a port that refuses: the first request fails at once, the second is due in
+    9*10^6 s. Its stderr announces the span and then says what it waits for; SIGTERM ends it cleanly. The test
+    reads lines until the progress line comes (a watchdog kills the command after SLACK_S: never a hang)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    trace = tmp_path / "far.jsonl"
+    trace.write_text('{"id": "a", "arrival": 0, "prompt_len": 10}\n{"id": "b", "arrival": 9000000, "prompt_len": 10}\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "CPKV_PROGRESS_S": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "cpkv", "bench", "serve", "--trace", str(trace), "--url",
+                             "http://127.0.0.1:1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    watchdog = threading.Timer(SLACK_S, proc.kill)
+    watchdog.start()
+    seen: list[str] = []
+    try:
+        for line in proc.stderr:
+            seen.append(line.rstrip("\n"))
+            if "next request due in" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        code = proc.wait(SLACK_S)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert seen[0] == ("cpkv bench serve: the trace's requests arrive over 9000000 s (104.2 days); --duration S "
+                       "stops sending after S seconds"), seen
+    assert re.match(r"cpkv bench serve: [01]/2 \(next request due in \d+ s, \d+ s\)$", seen[-1]), seen
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in rest and "Traceback" not in rest

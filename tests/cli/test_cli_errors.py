@@ -33,9 +33,11 @@ def files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "deep.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": %s}\n' % ("[" * 100_000))
     (tmp_path / "huge.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 1000000000000}\n')
     (tmp_path / "ok.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 100}\n')
+    (tmp_path / "far.jsonl").write_text('{"id": "a", "arrival": 0, "prompt_len": 100}\n'
+                                        '{"id": "b", "arrival": 1e308, "prompt_len": 100}\n')
     names = {"empty": "empty.jsonl", "bin": "bin.jsonl", "bad": "bad.jsonl", "dir": "dir", "badcfg": "badcfg",
              "vocab": "vocab.jsonl", "i64": "i64.jsonl", "long": "long.jsonl", "bigint": "bigint.jsonl",
-             "deep": "deep.jsonl", "huge": "huge.jsonl", "ok": "ok.jsonl"}
+             "deep": "deep.jsonl", "huge": "huge.jsonl", "ok": "ok.jsonl", "far": "far.jsonl"}
     return {k: str(tmp_path / v) for k, v in names.items()} | {
         "missing": str(tmp_path / "missing.jsonl"), "nofolder": str(tmp_path / "no" / "x.jsonl"), "tmp": str(tmp_path)}
 
@@ -67,7 +69,7 @@ CASES = [
     (["run", "--model", "bogus"], "expected a preset (glm5, deepseek-v32, tiny; or preset:NAME) or a directory holding config.json"),
     (["run", "--model", "{dir}"], "or a directory holding config.json"),
     (["run", "--model", "{badcfg}"], "config.json: expected a JSON object of model fields"),
-    (["run", "--trace", "{dir}"], "cannot read the trace (Is a directory)"),
+    (["run", "--trace", "{dir}"], "--trace '{dir}': expected a regular file, got a directory"),
     (["run", "--trace", "{missing}"], "cannot read the trace (No such file or directory)"),
     (["run", "--trace", "{empty}"], "the trace holds no requests"),
     (["run", "--trace", "{bin}"], "expected a UTF-8 JSONL text file"),
@@ -89,7 +91,11 @@ CASES = [
     (["run", "--trace", "{bigint}"], "bigint.jsonl:1: bad JSON (Exceeds the limit (4300 digits)"),
     (["replay", "{deep}"], "deep.jsonl:1: bad JSON (nested too deeply)"),
     (["replay", "{huge}"], "huge.jsonl:1: 'prompt_len' must be an integer in 1..16777216, got 1000000000000"),
-    (["replay", "/dev/zero"], "/dev/zero:1: line longer than 32 MiB"),
+    # issue 40: every trace field has a range (an arrival of 1e308 s would be a silent wait in bench serve)
+    (["replay", "{far}"], "far.jsonl:2: 'arrival' must be a number of seconds in 0..10000000"),
+    (["run", "--trace", "{far}"], "far.jsonl:2: 'arrival' must be a number of seconds in 0..10000000"),
+    (["bench", "serve", "--trace", "{far}", "--url", "http://127.0.0.1:1"], "far.jsonl:2: 'arrival' must be"),
+    (["replay", "/dev/zero"], "TRACE '/dev/zero': expected a regular file, got a character device"),
     # issue 18: replay options (10)
     (["replay", "--cp", "4"], "--cp 4: no memory left for KV at cp=4"),
     (["replay", "--cp", "2"], "give a budget with --kv-tokens-per-rank, or raise --cp"),
@@ -113,9 +119,9 @@ CASES = [
     (["replay", "--scale", "-1"], "--scale: expected a finite number > 0 and <= 1000, got -1"),
     (["replay", "--policy", "fifo"], "invalid choice: 'fifo'"),
     (["replay", "{bin}"], "expected a UTF-8 JSONL text file"),
-    (["replay", "{dir}"], "cannot read the trace (Is a directory)"),
+    (["replay", "{dir}"], "TRACE '{dir}': expected a regular file, got a directory"),
     (["replay", "--costs", "{bin}"], "cannot read a cost model"),
-    (["replay", "--costs", "/dev/zero"], "/dev/zero: cannot read a cost model (larger than 16 MiB)"),
+    (["replay", "--costs", "/dev/zero"], "--costs '/dev/zero': expected a regular file, got a character device"),
     (["replay", "--requests", "5", "--log-batches", "{dir}"], "--log-batches '{dir}': expected a regular file name, got a directory"),
     (["replay", "--requests", "5", "--save-trace", "{nofolder}"], "does not exist"),
     (["replay", "--requests", "5", "--plot", "{tmp}/ttft.foo"], "expected a file name ending in one of"),

@@ -107,8 +107,8 @@ def test_reading_is_bounded(tmp_path):
     path.write_bytes(b'{"id": "a", "arrival": 0, "prompt_len": 4}\n' + b" " * (MAX_LINE_BYTES + 10))
     with pytest.raises(TraceError, match=r"long.jsonl:2: line longer than 32 MiB"):
         load_trace(path)
-    if Path("/dev/zero").exists():
-        with pytest.raises(TraceError, match=r"/dev/zero:1: line longer than"):
+    if Path("/dev/zero").exists():  # an endless device is refused before it is opened (the input policy)
+        with pytest.raises(TraceError, match=r"/dev/zero: expected a regular file, got a character device"):
             load_trace("/dev/zero")
 
 

@@ -19,15 +19,21 @@ def test_json_output_has_no_nan(capsys):
     assert "NaN" not in out and "Infinity" not in out
 
 
-def test_replay_json_with_a_cost_model_that_gives_no_finite_time_is_valid_json(tmp_path, capsys):
-    """A --costs file whose batches last 1e308 s: times overflow to inf and percentiles to NaN; the report is
-    still strict JSON, with null where no finite figure exists."""
+def test_replay_refuses_a_cost_that_would_overflow_and_its_largest_cost_gives_strict_json(tmp_path, capsys):
+    """A --costs figure of 1e308 s per token (times would overflow to inf, percentiles to NaN) is refused when the
+    file is read, naming the file and the field; at the largest figure accepted the report is strict JSON with
+    finite times."""
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"linear_s_per_token": 1e308}))
+    assert main(["replay", "--requests", "5", "--scale", "0.01", "--costs", str(costs), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (f"cpkv replay: error: {costs}: linear_s_per_token must be a finite "
+                                                   "number >= 0 and <= 1e+06, got 1e+308\n")
+    costs.write_text(json.dumps({"linear_s_per_token": 1e6, "attention_s_per_pair": 1e6}))
     assert main(["replay", "--requests", "5", "--scale", "0.01", "--costs", str(costs), "--json"]) == 0
-    out = capsys.readouterr().out
-    report = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
-    assert report["runs"][0]["ttft_s"]["max"] is None
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+    ttft = report["runs"][0]["ttft_s"]
+    assert ttft["max"] is not None and ttft["max"] > 1e6
 
 
 def test_control_characters_are_escaped_in_tables(capsys):

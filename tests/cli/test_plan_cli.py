@@ -72,6 +72,57 @@ def test_plan_text_names_the_largest_item(capsys):
     assert "64 of 256" not in out and "32 of 256 routed experts x 75 layers" in out and "cpkv run --model glm5" in out
 
 
+def test_plan_bounds_its_depth_and_ranks_like_run(capsys):
+    """--num-layers as cpkv run's (1..1024: 10^5 layers once took minutes and 15 GB), --cp as replay's (1..4096);
+    the weights are counted per layer kind, so the deepest plan is as quick as any."""
+    for argv, needle in ((["--num-layers", "100000"], "argument --num-layers: expected an integer in 1..1024, got 100000"),
+                         (["--num-layers", "0"], "argument --num-layers: expected an integer in 1..1024, got 0"),
+                         (["--cp", "5000"], "argument --cp: expected an integer in 1..4096, got 5000")):
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", "--model", "glm5", "--cp", "8", *argv])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.splitlines()[-1] == f"cpkv plan: error: {needle}"
+    rc, out = plan(capsys, "--model", "glm5", "--cp", "8", "--num-layers", "1024")
+    assert rc == 1 and out["params"] > 1024 / 78 * 743e9  # every one of the 1024 layers counted
+
+
+def test_plan_options_have_runs_ranges():
+    """Every option plan shares with run takes run's range (nothing plan accepts is refused by the run it prints)."""
+    import argparse
+
+    from cpkv.cli import build_parser
+
+    def bounds(command: str) -> dict:
+        sub = next(a for a in build_parser([command])._actions if isinstance(a, argparse._SubParsersAction))
+        return {a.dest: getattr(a.type, "bounds", None) for a in sub.choices[command]._actions}
+
+    plan, run = bounds("plan"), bounds("run")
+    for dest in ("num_layers", "chunk_size", "page_size", "max_requests", "pages_per_rank", "graph_tokens"):
+        assert plan[dest] == run[dest] and plan[dest] is not None, dest
+    assert plan["cp"] == (1, 4096) and plan["gpu_memory"] == (0.0, 10_000.0)
+
+
+@pytest.mark.parametrize("cp", [512, 3])
+def test_expert_advice_names_the_divisors_that_fit(cp, capsys):
+    """A --cp that does not divide the experts holds them all on every rank: more ranks would not help; the
+    advice names the divisors of 256 with which the plan fits, and each of them does."""
+    assert main(["plan", "--model", "glm5", "--cp", str(cp), "--gpu-memory", "141"]) == 1
+    out = capsys.readouterr().out
+    assert "more ranks" not in out
+    assert (f"the largest item is the expert shard (725.0 GB): change --cp ({cp} does not divide the 256 routed "
+            "experts, so every rank holds all of them) to a divisor of 256 that fits: 8, 16, 32, 64, 128, 256; or "
+            "lower --num-layers") in out
+    for d in (8, 256):
+        assert main(["plan", "--model", "glm5", "--cp", str(d), "--gpu-memory", "141"]) == 0
+        capsys.readouterr()
+    assert main(["plan", "--model", "glm5", "--cp", "4", "--gpu-memory", "141"]) == 1
+    assert main(["plan", "--model", "glm5", "--cp", "4", "--gpu-memory", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "change --cp (now 4: 64 of the 256 routed experts per rank) to a divisor of 256 that fits: 8, 16" in out
+    assert "change --cp (now 4: 64 of the 256 routed experts per rank; no --cp that divides them fits) or lower " \
+           "--num-layers" in out
+
+
 def test_bf16_weights_do_not_fit(capsys):
     rc, out = plan(capsys, "--model", "glm5", "--cp", "8", "--weights", "bf16")
     assert rc == 1 and out["weights_dtype"] == "bf16" and out["per_rank"]["expert_bytes"] > 180 * GB

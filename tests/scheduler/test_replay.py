@@ -83,8 +83,10 @@ def test_cost_model_overrides(tmp_path):
     path.write_text(json.dumps({"linear_s_per_tok": 1}))
     with pytest.raises(ConfigError, match="unknown cost field"):
         CostModel.from_json(path)
-    with pytest.raises(ConfigError, match="finite number"):
+    with pytest.raises(ConfigError, match=r"topk must be an integer >= 1 and <= 2\^24, got -1"):
         CostModel().updated({"topk": -1})
+    with pytest.raises(ConfigError, match="linear_s_per_token must be a finite number >= 0"):
+        CostModel().updated({"linear_s_per_token": -1})
     assert 300_000 < CostModel().kv_tokens_per_rank(8) < 500_000
 
 

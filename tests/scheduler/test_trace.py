@@ -5,8 +5,8 @@ import json
 import pytest
 
 from cpkv.errors import TraceError
-from cpkv.scheduler.trace import (PageKeys, TraceRequest, builtin_trace, ideal_hit_ratio, load_trace,
-                                  materialize_tokens, parse_trace, synth_tokens, write_trace)
+from cpkv.scheduler.trace import (MAX_ARRIVAL_S, MAX_ID_CHARS, PageKeys, TraceRequest, builtin_trace, ideal_hit_ratio,
+                                  load_trace, materialize_tokens, parse_trace, synth_tokens, write_trace)
 
 
 def lines(*objs):
@@ -61,6 +61,46 @@ def test_malformed_line_names_line_and_reason(bad, line, why):
         parse_trace(lines(GOOD, bad, {"id": "z", "arrival": 9, "prompt_len": 1}), source="t.jsonl")
     assert f"t.jsonl:{line}:" in str(exc.value)
     assert why in str(exc.value)
+
+
+# every field's range, checked when the trace is read: one line naming the file, the line and the field
+RANGES = [
+    ({"id": "b", "arrival": 1e308, "prompt_len": 5}, "'arrival' must be a number of seconds in 0..10000000 (about "
+                                                     "116 days), got 1e+308"),
+    ({"id": "b", "arrival": MAX_ARRIVAL_S + 1, "prompt_len": 5}, "'arrival' must be a number of seconds in 0.."),
+    ({"id": "b", "arrival": True, "prompt_len": 5}, "'arrival' must be a number of seconds"),
+    ('{"id": "b", "arrival": NaN, "prompt_len": 5}', "'arrival' must be a number of seconds in 0..10000000 (about "
+                                                     "116 days), got NaN"),
+    ('{"id": "b", "arrival": Infinity, "prompt_len": 5}', "'arrival' must be a number of seconds"),
+    ({"id": "b" * (MAX_ID_CHARS + 1), "arrival": 2, "prompt_len": 5},
+     f"'id' must be a string of at most {MAX_ID_CHARS} characters, got one of {MAX_ID_CHARS + 1}"),
+    ({"id": -2 ** 63 - 1, "arrival": 2, "prompt_len": 5}, "'id' must be a string or an integer within int64"),
+    ({"id": "b", "arrival": 2, "prompt_len": 5, "parent": "p" * (MAX_ID_CHARS + 1)},
+     f"'parent' must be a string of at most {MAX_ID_CHARS} characters"),
+    ({"id": "b", "arrival": 2, "prompt_len": 5, "parent": 2 ** 64}, "'parent' must be a string or an integer within "
+                                                                    "int64, got 18446744073709551616"),
+    ({"id": "b", "arrival": 2, "prompt_len": 5, "parent": 1.5}, "'parent' must be a string or an integer"),
+    ({"id": "b", "arrival": 2, "prompt_len": 2 ** 24 + 1}, "'prompt_len' must be an integer in 1..16777216"),
+    ({"id": "b", "arrival": 2, "tokens": [2 ** 63]}, "'tokens'[0] must be an integer in 0..2^63-1"),
+]
+
+
+@pytest.mark.parametrize("bad, why", RANGES, ids=[f"range{i}" for i in range(len(RANGES))])
+def test_every_field_has_a_range_named_with_file_and_line(bad, why, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines(GOOD, bad)) + "\n")
+    with pytest.raises(TraceError) as exc:
+        load_trace(path)
+    text = str(exc.value)
+    assert text.startswith(f"{path}:2: ") and why in text, text
+    assert "\n" not in text and len(text) < 400
+
+
+def test_range_edges_are_accepted():
+    ok = parse_trace(lines({"id": "x" * MAX_ID_CHARS, "arrival": 0, "prompt_len": 1},
+                           {"id": 2 ** 63 - 1, "arrival": MAX_ARRIVAL_S, "prompt_len": 2 ** 24},
+                           {"id": -2 ** 63 + 1, "arrival": MAX_ARRIVAL_S, "prompt_len": 2 ** 24, "parent": 2 ** 63 - 1}))
+    assert [r.arrival for r in ok] == [0.0, MAX_ARRIVAL_S, MAX_ARRIVAL_S] and ok[2].parent == 2 ** 63 - 1
 
 
 def test_later_parent_is_named():

@@ -19,6 +19,7 @@ Times come from a ``Clock`` (seconds since the run started), so tests drive the 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import random
 import time
@@ -101,6 +102,14 @@ def trace_due(trace: Sequence[TraceRequest]) -> list[float]:
     """The trace's arrivals, shifted so that the first is 0."""
     t0 = trace[0].arrival if trace else 0.0
     return [r.arrival - t0 for r in trace]
+
+
+def waiting_note(dues: Sequence[float], now: float) -> str:
+    """What a load waits for at ``now`` (``dues``: the due times, ascending): the next arrival, or answers."""
+    i = bisect.bisect_right(dues, now)
+    if i < len(dues):
+        return f"next request due in {dues[i] - now:.0f} s"
+    return "waiting for answers"
 
 
 def poisson_due(n: int, rate: float, seed: int = 0) -> list[float]:

@@ -16,6 +16,9 @@ reported beside the measured TTFT of an open-loop run (``--costs FILE``: the uni
 e.g. the ``--json`` report of an earlier ``--closed-loop`` run; default: the costs fitted on this run's
 requests that ran alone). A closed-loop run is not replayed (its send times hang on its own answers, so
 any error of the model would pile up); its report gives the fitted TTFT of its requests instead.
+
+While it waits (for an arrival, for answers) the progress line on stderr says for what, refreshed at least every
+5 s (``CPKV_PROGRESS_S``); a trace whose arrivals span more than 10 minutes is announced before the load starts.
 """
 from __future__ import annotations
 
@@ -24,11 +27,16 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from cpkv.bench.serve import Clock
+    from cpkv.cli.fmt import Progress
 
 HELP = "Open-loop HTTP load generator for cpkv serve: TTFT percentiles, throughput, cache hits, replay prediction."
 GEOMETRY = {"cp": 2, "chunk_size": 512, "page_size": 64, "max_requests": 8, "pages_per_rank": 256}
 BUILTIN = {"requests": 200, "seed": 0, "scale": 1.0}
+LONG_SPAN_S = 600.0  # a trace whose arrivals span longer is announced (one stderr line) before the load starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpkv.errors import ConfigError
+    from cpkv.files import check_inputs
 
+    check_inputs({"--trace": args.trace, "--costs": args.costs})  # the input policy, before anything is opened
     trace, source = _trace(args)
     if args.make_trace:
         _write(args.make_trace, "--make-trace", lambda path: _write_trace(trace, path))
@@ -170,7 +180,7 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
 
     from dataclasses import replace
 
-    from cpkv.bench.serve import LoadConfig, plan_requests, poisson_due, run_load, trace_due, warmup_plan
+    from cpkv.bench.serve import Clock, LoadConfig, plan_requests, poisson_due, run_load, trace_due, warmup_plan
     from cpkv.bench.serve_report import Geometry, fit_costs, predict, summary
     from cpkv.cli.fmt import Progress
     from cpkv.scheduler.costs import CostModel
@@ -184,11 +194,18 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
                      timeout_s=args.timeout)
     warm = warmup_plan(trace, args.warmup, model.vocab_size)
     bar = Progress(len(warm) + len(plan), "cpkv bench serve")
+    waiting = Waiting(sorted(due or []))
+    _announce_span(waiting.dues, args.duration)
 
     async def both():
-        warm_cfg = replace(cfg, concurrency=1, duration_s=None)
-        w = await run_load(warm, warm_cfg, on_done=lambda r: bar.update(1, "warm-up"))
-        return w, await run_load(plan, cfg, on_done=lambda r: bar.update(1, _note(r)))
+        beat = asyncio.ensure_future(heartbeat(bar, waiting.note, tick_s(bar)))
+        try:
+            warm_cfg = replace(cfg, concurrency=1, duration_s=None)
+            w = await run_load(warm, warm_cfg, on_done=lambda r: bar.update(1, "warm-up"))
+            waiting.clock = Clock()
+            return w, await run_load(plan, cfg, waiting.clock, on_done=lambda r: bar.update(1, _note(r)))
+        finally:
+            beat.cancel()
 
     try:
         warmed, records = asyncio.run(both())
@@ -213,6 +230,43 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
         "summary": summ, "costs": fitted["costs"], "calibration": fitted["calibration"], "prediction": pred,
     }
     return report, records
+
+
+class Waiting:
+    """The note of the progress line between answers: the warm-up, then (``clock`` set when the load starts) the
+    next request's due time or the answers still awaited."""
+
+    def __init__(self, dues: list[float]) -> None:
+        self.dues: list[float] = dues
+        self.clock: Clock | None = None
+
+    def note(self) -> str:
+        from cpkv.bench.serve import waiting_note
+
+        return "warm-up" if self.clock is None else waiting_note(self.dues, self.clock.now())
+
+
+def tick_s(bar: Progress) -> float:
+    """Seconds between refreshes of the progress line while waiting: CPKV_PROGRESS_S, within 0.5..5."""
+    return min(max(bar.interval_s, 0.5), 5.0)
+
+
+async def heartbeat(bar: Progress, note: Callable[[], str], tick: float) -> None:
+    """Refresh ``bar`` with ``note()`` every ``tick`` seconds until cancelled: a wait for a far arrival or a slow
+    server is a progress line on stderr (Progress prints it at its own interval), never silence."""
+    import asyncio
+
+    while True:
+        await asyncio.sleep(tick)
+        bar.set(bar.done, note())
+
+
+def _announce_span(dues: list[float], duration: float | None) -> None:
+    """One line on stderr when the trace's arrivals span more than LONG_SPAN_S (and --duration does not cut it)."""
+    span = dues[-1] if dues else 0.0
+    if span > LONG_SPAN_S and (duration is None or duration > LONG_SPAN_S):
+        print(f"cpkv bench serve: the trace's requests arrive over {span:.0f} s ({span / 86400:.1f} days); "
+              "--duration S stops sending after S seconds", file=sys.stderr, flush=True)
 
 
 def _note(rec) -> str:

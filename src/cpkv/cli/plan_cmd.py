@@ -15,30 +15,31 @@ from cpkv.errors import ConfigError
 
 HELP = "The memory plan of a run per rank (weights, expert shard, KV pool, buffers) and the KV tokens that fit."
 DEFAULT_GPU_GB = 141.0  # an H200, when no GPU is visible
+MAX_GPU_GB = 10_000.0   # --gpu-memory: 10 TB per GPU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import bounded_int, positive_float, positive_int
+    from cpkv.cli import args as a
     from cpkv.engine.config import GRAPH_TOKENS
     from cpkv.config import DEFAULT_PAGE_SIZE
     from cpkv.memplan import WEIGHTS
 
     p.add_argument("--model", required=True, help="preset (glm5, deepseek-v32, tiny) or checkpoint dir (config.json)")
-    p.add_argument("--cp", type=positive_int, required=True, help="ranks (one GPU each); the experts split over them")
-    p.add_argument("--gpu-memory", type=positive_float, metavar="GB",
+    p.add_argument("--cp", type=a.sim_ranks, required=True, help="ranks (one GPU each); the experts split over them")
+    p.add_argument("--gpu-memory", type=a.bounded_float(0.0, MAX_GPU_GB), metavar="GB",
                    help=f"memory of one GPU in GB of 10^9 bytes (default: the visible GPU's, else {DEFAULT_GPU_GB:g})")
     p.add_argument("--weights", choices=WEIGHTS,
                    help="linear weights kept fp8 (block scales) or in bf16 (default: as the checkpoint ships them; "
                         "fp8 for the glm5 and deepseek-v32 presets)")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8", help="KV rows fp8 (default) or exact (bf16)")
-    p.add_argument("--num-layers", type=positive_int, help="the first N layers only")
-    p.add_argument("--chunk-size", type=positive_int, default=16384, help="new tokens per batch (default 16384)")
-    p.add_argument("--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE,
+    p.add_argument("--num-layers", type=a.layers, help="the first N layers only (as cpkv run)")
+    p.add_argument("--chunk-size", type=a.tokens, default=16384, help="new tokens per batch (default 16384)")
+    p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--max-requests", type=positive_int, default=8, help="requests per batch (default 8)")
-    p.add_argument("--pages-per-rank", type=positive_int,
+    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests per batch (default 8)")
+    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES),
                    help="plan this pool (page 0 reserved) instead of the largest that fits")
-    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=None, metavar="N",
+    p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help=f"the engine's --graph-tokens: its CUDA graphs' buffers and pool (default {GRAPH_TOKENS} at fp8 "
                         "precision, 0 at exact, as cpkv run on CUDA; 0: none)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -37,7 +37,7 @@ import numpy as np
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
-from cpkv.files import absent
+from cpkv.files import absent, kind as file_kind
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
@@ -120,10 +120,14 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 
 
 def _size(file: Path) -> int:
+    """The file's size; CheckpointError for a path that is not a regular file (never opened: a FIFO blocks)."""
     try:
-        return os.stat(file).st_size
+        st = os.stat(file)
     except OSError as exc:
         raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
+    if file_kind(st):
+        raise CheckpointError(f"{file}: expected a safetensors file, got {file_kind(st)}")
+    return st.st_size
 
 
 def _entry(file: Path, name: str, info: object, data_bytes: int, data_start: int) -> TensorInfo:
@@ -297,14 +301,31 @@ def layer_shapes(cfg: ModelConfig, n: int = 0) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the layers (embeddings, final norm, head), full public names -> shape."""
+    return {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,),
+            "lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, full public names -> shape."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    outer = outer_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": outer["model.embed_tokens.weight"]}
     for n in range(cfg.num_layers):
         out.update({f"model.layers.{n}.{k}": s for k, s in layer_shapes(cfg, n).items()})
-    out["model.norm.weight"] = (cfg.hidden_size,)
-    out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    out.update(outer)
     return out
+
+
+def layer_kinds(cfg: ModelConfig) -> dict[int, int]:
+    """The first layer of each kind -> how many layers are of that kind. A layer's tensors (``layer_shapes``)
+    depend only on its kind, (indexer type, MLP type): a model's weights are counted per kind, in O(kinds)."""
+    first: dict[tuple[str, str], int] = {}
+    count: dict[tuple[str, str], int] = {}
+    for n, kind in enumerate(zip(cfg.indexer_types, cfg.mlp_layer_types)):
+        first.setdefault(kind, n)
+        count[kind] = count.get(kind, 0) + 1
+    return {first[k]: count[k] for k in first}
 
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")

@@ -241,7 +241,7 @@ WEIGHTS_MODES = ("auto", "fp8", "bf16")
 def fp8_block_checkpoint(spec: str) -> bool:
     """True when ``spec`` is a checkpoint directory whose config.json declares DeepSeek's fp8 block format
     (``quantization_config``: quant_method fp8, weight_block_size [128, 128]); False for a preset."""
-    if spec in PRESETS:
+    if spec in PRESETS or not (Path(spec) / "config.json").is_file():  # is_file: never opens a FIFO
         return False
     try:
         q = json.loads((Path(spec) / "config.json").read_text()).get("quantization_config")

@@ -14,7 +14,9 @@ layers included; a batch takes as long as its busiest rank::
 ``keys``: the batch's dense-buffer tokens (prefix + new pages). A JSON file (``--costs``) replaces any
 subset of the fields: ``{"linear_s_per_token": 8e-5, "compose_s_per_token": 1.0e-7}``. The ``--json``
 report of ``cpkv bench attention|indexer|compose`` works as such a file too: its ``"costs"`` object holds
-the unit costs that bench measured (``unit_costs_*`` below), and several files apply in order.
+the unit costs that bench measured (``unit_costs_*`` below), and several files apply in order. Every figure
+read is checked against its field's range (``RANGES``: finite, positive where it divides, whole where it
+counts): a bad one is one ``ConfigError`` naming the file and the field.
 """
 from __future__ import annotations
 
@@ -25,11 +27,51 @@ from pathlib import Path
 from typing import Any
 
 from cpkv.errors import ConfigError
+from cpkv.files import input_problem
 from cpkv.layout import causal_work
 from cpkv.scheduler.batch import Batch
 
 
 MAX_COSTS_BYTES = 16 << 20  # a --costs file
+
+
+@dataclass(frozen=True)
+class Range:
+    """A cost field's range: ``low`` (excluded when ``low_open``) .. ``high``; ``integer``: a whole number;
+    ``why``: the reason for the bound, named in the error."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    integer: bool = False
+    why: str = ""
+
+    def holds(self, v: float) -> bool:
+        above = v > self.low if self.low_open else v >= self.low
+        return above and v <= self.high and (not self.integer or float(v).is_integer())
+
+    def text(self) -> str:
+        what = "an integer" if self.integer else "a finite number"
+        return f"{what} {'>' if self.low_open else '>='} {_num(self.low)} and <= {_num(self.high)}"
+
+
+def _num(x: float) -> str:
+    """1073741824 -> '2^30', 1e15 -> '1e+15', 0.0 -> '0'."""
+    if float(x).is_integer() and x >= 1 << 20 and int(x) & (int(x) - 1) == 0:
+        return f"2^{int(x).bit_length() - 1}"
+    return f"{x:g}"
+
+
+SECONDS = Range(0.0, 1e6)  # an overhead or a unit cost: 0 (free) up to 11 days per unit
+BYTES = Range(0.0, 1e15)   # up to a petabyte
+# every field's range (the others: SECONDS), checked whenever a cost file or object is read (CostModel.updated)
+RANGES: dict[str, Range] = {
+    "num_layers": Range(1, 1 << 16, integer=True), "topk": Range(1, 1 << 24, integer=True),
+    "hbm_bytes": Range(0.0, 1e15, low_open=True, why="a GPU's memory"),
+    "mem_fraction": Range(0.0, 1.0, low_open=True, why="a share of the GPU's memory"),
+    "weight_bytes": BYTES, "reserve_bytes": BYTES,
+    "kv_bytes_per_token": Range(0, 1 << 30, low_open=True, integer=True, why="it divides the KV memory"),
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +99,9 @@ class CostModel:
         """Defaults updated by each file in turn: a cost object, or a bench report with a ``costs`` object."""
         model = cls()
         for path in paths:
+            problem = input_problem(path)
+            if problem:
+                raise ConfigError(f"{path}: {problem}")
             try:
                 with open(path, "rb") as f:  # bounded: a cost file or bench report is a few KiB
                     raw = f.read(MAX_COSTS_BYTES + 1)
@@ -79,8 +124,7 @@ class CostModel:
         if unknown:
             raise ConfigError(f"{source}: unknown cost field(s) {', '.join(unknown)}; known: {', '.join(known)}")
         for k, v in obj.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{source}: {k} must be a finite number >= 0, got {v!r}")
+            _check_field(k, v, source)
         return replace(self, **{k: (int(v) if known[k] == "int" else float(v)) for k, v in obj.items()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +151,15 @@ class CostModel:
         else:
             kv = keys * self.compose_s_per_token
         return self.batch_overhead_s + self.num_layers * self.layer_overhead_s + max(rank) + kv
+
+
+def _check_field(name: str, value: Any, source: str) -> None:
+    """ConfigError naming the file and the field unless ``value`` is a number within the field's range."""
+    rng = RANGES.get(name, SECONDS)
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not math.isfinite(value) or not rng.holds(value):
+        why = f" ({rng.why})" if rng.why else ""
+        raise ConfigError(f"{source}: {name} must be {rng.text()}{why}, got {json.dumps(value)[:80]}")
 
 
 def _runs(writers: tuple[int, ...], prefix: int, extend: int, P: int):

@@ -11,9 +11,11 @@ prompt) or ``prompt_len`` with an optional ``parent`` (an earlier request whose 
 one). A synthetic prompt's tokens are drawn deterministically from its id, after its parent's tokens.
 
 Reading is bounded whatever the file holds: at most ``MAX_TRACE_BYTES`` in all and ``MAX_LINE_BYTES`` per
-line, integers (ids, token ids) within int64, prompts of at most ``MAX_PROMPT_LEN`` tokens; a file
-beyond a bound, deeply nested JSON or a huge number is a ``TraceError`` naming the line, never a
-MemoryError or a RecursionError.
+line, and every field has a range: ids (and parents) integers within int64 or strings of at most
+``MAX_ID_CHARS`` characters, arrivals in 0..``MAX_ARRIVAL_S`` seconds, token ids within int64, prompts of at
+most ``MAX_PROMPT_LEN`` tokens. A file beyond a bound, a value out of its range, deeply nested JSON or a huge
+number is a ``TraceError`` naming the file, the line and the field, never a MemoryError, a RecursionError or a
+wait of centuries in ``cpkv bench serve``.
 """
 from __future__ import annotations
 
@@ -27,13 +29,15 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Sequence
 
 from cpkv.errors import TraceError
-from cpkv.files import atomic_output
+from cpkv.files import atomic_output, input_problem
 
 FIELDS = ("id", "arrival", "tokens", "prompt_len", "parent")
 DEFAULT_VOCAB = 512  # the smallest preset vocabulary: synthetic tokens are valid for every preset
 MAX_TRACE_BYTES = 256 << 20  # a trace file (10,000 requests by prompt_len take about 1 MiB)
 MAX_LINE_BYTES = 32 << 20    # one line (a 2M-token prompt given as token ids)
 MAX_PROMPT_LEN = 1 << 24     # tokens of one prompt (far above any model's context)
+MAX_ARRIVAL_S = 1e7          # seconds from the trace's start to an arrival (116 days; bench serve waits for each)
+MAX_ID_CHARS = 1024          # characters of a string id (ids are printed in tables and errors)
 INT64_MAX = (1 << 63) - 1
 
 
@@ -66,7 +70,11 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """The file's lines, read within MAX_TRACE_BYTES and MAX_LINE_BYTES (TraceError beyond either)."""
+    """The file's lines, read within MAX_TRACE_BYTES and MAX_LINE_BYTES (TraceError beyond either). A path that
+    is not a regular file (a FIFO, a device, a directory) is refused before it is opened (``cpkv.files``)."""
+    problem = input_problem(path)
+    if problem:
+        raise TraceError(f"{path}: {problem}")
     lines: list[str] = []
     total = 0
     try:
@@ -147,9 +155,7 @@ def _parse_line(raw: str, n: int, seen: dict, last_arrival: float) -> TraceReque
 def _parse_id(obj: dict, seen: dict) -> Hashable:
     if "id" not in obj:
         raise _LineError("missing field 'id'")
-    rid = obj["id"]
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, int) and abs(rid) > INT64_MAX):
-        raise _LineError(f"'id' must be a string or an integer within int64, got {_short(rid)}")
+    rid = _check_id(obj["id"], "id")
     if _key(rid) in seen:
         raise _LineError(f"duplicate id {_name(rid)} (first on line {seen[_key(rid)].line})")
     return rid
@@ -159,8 +165,9 @@ def _parse_arrival(obj: dict, last: float) -> float:
     if "arrival" not in obj:
         raise _LineError("missing field 'arrival'")
     t = obj["arrival"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise _LineError(f"'arrival' must be a finite number of seconds >= 0, got {json.dumps(t)}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= MAX_ARRIVAL_S:
+        raise _LineError(f"'arrival' must be a number of seconds in 0..{MAX_ARRIVAL_S:.0f} (about 116 days), "
+                         f"got {_short(t)}")
     if t < last:
         raise _LineError(f"arrival {t} is earlier than the previous request's {last} (arrivals must not decrease)")
     return float(t)
@@ -194,8 +201,7 @@ def _parse_parent(obj: dict, rid: Hashable, prompt_len: int, seen: dict) -> Hash
     if "tokens" in obj:
         raise _LineError("'parent' goes with 'prompt_len' only: a prompt given as 'tokens' shares its prefix "
                          "through the tokens themselves")
-    if isinstance(parent, bool) or not isinstance(parent, (str, int)):
-        raise _LineError(f"'parent' must be a string or an integer id, got {_short(parent)}")
+    _check_id(parent, "parent")
     if _key(parent) == _key(rid):
         raise _LineError(f"request {_name(rid)} names itself as its parent")
     if _key(parent) not in seen:
@@ -205,6 +211,17 @@ def _parse_parent(obj: dict, rid: Hashable, prompt_len: int, seen: dict) -> Hash
         raise _LineError(f"prompt_len {prompt_len} is shorter than its parent {_name(parent)}'s {plen} "
                          "(a parent's whole prompt must start this one)")
     return parent
+
+
+def _check_id(value: Any, field: str) -> Hashable:
+    """An id (or a parent's): an integer within int64 or a string of at most MAX_ID_CHARS characters."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or \
+            (isinstance(value, int) and abs(value) > INT64_MAX):
+        raise _LineError(f"'{field}' must be a string or an integer within int64, got {_short(value)}")
+    if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+        raise _LineError(f"'{field}' must be a string of at most {MAX_ID_CHARS} characters, got one of "
+                         f"{len(value)}")
+    return value
 
 
 def _short(value: Any) -> str:
