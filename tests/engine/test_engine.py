@@ -41,7 +41,9 @@ class MemoReference:
         self.cfg = self.model.cfg
         self.memo: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def reference_prefill(self, tokens) -> torch.Tensor:
+    def reference_prefill(self, tokens, tap=None, cuts=()) -> torch.Tensor:
+        if tap is not None or cuts:  # a run's own decisions, or the numerics floor: not memoised
+            return self.model.reference_prefill(tokens, tap=tap, cuts=cuts)
         key = tuple(tokens)
         if key not in self.memo:
             self.memo[key] = self.model.reference_prefill(tokens)

@@ -310,6 +310,8 @@ class RankEngine:
                     with _host_profiled(self.cfg.host_profile) as hp, \
                             recording(self.model.device, self.cfg.marks, self.cfg.mark_clocks,
                                       (launch, start_ev) if chain is None else (chain.start, chain.start_ev)) as rec:
+                        if self.tap is not None:
+                            self.tap.batch_ends({i for i, e in enumerate(batch.entries) if e.last_chunk})
                         if ahead is None:
                             first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
                             plan = rank_plan(spec, self.rank, self.model, self.ep)

@@ -84,6 +84,7 @@ class Recorder:
         self.score_buf: dict[int, torch.Tensor] = {}  # the choice values of those experts (float32)
         self.selected: dict[int, torch.Tensor] = {}
         self.plan: Any = None
+        self.final: set[int] = set()  # the batch's requests (indices) whose prompt ends in it (``batch_ends``)
         self.fired = False
         self.stale = False
 
@@ -91,6 +92,10 @@ class Recorder:
         """A new run, with its planted fault (or none), which may fire once."""
         self.plant, self.page_size = plant, page_size
         self.fired = self.stale = False
+
+    def batch_ends(self, requests: set[int]) -> None:
+        """The next batch's requests (indices) whose last chunk it is (the engine says, before its forward)."""
+        self.final = requests
 
     def begin(self, plan) -> None:
         """A batch's forward starts (``cpkv.engine.forward.run_batch``)."""
@@ -123,11 +128,15 @@ class Recorder:
         return idx, w
 
     def _fault_row(self, kind: str, layer) -> int | None:
-        """The row a token fault hits now: the first finished request's last token on rank 0, first MoE layer."""
-        if self.plant != kind or not self._may_fire() or layer.n != self.moe_layers[0] or not self.plan.last:
+        """The row a token fault hits now: on rank 0, the last token of the first request whose prompt ends in this
+        batch (its logits are verified), in the first MoE layer."""
+        if self.plant != kind or not self._may_fire() or layer.n != self.moe_layers[0]:
+            return None
+        rows = [row for req, row in self.plan.last if req in self.final]
+        if not rows:
             return None
         self.fired = True
-        return self.plan.last[0][1]
+        return rows[0]
 
     def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
         row = self._fault_row("combine", layer)
@@ -312,7 +321,7 @@ class Forced:
         count.compared += int(known.sum())
         count.unforced += int((~known).sum())
         run = torch.where(known[:, None], run, own)
-        moved = (values - choice.gather(1, run)).abs()[known]
+        moved = (values - choice.gather(1, run)).abs().nan_to_num(0.0)[known]  # NaN: a value not recorded
         noise = float(moved.max()) if moved.numel() else 0.0
         count.noise = max(count.noise, noise)
         differ = (own.sort(-1).values != run.sort(-1).values).any(-1)

@@ -1,0 +1,217 @@
+"""Verification that tells numerics from decisions (cpkv.engine.taps, cpkv.engine.decisions, engine.verify_run):
+the run's decisions recorded and assembled per request, the reference forced onto them, margins, ties, the numerics
+floor, and planted faults that must fail on real rank processes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cpkv.cli.traces import default_trace
+from cpkv.config import preset
+from cpkv.engine.config import EngineConfig
+from cpkv.engine.decisions import DecisionLog
+from cpkv.engine.engine import RequestResult, VerifyReport, _check_request, run_jobs, verify_run
+from cpkv.engine.taps import BatchDecisions, Forced, route_margin
+from cpkv.model.model import load_model
+from cpkv.model.moe import pick_experts, route_scores
+
+BASE = EngineConfig(page_size=16, pages_per_rank=128, chunk_size=256, max_requests=4, record=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2])
+def test_planted_faults_fail_and_the_clean_run_passes(cp):
+    """One expert's weight dropped for one token, one MoE output row zeroed, one indexer selection replaced by the
+    query's worst key, one KV page of one rank stale: each run fails verification; the same run without a fault
+    passes with every decision compared and none differing beyond rounding."""
+    trace = default_trace(6)
+    clean = dataclasses.replace(BASE, cp=cp)
+    plants = ["expert", "combine", "index", "page"]
+    results = run_jobs([(clean, trace)] + [(dataclasses.replace(clean, plant=p), trace) for p in plants],
+                       timeout_s=600)
+    ok = verify_run(results[0], trace)
+    assert ok.ok and ok.decisions["route"].compared > 0 and ok.decisions["index"].compared > 0, ok.failures
+    assert ok.decisions["route"].unforced == ok.decisions["index"].unforced == 0
+    for plant, res in zip(plants, results[1:]):
+        rep = verify_run(res, trace)
+        assert not rep.ok and rep.failures, plant
+        if plant == "index":  # the logits may stay close: the margin tells
+            assert rep.decisions["index"].unexplained >= 1 and "index decision" in rep.failures[0]["why"]
+        else:
+            assert rep.max_logit_diff > rep.tolerance, plant
+
+
+def test_a_planted_fault_needs_an_eager_run():
+    with pytest.raises(Exception, match="graph_tokens must be 0"):
+        dataclasses.replace(BASE, plant="page", graph_tokens=64)
+    with pytest.raises(Exception, match="unknown planted fault"):
+        dataclasses.replace(BASE, plant="nope")
+
+
+def _batch(batch: int, runs, route: dict, values: dict | None = None) -> BatchDecisions:
+    return BatchDecisions(batch, tuple(runs), route, {}, values or {n: a.astype(np.float32) for n, a in route.items()})
+
+
+def test_a_cached_prefix_takes_the_decisions_of_the_request_that_computed_it():
+    """B hits A's first 8 tokens: its positions 0..7 come from A (batch 0); C computed the same prefix later (batch
+    3, after B's first batch), so it is not B's source; B's own positions are its own."""
+    toks = {"A": list(range(10)), "B": list(range(8)) + [50, 51, 52, 53], "C": list(range(9))}
+    a = np.arange(20, dtype=np.int16).reshape(10, 2)
+    c = np.full((9, 2), 99, np.int16)
+    b = np.full((4, 2), 7, np.int16)
+    log = DecisionLog.build([_batch(0, [("A", 0, 10, 0)], {3: a}), _batch(3, [("C", 0, 9, 0)], {3: c}),
+                             _batch(2, [("B", 8, 12, 16)], {3: b})], toks)
+    route, select = log.for_request("B")
+    ids, values = route[3]
+    assert ids.tolist() == a[:8].tolist() + b.tolist() and values.dtype == np.float32 and select == {}
+    ids_c, _ = log.for_request("C")[0][3]  # C computed everything itself
+    assert ids_c.tolist() == c.tolist()
+
+
+def test_a_position_nobody_recorded_stays_unknown():
+    toks = {"A": [1, 2, 3, 4], "B": [1, 2, 9, 9]}
+    log = DecisionLog.build([_batch(0, [("B", 2, 4, 0)], {1: np.ones((2, 2), np.int16)})], toks)
+    ids, _ = log.for_request("B")[0][1]
+    assert ids.tolist() == [[-1, -1], [-1, -1], [1, 1], [1, 1]]
+
+
+def test_route_margin_with_and_without_groups():
+    cfg = dataclasses.replace(preset("tiny"), n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
+    choice = torch.tensor([0.9, 0.8, 0.79, 0.1, 0.2, 0.3, 0.05, 0.0])
+    own = torch.tensor([0, 1])
+    assert route_margin(choice, own, torch.tensor([0, 2]), cfg) == pytest.approx(0.01, abs=1e-6)  # a near tie
+    assert route_margin(choice, own, torch.tensor([0, 7]), cfg) == pytest.approx(0.8)  # the worst expert
+    assert route_margin(choice, own, own, cfg) == 0.0
+    grouped = dataclasses.replace(cfg, n_group=4, topk_group=1)  # groups {0,1} {2,3} {4,5} {6,7}: 1.7 .89 .5 .05
+    # the run kept group 1 instead of group 0: the groups' scores differ by 0.81, halved against the choice noise
+    assert route_margin(choice, own, torch.tensor([2, 3]), grouped) == pytest.approx(0.405, abs=1e-6)
+
+
+class _Own:
+    """A tap that decides as the layer would and keeps what it decided (the reference's own decisions)."""
+
+    def __init__(self) -> None:
+        self.route: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def route_fn(self, layer, x):
+        scores, choice = route_scores(x, layer.w["mlp.gate.weight"], layer.w["mlp.gate.e_score_correction_bias"],
+                                      fused=not layer.exact)
+        idx = pick_experts(choice, layer.cfg)
+        self.route[layer.n] = (idx.numpy().copy(), choice.gather(1, idx).numpy().copy())
+        from cpkv.model.moe import route_weights
+        return idx, route_weights(scores, idx, layer.cfg)
+
+
+def _own_decisions(model, tokens):
+    own = _Own()
+
+    class Tap:
+        route = staticmethod(own.route_fn)
+
+        @staticmethod
+        def select(layer, p, dense, plan, topk):
+            return topk
+
+        @staticmethod
+        def moe_out(layer, y):
+            return y
+
+    logits = model.reference_prefill(tokens, tap=Tap())
+    return logits, own.route
+
+
+def test_the_reference_takes_the_runs_experts_and_counts_the_margin():
+    """Forced onto its own decisions the reference gives its own logits and counts no difference; with one token's
+    weakest expert swapped for one it left out, it takes the swap (other logits) and counts that decision as the
+    one differing beyond rounding (no score moved in its layer: nothing explains it; the later layer's own choices
+    then differ too, explained by the scores the swap moved)."""
+    model = load_model("tiny", num_layers=3)
+    tokens = default_trace(1)[0]
+    from cpkv.scheduler.trace import materialize_tokens
+    toks = materialize_tokens([tokens], vocab_size=model.cfg.vocab_size)[tokens.id]
+    base, route = _own_decisions(model, toks)
+    n = next(iter(route))
+    same = Forced({k: v for k, v in route.items()}, {}, "cpu")
+    assert torch.equal(model.reference_prefill(toks, tap=same), base)
+    assert same.counts["route"].compared == len(toks) * len(route) and same.counts["route"].differed == 0
+    ids, values = (a.copy() for a in route[n])
+    t = len(toks) - 1  # the token whose logits are compared
+    weakest = int(np.argmin(values[t]))
+    left_out = [e for e in range(model.cfg.n_routed_experts) if e not in ids[t]]
+    ids[t, weakest] = left_out[0]
+    values[t, weakest] = np.nan  # replaced below by the reference's own value (no noise)
+    forced = Forced({**route, n: (ids, values)}, {}, "cpu")
+    out = model.reference_prefill(toks, tap=forced)
+    c = forced.counts["route"]
+    assert c.unexplained == 1 and c.worst[0][:2] == (n, t) and c.worst[0][2] > c.worst[0][3]
+    assert not torch.equal(out, base)
+
+
+def _result(first: int, logits) -> RequestResult:
+    return RequestResult("r", 10, 0, 0.1, first, torch.tensor(logits, dtype=torch.float32))
+
+
+def _check(run_first: int, run_logits, ref_logits, reference=None) -> VerifyReport:
+    rep = VerifyReport(True, True, 0.0, 0.0, None, 1)
+    _check_request(rep, _result(run_first, run_logits), torch.tensor(ref_logits, dtype=torch.float32), None, None,
+                   list(range(10)), 0.05, 0.05, reference)
+    rep.ok = all(x["ok"] for x in rep.requests)
+    return rep
+
+
+def test_a_differing_first_token_passes_only_as_a_tie():
+    tie = _check(1, [1.0, 0.99, 0.0], [1.0, 0.98, 0.0])  # the reference's top two 0.02 apart, tolerance 0.1
+    assert tie.ok and not tie.tokens_equal and tie.ties == [{"id": "r", "run": 1, "reference": 0, "gap": 0.02}]
+    apart = _check(1, [1.0, 0.99, 0.0], [1.0, 0.5, 0.0])
+    assert not apart.ok and "first token 1 where the reference's is 0" in apart.failures[0]["why"]
+
+
+def test_the_numerics_floor_is_measured_only_past_the_tolerance_and_added_to_it():
+    """Past the tolerance the reference reruns as chunks: its own spread (the floor) joins the tolerance; a floor
+    of 0 leaves the request failed, one as large as the difference passes it (and is reported)."""
+    ref = [2.0, 1.0, 0.0]
+    run = [2.0, 1.0, 0.3]  # diff 0.3 > 0.05 + 0.05 * 2 = 0.15
+    calls = []
+
+    def spread(delta):
+        def reference(cuts=()):
+            calls.append(cuts)
+            return torch.tensor(ref, dtype=torch.float32) + torch.tensor([0.0, 0.0, delta]), None
+        return reference
+
+    assert not _check(0, run, ref, spread(0.0)).ok and calls == [(5,), (3, 6)]
+    passed = _check(0, run, ref, spread(0.2))
+    assert passed.ok and passed.floors == [{"id": "r", "floor": pytest.approx(0.2), "diff": pytest.approx(0.3),
+                                            "tolerance": pytest.approx(0.15)}]
+    calls.clear()
+    assert _check(0, ref, ref, spread(0.2)).ok and calls == []  # within the tolerance: no rerun
+
+
+def test_a_chunked_reference_computes_the_same_function():
+    """The reference as chunks (each over the KV rows of those before) equals the whole prompt's within float32
+    rounding on the CPU, under the same decisions."""
+    model = load_model("tiny", num_layers=3)
+    from cpkv.scheduler.trace import materialize_tokens
+    req = default_trace(1)[0]
+    toks = materialize_tokens([req], vocab_size=model.cfg.vocab_size)[req.id]
+    whole, route = _own_decisions(model, toks)
+    chunked = model.reference_prefill(toks, tap=Forced(route, {}, "cpu"), cuts=(len(toks) // 3, len(toks) // 2))
+    assert (chunked - whole).abs().max() <= 1e-3 * whole.abs().max()
+
+
+@pytest.mark.slow
+def test_check_verify_reports_every_run_as_json():
+    out = subprocess.run([sys.executable, "-m", "cpkv", "check", "verify", "--cp", "1,2", "--num-layers", "2",
+                          "--requests", "2", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] and [r["cp"] for r in report["runs"]] == [1, 2]
+    for r in report["runs"]:
+        assert r["decisions"]["route"]["compared"] > 0 and r["decisions"]["route"]["unexplained"] == 0
+    assert "verified 2 of 2" in out.stderr
