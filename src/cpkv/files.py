@@ -80,16 +80,24 @@ def kind(st: os.stat_result) -> str | None:
     return next((what for test, what in _KINDS if test(st.st_mode)), None)
 
 
-def input_problem(path: str | Path) -> str | None:
-    """Why ``path`` cannot be read as an input file (what was expected, what is there), or None when it is a
-    regular file or does not exist (the reader names a missing file). Never opens it."""
+def _named(path: str | Path, expected: str) -> tuple[str | None, Path, str]:
+    """(why the name itself is refused: empty, or a symlink loop; else None, where it leads, " (the symlink points
+    to ...)" when it is a symlink)."""
     if str(path) == "":
-        return "expected a file name, got an empty string"
+        return "expected a file name, got an empty string", Path(), ""
     try:
         dest = destination(path)
     except ConfigError:
-        return "expected a file, got a symlink loop (the links point at each other, never at a file)"
-    via = f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
+        return f"expected {expected}, got a symlink loop (the links point at each other, never at a file)", Path(), ""
+    return None, dest, f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
+
+
+def input_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file (what was expected, what is there), or None when it is a
+    regular file or does not exist (the reader names a missing file). Never opens it."""
+    problem, _, via = _named(path, "a file")
+    if problem:
+        return problem
     try:
         st = os.stat(path)
     except OSError:
@@ -111,13 +119,9 @@ def check_inputs(inputs: Mapping[str, Paths]) -> None:
 
 def output_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot take an output file (what was expected, what is there), or None when it can."""
-    if str(path) == "":
-        return "expected a file name, got an empty string"
-    try:
-        dest = destination(path)
-    except ConfigError:
-        return "expected a file name, got a symlink loop (the links point at each other, never at a file)"
-    via = f" (the symlink points to {str(dest)!r})" if os.path.islink(path) else ""
+    problem, dest, via = _named(path, "a file name")
+    if problem:
+        return problem
     long = _name_problem(dest)
     if long:
         return long
