@@ -28,10 +28,14 @@ if want tests; then  # in two steps: together they outran one limit of 400 s (20
 fi
 if want verify; then  # issue 43: cpkv run's verification over GLM-5 and DeepSeek-V3.2 at 4 layers (models x weights x
     # precisions x seeds at each cp, ranks sharing the GPU), then the planted faults on the GPU
+    # (cp 8 with bf16 weights does not fit one H200: eight 4-layer GLM-5 ranks hold 18.6 GB each, session 20)
     for cp in ${VERIFY_CP:-1 2 4 8}; do
+        weights=bf16,fp8; [ "$cp" = 8 ] && weights=fp8
         step verify_cp$cp ${VERIFY_LIMIT:-150} python3 -m cpkv check verify --device cuda --models glm5,deepseek-v32 \
-            --weights bf16,fp8 --precision fp8,exact --seeds ${VERIFY_SEEDS:-0,1} --cp $cp --json
+            --weights $weights --precision fp8,exact --seeds ${VERIFY_SEEDS:-0,1} --cp $cp --json
     done
+    step verify_long 120 python3 -m cpkv check verify --device cuda --models glm5,deepseek-v32 --weights bf16,fp8 \
+        --cp 2 --requests 2 --long 4096 --json  # sparse selection at the real top-k
     step verify_tests 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_verify_gpu.py ${VERIFY_TESTS:-}
 fi
 if want graphs; then  # the CUDA graphs of small batches: their GPU tests, then a cached turn's 448 tokens with and without
