@@ -100,7 +100,7 @@ def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
     from cpkv.engine.graphs import buckets
     from cpkv.memplan import Setup, graph_bytes
 
-    cfg = EngineConfig(model="tiny", cp=cp, record=True, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
+    cfg = EngineConfig(model="tiny", cp=cp, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
                        max_requests=1, warmup=True, sync_check=True)
     trace = _trace()
     off, on = run_jobs([(cfg, trace), (dataclasses.replace(cfg, graph_tokens=256), trace)], timeout_s=500)

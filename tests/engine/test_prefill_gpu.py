@@ -160,7 +160,7 @@ def test_expert_parallel_moe_layers_run_without_a_host_sync_and_match_one_rank(c
     from cpkv.engine.engine import run_jobs, verify_run
     from cpkv.scheduler.trace import TraceRequest
 
-    cfg = EngineConfig(model="tiny", cp=cp, record=True, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
+    cfg = EngineConfig(model="tiny", cp=cp, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
                        max_requests=1, warmup=True, sync_check=True)
     trace = _trace() + [TraceRequest("d0", 0.0, 30)]
     (res,) = run_jobs([(cfg, trace)], timeout_s=500)
