@@ -221,16 +221,12 @@ def scores_at(layer, p, index_dense: torch.Tensor, rows: torch.Tensor, keys: tor
     for r0 in range(0, rows.shape[0], step):
         r, kk = rows[r0:r0 + step], keys[r0:r0 + step].long()
         safe = kk.clamp(min=0)
-        dots = torch.einsum("thd,tnd->thn", layer_q(p, r), k[safe].float()) * factor
+        dots = torch.einsum("thd,tnd->thn", p.iq.index_select(0, r).float(), k[safe].float()) * factor
         s = torch.einsum("th,thn->tn", p.iw.index_select(0, r).float(), dots.relu_())
         if scale is not None:
             s = s * scale[safe]
         out[r0:r0 + step] = torch.where(kk >= 0, s, float("nan"))
     return out
-
-
-def layer_q(p, rows: torch.Tensor) -> torch.Tensor:
-    return p.iq.index_select(0, rows).float()
 
 
 def index_scores(layer, p, index_dense: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
@@ -352,9 +348,6 @@ class Forced:
             for i, t in enumerate(diff_rows):
                 count.add(layer.n, t, index_margin(scores[i], topk[t], run[t]), 2 * noise + self.index_tol)
         return run
-
-    def route_noise(self) -> float:
-        return self.counts["route"].noise
 
     def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
         return y
