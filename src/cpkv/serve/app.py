@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cpkv.engine.protocol import mix_seed
-from cpkv.serve.frontend import Flight, Frontend, Outcome, Refused
+from cpkv.serve.frontend import Flight, Frontend, Refused
 from cpkv.serve.output import ChoiceText, chat_logprobs, completion_logprobs, generate_logprobs
 from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, parse_completion, parse_generate
 from cpkv.serve.tokenizer import Tokenizer
