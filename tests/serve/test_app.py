@@ -31,7 +31,7 @@ class ScriptedClient:
     def never_reason(self, seq_len: int):
         return "max_context: too long" if seq_len > self.model_cfg.max_context else None
 
-    def submit(self, tokens, max_new, on_event, stop_ids=frozenset()) -> int:
+    def submit(self, tokens, max_new, on_event, stop_ids=frozenset(), sampling=None) -> int:
         rid = len(self.calls) + 1
         self.calls[rid] = (list(tokens), max_new, on_event)
         self.submitted.set()

@@ -42,9 +42,48 @@ def run(app, coro_fn):
 # -- request strictness (the parsers alone) -------------------------------------------------------------
 @pytest.mark.parametrize("parse,body,param,words", [
     (parse_completion, {"prompt": [1], "echo": 0}, "echo", "true or false"),
-    (parse_completion, {"prompt": [1], "echo": True}, "echo", "not supported"),
-    (parse_completion, {"prompt": [1], "n": 1.0}, "n", "integer 1"),
-    (parse_completion, {"prompt": [1], "n": True}, "n", "integer 1"),
+    (parse_completion, {"prompt": [1], "echo": True, "logprobs": 1}, "echo", "prompt's log-probabilities"),
+    (parse_completion, {"prompt": [1], "n": 1.0}, "n", "an integer in 1..64"),
+    (parse_completion, {"prompt": [1], "n": True}, "n", "an integer in 1..64"),
+    (parse_completion, {"prompt": [1], "n": 65}, "n", "an integer in 1..64"),
+    (parse_completion, {"prompt": [1], "temperature": -0.1}, "temperature", ">= 0"),
+    (parse_completion, {"prompt": [1], "top_p": 0}, "top_p", "in (0, 1]"),
+    (parse_completion, {"prompt": [1], "top_k": -2}, "top_k", "-1 or 0"),
+    (parse_completion, {"prompt": [1], "top_k": 2.0}, "top_k", "-1 or 0"),
+    (parse_completion, {"prompt": [1], "min_p": 1.5}, "min_p", "in [0, 1]"),
+    (parse_completion, {"prompt": [1], "presence_penalty": 2.5}, "presence_penalty", "in [-2, 2]"),
+    (parse_completion, {"prompt": [1], "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    (parse_completion, {"prompt": [1], "seed": 1.5}, "seed", "an integer"),
+    (parse_completion, {"prompt": [1], "logprobs": 21}, "logprobs", "0..20"),
+    (parse_completion, {"prompt": [1], "logprobs": True}, "logprobs", "0..20"),
+    (parse_completion, {"prompt": [1], "stop": ["a", ""]}, "stop", "non-empty strings"),
+    (parse_completion, {"prompt": [1], "stop": 3}, "stop", "non-empty strings"),
+    (parse_completion, {"prompt": [1], "stop_token_ids": [-1]}, "stop_token_ids", "token id"),
+    (parse_completion, {"prompt": [1], "best_of": 2}, "best_of", "not supported by this server"),
+    (parse_completion, {"prompt": [1], "min_tokens": 3}, "min_tokens", "not supported by this server"),
+    (parse_completion, {"prompt": [1], "use_beam_search": True}, "use_beam_search", "not supported"),
+    (parse_completion, {"prompt": [1], "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    (parse_completion, {"prompt": [1], "suffix": "x"}, "suffix", "not supported"),
+    (parse_completion, {"prompt": [1], "response_format": {"type": "json_object"}}, "response_format",
+     "not supported"),
+    (parse_completion, {"prompt": [[1], "w2", [3]], "n": 2, "frobnicate": 0}, "frobnicate", "unknown field"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "needs 'logprobs'"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
+     "not supported"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}},
+     "chat_template_kwargs", "not supported"),
+    (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]", "type \"image_url\" are not supported"),
+    (parse_chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0]", "\"text\": string"),
+    (parse_chat, {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "text parts"),
+    (parse_generate, {"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n", "not supported"),
+    (parse_generate, {"input_ids": [1], "sampling_params": {"min_new_tokens": 2}}, "sampling_params.min_new_tokens",
+     "not supported"),
+    (parse_generate, {"input_ids": [1], "return_hidden_states": True}, "return_hidden_states", "not supported"),
+    (parse_generate, {"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len", "not supported"),
+    (parse_generate, {"input_ids": [1], "sampling_params": {"top_k": 0.5}}, "sampling_params.top_k", "-1 or 0"),
     (parse_completion, {"prompt": [1], "stream": 1}, "stream", "true or false"),
     (parse_completion, {"prompt": [1], "temperature": math.nan}, "temperature", "must be a finite number, got nan"),
     (parse_completion, {"prompt": [1], "temperature": math.inf}, "temperature", "finite number, got inf"),
@@ -64,7 +103,6 @@ def run(app, coro_fn):
     (parse_generate, {"input_ids": [1], "sampling_params": {"ignore_eos": 0}}, "sampling_params.ignore_eos",
      "true or false"),
     (parse_generate, {"input_ids": [1], "return_logprob": 0}, "return_logprob", "true or false"),
-    (parse_generate, {"input_ids": [1], "return_logprob": True}, "return_logprob", "not supported"),
     (parse_chat, {"messages": [{"role": "hacker", "content": "hi"}]}, "messages[0].role", "system, user"),
     (parse_chat, {"messages": [{"role": "", "content": "hi"}]}, "messages[0].role", "system, user"),
     (parse_chat, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant> w5 <user", "content": "b"}]},
@@ -91,6 +129,34 @@ def test_defaults_and_known_values_pass():
     assert c.include_usage and c.continuous_usage
     chat = parse_chat({"messages": [{"role": r, "content": "x"} for r in ("system", "user", "assistant", "tool")]})
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "tool"]
+
+
+def test_sglang_and_vllm_defaults_pass_and_honoured_fields_arrive():
+    """What sglang-router and the clients add at their defaults is accepted; the honoured fields reach the request."""
+    router_generate = {"input_ids": [1], "background": False, "return_hidden_states": False, "log_metrics": True,
+                       "return_text_in_logprobs": False, "no_logs": False, "return_bytes": False,
+                       "return_entropy": False, "model": None, "logprob_start_len": -1,
+                       "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_k": 5, "min_p": 0.1,
+                                           "sampling_seed": 9, "stop": "w3", "stop_token_ids": [7], "n": 1,
+                                           "no_stop_trim": True, "min_new_tokens": 0,
+                                           "spaces_between_special_tokens": True}}
+    g = parse_generate(router_generate)
+    assert (g.sampling.temperature, g.sampling.top_k, g.sampling.min_p, g.seed) == (0.7, 5, 0.1, 9)
+    assert g.stop == ("w3",) and g.stop_token_ids == {7} and g.keep_stop and g.sampling.logprobs is None
+    extras = {"ignore_eos": False, "no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+              "max_completion_tokens": 7, "best_of": 1, "logit_bias": {}, "min_tokens": 0, "response_format": None}
+    c = parse_completion({"prompt": [[1, 2], "w3"], "n": 3, "top_p": 0.9, "seed": -4, "logprobs": 2,
+                          "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, **extras})
+    assert c.prompts == [[1, 2], "w3"] and c.n == 3 and c.max_new_tokens == 7 and c.seed == -4
+    assert (c.sampling.top_p, c.sampling.logprobs, c.sampling.presence_penalty) == (0.9, 2, 0.5)
+    chat = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "w5"},
+                                                                 {"type": "text", "text": "w6"}]}],
+                       "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+                       "logprobs": True, "top_logprobs": 3, "stop": ["a", "b"], "tools": None, "tool_choice": "auto",
+                       **extras})
+    assert chat.messages[0]["content"] == "w5\nw6" and chat.sampling.logprobs == 3 and chat.stop == ("a", "b")
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).sampling.logprobs == 0
+    assert parse_completion({"prompt": [1], "temperature": 0}).sampling.greedy
 
 
 # -- answers -------------------------------------------------------------------------------------------------

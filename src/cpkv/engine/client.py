@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from cpkv.dist import RankGroup
 from cpkv.engine.config import EngineConfig
-from cpkv.engine.protocol import Cancel, Finished, Ready, Step, Stop, Submit, Token
+from cpkv.engine.protocol import Cancel, Finished, Ready, SamplingParams, Step, Stop, Submit, Token
 from cpkv.errors import RankFailure
 
 Event = Token | Finished
@@ -86,8 +86,9 @@ class EngineClient:
                 raise RankFailure(f"the ranks did not start within the start-up limit (rank pids {self.pids})")
 
     def submit(self, tokens: Sequence[int], max_new_tokens: int, on_event: Callable[[Event], None],
-               stop_ids: frozenset[int] = frozenset()) -> int:
-        """Queue a generation; its events go to ``on_event`` (on the watch thread). Returns its id."""
+               stop_ids: frozenset[int] = frozenset(), sampling: SamplingParams = SamplingParams()) -> int:
+        """Queue a generation (greedy unless ``sampling`` says otherwise); its events go to ``on_event`` (on the
+        watch thread). Returns its id."""
         with self._lock:
             rid = next(self._ids)
             if self.failure is not None or self.closed:
@@ -95,7 +96,7 @@ class EngineClient:
                 on_event(Finished(rid, "failed", why))
                 return rid
             self._pending[rid] = on_event
-        self.group.send(0, Submit(rid, tuple(tokens), max_new_tokens, frozenset(stop_ids)))
+        self.group.send(0, Submit(rid, tuple(tokens), max_new_tokens, frozenset(stop_ids), sampling))
         return rid
 
     def cancel(self, rid: int) -> None:

@@ -1,11 +1,13 @@
 """The online rank loop behind ``cpkv serve``: the model, KV pools and the CP-wide prefix cache stay resident;
-requests arrive through rank 0's inbox and generate greedily (docs/design.md, the online engine).
+requests arrive through rank 0's inbox and generate as their ``SamplingParams`` say (docs/design.md, the online
+engine).
 
     step       rank 0 drains its inbox (waits up to IDLE_S when there is no work) and broadcasts the messages:
                every rank applies the same Submit / Cancel / Stop at the same step (one host collective)
     schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``RankEngine``)
-    run        ``RankEngine._run_batch``; the first token is the argmax of the last-token logits; the rank that
-               holds a request's last token knows it, an all-reduce (max over -1) tells every rank
+    run        ``RankEngine._run_batch``; the rank that holds a request's last token picks the next token from its
+               logits (``sampling.pick``: the argmax when greedy), an all-reduce (max over -1) tells every rank;
+               log-probabilities, when a request asks for them, travel from that rank in one all-gather
     look ahead a batch that finishes no request (a long prompt's middle chunks) takes the next step's messages,
                forms the next batch and builds its plan while the GPU runs it (``RankEngine`` look-ahead): the
                chunks run back to back. A batch that finishes a request does not: its tokens decide the next
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from cpkv.dist import RankContext
+from cpkv.engine import sampling
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.protocol import Cancel, Finished, Ready, Step, Stop, Submit, Token
 from cpkv.engine.rank import RankEngine, rank_model, share_cores
@@ -148,12 +151,26 @@ class OnlineRankEngine(RankEngine):
         self.batch_ahead.clear()
         self.batch_s.clear()
         self.host_s.clear()
-        mine = [int(torch.argmax(logits[r.rid])) if r.rid in logits else -1 for r in finished]
+        mine = [self._pick(logits[r.rid], self.live[r.rid[0]]) if r.rid in logits else -1 for r in finished]
         tokens = self.ctx.all_reduce_max_list(mine)
+        probs = self._logprobs(finished, logits, tokens)
         out: list = []
         for req, tok in zip(finished, tokens):
-            out += self._advance(self.live[req.rid[0]], req, tok)
+            out += self._advance(self.live[req.rid[0]], req, tok, probs.get(req.rid))
         return out, nxt
+
+    def _pick(self, row: torch.Tensor, gen: Generation) -> int:
+        return sampling.pick(row, gen.sub.sampling, gen.tokens, len(gen.sub.tokens), gen.made)
+
+    def _logprobs(self, finished: list[Request], logits: dict, tokens: list[int]) -> dict:
+        """{step id: (log p(token), top)} for the finished steps whose generation asks for log-probabilities, from
+        the rank holding each one's logits (one all-gather; none when no request asks: the same on every rank)."""
+        want = {r.rid: self.live[r.rid[0]].sub.sampling.logprobs for r in finished}
+        if all(n is None for n in want.values()):
+            return {}
+        mine = {r.rid: sampling.logprobs(logits[r.rid], tok, want[r.rid]) for r, tok in zip(finished, tokens)
+                if r.rid in logits and want[r.rid] is not None}
+        return {k: v for part in self.ctx.all_gather_object(mine) for k, v in part.items()}
 
     def _may_look_ahead_online(self, batch: Batch) -> bool:
         """Look ahead after a batch that finishes no request (same decision on every rank: replicated state)."""
@@ -171,9 +188,10 @@ class OnlineRankEngine(RankEngine):
         self._ahead_news += self._rejections()
         return batch
 
-    def _advance(self, gen: Generation, req: Request, tok: int) -> list:
+    def _advance(self, gen: Generation, req: Request, tok: int, probs: tuple | None = None) -> list:
         assert tok >= 0, f"no rank held the last token of step {req.rid!r}"
-        out: list = [Token(gen.rid, tok, gen.made, req.cached if gen.made == 0 else -1)]
+        lp, top = probs if probs is not None else (None, ())
+        out: list = [Token(gen.rid, tok, gen.made, req.cached if gen.made == 0 else -1, lp, top)]
         gen.tokens.append(tok)
         gen.made += 1
         if tok in gen.sub.stop_ids or gen.made >= gen.sub.max_new_tokens:

@@ -22,10 +22,11 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -36,9 +37,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cpkv.serve.frontend import Flight, Frontend, Outcome, Refused
+from cpkv.engine.protocol import mix_seed
+from cpkv.serve.frontend import Flight, Frontend, Refused
+from cpkv.serve.output import ChoiceText, chat_logprobs, completion_logprobs, generate_logprobs
 from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, parse_completion, parse_generate
-from cpkv.serve.tokenizer import TextStream, Tokenizer
+from cpkv.serve.tokenizer import Tokenizer
 
 log = logging.getLogger("cpkv.serve")
 
@@ -60,6 +63,23 @@ class ServeState:
     max_body_bytes: int = DEFAULT_MAX_BODY
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     api_key: str | None = None      # None: no authentication
+    eos_ids: frozenset[int] = frozenset()  # the checkpoint's generation_config.json EOS ids (beside the tokenizer's)
+
+
+@dataclass
+class Choice:
+    """One generated sequence of an answer: ``index`` in ``choices``, its flight, its text, its prompt."""
+
+    index: int
+    flight: Flight
+    text: ChoiceText
+    prompt: list[int]
+    echo: str = ""                  # the prompt's text, with ``echo``
+    first: bool = True              # the first choice of its prompt (its prompt counted once in usage)
+    sent: int = 0                   # tokens streamed so far
+    head: bool = False              # its first streamed chunk went out
+    seen: int = 0                   # tokens the answer has taken in (usage so far)
+    sent_text: str = ""             # text streamed so far
 
 
 def build_app(st: ServeState) -> Starlette:
@@ -133,12 +153,12 @@ class _Api:
 
     # -- generation routes -------------------------------------------------------------------------
     def handler(self, parse: Callable[[dict], GenRequest],
-                answer: Callable[[Request, GenRequest, list[int]], Awaitable[Response]]):
+                answer: Callable[[Request, GenRequest, list[Choice]], Awaitable[Response]]):
         async def route(request: Request) -> Response:
             try:
                 raw = await read_body(request, self.st.max_body_bytes, self.st.body_timeout_s)
-                g, tokens = await self._prepare(parse, raw)
-                return await answer(request, g, tokens)
+                g, prompts = await self._prepare(parse, raw)
+                return await answer(request, g, self._open(g, prompts))
             except Disconnected:
                 return Response(status_code=499)  # nobody reads it: the client is gone
             except BadRequest as exc:
@@ -151,121 +171,255 @@ class _Api:
                                     status_code=500)
         return route
 
-    async def _prepare(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[int]]:
-        """The request and its prompt's token ids. A long body, and any text to tokenize, on a worker thread: the
+    async def _prepare(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[list[int]]]:
+        """The request and its prompts' token ids. A long body, and any text to tokenize, on a worker thread: the
         event loop keeps serving every other request meanwhile (parsing a 10 MB body, or a long conversation's
         template and tokenization, take 0.1-2 s)."""
         if len(raw) > OFF_LOOP_BYTES:
             return await anyio.to_thread.run_sync(self._request, parse, raw)
         g = parse(load_json(raw))
-        if g.kind == "chat" or isinstance(g.prompt, str):
-            return g, await anyio.to_thread.run_sync(self._tokens, g)
-        return g, self._tokens(g)
+        if g.kind == "chat" or any(isinstance(p, str) for p in g.prompts):
+            return g, await anyio.to_thread.run_sync(self._all_tokens, g)
+        return g, self._all_tokens(g)
 
-    def _request(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[int]]:
+    def _request(self, parse: Callable[[dict], GenRequest], raw: bytes) -> tuple[GenRequest, list[list[int]]]:
         g = parse(load_json(raw))
-        return g, self._tokens(g)
+        return g, self._all_tokens(g)
 
-    def _tokens(self, g: GenRequest) -> list[int]:
-        """The prompt as token ids, checked against the vocabulary, the context and admission."""
-        st, client = self.st, self.fe.client
+    def _all_tokens(self, g: GenRequest) -> list[list[int]]:
+        st = self.st
         if g.model is not None and g.model != st.name:
             raise BadRequest(f"model {g.model!r} is not served here; this server serves {st.name!r}", "model", 404)
+        if g.stop and st.tok is None:
+            raise BadRequest(f"'stop' strings need a tokenizer and model {st.name} has none: use 'stop_token_ids'",
+                             "stop")
+        if g.kind == "chat":
+            return [self._tokens(g, None)]
+        return [self._tokens(g, p) for p in g.prompts]
+
+    def _tokens(self, g: GenRequest, prompt: list[int] | str | None) -> list[int]:
+        """The prompt as token ids, checked against the vocabulary, the context and admission."""
+        st, client = self.st, self.fe.client
         if g.kind == "chat":
             if st.tok is None or not st.tok.has_chat_template:
                 raise BadRequest(f"model {st.name} has no tokenizer with a chat template: use /v1/completions or "
                                  "/generate with token ids", "messages")
             tokens = st.tok.chat(g.messages or [])
-        elif isinstance(g.prompt, str):
+        elif isinstance(prompt, str):
             if st.tok is None:
                 raise BadRequest(f"model {st.name} has no tokenizer: give the prompt as token ids", g.prompt_field)
-            tokens = st.tok.text(g.prompt)
+            tokens = st.tok.text(prompt)
         else:
-            tokens = list(g.prompt or [])
+            tokens = list(prompt or [])
         _check_tokens(tokens, g, client.vocab_size, st.name)
         why = client.never_reason(len(tokens))
         if why is not None:
             raise BadRequest(f"the prompt of {len(tokens)} tokens can never be served: {why}", g.prompt_field)
-        why = client.never_reason(len(tokens) + g.max_new_tokens - 1)
-        if why is not None:
-            raise BadRequest(f"prompt ({len(tokens)} tokens) + {g.max_field.split('.')[-1]} ({g.max_new_tokens}) "
-                             f"can never be served: {why}", g.max_field)
         return tokens
 
-    def _open(self, g: GenRequest, tokens: list[int]) -> Flight:
-        stop = self.st.tok.stop_ids if self.st.tok is not None and not g.ignore_eos else frozenset()
-        return self.fe.open(tokens, g.max_new_tokens, stop)
+    def _room(self, g: GenRequest, prompt_len: int) -> int:
+        """The tokens to generate after a prompt: ``max_new_tokens``, or when that was the default, as many of
+        them as the context leaves; a given one past the context is a 400 naming it."""
+        client = self.fe.client
+        why = client.never_reason(prompt_len + g.max_new_tokens - 1)
+        if why is None:
+            return g.max_new_tokens
+        if g.max_given:
+            raise BadRequest(f"prompt ({prompt_len} tokens) + {g.max_field.split('.')[-1]} ({g.max_new_tokens}) "
+                             f"can never be served: {why}", g.max_field)
+        lo, hi = 1, g.max_new_tokens  # the prompt alone fits: the most that still does (the context's cap)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if client.never_reason(prompt_len + mid - 1) is None else (lo, mid - 1)
+        return lo
 
-    async def completion(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
-        flight, rid = self._open(g, tokens), f"cmpl-{uuid.uuid4().hex}"
+    def _stop_ids(self, g: GenRequest) -> frozenset[int]:
+        eos = frozenset() if g.ignore_eos else self.st.eos_ids | (self.st.tok.stop_ids if self.st.tok else frozenset())
+        return eos | g.stop_token_ids
+
+    def _open(self, g: GenRequest, prompts: list[list[int]]) -> list[Choice]:
+        """Submit each prompt ``n`` times (choice i * n + j: prompt i, sample j; sample j > 0 with its own seed
+        from the request's); a refusal cancels those already submitted."""
+        base = g.seed if g.seed is not None else secrets.randbits(63)
+        stop_ids, choices = self._stop_ids(g), []
+        try:
+            for i, tokens in enumerate(prompts):
+                room = self._room(g, len(tokens))
+                for j in range(g.n):
+                    sampling = replace(g.sampling, seed=base if j == 0 else mix_seed(base, j))
+                    flight = self.fe.open(tokens, room, stop_ids, sampling)
+                    text = ChoiceText(self.st.tok, g.stop, g.keep_stop, g.skip_special_tokens, stop_ids)
+                    choices.append(Choice(len(choices), flight, text, tokens, self._echo(g, i, tokens), j == 0))
+        except BadRequest:
+            for c in choices:
+                c.flight.end("cancelled")
+            raise
+        return choices
+
+    def _echo(self, g: GenRequest, i: int, tokens: list[int]) -> str:
+        if not g.echo:
+            return ""
+        prompt = g.prompts[i]
+        return prompt if isinstance(prompt, str) else self._text(tokens, g)
+
+    # -- completions -------------------------------------------------------------------------------
+    async def completion(self, request: Request, g: GenRequest, choices: list[Choice]) -> Response:
+        rid = f"cmpl-{uuid.uuid4().hex}"
         if g.stream:
-            return _sse(self._completion_chunks(flight, g, rid), request)
-        out = await _until_done(request, flight)
+            return _sse(self._completion_chunks(choices, g, rid), request)
+        await _until_done(request, _merged(choices))
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name,
-            "choices": [{"index": 0, "text": self._text(out.tokens, g), "token_ids": out.tokens, "logprobs": None,
-                         "finish_reason": out.finish_reason}],
-            "usage": _usage(out)})
+            "choices": [self._completion_choice(c, g) for c in choices], "usage": _usage(choices)})
 
-    async def _completion_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
+    def _completion_choice(self, c: Choice, g: GenRequest) -> dict[str, Any]:
+        out = c.flight.out
+        lps = completion_logprobs(self.st.tok, out.tokens, out.logprobs, len(c.echo)) \
+            if g.sampling.logprobs is not None else None
+        return {"index": c.index, "text": c.echo + c.text.visible(True), "token_ids": out.tokens, "logprobs": lps,
+                "finish_reason": out.finish_reason}
+
+    async def _completion_chunks(self, choices: list[Choice], g: GenRequest, rid: str) -> AsyncIterator[dict]:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.st.name}
-        text, sent = TextStream(self.st.tok, g.skip_special_tokens) if self.st.tok is not None else None, 0
-        async for out in flight.events():  # after each token, and once more at the finish
-            delta = text.push(out.tokens, out.finish_reason is not None) if text is not None else ""
-            choice = {"index": 0, "text": delta, "token_ids": out.tokens[sent:], "logprobs": None,
-                      "finish_reason": out.finish_reason}
-            sent = len(out.tokens)
-            yield _with_usage({**head, "choices": [choice]}, g, out)
+        async for news in _merged(choices):  # after each token, and once more at the finish
+            c, out, text = news.c, news.c.flight.out, news.delta()
+            if not c.head:
+                text, c.head = c.echo + text, True
+            new = out.tokens[c.sent:news.n]
+            lps = completion_logprobs(self.st.tok, new, out.logprobs[c.sent:news.n]) \
+                if g.sampling.logprobs is not None else None
+            c.sent = news.n
+            choice = {"index": c.index, "text": text, "token_ids": new, "logprobs": lps,
+                      "finish_reason": news.reason}
+            yield _with_usage({**head, "choices": [choice]}, g, choices)
         if g.include_usage:
-            yield {**head, "choices": [], "usage": _usage(out)}
+            yield {**head, "choices": [], "usage": _usage(choices)}
 
-    async def chat(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
-        flight, rid = self._open(g, tokens), f"chatcmpl-{uuid.uuid4().hex}"
+    # -- chat --------------------------------------------------------------------------------------
+    async def chat(self, request: Request, g: GenRequest, choices: list[Choice]) -> Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         if g.stream:
-            return _sse(self._chat_chunks(flight, g, rid), request)
-        out = await _until_done(request, flight)
+            return _sse(self._chat_chunks(choices, g, rid), request)
+        await _until_done(request, _merged(choices))
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.st.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self._text(out.tokens, g)},
-                         "logprobs": None, "finish_reason": out.finish_reason}],
-            "usage": _usage(out)})
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text.visible(True)},
+                         "logprobs": self._chat_logprobs(c, g, 0), "finish_reason": c.flight.out.finish_reason}
+                        for c in choices],
+            "usage": _usage(choices)})
 
-    async def _chat_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
+    def _chat_logprobs(self, c: Choice, g: GenRequest, start: int, end: int | None = None) -> dict[str, Any] | None:
+        out = c.flight.out
+        if g.sampling.logprobs is None:
+            return None
+        end = len(out.tokens) if end is None else end
+        return chat_logprobs(self.st.tok, out.tokens[start:end], out.logprobs[start:end])
+
+    async def _chat_chunks(self, choices: list[Choice], g: GenRequest, rid: str) -> AsyncIterator[dict]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.st.name}
-        text = TextStream(self.st.tok, g.skip_special_tokens)  # chat needs a tokenizer
-        yield _with_usage({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}, g, flight.out)
-        async for out in flight.events():
-            delta = text.push(out.tokens, out.finish_reason is not None)
-            yield _with_usage({**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
-                                                    "finish_reason": out.finish_reason}]}, g, out)
+        for c in choices:
+            yield _with_usage({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}, g, choices)
+        async for news in _merged(choices):
+            c = news.c
+            lps = self._chat_logprobs(c, g, c.sent, news.n)
+            c.sent = news.n
+            yield _with_usage({**head, "choices": [{"index": c.index, "delta": {"content": news.delta()},
+                                                    "logprobs": lps, "finish_reason": news.reason}]}, g, choices)
         if g.include_usage:
-            yield {**head, "choices": [], "usage": _usage(out)}
+            yield {**head, "choices": [], "usage": _usage(choices)}
 
-    async def generate(self, request: Request, g: GenRequest, tokens: list[int]) -> Response:
-        flight = self._open(g, tokens)
+    # -- /generate ---------------------------------------------------------------------------------
+    async def generate(self, request: Request, g: GenRequest, choices: list[Choice]) -> Response:
         rid = g.rid or uuid.uuid4().hex
         if g.stream:
-            return _sse(self._generate_chunks(flight, g, rid), request)
-        return JSONResponse(self._generate_body(await _until_done(request, flight), g, rid))
+            return _sse(self._generate_chunks(choices[0], g, rid), request)
+        await _until_done(request, _merged(choices))
+        return JSONResponse(self._generate_body(choices[0], g, rid))
 
-    async def _generate_chunks(self, flight: Flight, g: GenRequest, rid: str) -> AsyncIterator[dict]:
-        async for out in flight.events():  # cumulative, as SGLang streams
-            yield self._generate_body(out, g, rid)
+    async def _generate_chunks(self, c: Choice, g: GenRequest, rid: str) -> AsyncIterator[dict]:
+        async for news in _merged([c]):  # cumulative, as SGLang streams
+            yield self._generate_body(c, g, rid, news)
 
-    def _generate_body(self, out: Outcome, g: GenRequest, rid: str) -> dict[str, Any]:
-        body: dict[str, Any] = {"output_ids": list(out.tokens)}
+    def _generate_body(self, c: Choice, g: GenRequest, rid: str, news: News | None = None) -> dict[str, Any]:
+        """The answer so far (``news``: a streamed state; None: the finished one)."""
+        out = c.flight.out
+        tokens = out.tokens[:news.n] if news is not None else list(out.tokens)
+        body: dict[str, Any] = {"output_ids": tokens}
         if self.st.tok is not None:
-            body["text"] = self._text(out.tokens, g)
-        fin = None if out.finish_reason is None else {"type": out.finish_reason, "length": len(out.tokens)}
+            body["text"] = news.visible if news is not None else c.text.visible(True)
+        reason = news.reason if news is not None else out.finish_reason
+        fin = None if reason is None else {"type": reason, "length": len(tokens)}
         body["meta_info"] = {"id": rid, "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
-                             "completion_tokens": len(out.tokens), "ttft_s": round(out.ttft_s, 6),
-                             "e2e_latency_s": round(out.e2e_s, 6) if out.finish_reason else None,
+                             "completion_tokens": len(tokens), "ttft_s": round(out.ttft_s, 6),
+                             "e2e_latency_s": round(out.e2e_s, 6) if reason else None,
                              "finish_reason": fin}
+        if g.sampling.logprobs is not None:
+            body["meta_info"].update(generate_logprobs(self.st.tok, tokens, out.logprobs[:len(tokens)],
+                                                       g.text_in_logprobs))
         return body
 
     def _text(self, tokens: list[int], g: GenRequest) -> str:
         return self.st.tok.decode(tokens, g.skip_special_tokens) if self.st.tok is not None else ""
+
+
+@dataclass
+class News:
+    """A choice's state after one of its tokens (or its finish), taken when it came: the outcome's first ``n``
+    tokens, whether it is final (``reason`` set) and the text a stream may show."""
+
+    c: Choice
+    n: int
+    reason: str | None
+    visible: str
+
+    @property
+    def final(self) -> bool:
+        return self.reason is not None
+
+    def delta(self) -> str:
+        """The text since the choice's last streamed chunk."""
+        c = self.c
+        if not self.visible.startswith(c.sent_text):
+            return ""  # the decoder changed text already sent (it cannot be taken back)
+        new, c.sent_text = self.visible[len(c.sent_text):], self.visible
+        return new
+
+
+async def _merged(choices: list[Choice]) -> AsyncIterator[News]:
+    """``News`` after each token of every choice, choices interleaved as their tokens come. A choice whose text
+    reaches a stop string ends there (its flight finished as "stop"); a failure of any choice raises (the others
+    are cancelled on the way out)."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async with aclosing(c.flight.events()) as events:
+                async for out in events:
+                    if c.text.push(out.tokens, out.finish_reason):
+                        c.flight.end("stop")
+                        out.finish_reason = "stop"
+                    final = out.finish_reason is not None
+                    q.put_nowait(News(c, len(out.tokens), out.finish_reason, c.text.visible(final)))
+                    if final:
+                        return
+        except Exception as exc:  # Refused: the engine failed or rejected it
+            q.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            news = await q.get()
+            if isinstance(news, Exception):
+                raise news
+            left -= news.final
+            news.c.seen = news.n
+            yield news
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_tokens(tokens: list[int], g: GenRequest, vocab: int, model: str) -> None:
@@ -278,10 +432,10 @@ def _check_tokens(tokens: list[int], g: GenRequest, vocab: int, model: str) -> N
                          f"0..{vocab - 1})", g.prompt_field)
 
 
-def _with_usage(chunk: dict[str, Any], g: GenRequest, out: Outcome) -> dict[str, Any]:
+def _with_usage(chunk: dict[str, Any], g: GenRequest, choices: list[Choice]) -> dict[str, Any]:
     """A streamed chunk, with the usage so far when the client asked for it in every chunk."""
     if g.continuous_usage:
-        chunk["usage"] = _usage(out)
+        chunk["usage"] = _usage(choices)
     return chunk
 
 
@@ -315,19 +469,21 @@ def _too_large(limit: int) -> BadRequest:
                       "(--max-body-mb)", None, 413)
 
 
-def _usage(out: Outcome) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.tokens),
-            "total_tokens": out.prompt_tokens + len(out.tokens),
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    """Every prompt counted once (its first choice's cached tokens), every choice's generated tokens."""
+    prompt = sum(len(c.prompt) for c in choices if c.first)
+    made = sum(c.seen for c in choices)
+    cached = sum(c.flight.out.cached_tokens for c in choices if c.first)
+    return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _until_done(request: Request, flight: Flight) -> Outcome:
-    """The finished outcome; a disconnect first cancels the request (the answer goes nowhere)."""
-    async def run() -> Outcome:
-        async with aclosing(flight.events()) as events:
-            async for out in events:
+async def _until_done(request: Request, events: AsyncIterator) -> None:
+    """Run ``events`` to its end; a disconnect first cancels the requests (the answer goes nowhere)."""
+    async def run() -> None:
+        async with aclosing(events) as it:
+            async for _ in it:
                 pass
-        return out
 
     task = asyncio.ensure_future(run())
     gone = asyncio.ensure_future(_disconnected(request))

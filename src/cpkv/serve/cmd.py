@@ -196,6 +196,7 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
     from cpkv.serve.conn import deadline_protocol
     from cpkv.serve.frontend import Frontend
     from cpkv.serve.metrics import Metrics
+    from cpkv.serve.output import generation_eos_ids
     from cpkv.serve.tokenizer import load_tokenizer
 
     metrics = Metrics()
@@ -215,7 +216,8 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         name = served_name(args.model, args.served_model_name)
         max_body = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else \
             default_max_body(client.model_cfg.max_context)
-        app = build_app(ServeState(fe, tok, name, max_body, args.body_timeout, args.api_key))
+        app = build_app(ServeState(fe, tok, name, max_body, args.body_timeout, args.api_key,
+                                   generation_eos_ids(args.model)))
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S,
                                 http=deadline_protocol(args.header_timeout, args.body_timeout))

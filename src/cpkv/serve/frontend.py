@@ -1,10 +1,10 @@
 """Between the HTTP handlers and the engine client: the one place a request is admitted, submitted, awaited,
 timed, counted and cancelled.
 
-    flight = frontend.open(tokens, max_new_tokens, stop_ids)   # 429 / 503 (BadRequest) or submitted
+    flight = frontend.open(tokens, max_new_tokens, stop_ids, sampling)   # 429 / 503 (BadRequest) or submitted
     async with aclosing(flight.events()) as events:
         async for out in events:        # an Outcome after each token; the last has finish_reason set
-            ...
+            ...                         # flight.end("stop") when the text holds a stop string
     # leaving early (client gone, shutdown) cancels the request in the engine
 
 The engine client calls back on its watch thread; events reach the request's asyncio queue through
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from cpkv.engine.client import EngineClient
-from cpkv.engine.protocol import Finished, Token
+from cpkv.engine.protocol import Finished, SamplingParams, Token
 from cpkv.serve.metrics import Metrics
 from cpkv.serve.protocol import BadRequest
 
@@ -39,6 +39,7 @@ class Outcome:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     finish_reason: str | None = None   # length | stop, once finished
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)  # per token, if asked
 
 
 class Frontend:
@@ -53,7 +54,8 @@ class Frontend:
     def waiting(self) -> int:
         return sum(1 for f in self.flights.values() if not f.out.tokens)
 
-    def open(self, tokens: Sequence[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()) -> "Flight":
+    def open(self, tokens: Sequence[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset(),
+             sampling: SamplingParams = SamplingParams()) -> "Flight":
         if self.draining:
             raise Refused("the server is shutting down", 503, "unavailable")
         if not self.client.healthy:
@@ -62,7 +64,7 @@ class Frontend:
             raise Refused(f"the waiting queue is full ({self.max_waiting} requests wait for a first token); retry "
                           "later", 429, "queue_full")
         flight = Flight(self, len(tokens))
-        flight.rid = self.client.submit(tokens, max_new_tokens, flight.push, stop_ids)
+        flight.rid = self.client.submit(tokens, max_new_tokens, flight.push, stop_ids, sampling)
         self.flights[flight.rid] = flight
         self.metrics.waiting.inc()
         return flight
@@ -122,6 +124,12 @@ class Flight:
                 self.fe.client.cancel(self.rid)
                 self._finish(Finished(self.rid, "cancelled"))
 
+    def end(self, reason: str) -> None:
+        """Finish here (a stop string in the text): cancel the request in the engine, count it as ``reason``."""
+        if not self.closed:
+            self.fe.client.cancel(self.rid)
+            self._finish(Finished(self.rid, reason))
+
     def _token(self, ev: Token) -> None:
         m, out = self.fe.metrics, self.out
         if ev.index == 0:
@@ -130,6 +138,8 @@ class Flight:
             m.running.inc()
             m.first_token(out.ttft_s, out.prompt_tokens, out.cached_tokens)
         out.tokens.append(ev.token)
+        if ev.logprob is not None:
+            out.logprobs.append((ev.logprob, ev.top))
         m.generation_tokens.inc()
 
     def _finish(self, ev: Finished) -> None:

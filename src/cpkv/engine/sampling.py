@@ -1,0 +1,86 @@
+"""Picking a generation's next token from its last-token logits (``SamplingParams``): pure functions over one
+logits row, in float64 on the host, so a token depends on the logits, the parameters, the seed and the step alone
+(not on the device, the batch or the rank).
+
+    pick(row, p, tokens, prompt_len, step)     row: [vocab] float32 logits (any device) -> token id
+        greedy (temperature 0, no penalty)     argmax(row) on its device: the exact path ``cpkv run`` checks
+        penalize                               vLLM's definitions: repetition over prompt + output tokens
+                                               (logit > 0: / r, else * r), then - frequency * count(output),
+                                               then - presence * [count(output) > 0]
+        temperature 0 with a penalty           argmax of the penalized logits
+        filtered_probs                         softmax(logits / temperature), then on the probabilities sorted
+                                               best first (stable: ties keep id order), as SGLang's reference:
+                                               top_k keeps the first k, top_p keeps a token while the mass before
+                                               it is <= top_p, min_p keeps p >= min_p * p_max; renormalised
+        draw                                   argmax(probs / q), q ~ Exp(1) from a CPU generator seeded with
+                                               mix_seed(seed, step): a draw from probs (the exponential race)
+    logprobs(row, token, n)                    log_softmax of the raw logits: (log p(token), top n (id, log p))
+
+Every rank that holds a request's last token could pick it; only that one does, and the token travels as the
+greedy one does (``OnlineRankEngine._step``: an all-reduce max over -1).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cpkv.engine.protocol import SamplingParams, mix_seed
+
+
+def pick(row: torch.Tensor, p: SamplingParams, tokens: Sequence[int], prompt_len: int, step: int) -> int:
+    """row: [vocab] float32 logits; tokens: prompt + output so far (the first ``prompt_len`` are the prompt);
+    step: the index of the token being picked (0 = first) -> the token id."""
+    if p.greedy:
+        return int(torch.argmax(row))
+    logits = penalize(row.detach().to("cpu", torch.float64), tokens[:prompt_len], tokens[prompt_len:], p)
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    return draw(filtered_probs(logits, p), p.seed, step)
+
+
+def penalize(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], p: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] float64 -> a penalized copy (vLLM's ``apply_penalties`` for one row)."""
+    vocab = logits.numel()
+    out = logits.clone()
+    if p.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(list(prompt) + list(output), dtype=torch.long)] = True
+        r = p.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if output and (p.frequency_penalty != 0 or p.presence_penalty != 0):
+        counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=vocab)[:vocab].double()
+        out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).double()
+    return out
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] float64 (penalized), p.temperature > 0 -> [vocab] float64 probabilities summing to 1, zero
+    where top_k, top_p or min_p masks a token (module docstring)."""
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    ranked, ids = probs.sort(descending=True, stable=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if p.top_k > 0:
+        keep[p.top_k:] = False
+    if p.top_p < 1:
+        keep &= (ranked.cumsum(-1) - ranked) <= p.top_p
+    if p.min_p > 0:
+        keep &= ranked >= ranked[0] * p.min_p
+    out = torch.zeros_like(probs)
+    out[ids[keep]] = ranked[keep]
+    return out / out.sum()
+
+
+def draw(probs: torch.Tensor, seed: int, step: int) -> int:
+    """probs: [vocab] float64 -> one token drawn from it, the same for the same (seed, step) on any machine."""
+    g = torch.Generator(device="cpu").manual_seed(mix_seed(seed, step))
+    q = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=g).clamp_min_(1e-300)  # never 0/0
+    return int(torch.argmax(probs / q))
+
+
+def logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """row: [vocab] float32 raw logits -> (log p(token), the n most likely (id, log p), best first; ties by id)."""
+    lp = torch.log_softmax(row.detach().to("cpu", torch.float64), dim=-1)
+    best, ids = lp.sort(descending=True, stable=True)
+    top = tuple((int(i), float(v)) for i, v in zip(ids[:n].tolist(), best[:n].tolist()))
+    return float(lp[token]), top
