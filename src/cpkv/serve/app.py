@@ -6,6 +6,7 @@
     POST /v1/chat/completions  OpenAI chat, when the checkpoint has a tokenizer with a chat template
     POST /generate             SGLang-native: output_ids, text (with a tokenizer), meta_info
     GET  /metrics              Prometheus text
+    ...                        the info, cache and tokenizer routes of ``cpkv.serve.info``
 
 A client that disconnects cancels its request (non-streaming: a task waits for ``http.disconnect``; streaming:
 the response listens for it beside the stream); one that goes away while sending its body is a quiet 499. Errors,
@@ -25,7 +26,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -36,6 +37,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cpkv.serve import info
 from cpkv.serve.frontend import Flight, Frontend, Outcome, Refused
 from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, parse_completion, parse_generate
 from cpkv.serve.tokenizer import TextStream, Tokenizer
@@ -60,6 +62,11 @@ class ServeState:
     max_body_bytes: int = DEFAULT_MAX_BODY
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     api_key: str | None = None      # None: no authentication
+    context_length: int = 0         # tokens a request may hold, prompt and generation (0: the model's)
+    info: dict[str, Any] = field(default_factory=dict)  # the settings /get_server_info reports (``cmd.server_info``)
+
+    def __post_init__(self) -> None:
+        self.context_length = self.context_length or self.fe.client.model_cfg.max_context
 
 
 def build_app(st: ServeState) -> Starlette:
@@ -72,6 +79,7 @@ def build_app(st: ServeState) -> Starlette:
         Route("/v1/completions", api.handler(parse_completion, api.completion), methods=["POST"]),
         Route("/v1/chat/completions", api.handler(parse_chat, api.chat), methods=["POST"]),
         Route("/generate", api.handler(parse_generate, api.generate), methods=["POST"]),
+        *info.routes(st),
     ], middleware=middleware, exception_handlers={HTTPException: _http_error})
 
 
@@ -123,10 +131,9 @@ class _Api:
         return JSONResponse({"status": status, "ranks": ranks}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        cfg = self.fe.client.model_cfg
         return JSONResponse({"object": "list", "data": [{
             "id": self.st.name, "object": "model", "created": self.created, "owned_by": "cpkv",
-            "root": self.st.name, "max_model_len": cfg.max_context}]})
+            "root": self.st.name, "max_model_len": self.st.context_length}]})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.fe.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -186,6 +193,9 @@ class _Api:
         why = client.never_reason(len(tokens))
         if why is not None:
             raise BadRequest(f"the prompt of {len(tokens)} tokens can never be served: {why}", g.prompt_field)
+        if len(tokens) + g.max_new_tokens > st.context_length:
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + {g.max_field.split('.')[-1]} ({g.max_new_tokens}) "
+                             f"exceeds the context length {st.context_length}", g.max_field)
         why = client.never_reason(len(tokens) + g.max_new_tokens - 1)
         if why is not None:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + {g.max_field.split('.')[-1]} ({g.max_new_tokens}) "
