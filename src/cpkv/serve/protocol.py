@@ -10,6 +10,9 @@ Every error is a ``BadRequest`` naming the field (OpenAI's ``param``) with what 
     POST /generate              text or input_ids, sampling_params {max_new_tokens (128), temperature,
                                 top_p, ignore_eos, skip_special_tokens (true)}, stream, rid, return_logprob (false)
 
+SGLang's router adds its own fields at their defaults (``ROUTER_GENERATE``, ``ROUTER_OPENAI``): accepted at exactly
+that value or null, a 400 naming the field at any other.
+
 Greedy decoding only: ``temperature`` absent or 0 (any other value is a 400 naming it). Fields outside
 these lists are a 400 (``unknown field``), so a typo never passes silently; a known field is honoured or, at
 a value that asks for what cpkv does not do, refused. Types are strict: a boolean is ``true`` / ``false`` (not
@@ -65,6 +68,12 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "stream_options", "user", "seed", "stop"}
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "return_logprob"}
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "ignore_eos", "skip_special_tokens"}
+# SGLang's fields that its router (sglang-router) adds at their defaults: accepted at exactly that value (or null)
+ROUTER_GENERATE = {"model": None, "background": False, "return_hidden_states": False, "log_metrics": True,
+                   "return_text_in_logprobs": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+ROUTER_OPENAI = {"ignore_eos": False, "no_stop_trim": False, "skip_special_tokens": True,
+                 "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+                 "return_hidden_states": False}
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
@@ -78,7 +87,8 @@ def load_json(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion(body: dict[str, Any]) -> GenRequest:
-    _known(body, COMPLETION_FIELDS)
+    _known(body, COMPLETION_FIELDS | set(ROUTER_OPENAI))
+    _router_defaults(body, ROUTER_OPENAI)
     _greedy(body, "temperature")
     _common_openai(body)
     if _bool(body, "echo"):
@@ -94,7 +104,8 @@ def parse_completion(body: dict[str, Any]) -> GenRequest:
 
 
 def parse_chat(body: dict[str, Any]) -> GenRequest:
-    _known(body, CHAT_FIELDS)
+    _known(body, CHAT_FIELDS | set(ROUTER_OPENAI))
+    _router_defaults(body, ROUTER_OPENAI)
     _greedy(body, "temperature")
     _common_openai(body)
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -125,7 +136,8 @@ def _message(m: Any, where: str) -> None:
 
 
 def parse_generate(body: dict[str, Any]) -> GenRequest:
-    _known(body, GENERATE_FIELDS)
+    _known(body, GENERATE_FIELDS | set(ROUTER_GENERATE))
+    _router_defaults(body, ROUTER_GENERATE)
     sp = body.get("sampling_params", {})
     if not isinstance(sp, dict):
         raise BadRequest(f"'sampling_params' must be an object, got {_kind(sp)}", "sampling_params")
@@ -158,6 +170,15 @@ def _known(body: dict, fields: set[str], prefix: str = "") -> None:
     if unknown:
         raise BadRequest(f"unknown field {prefix}{unknown[0]!s}; expected some of {', '.join(sorted(fields))}",
                          prefix + unknown[0])
+
+
+def _router_defaults(body: dict, defaults: dict[str, Any]) -> None:
+    """SGLang's fields at their default value (or null) pass; any other value asks for what cpkv does not do."""
+    for name, default in defaults.items():
+        v = body.get(name)
+        if v is not None and (type(v) is not type(default) or v != default):
+            raise BadRequest(f"'{name}' is not supported: expected {json.dumps(default)}, null or absent, got "
+                             f"{_short(v)}", name)
 
 
 def _greedy(body: dict, name: str, prefix: str = "") -> None:
