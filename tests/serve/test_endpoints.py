@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("tiny", "--cp", "1", "--log-requests", "--decode-log-interval", "1", "--context-length", "4096")
+    s = Server("tiny", "--cp", "2", "--log-requests", "--decode-log-interval", "1", "--context-length", "4096")
     yield s
     s.close()
 
@@ -34,7 +34,7 @@ def test_text_and_chat_through_the_openai_client(server):
 def test_server_info_reports_the_flags(server):
     info = server.get("/get_server_info").json()
     assert (info["cp_size"], info["page_size"], info["chunked_prefill_size"], info["pages_per_rank"],
-            info["max_running_requests"], info["context_length"]) == (1, 16, 64, 512, 8, 4096)
+            info["max_running_requests"], info["context_length"]) == (2, 16, 64, 512, 8, 4096)
     assert info["model_path"] == "tiny" and server.get("/get_model_info").json()["has_tokenizer"] is True
     assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 4096
 
@@ -64,5 +64,5 @@ def test_logs_and_decode_histograms(server):
     err = server.stderr
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO: +"
     assert re.search(stamp + r"Prefill batch\. #new-seq: 1, #new-token: \d+, #cached-token: \d+", err), err
-    assert re.search(stamp + r"Decode batch\. #running-req: \d+, KV pages: \d+/511 .*gen throughput", err), err
+    assert re.search(stamp + r"Decode batch\. #running-req: \d+, KV pages: \d+/1022 .*gen throughput", err), err
     assert re.search(stamp + r'127\.0\.0\.1:\d+ - "POST /generate HTTP/1\.1" 200', err), err

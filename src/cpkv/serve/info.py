@@ -15,7 +15,7 @@ Registered by ``cpkv.serve.app.build_app``; answers and errors in the same JSON 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,16 +25,14 @@ import cpkv
 from cpkv.engine.protocol import Finished, Flushed
 from cpkv.serve.protocol import BadRequest, _bool, _kind, _known, _message, _model, _token_ids, load_json
 
-if TYPE_CHECKING:
-    from cpkv.serve.app import ServeState
-
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                    "continue_final_message", "return_token_strs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 HEALTH_PROMPT = (1, 2, 3, 4)  # /health_generate's prompt: token ids every vocabulary holds
 
 
-def routes(st: ServeState) -> list[Route]:
+def routes(st: Any) -> list[Route]:
+    """The routes, over ``st``: the app's ``ServeState`` (not imported: ``app`` imports this module)."""
     i = _Info(st)
     return [Route("/get_model_info", i.model_info, methods=["GET"]),
             Route("/model_info", i.model_info, methods=["GET"]),
@@ -57,7 +55,7 @@ def _errors(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Reques
 
 
 class _Info:
-    def __init__(self, st: ServeState) -> None:
+    def __init__(self, st: Any) -> None:
         self.st, self.fe = st, st.fe
 
     async def model_info(self, request: Request) -> Response:
