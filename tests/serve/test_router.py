@@ -1,7 +1,8 @@
 """Two ``cpkv serve`` workers (tiny preset, cp 1, their shipped tokenizer) behind SGLang's router
 (``sglang-router``, ``--policy cache_aware``) on loopback: the router registers them (their health and info
 endpoints), forwards requests with its default-valued fields, and keeps each conversation on the worker that holds
-its prefix, so the cache-hit ratio through the router is at least that of one worker alone."""
+its prefix, so the cache-hit ratio through the router is at least that of one worker alone. (Whether it also
+spreads the first turns over both workers varies from run to run: not asserted.)"""
 from __future__ import annotations
 
 import socket
@@ -17,7 +18,7 @@ from test_serve import ENV, Server, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-CONVERSATIONS, TURNS = 6, 3
+CONVERSATIONS, TURNS = 5, 3  # odd: round robin would move every conversation to the other worker each turn
 WORKER = ("--cp", "1", "--max-requests", "4")
 
 
@@ -66,7 +67,7 @@ def test_cache_aware_router_keeps_conversations_on_their_worker(workers):
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(url, router), "the router to register both workers", 60)
+        wait_for(lambda: _ready(url, router), "the router to register both workers as model 'tiny'", 60)
         metas = run_trace(url)
     finally:
         router.terminate()
@@ -75,15 +76,14 @@ def test_cache_aware_router_keeps_conversations_on_their_worker(workers):
     follow_ups = [m for m in metas if m["turn"] > 0]
     assert all(m["cached_tokens"] > 0 for m in follow_ups), (metas, out[-3000:])
     assert hit_ratio(metas) >= alone > 0
-    served = [w.metrics()[("cpkv:prompt_tokens_total", ())] for w in workers]
-    assert all(n > 0 for n in served), served  # the router spread the conversations over both workers
 
 
 def _ready(url: str, router: subprocess.Popen) -> bool:
+    """Both workers registered and healthy, under the model name the workers' info endpoints gave."""
     if router.poll() is not None:
         pytest.fail(f"the router exited: {router.stdout.read()[-3000:]}")
     try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200 and \
-            httpx.get(url + "/v1/models", timeout=5).status_code == 200
-    except httpx.HTTPError:
+        workers = httpx.get(url + "/workers", timeout=5).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError):
         return False
+    return len(workers) == 2 and all(w["is_healthy"] and w["model_id"] == "tiny" for w in workers)
