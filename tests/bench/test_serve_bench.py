@@ -34,8 +34,9 @@ class FakeServer:
     """An HTTP server for the load generator: see the module docstring."""
 
     def __init__(self, hold: Callable[[list[int]], Awaitable[None]] | None = None,
-                 fail: Callable[[list[int]], int | None] | None = None, token_ids: bool = True) -> None:
-        self.hold, self.fail, self.token_ids = hold, fail, token_ids
+                 fail: Callable[[list[int]], int | None] | None = None, token_ids: bool = True,
+                 info: dict[str, Any] | None = None) -> None:
+        self.hold, self.fail, self.token_ids, self.info = hold, fail, token_ids, info
         self.events: list[tuple[str, tuple[int, ...]]] = []
         self.finished: list[tuple[int, ...]] = []
         self.inflight = self.max_inflight = 0
@@ -73,6 +74,8 @@ class FakeServer:
     async def _route(self, method: str, path: str, body: Any, writer: asyncio.StreamWriter) -> None:
         if path == "/v1/models":
             return self._json(writer, 200, {"data": [{"id": "fake-model"}]})
+        if path == "/get_server_info":
+            return self._json(writer, 200, self.info) if self.info else self._json(writer, 404, {})
         self.bodies.append(body)
         prompt = body["input_ids"] if path == "/generate" else body["prompt"]
         n = body["sampling_params"]["max_new_tokens"] if path == "/generate" else body["max_tokens"]
@@ -521,3 +524,52 @@ def test_a_far_arrival_is_announced_and_waited_for_with_progress(tmp_path):
                        "stops sending after S seconds"), seen
     assert re.match(r"cpkv bench serve: [01]/2 \(next request due in \d+ s, \d+ s\)$", seen[-1]), seen
     assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in rest and "Traceback" not in rest
+
+
+def test_the_server_options_come_from_get_server_info_and_flags_override(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, 0.0, 40) for i in range(3)], trace)
+    info = {"cp_size": 3, "chunked_prefill_size": 128, "page_size": 16, "max_running_requests": 5,
+            "pages_per_rank": 300, "schedule_policy": "mix", "model_path": "tiny"}
+    with ServerThread(FakeServer(info=info)) as url:
+        base = ["bench", "serve", "--url", url, "--trace", str(trace), "--closed-loop", "--json"]
+        assert main(base) == 0
+        got = json.loads(capsys.readouterr().out)["server"]
+        assert main([*base, "--cp", "2", "--policy", "solo"]) == 0
+        over = json.loads(capsys.readouterr().out)["server"]
+    assert got == {"model": "tiny", "policy": "mix", "cp": 3, "chunk_size": 128, "page_size": 16, "max_requests": 5,
+                   "pages_per_rank": 300}
+    assert over == {**got, "cp": 2, "policy": "solo"}
+
+
+def test_an_unknown_server_info_falls_back_to_the_defaults():
+    import argparse
+
+    from cpkv.bench.serve_cmd import GEOMETRY, from_server
+
+    args = argparse.Namespace(**{k: None for k in GEOMETRY}, policy=None, model=None)
+    from_server(args, {"cp_size": "2", "page_size": 0, "schedule_policy": "lpm", "model_path": "/some/dir"})
+    assert {k: getattr(args, k) for k in GEOMETRY} == GEOMETRY and (args.policy, args.model) == ("solo", "tiny")
+
+
+def test_tpot_and_inter_token_latency_from_streamed_chunks():
+    def rec(first: float, gaps: list[float]) -> Record:
+        times = [first]
+        for g in gaps:
+            times.append(times[-1] + g)
+        return Record(0, None, 0.0, status="ok", sent_s=0.0, first_s=first, end_s=times[-1],
+                      completion_tokens=len(times), token_s=times)
+
+    s = summary([rec(1.0, [0.1, 0.3]), rec(2.0, [0.2]), rec(0.5, [])])
+    assert s["tpot_s"]["mean"] == pytest.approx((0.2 + 0.2) / 2)  # (end - first) / (tokens - 1); 1 token: none
+    assert s["itl_s"]["max"] == pytest.approx(0.3)
+    assert s["itl_s"]["p50"] == pytest.approx(0.2) and s["itl_s"]["mean"] == pytest.approx(0.2)
+
+
+def test_a_streamed_run_reports_tpot_and_itl(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace([TraceRequest(i, 0.0, 40) for i in range(3)], trace)
+    with ServerThread(FakeServer()) as url:
+        assert main(["bench", "serve", "--url", url, "--trace", str(trace), "--closed-loop", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "measured TPOT" in out and "inter-token latency" in out

@@ -4,7 +4,7 @@ parses, a disconnect cancels in the engine, a killed rank fails in-flight reques
 SIGTERM drains and leaves no process behind.
 
 One server (a tiny checkpoint with a tokenizer and chat template) serves the module; the SIGTERM test ends it,
-so it runs last. A second server (the ``tiny`` preset, token ids only) is the one whose rank gets killed.
+so it runs last. A second server (the ``tiny`` preset with its shipped tokenizer) is the one whose rank gets killed.
 """
 from __future__ import annotations
 
@@ -379,7 +379,7 @@ def test_sigterm_drains_then_exits_0_leaving_nothing(server):
 
 
 # -- a server whose rank gets killed -----------------------------------------------------------------
-def test_preset_without_tokenizer_then_a_killed_rank():
+def test_preset_with_its_tokenizer_then_a_killed_rank():
     s = Server("tiny", api_key="k3y-from-env")
     try:
         anon = httpx.post(s.url + "/generate", json={"input_ids": [1, 2]}, timeout=WAIT_S)
@@ -388,11 +388,9 @@ def test_preset_without_tokenizer_then_a_killed_rank():
         assert httpx.get(s.url + "/health", timeout=WAIT_S).status_code == 200
         assert httpx.get(s.url + "/metrics", timeout=WAIT_S).status_code == 200
         assert "API key required" in s.stderr and "k3y-from-env" not in s.stderr
-        r = s.post("/v1/completions", {"prompt": "hello"})
-        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
-        r = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-        assert "text" not in generate(s, prompt(80, 20), 1)
+        r = s.post("/v1/completions", {"prompt": "hello", "max_tokens": 1})  # the preset ships a tokenizer
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+        assert "text" in generate(s, prompt(80, 20), 1)
         result = {}
 
         def long_request():

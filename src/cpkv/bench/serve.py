@@ -53,6 +53,7 @@ class Record:
     status: str = "not_sent"          # ok | error | not_sent (after --duration) | skipped (parent failed)
     sent_s: float | None = None
     first_s: float | None = None      # first streamed chunk (completions), else None
+    token_s: list[float] = field(default_factory=list)  # each streamed chunk that carried output
     end_s: float | None = None
     prompt_tokens: int = 0            # as sent
     cached_tokens: int | None = None  # the server's count (usage / meta_info)
@@ -71,12 +72,24 @@ class Record:
         return self.server_ttft_s
 
     @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (end - first chunk) / (tokens - 1); streamed, 2+ tokens."""
+        if self.first_s is None or self.end_s is None or self.completion_tokens < 2:
+            return None
+        return (self.end_s - self.first_s) / (self.completion_tokens - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive streamed chunks that carried output."""
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
+
+    @property
     def e2e_s(self) -> float | None:
         return None if self.end_s is None or self.sent_s is None else self.end_s - self.sent_s
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["ttft_s"], out["e2e_s"] = self.ttft_s, self.e2e_s
+        out["ttft_s"], out["e2e_s"], out["tpot_s"] = self.ttft_s, self.e2e_s, self.tpot_s
         return out
 
 
@@ -221,6 +234,8 @@ async def _read_stream(resp: Any, rec: Record, clock: Clock) -> None:
         for choice in chunk.get("choices") or []:
             if rec.first_s is None:
                 rec.first_s = clock.now()
+            if choice.get("token_ids") or choice.get("text"):
+                rec.token_s.append(clock.now())
             if choice.get("token_ids") is not None:
                 has_ids = True
                 ids.extend(int(x) for x in choice["token_ids"])

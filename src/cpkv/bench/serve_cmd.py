@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 HELP = "Open-loop HTTP load generator for cpkv serve: TTFT percentiles, throughput, cache hits, replay prediction."
 GEOMETRY = {"cp": 2, "chunk_size": 512, "page_size": 64, "max_requests": 8, "pages_per_rank": 256}
+# option -> the server's /get_server_info field (cpkv serve's; SGLang's names where they exist)
+SERVER_INFO = {"cp": "cp_size", "chunk_size": "chunked_prefill_size", "page_size": "page_size",
+               "max_requests": "max_running_requests", "pages_per_rank": "pages_per_rank", "policy": "schedule_policy",
+               "model": "model_path"}
 BUILTIN = {"requests": 200, "seed": 0, "scale": 1.0}
 LONG_SPAN_S = 600.0  # a trace whose arrivals span longer is announced (one stderr line) before the load starts
 
@@ -63,11 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model", help="the 'model' field sent (default: the first of GET /v1/models)")
     p.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a request may wait for its next answer byte before it fails (default 600)")
-    p.add_argument("--model", default="tiny", help="the server's model preset: vocabulary, top-k (default tiny)")
+    p.add_argument("--model", help="the server's model preset: vocabulary, top-k (default: the server's "
+                   "/get_server_info, else tiny)")
     for k, v in GEOMETRY.items():
-        p.add_argument("--" + k.replace("_", "-"), type=positive_int, default=v,
-                       help=f"as the server was started (default {v})")
-    p.add_argument("--policy", choices=POLICIES, default="solo", help="as the server was started (default solo)")
+        p.add_argument("--" + k.replace("_", "-"), type=positive_int,
+                       help=f"as the server was started (default: the server's /get_server_info, else {v})")
+    p.add_argument("--policy", choices=POLICIES, help="as the server was started (default: the server's "
+                   "/get_server_info, else solo)")
     p.add_argument("--costs", metavar="COSTS.json", action="append",
                    help="unit costs for the replay prediction (a cost object or a bench --json report; repeatable)")
     p.add_argument("--out-jsonl", metavar="FILE.jsonl", help="write one JSON line per request")
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     url = check_url(args.url)
     if args.concurrency is not None and not args.closed_loop:
         raise ConfigError(f"--concurrency {args.concurrency}: only with --closed-loop")
+    from_server(args, _server_info(url, args.timeout))
     plt, costs, rcfg, model = _prepare(args)
     report, records = _measure(args, url, trace, source, model, costs, rcfg)
     _outputs(args, records, report, plt)
@@ -281,6 +288,33 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": "trace", "duration_s": args.duration}
 
 
+def _server_info(url: str, timeout: float) -> dict[str, Any]:
+    """GET /get_server_info, or {} when the server does not answer it."""
+    import httpx
+
+    try:
+        info = httpx.get(url + "/get_server_info", timeout=min(timeout, 30.0)).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def from_server(args: argparse.Namespace, info: dict[str, Any]) -> None:
+    """Fill the server options not given from the server's ``info`` (values of the wrong kind or unknown to this
+    command are ignored), the rest from the defaults."""
+    from cpkv.config import PRESETS
+    from cpkv.scheduler.admission import POLICIES
+
+    defaults = {**GEOMETRY, "policy": "solo", "model": "tiny"}
+    for option, key in SERVER_INFO.items():
+        if getattr(args, option) is not None:
+            continue
+        v = info.get(key)
+        ok = v in POLICIES if option == "policy" else v in PRESETS if option == "model" else \
+            type(v) is int and v > 0
+        setattr(args, option, v if ok else defaults[option])
+
+
 def _served_model(url: str, timeout: float) -> str:
     """The first model id of GET /v1/models; "default" when the server does not say."""
     import httpx
@@ -337,6 +371,9 @@ def _print(report: dict[str, Any]) -> None:
     s, pred = report["summary"], report["prediction"]
     cols = ("p50", "p90", "p99", "mean", "max")
     rows = [["measured TTFT", *(s["ttft_s"][q] for q in cols)], ["measured e2e", *(s["e2e_s"][q] for q in cols)]]
+    rows += [[name, *(s[key][q] for q in cols)] for name, key in (("measured TPOT", "tpot_s"),
+                                                                  ("inter-token latency", "itl_s"))
+             if s[key]["p50"] is not None]
     if pred:
         rows.append([f"replay TTFT ({pred['costs_from']})", *(pred["ttft_s"][q] for q in cols)])
     table(["seconds", "p50", "p90", "p99", "mean", "max"], [[("-" if v is None else v) for v in r] for r in rows])

@@ -40,7 +40,8 @@ def dist(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def summary(records: Sequence[Record]) -> dict[str, Any]:
-    """The run's figures: counts by status and error, TTFT / e2e distributions, throughput, hit ratio."""
+    """The run's figures: counts by status and error, TTFT / e2e / TPOT / inter-token latency distributions (the
+    last two from streamed chunks), throughput, hit ratio."""
     ok = [r for r in records if r.status == "ok"]
     sent = [r for r in records if r.sent_s is not None]
     span = (max(r.end_s for r in sent) - min(r.sent_s for r in sent)) if sent else 0.0
@@ -54,6 +55,8 @@ def summary(records: Sequence[Record]) -> dict[str, Any]:
         "errors": _errors(records),
         "ttft_s": dist([r.ttft_s for r in ok if r.ttft_s is not None]),
         "e2e_s": dist([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "tpot_s": dist([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": dist([gap for r in ok for gap in r.itl_s]),
         "duration_s": span,
         "request_throughput": len(ok) / span if span > 0 else None,
         "input_token_throughput": prompt / span if span > 0 else None,

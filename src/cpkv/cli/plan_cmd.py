@@ -147,25 +147,13 @@ def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
     """``cpkv run``'s pre-check: ConfigError (one line, the option to change) unless ``cfg`` (EngineConfig) with
     ``model`` (its ``model_config()``) fits each rank's share of its GPU, or on CPU of the host's memory, and
     (``verify``) the single-rank reference's whole model fits one GPU (the host)."""
-    from cpkv.memplan import GB, Setup, plan_memory, reference_bytes, refusal
-    from cpkv.model.config import COMPUTE_DTYPES
+    from cpkv.memplan import GB, plan_memory, reference_bytes, refusal
 
-    if cfg.device == "cuda":
-        import torch
-
-        total = gpu_memory()
-        if total is None:
-            return  # the launcher names the missing GPU
-        sharing = 1 if torchrun or torch.cuda.device_count() >= cfg.cp else cfg.cp
-        where = "one GPU" if sharing == 1 else f"a rank's share of the one GPU {sharing} ranks share"
-    else:
-        total, sharing = host_available(), cfg.cp
-        if not total:
-            return  # the machine does not say what it has: nothing to check against
-        where = f"a rank's share of the host's available memory ({cfg.cp} ranks)"
-    setup = Setup(model, cfg.cp, total // sharing, weights=cfg.weights_dtype, compute=COMPUTE_DTYPES[cfg.device], device=cfg.device, page_size=cfg.page_size,
-                  chunk_size=cfg.chunk_size, max_requests=cfg.caps().max_requests, pages_per_rank=cfg.pages_per_rank,
-                  host_pages=cfg.host_pages, graph_tokens=cfg.graph_tokens)
+    got = rank_budget(cfg, torchrun)
+    if got is None:
+        return  # no GPU (the launcher names it), or the machine does not say what it has
+    total, sharing, where = got
+    setup = run_setup(cfg, model, total // sharing)
     why = refusal(plan_memory(setup), where)
     if why is not None:
         raise ConfigError(f"{why} (cpkv plan shows every item)")
@@ -174,3 +162,33 @@ def check_run(cfg, model, torchrun: bool = False, verify: bool = False) -> None:
         raise ConfigError(f"--verify reruns every request on one {'GPU' if cfg.device == 'cuda' else 'host'}, whose "
                           f"whole model needs {need / GB:.1f} GB, more than its {total / GB:.1f} GB: pass --no-verify "
                           "(or --num-layers)")
+
+
+def rank_budget(cfg, torchrun: bool = False) -> tuple[int, int, str] | None:
+    """(the device's bytes, ranks sharing it, what a rank's budget is in words) for ``cfg`` (EngineConfig): its
+    GPU, or on CPU the host's available memory; None when there is nothing to measure."""
+    if cfg.device == "cuda":
+        import torch
+
+        total = gpu_memory()
+        if total is None:
+            return None
+        sharing = 1 if torchrun or torch.cuda.device_count() >= cfg.cp else cfg.cp
+        return total, sharing, "one GPU" if sharing == 1 else f"a rank's share of the one GPU {sharing} ranks share"
+    total = host_available()
+    if not total:
+        return None
+    return total, cfg.cp, f"a rank's share of the host's available memory ({cfg.cp} ranks)"
+
+
+def run_setup(cfg, model, budget: int, pages_per_rank: int | None = -1):
+    """The memory plan's ``Setup`` of ``cfg`` at ``budget`` bytes per rank (``pages_per_rank`` None: the largest
+    pool that fits; -1: ``cfg``'s)."""
+    from cpkv.memplan import Setup
+    from cpkv.model.config import COMPUTE_DTYPES
+
+    pages = cfg.pages_per_rank if pages_per_rank == -1 else pages_per_rank
+    return Setup(model, cfg.cp, budget, weights=cfg.weights_dtype, compute=COMPUTE_DTYPES[cfg.device],
+                 device=cfg.device, page_size=cfg.page_size, chunk_size=cfg.chunk_size,
+                 max_requests=cfg.caps().max_requests, pages_per_rank=pages, host_pages=cfg.host_pages,
+                 graph_tokens=cfg.graph_tokens)

@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 from cpkv.dist import RankGroup
 from cpkv.engine.config import EngineConfig
-from cpkv.engine.protocol import Cancel, Finished, Ready, SamplingParams, Step, Stop, Submit, Token
+from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, SamplingParams, Step, Stop, Submit, Token
 from cpkv.errors import RankFailure
 
-Event = Token | Finished
+Event = Token | Finished | Flushed
 
 
 class EngineClient:
@@ -99,6 +99,18 @@ class EngineClient:
         self.group.send(0, Submit(rid, tuple(tokens), max_new_tokens, frozenset(stop_ids), sampling))
         return rid
 
+    def flush(self, on_event: Callable[[Event], None]) -> int:
+        """Ask the ranks to empty the prefix cache; ``on_event(Flushed)`` answers (pages -1: generations were
+        held), or ``Finished(failed)`` when the ranks are gone."""
+        with self._lock:
+            rid = next(self._ids)
+            if self.failure is not None or self.closed:
+                on_event(Finished(rid, "failed", str(self.failure) if self.failure else "the engine is closed"))
+                return rid
+            self._pending[rid] = on_event
+        self.group.send(0, Flush(rid))
+        return rid
+
     def cancel(self, rid: int) -> None:
         with self._lock:
             if rid not in self._pending or self.failure is not None:
@@ -128,7 +140,7 @@ class EngineClient:
 
     def _deliver(self, ev: Event) -> None:
         with self._lock:
-            f = self._pending.pop(ev.rid, None) if isinstance(ev, Finished) else self._pending.get(ev.rid)
+            f = self._pending.pop(ev.rid, None) if isinstance(ev, (Finished, Flushed)) else self._pending.get(ev.rid)
         if f is not None:
             f(ev)
 

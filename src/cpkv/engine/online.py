@@ -32,7 +32,7 @@ import torch
 from cpkv.dist import RankContext
 from cpkv.engine import sampling
 from cpkv.engine.config import EngineConfig
-from cpkv.engine.protocol import Cancel, Finished, Ready, Step, Stop, Submit, Token
+from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, Step, Stop, Submit, Token
 from cpkv.engine.rank import RankEngine, rank_model, share_cores
 from cpkv.scheduler import Batch, Request
 
@@ -120,6 +120,9 @@ class OnlineRankEngine(RankEngine):
             if gen.step is not None:
                 self.sched.cancel(gen.step)
             return [Finished(msg.rid, "cancelled")]
+        if isinstance(msg, Flush):  # every rank applies it at the same step: the trees stay alike
+            busy = self.live or self.sched.has_work
+            return [Flushed(msg.rid, -1 if busy else self.kv.flush())]
         raise TypeError(f"unknown online engine message {msg!r}")
 
     def _queue(self, gen: Generation) -> list:

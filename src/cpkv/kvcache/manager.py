@@ -160,6 +160,10 @@ class KVCacheManager:
         for owner, pids in sorted(by_owner.items()):
             self.tree.allocators[owner].release(pids)
 
+    def flush(self) -> int:
+        """Drop every unheld page of the prefix cache from the device pools (none is spilled); returns pages freed."""
+        return self.tree.evict(self.pool_pages)
+
     def reload(self, keys: Sequence[int], load: LoadHook, may_evict: bool) -> int:
         """Bring the host-tier pages of ``keys``' cached chain back into their owners' pools, in order, while
         pages are free (``may_evict``: LRU leaves may be evicted to make room). Returns pages reloaded."""

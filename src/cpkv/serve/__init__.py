@@ -3,7 +3,8 @@
 Modules: ``cmd`` (the command: options, ranks, uvicorn, signals), ``app`` (Starlette routes: parse, validate,
 await, answer), ``protocol`` (request bodies -> ``GenRequest``, ``BadRequest`` naming the field), ``frontend``
 (admission to the engine, per-request timing, counting and cancellation), ``metrics`` (Prometheus, declared
-once), ``tokenizer`` (the checkpoint's tokenizer and chat template), ``conn`` (the HTTP connection's deadlines
+once), ``info`` (server / model info, cache flush, tokenize routes), ``logs`` (prefill and decode log lines),
+``tokenizer`` (the checkpoint's tokenizer and chat template; ``tiny_tokenizer`` the tiny preset's), ``conn`` (the HTTP connection's deadlines
 for slow clients). The engine side is
 ``cpkv.engine.client`` / ``cpkv.engine.online``; they talk through ``cpkv.engine.protocol``.
 """

@@ -6,6 +6,7 @@
     POST /v1/chat/completions  OpenAI chat, when the checkpoint has a tokenizer with a chat template
     POST /generate             SGLang-native: output_ids, text (with a tokenizer), meta_info
     GET  /metrics              Prometheus text
+    ...                        the info, cache and tokenizer routes of ``cpkv.serve.info``
 
 A client that disconnects cancels its request (non-streaming: a task waits for ``http.disconnect``; streaming:
 the response listens for it beside the stream); one that goes away while sending its body is a quiet 499. Errors,
@@ -26,7 +27,7 @@ import secrets
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -38,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cpkv.engine.protocol import mix_seed
+from cpkv.serve import info
 from cpkv.serve.frontend import Flight, Frontend, Refused
 from cpkv.serve.output import ChoiceText, chat_logprobs, completion_logprobs, generate_logprobs
 from cpkv.serve.protocol import BadRequest, GenRequest, load_json, parse_chat, parse_completion, parse_generate
@@ -64,6 +66,11 @@ class ServeState:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     api_key: str | None = None      # None: no authentication
     eos_ids: frozenset[int] = frozenset()  # the checkpoint's generation_config.json EOS ids (beside the tokenizer's)
+    context_length: int = 0         # tokens a request may hold, prompt and generation (0: the model's)
+    info: dict[str, Any] = field(default_factory=dict)  # the settings /get_server_info reports (``cmd.server_info``)
+
+    def __post_init__(self) -> None:
+        self.context_length = self.context_length or self.fe.client.model_cfg.max_context
 
 
 @dataclass
@@ -92,6 +99,7 @@ def build_app(st: ServeState) -> Starlette:
         Route("/v1/completions", api.handler(parse_completion, api.completion), methods=["POST"]),
         Route("/v1/chat/completions", api.handler(parse_chat, api.chat), methods=["POST"]),
         Route("/generate", api.handler(parse_generate, api.generate), methods=["POST"]),
+        *info.routes(st),
     ], middleware=middleware, exception_handlers={HTTPException: _http_error})
 
 
@@ -143,10 +151,9 @@ class _Api:
         return JSONResponse({"status": status, "ranks": ranks}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        cfg = self.fe.client.model_cfg
         return JSONResponse({"object": "list", "data": [{
             "id": self.st.name, "object": "model", "created": self.created, "owned_by": "cpkv",
-            "root": self.st.name, "max_model_len": cfg.max_context}]})
+            "root": self.st.name, "max_model_len": self.st.context_length}]})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.fe.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -215,12 +222,20 @@ class _Api:
         why = client.never_reason(len(tokens))
         if why is not None:
             raise BadRequest(f"the prompt of {len(tokens)} tokens can never be served: {why}", g.prompt_field)
+        if len(tokens) >= st.context_length:
+            raise BadRequest(f"the prompt of {len(tokens)} tokens leaves no room for a token within the context "
+                             f"length {st.context_length}", g.prompt_field)
         return tokens
 
     def _room(self, g: GenRequest, prompt_len: int) -> int:
         """The tokens to generate after a prompt: ``max_new_tokens``, or when that was the default, as many of
         them as the context leaves; a given one past the context is a 400 naming it."""
-        client = self.fe.client
+        client, ctx, asked = self.fe.client, self.st.context_length, g.max_new_tokens
+        if prompt_len + asked > ctx:
+            if g.max_given:
+                raise BadRequest(f"prompt ({prompt_len} tokens) + {g.max_field.split('.')[-1]} ({asked}) exceeds the "
+                                 f"context length {ctx}", g.max_field)
+            g = replace(g, max_new_tokens=ctx - prompt_len)  # the default: as many as the context leaves
         why = client.never_reason(prompt_len + g.max_new_tokens - 1)
         if why is None:
             return g.max_new_tokens

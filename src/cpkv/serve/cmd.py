@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from cpkv.errors import ConfigError, RankFailure
@@ -38,6 +39,7 @@ FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_s
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 KEEP_ALIVE_S = 5          # an idle keep-alive connection is closed after this long
 BODY_BYTES_PER_TOKEN = 64  # the default --max-body-mb: room for a token as an id or as JSON-escaped text
+DEFAULT_PAGES = 256        # --pages-per-rank without --mem-fraction-static
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
     from cpkv.engine.config import MODES
+    from cpkv.serve.logs import LEVELS
 
-    p.add_argument("--model", default="tiny", help="preset name (tiny, glm5, deepseek-v32) or checkpoint dir "
-                   "(its tokenizer and chat template, when present, enable text prompts and chat)")
+    p.add_argument("--model", "--model-path", dest="model", default="tiny", help="preset name (tiny, glm5, "
+                   "deepseek-v32) or checkpoint dir (its tokenizer and chat template, when present, enable text "
+                   "prompts and chat; the tiny preset ships its own)")
+    p.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", metavar="DIR",
+                   help="a checkpoint directory (or 'tiny') whose tokenizer replaces the model's")
+    p.add_argument("--chat-template", metavar="FILE", help="a jinja chat template (a file, or the template's text) "
+                   "replacing the tokenizer's")
+    p.add_argument("--context-length", type=a.bounded_int(2, 1 << 30), metavar="N",
+                   help="tokens a request may hold, prompt and generation together (default: the model's)")
     p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -76,11 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=256, help="device pool pages per rank (page 0 reserved)")
+    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=None,
+                   help=f"device pool pages per rank (page 0 reserved; default {DEFAULT_PAGES}, or as "
+                        "--mem-fraction-static sizes it)")
+    p.add_argument("--mem-fraction-static", type=a.bounded_float(0.0, 1.0), metavar="F",
+                   help="size the KV pool from the memory plan (cpkv plan): the largest pool with which everything "
+                        "a rank keeps fits in F of its share of the GPU (on CPU: of the host's available memory)")
     p.add_argument("--host-pages", type=a.bounded_int(0, a.MAX_PAGES), default=0, help="host-tier page slots (CP-wide)")
     p.add_argument("--chunk-size", type=a.tokens, default=512,
                    help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
-    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests (prefills and decode steps) per batch")
+    p.add_argument("--max-requests", "--max-running-requests", dest="max_requests", type=a.batch_requests,
+                   default=8, help="requests (prefills and decode steps) per batch (default 8); every running "
+                   "generation takes a decode step per batch, so this is SGLang's --max-running-requests")
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
                    help="fp8 KV rows (default), or exact: rows, indexer keys and queries in the model dtype")
@@ -96,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
     p.add_argument("--timeout", type=a.timeout_s, default=600.0,
                    help="seconds a collective (or the ranks' start) may take before the ranks are failed")
+    p.add_argument("--log-level", choices=LEVELS, default="info", help="the server's log lines (default info)")
+    p.add_argument("--log-requests", action="store_true", help="an access line per HTTP request")
+    p.add_argument("--decode-log-interval", type=a.bounded_int(1, 1 << 20), default=40, metavar="N",
+                   help="a decode line every N engine steps that generate (default 40)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,8 +129,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"cpkv serve needs {exc.name}: pip install 'cpkv[serve]'") from None
     warmup, args.warmup = args.warmup, False  # engine_config's warm-up replays a trace; serve warms up below
+    if args.mem_fraction_static is not None and args.pages_per_rank is not None:
+        raise ConfigError("--mem-fraction-static sizes the pool that --pages-per-rank gives: drop one of them")
+    fraction, args.pages_per_rank = args.mem_fraction_static, args.pages_per_rank or DEFAULT_PAGES
     with as_flags(flags_of(FLAGS)):
         cfg = engine_config(args, args.cp)
+        if fraction is not None:
+            cfg = replace(cfg, pages_per_rank=pool_for_fraction(cfg, fraction))
+            args.pages_per_rank = cfg.pages_per_rank
     check_run(cfg, cfg.model_config())  # the memory plan: a configuration that does not fit is one line
     sock = _bind(args.host, args.port)
     _warn_if_exposed(sock, args.api_key)
@@ -118,6 +145,26 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, cfg, sock)
     finally:
         sock.close()
+
+
+def pool_for_fraction(cfg, fraction: float) -> int:
+    """Pages per rank: the largest pool with which the memory plan of ``cfg`` fits ``fraction`` of a rank's budget
+    (``cpkv.cli.plan_cmd.rank_budget``); ConfigError when no useful pool fits."""
+    from cpkv.cli.args import MAX_PAGES
+    from cpkv.cli.plan_cmd import rank_budget, run_setup
+    from cpkv.memplan import GB, plan_memory
+
+    got = rank_budget(cfg)
+    if got is None:
+        raise ConfigError("--mem-fraction-static: this machine does not say how much memory it has; give "
+                          "--pages-per-rank instead")
+    total, sharing, where = got
+    plan = plan_memory(run_setup(cfg, cfg.model_config(), int(total * fraction) // sharing, None))
+    if not plan.fits:
+        raise ConfigError(f"--mem-fraction-static {fraction:g}: {fraction:g} of {where} ({total / sharing / GB:.1f}"
+                          f" GB) holds no useful KV pool (everything needs {plan.total / GB:.2f} GB at the smallest): "
+                          "raise it (cpkv plan shows every item)")
+    return min(plan.pages, MAX_PAGES)
 
 
 def _api_key(text: str) -> str:
@@ -196,14 +243,17 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
     from cpkv.serve.conn import deadline_protocol
     from cpkv.serve.frontend import Frontend
     from cpkv.serve.metrics import Metrics
+    from cpkv.serve.logs import StepLog, log_config
     from cpkv.serve.output import generation_eos_ids
     from cpkv.serve.tokenizer import load_tokenizer
 
     metrics = Metrics()
     hooks = _Hooks()
-    client = EngineClient(cfg, timeout_s=args.timeout, on_exit=hooks.engine_exited, on_step=metrics.step)
-    tok = load_tokenizer(args.model)
+    client = EngineClient(cfg, timeout_s=args.timeout, on_exit=hooks.engine_exited, on_step=hooks.step)
+    tok = load_tokenizer(args.model, args.tokenizer, args.chat_template)
     fe = Frontend(client, metrics, args.max_waiting)
+    steps = StepLog(fe.prompt_len, fe.counts, cfg.cp * (cfg.pages_per_rank - 1), args.decode_log_interval)
+    hooks.on_step = (metrics.step, steps.step)
     _say(f"starting {cfg.cp} rank processes (model {args.model}, {cfg.device}, mode {cfg.mode})")
     try:
         client.start(ready_timeout_s=args.timeout)
@@ -217,8 +267,11 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         max_body = int(args.max_body_mb * (1 << 20)) if args.max_body_mb else \
             default_max_body(client.model_cfg.max_context)
         app = build_app(ServeState(fe, tok, name, max_body, args.body_timeout, args.api_key,
-                                   generation_eos_ids(args.model)))
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                   generation_eos_ids(args.model),
+                                   context_length(args.context_length, client.model_cfg.max_context),
+                                   server_info(args, cfg)))
+        config = uvicorn.Config(app, log_config=log_config(args.log_level), log_level=args.log_level,
+                                access_log=args.log_requests, lifespan="off",
                                 timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S,
                                 http=deadline_protocol(args.header_timeout, args.body_timeout))
         server = _make_server(config, fe, args.shutdown_timeout)
@@ -234,6 +287,27 @@ def _serve(args: argparse.Namespace, cfg, sock: socket.socket) -> int:
         raise client.failure
     _say("stopped: every rank ended")
     return 0
+
+
+def context_length(given: int | None, model_max: int) -> int:
+    """Tokens a request may hold: ``--context-length`` (at most the model's), else the model's."""
+    if given is not None and given > model_max:
+        raise ConfigError(f"--context-length {given}: the model holds at most {model_max} tokens")
+    return given or model_max
+
+
+def server_info(args: argparse.Namespace, cfg) -> dict:
+    """The settings ``/get_server_info`` reports (SGLang's names where they exist)."""
+    return {"model_path": args.model, "tokenizer_path": args.tokenizer or args.model,
+            "served_model_name": served_name(args.model, args.served_model_name), "host": args.host,
+            "port": args.port, "cp_size": cfg.cp, "device": cfg.device, "mode": cfg.mode,
+            "chunked_prefill_size": cfg.chunk_size, "page_size": cfg.page_size,
+            "pages_per_rank": cfg.pages_per_rank, "host_pages": cfg.host_pages, "max_running_requests":
+            cfg.max_requests, "max_queued_requests": args.max_waiting, "schedule_policy": cfg.policy,
+            "strategy": cfg.strategy, "precision": cfg.precision, "weights": cfg.weights_dtype,
+            "graph_tokens": cfg.graph_tokens, "mem_fraction_static": args.mem_fraction_static,
+            "context_length": args.context_length, "chat_template": args.chat_template,
+            "api_key_required": bool(args.api_key), "log_level": args.log_level, "log_requests": args.log_requests}
 
 
 def _url_host(host: str) -> str:
@@ -265,9 +339,14 @@ def _say(text: str) -> None:
 
 
 class _Hooks:
-    """The engine client's exit, turned into the server's end (on the event loop)."""
+    """The engine client's exit, turned into the server's end (on the event loop); its step reports, handed on."""
 
     server = None  # the uvicorn server, once it exists
+    on_step: tuple = ()
+
+    def step(self, step) -> None:
+        for f in self.on_step:
+            f(step)
 
     def engine_exited(self, exc) -> None:
         server = self.server

@@ -54,6 +54,16 @@ class Frontend:
     def waiting(self) -> int:
         return sum(1 for f in self.flights.values() if not f.out.tokens)
 
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting): requests past their first token, and those waiting for it."""
+        waiting = self.waiting
+        return len(self.flights) - waiting, waiting
+
+    def prompt_len(self, rid: int) -> int:
+        """The prompt tokens of request ``rid`` in flight (0 once it is gone)."""
+        flight = self.flights.get(rid)
+        return flight.out.prompt_tokens if flight is not None else 0
+
     def open(self, tokens: Sequence[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset(),
              sampling: SamplingParams = SamplingParams()) -> "Flight":
         if self.draining:
@@ -93,7 +103,7 @@ class Flight:
         self.fe, self.rid = fe, -1
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.t0 = time.perf_counter()
+        self.t0 = self.t_last = time.perf_counter()
         self.out = Outcome(prompt_tokens)
         self.closed = False
 
@@ -131,7 +141,10 @@ class Flight:
             self._finish(Finished(self.rid, reason))
 
     def _token(self, ev: Token) -> None:
-        m, out = self.fe.metrics, self.out
+        m, out, now = self.fe.metrics, self.out, time.perf_counter()
+        if ev.index > 0:
+            m.itl.observe(now - self.t_last)
+        self.t_last = now
         if ev.index == 0:
             out.ttft_s, out.cached_tokens = time.perf_counter() - self.t0, ev.cached
             m.waiting.dec()
@@ -153,4 +166,6 @@ class Flight:
         if ev.reason in ("length", "stop"):
             out.finish_reason = ev.reason
             m.e2e.observe(out.e2e_s)
+            if len(out.tokens) > 1:
+                m.tpot.observe((out.e2e_s - out.ttft_s) / (len(out.tokens) - 1))
         self.fe.flights.pop(self.rid, None)

@@ -1,5 +1,6 @@
 """The checkpoint's tokenizer and chat template, when it ships them (transformers' ``AutoTokenizer``, whose
-``apply_chat_template`` renders the template with jinja); presets have none and take token ids only.
+``apply_chat_template`` renders the template with jinja); the tiny preset ships its own (``tiny_tokenizer``),
+the other presets have none and take token ids only.
 
 A chat's turns arrive whole every time: turn n of a conversation resends turns 1 .. n - 1. Tokenizing the whole
 conversation again costs ~1 s of host time at 200K tokens (BENCHMARKS.md), far more than the cached turn's
@@ -168,14 +169,33 @@ def _added_split(tok: Any) -> tuple[dict[str, int], "re.Pattern[str] | None"]:
     return added, re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
 
 
-def load_tokenizer(model: str) -> Tokenizer | None:
-    """The tokenizer of checkpoint directory ``model`` (None for a preset or a directory without one)."""
-    path = Path(model)
+def load_tokenizer(model: str, tokenizer: str | None = None, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer of ``tokenizer`` (a checkpoint directory or ``tiny``), else of ``model``: the tiny preset's
+    shipped one (``cpkv.serve.tiny_tokenizer``), a checkpoint directory's own, or None (other presets, a directory
+    without one). ``chat_template``: a jinja file, or the template's text, replacing the tokenizer's."""
+    from cpkv.errors import ConfigError
+
+    source = tokenizer or model
+    tok = _load(source)
+    if tok is None and tokenizer is not None:
+        raise ConfigError(f"--tokenizer {tokenizer}: expected a directory holding one of {', '.join(TOKENIZER_FILES)}"
+                          " or 'tiny'")
+    if tok is not None and chat_template is not None:
+        path = Path(chat_template)
+        tok.chat_template = path.read_text() if path.is_file() else chat_template
+    return None if tok is None else Tokenizer(tok)
+
+
+def _load(source: str) -> Any:
+    if source in ("tiny", "preset:tiny"):
+        from cpkv.serve import tiny_tokenizer
+        return tiny_tokenizer.load()
+    path = Path(source)
     if not path.is_dir() or not any((path / f).exists() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(path)))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class TextStream:
