@@ -24,6 +24,7 @@ from cpkv.files import check_inputs, check_outputs, input_problem
 from cpkv.model.checkpoint import read_header
 from cpkv.scheduler.costs import CostModel
 from cpkv.scheduler.trace import load_trace
+from test_outputs import _one_error  # noqa: E402 (tests/cli on sys.path: one exit-2-and-one-line check)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -47,13 +48,6 @@ def _call(argv: list[str], capsys) -> tuple[int, str]:
     except SystemExit as exc:
         code = exc.code
     return code, capsys.readouterr().err
-
-
-def _one_error(code: int, err: str, needle: str) -> None:
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert len(lines) == 1 and needle in lines[0], err
-    assert "Traceback" not in err
 
 
 @pytest.fixture
