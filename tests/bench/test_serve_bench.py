@@ -76,6 +76,8 @@ class FakeServer:
             return self._json(writer, 200, {"data": [{"id": "fake-model"}]})
         if path == "/get_server_info":
             return self._json(writer, 200, self.info) if self.info else self._json(writer, 404, {})
+        if path == "/detokenize":  # a server without a tokenizer
+            return self._json(writer, 404, {"detail": "Not Found"})
         self.bodies.append(body)
         prompt = body["input_ids"] if path == "/generate" else body["prompt"]
         n = body["sampling_params"]["max_new_tokens"] if path == "/generate" else body["max_tokens"]
@@ -573,3 +575,13 @@ def test_a_streamed_run_reports_tpot_and_itl(tmp_path, capsys):
         assert main(["bench", "serve", "--url", url, "--trace", str(trace), "--closed-loop", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "measured TPOT" in out and "inter-token latency" in out
+
+
+def test_text_prompts_need_the_servers_detokenize(tmp_path, capsys):
+    """--prompt-format text against a server without /detokenize: an error naming it, no request sent."""
+    server = FakeServer()
+    with ServerThread(server) as url:
+        rc = main(["bench", "serve", "--url", url, "--requests", "2", "--scale", "0.005", "--closed-loop",
+                   "--prompt-format", "text"])
+    assert rc != 0 and "POST /detokenize: HTTP 404" in capsys.readouterr().err
+    assert server.bodies == []

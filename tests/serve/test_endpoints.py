@@ -66,3 +66,26 @@ def test_logs_and_decode_histograms(server):
     assert re.search(stamp + r"Prefill batch\. #new-seq: 1, #new-token: \d+, #cached-token: \d+", err), err
     assert re.search(stamp + r"Decode batch\. #running-req: \d+, KV pages: \d+/1022 .*gen throughput", err), err
     assert re.search(stamp + r'127\.0\.0\.1:\d+ - "POST /generate HTTP/1\.1" 200', err), err
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "generate"])
+def test_bench_serve_sends_text_prompts(server, endpoint, tmp_path, capsys):
+    """``cpkv bench serve --prompt-format text``: the trace's tokens turned into text by the server's /detokenize,
+    sent as text; a follow-up is its parent's prompt + answer + its own text, so it hits the parent's pages."""
+    import json
+
+    from cpkv.cli import main
+    from cpkv.scheduler.trace import TraceRequest, write_trace
+
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.jsonl"
+    write_trace([TraceRequest("a0", 0.0, 80), TraceRequest("b0", 0.0, 40),
+                 TraceRequest("a1", 0.0, 120, parent="a0")], trace)
+    server.post("/flush_cache")
+    assert main(["bench", "serve", "--url", server.url, "--trace", str(trace), "--closed-loop", "--endpoint", endpoint,
+                 "--prompt-format", "text", "--max-tokens", "3", "--out-jsonl", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["prompt_format"] == "text" and rep["summary"]["completed"] == 3 and rep["summary"]["failed"] == 0
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(isinstance(r["output_text"], str) and r["prompt_tokens"] > 0 for r in recs.values())
+    assert recs["a1"]["parent_output_missing"] is False and recs["a1"]["prompt_tokens"] > recs["a0"]["prompt_tokens"]
+    assert recs["a1"]["cached_tokens"] > 0  # the conversation's text prefix hit the parent's pages

@@ -9,7 +9,11 @@ never before its parent has finished, and its prompt is what a chat client would
     parent's prompt (as sent) + parent's output ids + the trace's new tokens of this turn
 
 so a conversation's prompt ids are ``cpkv run``'s (``materialize_tokens``) plus the answers. A follow-up
-whose parent failed is not sent (``skipped``). Two endpoints: ``completions`` (``POST /v1/completions``,
+whose parent failed is not sent (``skipped``). Prompts go as token ids (the default) or, with
+``prompt_format="text"``, as text: each request's own tokens turned into text once before the load by the
+server's ``POST /detokenize`` (``detokenize_plan``), a follow-up's prompt then being the parent's prompt text +
+the parent's output text + its own text (the server tokenizes it; the prompt's token count is the server's).
+Two endpoints: ``completions`` (``POST /v1/completions``,
 streamed server-sent events; TTFT measured here, from sending to the first data chunk) and ``generate``
 (``POST /generate``, one JSON answer; TTFT is the server's ``meta_info.ttft_s``). Every failure (refused
 connection, timeout, HTTP 4xx/5xx, a malformed answer) is recorded on its request, never raised.
@@ -29,6 +33,7 @@ from typing import Any, Callable, Hashable, Sequence
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens, synth_tokens
 
 ENDPOINTS = ("completions", "generate")
+PROMPT_FORMATS = ("ids", "text")
 PATHS = {"completions": "/v1/completions", "generate": "/generate"}
 
 
@@ -41,6 +46,7 @@ class Planned:
     due: float | None
     own_tokens: tuple[int, ...]
     parent: Hashable | None = None
+    own_text: str | None = None  # prompt_format "text": own_tokens as the server detokenized them
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Record:
     completion_tokens: int = 0
     server_ttft_s: float | None = None
     output_ids: list[int] | None = None
+    output_text: str | None = None    # the answer's text, when the server sent one
     error: str | None = None
     http_status: int | None = None
     parent_output_missing: bool = False  # a follow-up sent without its parent's output (no ids came back)
@@ -151,21 +158,24 @@ class Clock:
 
 
 # -- one request over HTTP ---------------------------------------------------------------------------
-def request_body(endpoint: str, model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    """The JSON body of one request (greedy)."""
+def request_body(endpoint: str, model: str, prompt: Sequence[int] | str, max_tokens: int) -> dict[str, Any]:
+    """The JSON body of one request (greedy); ``prompt`` token ids, or text (a str)."""
+    text = isinstance(prompt, str)
     if endpoint == "generate":
-        return {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
-    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        return {("text" if text else "input_ids"): prompt if text else list(prompt),
+                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+    return {"model": model, "prompt": prompt if text else list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
 
 
-async def send_one(client: Any, url: str, endpoint: str, model: str, prompt: list[int], max_tokens: int,
+async def send_one(client: Any, url: str, endpoint: str, model: str, prompt: list[int] | str, max_tokens: int,
                    rec: Record, clock: Clock, started: asyncio.Event | None = None) -> None:
     """Send one request and fill ``rec`` (status ok or error); never raises for a failed request.
     ``started`` is set as soon as the send time is taken."""
     import httpx
 
-    rec.prompt_tokens, rec.sent_s = len(prompt), clock.now()
+    # a text prompt's token count is the server's (usage / meta_info), read with the answer
+    rec.prompt_tokens, rec.sent_s = (0 if isinstance(prompt, str) else len(prompt)), clock.now()
     if started is not None:
         started.set()
     try:
@@ -209,7 +219,10 @@ def _error_text(body: str) -> str:
 def _read_generate(obj: dict[str, Any], rec: Record) -> None:
     """``/generate``'s answer: output_ids and meta_info {prompt_tokens, cached_tokens, completion_tokens, ttft_s}."""
     rec.output_ids = [int(x) for x in obj["output_ids"]]
+    rec.output_text = obj["text"] if isinstance(obj.get("text"), str) else None
     meta = obj.get("meta_info") or {}
+    if meta.get("prompt_tokens") is not None:
+        rec.prompt_tokens = int(meta["prompt_tokens"])
     rec.cached_tokens = _int_or_none(meta.get("cached_tokens"))
     rec.completion_tokens = int(meta.get("completion_tokens", len(rec.output_ids)))
     ttft = meta.get("ttft_s")
@@ -221,6 +234,7 @@ async def _read_stream(resp: Any, rec: Record, clock: Clock) -> None:
     chunk carrying a choice ends TTFT; token ids come from ``choices[0].token_ids`` (when the server sends
     them); usage from the chunk that carries it."""
     ids: list[int] = []
+    texts: list[str] = []
     has_ids = False
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
@@ -236,6 +250,8 @@ async def _read_stream(resp: Any, rec: Record, clock: Clock) -> None:
                 rec.first_s = clock.now()
             if choice.get("token_ids") or choice.get("text"):
                 rec.token_s.append(clock.now())
+            if isinstance(choice.get("text"), str):
+                texts.append(choice["text"])
             if choice.get("token_ids") is not None:
                 has_ids = True
                 ids.extend(int(x) for x in choice["token_ids"])
@@ -244,11 +260,14 @@ async def _read_stream(resp: Any, rec: Record, clock: Clock) -> None:
     if rec.first_s is None:
         raise _Failed("the stream ended without a completion chunk")
     rec.output_ids = ids if has_ids else None
+    rec.output_text = "".join(texts)
     if not rec.completion_tokens:
         rec.completion_tokens = len(ids)
 
 
 def _read_usage(usage: dict[str, Any], rec: Record) -> None:
+    if usage.get("prompt_tokens"):
+        rec.prompt_tokens = int(usage["prompt_tokens"])
     rec.completion_tokens = int(usage.get("completion_tokens") or 0)
     details = usage.get("prompt_tokens_details") or {}
     rec.cached_tokens = _int_or_none(details.get("cached_tokens", usage.get("cached_tokens")))
@@ -268,12 +287,13 @@ class LoadConfig:
     duration_s: float | None = None  # no send after this many seconds
     concurrency: int | None = None   # closed loop: requests in flight (None: open loop)
     timeout_s: float = 600.0         # per request
+    prompt_format: str = "ids"       # ids | text (the plan's own_text, see detokenize_plan)
 
 
 @dataclass
 class _State:
     records: dict[Hashable, Record]
-    prompts: dict[Hashable, list[int]] = field(default_factory=dict)
+    prompts: dict[Hashable, list[int] | str] = field(default_factory=dict)
     done: dict[Hashable, asyncio.Event] = field(default_factory=dict)
 
 
@@ -355,7 +375,7 @@ async def _send(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: A
     try:
         rec.status = _blocked(p, cfg, st, clock)
         if rec.status == "ready":
-            prompt = _prompt(p, st, rec)
+            prompt = _prompt_text(p, st, rec) if cfg.prompt_format == "text" else _prompt(p, st, rec)
             st.prompts[p.id] = prompt
             await send_one(client, cfg.url, cfg.endpoint, cfg.model, prompt, cfg.max_tokens, rec, clock, started)
     finally:
@@ -384,3 +404,49 @@ def _prompt(p: Planned, st: _State, rec: Record) -> list[int]:
     out = st.records[p.parent].output_ids
     rec.parent_output_missing = out is None
     return st.prompts[p.parent] + list(out or []) + list(p.own_tokens)
+
+
+def _prompt_text(p: Planned, st: _State, rec: Record) -> str:
+    """Text prompts: parent's prompt text (as sent) + parent's output text + own text."""
+    if p.own_text is None:
+        raise ValueError(f"request {p.id!r}: prompt_format 'text' needs the plan's text (detokenize_plan)")
+    if p.parent is None:
+        return p.own_text
+    out = st.records[p.parent].output_text
+    rec.parent_output_missing = out is None
+    return str(st.prompts[p.parent]) + (out or "") + p.own_text
+
+
+def detokenize_plan(plan: Sequence[Planned], url: str, model: str, timeout_s: float = 60.0,
+                    client: Any = None) -> list[Planned]:
+    """``plan`` with each request's ``own_text``: its own tokens as the server's ``POST /detokenize`` turns them
+    into text (vLLM's shape: ``{"model", "tokens"}`` -> ``{"prompt"}``). Raises ``ConfigError`` when the server
+    cannot (no tokenizer, no such endpoint)."""
+    import httpx
+
+    from dataclasses import replace
+
+    from cpkv.errors import ConfigError
+
+    own = client is None
+    client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
+    out = []
+    try:
+        for p in plan:
+            try:
+                resp = client.post(url + "/detokenize", json={"model": model, "tokens": list(p.own_tokens)})
+            except httpx.HTTPError as exc:
+                raise ConfigError(f"--prompt-format text: POST {url}/detokenize failed: {type(exc).__name__}: "
+                                  f"{str(exc)[:200]}") from None
+            if resp.status_code != 200:
+                raise ConfigError(f"--prompt-format text: the server cannot turn token ids into text (POST "
+                                  f"/detokenize: HTTP {resp.status_code}: {_error_text(resp.text)})")
+            text = resp.json().get("prompt") if resp.headers.get("content-type", "").startswith("application/json") \
+                else None
+            if not isinstance(text, str):
+                raise ConfigError(f"--prompt-format text: POST /detokenize answered no 'prompt' text: {resp.text[:200]}")
+            out.append(replace(p, own_text=text))
+    finally:
+        if own:
+            client.close()
+    return out

@@ -44,7 +44,7 @@ LONG_SPAN_S = 600.0  # a trace whose arrivals span longer is announced (one stde
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.bench.serve import ENDPOINTS
+    from cpkv.bench.serve import ENDPOINTS, PROMPT_FORMATS
     from cpkv.cli.args import nonneg_int, positive_float, positive_int, seed
     from cpkv.scheduler.admission import POLICIES
 
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, metavar="S", help="send nothing after S seconds")
     p.add_argument("--endpoint", choices=ENDPOINTS, default="completions",
                    help="completions: streamed /v1/completions, TTFT measured here (default); generate: /generate")
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="ids",
+                   help="send prompts as token ids (default) or as text: each request's synthetic tokens turned "
+                        "into text by the server's POST /detokenize (needs a server with a tokenizer)")
     p.add_argument("--max-tokens", type=positive_int, default=1, help="tokens to generate per request (default 1)")
     p.add_argument("--warmup", type=nonneg_int, default=0, metavar="N",
                    help="first send N unrecorded requests of fresh tokens, one at a time (kernel compilation)")
@@ -187,7 +190,8 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
 
     from dataclasses import replace
 
-    from cpkv.bench.serve import Clock, LoadConfig, plan_requests, poisson_due, run_load, trace_due, warmup_plan
+    from cpkv.bench.serve import (Clock, LoadConfig, detokenize_plan, plan_requests, poisson_due, run_load, trace_due,
+                                  warmup_plan)
     from cpkv.bench.serve_report import Geometry, fit_costs, predict, summary
     from cpkv.cli.fmt import Progress
     from cpkv.scheduler.costs import CostModel
@@ -196,10 +200,14 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
     due = None if args.closed_loop else poisson_due(len(trace), args.rate, seed) if args.rate else trace_due(trace)
     plan = plan_requests(trace, model.vocab_size, due)
     served = args.served_model or _served_model(url, args.timeout)
+    warm = warmup_plan(trace, args.warmup, model.vocab_size)
+    if args.prompt_format == "text":
+        plan = detokenize_plan(plan, url, served, args.timeout)
+        warm = detokenize_plan(warm, url, served, args.timeout)
     cfg = LoadConfig(url=url, endpoint=args.endpoint, model=served, max_tokens=args.max_tokens,
+                     prompt_format=args.prompt_format,
                      duration_s=args.duration, concurrency=(args.concurrency or 1) if args.closed_loop else None,
                      timeout_s=args.timeout)
-    warm = warmup_plan(trace, args.warmup, model.vocab_size)
     bar = Progress(len(warm) + len(plan), "cpkv bench serve")
     waiting = Waiting(sorted(due or []))
     _announce_span(waiting.dues, args.duration)
@@ -230,7 +238,7 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
                                          if pred["ttft_s"][q] is not None and summ["ttft_s"][q] else None)
                                      for q in ("p50", "p90", "p99")}
     report = {
-        "url": url, "endpoint": args.endpoint, "served_model": served, "max_tokens": args.max_tokens,
+        "url": url, "endpoint": args.endpoint, "prompt_format": args.prompt_format, "served_model": served, "max_tokens": args.max_tokens,
         "warmup": {"requests": len(warmed), "failed": sum(r.status != "ok" for r in warmed)},
         "load": _load(args), "trace": {"source": source, "file": args.trace, "requests": len(trace)},
         "server": {"model": args.model, "policy": args.policy, **{k: getattr(args, k) for k in GEOMETRY}},
