@@ -72,7 +72,8 @@ class BatchDecisions:
 
 class Recorder:
     """The run's tap (module docstring). ``max_tokens``: the most query tokens a rank's batch holds (the chunk);
-    ``plant``: one of PLANTS or None; ``rank``: planted faults fire on rank 0 only, once per run."""
+    ``plant``: one of PLANTS or None, which fires once per run (the page and index faults on rank 0); ``rank``:
+    this rank."""
 
     def __init__(self, model, max_tokens: int, page_size: int, rank: int, plant: str | None = None) -> None:
         if plant is not None and plant not in PLANTS:
@@ -128,15 +129,16 @@ class Recorder:
         return idx, w
 
     def _fault_row(self, kind: str, layer) -> int | None:
-        """The row a token fault hits now: on rank 0, the last token of the first request whose prompt ends in this
-        batch (its logits are verified), in the first MoE layer."""
-        if self.plant != kind or not self._may_fire() or layer.n != self.moe_layers[0]:
-            return None
-        rows = [row for req, row in self.plan.last if req in self.final]
-        if not rows:
+        """The row a token fault hits now: the last token of the first request whose prompt ends in the first such
+        batch (its logits are verified), in the first MoE layer, on the rank holding it. Every rank takes the same
+        decision (``final`` is the replicated bookkeeping's; a rank without tokens still routes its empty rows in a
+        MoE layer), so exactly one token is hit per run."""
+        if self.plant != kind or self.fired or layer.n != self.moe_layers[0] or not self.final:
             return None
         self.fired = True
-        return rows[0]
+        first = min(self.final)
+        rows = [row for req, row in self.plan.last if req == first]
+        return rows[0] if rows else None
 
     def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
         row = self._fault_row("combine", layer)
