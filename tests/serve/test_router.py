@@ -32,16 +32,22 @@ def turn_text(c: int, t: int) -> str:
     return f"Conversation {c}, turn {t}: tell me about context parallel prefill number {c * 7 + t}. " * 6
 
 
-def run_trace(url: str) -> list[dict]:
-    """Every conversation's turns in order, each prompt the earlier turns plus their answers: /generate metas."""
-    texts, metas = [""] * CONVERSATIONS, []
+def turn_ids(c: int, t: int) -> list[int]:
+    return [(c * 7919 + t * 131 + i * 104729) % 500 + 5 for i in range(90)]
+
+
+def run_trace(url: str, kind: str = "text") -> list[dict]:
+    """Every conversation's turns in order, each prompt the earlier turns plus their answers: /generate metas.
+    ``kind``: prompts as text, or as token ids (``input_ids``)."""
+    prompts: list = [""] * CONVERSATIONS if kind == "text" else [[] for _ in range(CONVERSATIONS)]
+    metas = []
     for t in range(TURNS):
         for c in range(CONVERSATIONS):
-            texts[c] += turn_text(c, t)
-            r = httpx.post(url + "/generate", json={"text": texts[c], "sampling_params": {"max_new_tokens": 2}},
-                           timeout=120)
+            prompts[c] += turn_text(c, t) if kind == "text" else turn_ids(c, t)
+            body = {"text": prompts[c]} if kind == "text" else {"input_ids": prompts[c]}
+            r = httpx.post(url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 2}}, timeout=120)
             assert r.status_code == 200, r.text
-            texts[c] += r.json()["text"]
+            prompts[c] += r.json()["text"] if kind == "text" else r.json()["output_ids"]
             metas.append({"conv": c, "turn": t, **r.json()["meta_info"]})
     return metas
 
@@ -58,8 +64,9 @@ def workers():
         w.close()
 
 
-def test_cache_aware_router_keeps_conversations_on_their_worker(workers):
-    alone = hit_ratio(run_trace(workers[0].url))
+@pytest.mark.parametrize("kind", ["text", "ids"])
+def test_cache_aware_router_keeps_conversations_on_their_worker(workers, kind):
+    alone = hit_ratio(run_trace(workers[0].url, kind))
     assert workers[0].post("/flush_cache").status_code == 200
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
@@ -68,7 +75,7 @@ def test_cache_aware_router_keeps_conversations_on_their_worker(workers):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _ready(url, router), "the router to register both workers as model 'tiny'", 60)
-        metas = run_trace(url)
+        metas = run_trace(url, kind)
     finally:
         router.terminate()
         out = router.communicate(timeout=30)[0]
