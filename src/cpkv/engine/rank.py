@@ -530,7 +530,6 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
         if key not in models:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
-            _release_device_memory(ctx.device)  # the last model's blocks back before the next one is made
             models[key] = rank_model(ctx, cfg)
             if any(c.record or c.plant for c, _ in jobs):  # before any graph is captured
                 from cpkv.engine.taps import Recorder
@@ -546,16 +545,6 @@ def rank_main(ctx: RankContext, jobs: Sequence[tuple[EngineConfig, Sequence[Trac
                 layer.stats.update(dense=0, sparse=0)
         outputs.append(_run_once(ctx, cfg, model, trace))
     return outputs
-
-
-def _release_device_memory(device: torch.device) -> None:
-    """Free what the last model left (its graphs' pools, the allocator's cached blocks): ranks sharing one GPU each
-    hold a model, and the next model's load must not wait behind the last one's cached memory."""
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def share_cores(ctx: RankContext) -> None:
@@ -577,15 +566,10 @@ def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
     as ``cfg.weights_dtype`` says."""
     ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
     share_cores(ctx)  # the load's CPU work (checkpoint reads, dequantisation) on the rank's share of the cores
-    turns = ctx.world_size if ctx.shared_device and ctx.device.type == "cuda" else 1
-    for turn in range(turns):  # ranks sharing one GPU load one at a time: their load transients (a float32 draw
-        if turn == ctx.rank % turns:  # of the LM head, dense weights before quantisation) never pile up
-            model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                               precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
-        if turns > 1:
-            ctx.barrier()
+    model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
+                       precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
     batch_threads(ctx.device)
     return model
 

@@ -49,7 +49,7 @@ def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
 def pick_experts(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """choice float32 [T, E] -> the k chosen expert ids int64 [T, k] (unordered): the k best choices within the
     topk_group best groups (a group's score: the sum of its 2 best choices)."""
-    t, e, g = choice.shape[0], cfg.n_routed_experts, cfg.n_group
+    e, g = cfg.n_routed_experts, cfg.n_group
     if cfg.topk_group < g:  # group-limited routing (every group kept, GLM-5's one group: nothing to mask)
         choice = choice.masked_fill(~kept_groups(choice, cfg).repeat_interleave(e // g, dim=1), float("-inf"))
     return choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
