@@ -215,3 +215,25 @@ def test_check_verify_reports_every_run_as_json():
     for r in report["runs"]:
         assert r["decisions"]["route"]["compared"] > 0 and r["decisions"]["route"]["unexplained"] == 0
     assert "verified 2 of 2" in out.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--weights", "foo"], "unknown --weights / --precision value(s) foo"),
+    (["--precision", "fp16"], "unknown --weights / --precision value(s) fp16"),
+    (["--cp", "0"], "argument --cp: expected comma-separated integers in 1..64"),
+    (["--seeds", "-1"], "argument --seeds"),
+    (["--models", ","], "--models ',': expected one or more comma-separated names"),
+    (["--models", "nope"], "'nope': expected a preset"),
+    (["--models", "glm5", "--cp", "3"], "cp 3 must divide the model's 256 routed experts"),
+])
+def test_check_verify_refuses_bad_options_in_one_line_before_any_rank(argv, needle, capsys):
+    from cpkv.cli import main
+
+    try:
+        code = main(["check", "verify", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
