@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -37,6 +37,11 @@ if want verify; then  # issue 43: cpkv run's verification over GLM-5 and DeepSee
     step verify_long 120 python3 -m cpkv check verify --device cuda --models glm5,deepseek-v32 --weights bf16,fp8 \
         --cp 2 --requests 2 --long 4096 --json  # sparse selection at the real top-k
     step verify_tests 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_verify_gpu.py ${VERIFY_TESTS:-}
+fi
+if want sampling; then  # issue 44: sampled generations on the GPU, same seed same tokens run to run (tiny and GLM-5 shapes)
+    python3 -c 'import starlette, uvicorn, prometheus_client, httpx, pydantic, openai' 2>/dev/null || \
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/wheels.txt" 2>&1
+    PYTHONPATH=src:/tmp/site step sampling 400 python3 -m pytest -q -p no:cacheprovider tests/serve/test_serve_gpu.py
 fi
 if want graphs; then  # the CUDA graphs of small batches: their GPU tests, then a cached turn's 448 tokens with and without
     step graphs_tests 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_graphs_gpu.py

@@ -73,3 +73,37 @@ def test_serve_generate_equals_cpkv_run_at_glm5_shapes(tmp_path):
     for i, k in differ:
         top2 = lg[f"p{i}.{k}"].topk(2).values
         assert float(top2[0] - top2[1]) <= tol, (i, k, top2, tol)
+
+
+def _sampled(s: Server, ids: list[int], seed: int) -> list[int]:
+    r = s.post("/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "min_p": 0.01, "seed": seed,
+        "repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("tiny", ("--cp", "2")),
+    ("glm5", ("--page-size", "64", "--chunk-size", "512", "--pages-per-rank", "256", "--max-requests", "8",
+              "--num-layers", "4", "--cp", "2")),
+])
+def test_sampling_same_seed_same_tokens_run_to_run(model, extra):
+    """Sampled generations on the GPU (every sampling parameter on, cp 2 so the picking rank differs by request):
+    a request with a seed gets the same tokens each time it is sent alone, and again from a second server process
+    (run to run); other seeds give other tokens (a draw, not greedy in disguise)."""
+    prompts = [prompt(4, 90), prompt(5, 333)]
+    runs = []
+    for _ in range(2):  # two server processes: run to run
+        s = Server(model, "--device", "cuda", *extra)
+        try:
+            outs = {(i, seed): _sampled(s, p, seed) for i, p in enumerate(prompts) for seed in (1, 2, 3)}
+            again = {k: _sampled(s, prompts[k[0]], k[1]) for k in outs}
+        finally:
+            s.proc.send_signal(2)
+            assert s.proc.wait(timeout=WAIT_S) == 0, s.stderr
+        assert again == outs
+        runs.append(outs)
+    assert runs[0] == runs[1]
+    for i in range(len(prompts)):
+        assert len({tuple(runs[0][(i, seed)]) for seed in (1, 2, 3)}) > 1, runs[0]
