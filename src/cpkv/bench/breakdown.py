@@ -13,9 +13,9 @@ as elementwise.
 of kernel intervals): time the GPU waited for the host. A batch's start is where the host began it, or, chained on
 the batch before (``RankEngine``: one profiler over the run, so batches chain as unprofiled), where the batch
 before's last kernel ended. Shares are of that profiled wall (``wall_ms``); ``timed_wall_ms`` is the timed runs'
-median, whose kernels may run at other clocks than the profiled run's (under the power cap a cached batch ran
-~10 % slower timed than profiled): measuring the host gap against it mixed that difference in (before
-2026-12-02). ``idle_ms`` = ``host_gap``'s ms (its older name).
+median, whose kernels may run at other clocks than the profiled run's (under the power cap a cached batch can run
+~10 % slower timed than profiled), so the host gap is measured against the profiled wall only. ``idle_ms`` =
+``host_gap``'s ms (its older name).
 Kernels that overlap (a prefetch on a side stream) count in their part each, so parts may add up to more
 than the busy time. No torch import.
 """

@@ -13,7 +13,7 @@ down: [R, I] x [D, I]^T), four GEMMs over the same R rows, timed alternately in 
     grouped bf16 gluon  (Hopper with Gluon) the kernel the model runs for bf16 experts: the warp-specialised
                      grouped GEMM unscaled (``gluon_ws.BF16``); ``bf16_gluon_vs_grouped_mm`` = its speed-up
 
-TFLOP/s = 2 R N K / median time; ``grouped_vs_dense`` = grouped fp8 / dense fp8 (issue 22 asks >= 0.80).
+TFLOP/s = 2 R N K / median time; ``grouped_vs_dense`` = grouped fp8 / dense fp8 (the grouped GEMM should stay >= 0.80 of dense).
 Then the whole expert MLP (``model.experts.grouped_swiglu``: quantise, gate_up, SwiGLU + quantise, down) with
 fp8 and with bf16 experts.
 """
