@@ -30,7 +30,7 @@ def test_every_mode_matches_the_reference(cp, page_size, batches, seed):
     modes = out["modes"]
     for name in MODES:
         assert modes[name]["mismatches"] == 0 and modes[name]["bytes"] > 0 and modes[name]["effective"] == name
-    assert len({modes[m]["digest"] for m in ("legacy", "fused", "v2", "symm")}) == 1
+    assert len({modes[m]["digest"] for m in ("span-reduce", "batch-reduce", "prefix-gather", "symm")}) == 1
     assert modes["prefetch"]["batches"] == out["solo_batches"] > 0
     assert all(h > 0 for h in out["prefetch_hits"])  # the second layer consumed a prefetch
 
@@ -48,14 +48,14 @@ def test_check_batches_cover_the_corner_cases():
     assert owners == {0, 1, 2}
 
 
-def test_without_peer_memory_every_mode_falls_back_to_fused(monkeypatch):
+def test_without_peer_memory_every_mode_falls_back_to_batch_reduce(monkeypatch):
     monkeypatch.setenv("CPKV_DISABLE_PEER_MEMORY", "1")
-    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2, corrupt_mode="v2"))
+    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2, corrupt_mode="prefix-gather"))
     assert out["peer_memory"] == "none"
-    assert {v["effective"] for v in out["modes"].values()} == {"legacy", "fused"}
+    assert {v["effective"] for v in out["modes"].values()} == {"span-reduce", "batch-reduce"}
     # the injected one-byte fault is caught (by the comparison and by the ranks' digests), nothing else is
-    assert not out["ok"] and out["modes"]["v2"]["mismatches"] >= 1 and not out["modes"]["v2"]["ranks_agree"]
-    assert all(v["mismatches"] == 0 for m, v in out["modes"].items() if m != "v2")
+    assert not out["ok"] and out["modes"]["prefix-gather"]["mismatches"] >= 1 and not out["modes"]["prefix-gather"]["ranks_agree"]
+    assert all(v["mismatches"] == 0 for m, v in out["modes"].items() if m != "prefix-gather")
 
 
 def _misuse(ctx):
@@ -98,7 +98,7 @@ def _misuse(ctx):
 
 def test_bad_input_raises_named_errors_on_every_rank():
     for out in launch(_misuse, 2, timeout_s=120):
-        assert out["unknown_mode"].startswith("ComposeError") and "legacy, fused, v2, symm, prefetch" in out["unknown_mode"]
+        assert out["unknown_mode"].startswith("ComposeError") and "span-reduce, batch-reduce, prefix-gather, symm, prefetch" in out["unknown_mode"]
         assert out["not_a_plan"].startswith("ComposeError: expected the batch's ComposePlan")
         assert out["cp_mismatch"].startswith("ComposeError") and "cp=3" in out["cp_mismatch"]
         assert out["overflow"].startswith(StagingOverflow.__name__) and "staging holds 10" in out["overflow"]
