@@ -233,3 +233,18 @@ def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
     fake["modes"]["batch-reduce"]["mismatches"] = 0
     assert cli_check.run(parser.parse_args(["--modes", "batch-reduce"])) == 0
     assert "batch-reduce" in capsys.readouterr().out
+
+
+def test_earlier_mode_spellings_pass_every_front_door(monkeypatch):
+    import argparse
+
+    from cpkv import envs
+    from cpkv.cli import run_cmd
+    from cpkv.engine.config import EngineConfig
+
+    monkeypatch.setenv("CPKV_COMPOSE_MODE", "v2")
+    assert envs.get("CPKV_COMPOSE_MODE") == "prefix-gather"
+    assert EngineConfig(mode="legacy").mode == "legacy"  # accepted; the runtime resolves it
+    parser = argparse.ArgumentParser()  # --mode of cpkv run (and serve, bench engine); --modes: parse_modes
+    run_cmd.add_arguments(parser)
+    assert parser.parse_args(["--mode", "fused"]).mode == "batch-reduce"

@@ -32,6 +32,7 @@ HELP = "Prefill throughput of long prompts through the CP engine, with a per-par
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE
+    from cpkv.config import compose_mode
     from cpkv.engine.config import MODES
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a rank's share of a 3.6K-token turn at cp 8, a host-bound size; 0: none)")
     p.add_argument("--runs", type=a.bounded_int(1, 10_000), default=3, help="timed runs (default 3)")
     p.add_argument("--cp", type=a.ranks, default=1, help="rank processes (default 1: the whole GPU)")
-    p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
+    p.add_argument("--mode", type=compose_mode, default="symm", choices=MODES, help="compose mode (default symm)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
