@@ -66,18 +66,18 @@ def _misuse(ctx):
     rt = ComposeRuntime.create(ctx, model, num_pages=32, page_size=4, caps=caps, num_layers=2)
     assert rt.staging.capacity == 32 // 4 + 2
     layout = build_layout([(8, 12), (4, 5)], page_size=4, cp=2)
-    plan = rt.prepare(layout)
+    plan = rt.plan_batch(layout)
     cases = {
         "unknown_mode": lambda: rt.compose(plan, 0, "token", mode="ring"),
         "not_a_plan": lambda: rt.compose(layout, 0, "token"),
-        "cp_mismatch": lambda: rt.prepare(build_layout([(0, 9)], page_size=4, cp=3)),
-        "overflow": lambda: rt.prepare(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
+        "cp_mismatch": lambda: rt.plan_batch(build_layout([(0, 9)], page_size=4, cp=3)),
+        "overflow": lambda: rt.plan_batch(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
         "prefetch_bs2": lambda: rt.compose(plan, 0, "token", mode="prefetch"),
         "bad_layer": lambda: rt.compose(plan, 5, "token"),
         "bad_layer_all_kinds": lambda: rt.compose_layer(plan, -1),
         "layer_not_a_plan": lambda: rt.compose_layer(layout, 0),
         "layer_unknown_mode": lambda: rt.compose_layer(plan, 0, mode="nope"),
-        "bad_page_ids": lambda: rt.prepare(layout, [1] * 3),
+        "bad_page_ids": lambda: rt.plan_batch(layout, [1] * 3),
     }
     for name, fn in cases.items():
         try:

@@ -24,7 +24,7 @@ __all__ = ["MODES_EPILOG", "as_flags", "atomic_output", "atomic_path", "bounded_
 
 # the compose modes, one line each, for the --help of every command that takes --mode / --modes
 MODES_EPILOG = "compose modes (byte-identical results):\n" + "\n".join(
-    f"  {name:<13} {what}" for name, what in COMPOSE_MODES.items()) + "\nearlier spellings, still accepted: " + ", ".join(
+    f"  {name:<14} {what}" for name, what in COMPOSE_MODES.items()) + "\nearlier spellings, still accepted: " + ", ".join(
     f"{old} = {name}" for old, name in COMPOSE_MODE_ALIASES.items())
 
 
