@@ -41,7 +41,7 @@ Compose rounds between MoE layers only add more such separations.
 Row gathers from a table of ranks are the page-gather kernel on GPU with Triton (a row of D values is one
 "page"); elsewhere a masked pure-torch gather (one pass per rank, no host read). Without peer memory
 (``CPKV_DISABLE_PEER_MEMORY``) each rank all-reduces zero-padded copies instead: every value has one
-producer, so the sum is exact (as ``fused`` compose).
+producer, so the sum is exact (as ``batch-reduce`` compose).
 """
 from __future__ import annotations
 
