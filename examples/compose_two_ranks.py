@@ -22,7 +22,7 @@ def rank_main(ctx) -> str:
                           prefix_pages=[[(0, 5), (1, 3)], []])
     writers = [c.writer for c in layout.current_pages]
     page_ids = [10 + i for i in range(len(writers))]  # writer-side pool pages (normally from the allocator)
-    plan = rt.prepare(layout, page_ids)
+    plan = rt.plan_batch(layout, page_ids)
     rows = rt.current_rows(plan, 0, "token")
     kv = torch.full((plan.query_rows.numel(), MODEL.row_bytes("token")), 100 + ctx.rank, dtype=torch.uint8)
     rows.index_copy_(0, plan.query_rows, kv)          # this rank's KV rows of its query tokens

@@ -25,14 +25,22 @@ DEFAULT_PAGE_SIZE = 64
 SPARSE_BACKENDS = ("auto", "cpkv", "flashmla")
 
 # The compose modes (cpkv.compose.modes runs them): name -> what it does, in one line. All give byte-identical
-# dense buffers; the peer modes fall back to ``fused`` where peer memory is unavailable.
+# dense buffers; the peer modes fall back to ``batch-reduce`` where peer memory is unavailable.
 COMPOSE_MODES: dict[str, str] = {
-    "legacy": "per request span: own pages (others zero), then a sum all-reduce of the span",
-    "fused": "own pages (others zero), then one sum all-reduce of the whole buffer",
-    "v2": "peer gather of the prefix pages, then a small all-reduce of the new pages",
+    "span-reduce": "per request span: own pages (others zero), then a sum all-reduce of the span",
+    "batch-reduce": "own pages (others zero), then one sum all-reduce of the whole buffer",
+    "prefix-gather": "peer gather of the prefix pages, then a small all-reduce of the new pages",
     "symm": "writers write into peer-visible staging, a counting barrier, then one gather (no collective)",
     "prefetch": "symm, with the next layer's prefix pages gathered ahead (batches of one request)",
 }
+# earlier spellings, still accepted wherever a mode is named (--mode, --modes, CPKV_COMPOSE_MODE, EngineConfig)
+COMPOSE_MODE_ALIASES: dict[str, str] = {"legacy": "span-reduce", "fused": "batch-reduce", "v2": "prefix-gather"}
+
+
+def compose_mode(name: str) -> str:
+    """The mode ``name`` spells (an alias becomes its mode's name); any other string comes back unchanged, for
+    the caller's check against ``COMPOSE_MODES``."""
+    return COMPOSE_MODE_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
-from cpkv.config import COMPOSE_MODES, SPARSE_BACKENDS
+from cpkv.config import COMPOSE_MODES, SPARSE_BACKENDS, compose_mode
 from cpkv.errors import ConfigError
 
 T = TypeVar("T")
@@ -101,6 +101,7 @@ def _api_key(raw: str) -> str:
 
 
 def _mode(raw: str) -> str:
+    raw = compose_mode(raw)  # an earlier spelling names its mode
     if raw not in COMPOSE_MODES:
         raise ValueError(f"one of {', '.join(COMPOSE_MODES)}")
     return raw

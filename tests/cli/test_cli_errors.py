@@ -135,7 +135,7 @@ CASES = [
     (["check", "compose", "--layers", "0"], "--layers: expected an integer in 1..1024, got 0"),
     (["check", "compose", "--seed", "-1"], "--seed: expected an integer in 0..2^63-1, got -1"),
     (["check", "compose", "--page-size", "3"], "--page-size must be a power of two >= 1, got 3"),
-    (["check", "compose", "--modes", "bogus"], "unknown compose mode 'bogus'; supported: legacy"),
+    (["check", "compose", "--modes", "bogus"], "unknown compose mode 'bogus'; supported: span-reduce"),
     # benches: bad values first, then the missing device
     (["bench", "compose", "--cp", "0"], "--cp: expected an integer in 1..64, got 0"),
     (["bench", "compose", "--requests", "0"], "--requests: expected an integer in 1..65536, got 0"),

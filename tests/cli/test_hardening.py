@@ -31,7 +31,7 @@ BAD_ENV = [
     ("CPKV_BARRIER_TIMEOUT_S", "-1", "expected a finite number of seconds > 0"),
     ("CPKV_BARRIER_TIMEOUT_S", "nan", "expected a finite number of seconds > 0"),
     ("CPKV_MQA_LOGITS_CHUNK_MAX_GB", "0", "expected a finite number of GiB > 0"),
-    ("CPKV_COMPOSE_MODE", "fast", "expected one of legacy, fused, v2, symm, prefetch"),
+    ("CPKV_COMPOSE_MODE", "fast", "expected one of span-reduce, batch-reduce, prefix-gather, symm, prefetch"),
     ("CPKV_DISABLE_TRITON", "maybe", "expected one of 1/0/true/false"),
     ("CPKV_SPARSE_MLA", "fast", "expected one of auto, cpkv, flashmla"),
     ("CPKV_GROUPED_MM_TORCH", "maybe", "expected one of 1/0/true/false"),

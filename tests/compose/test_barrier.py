@@ -69,7 +69,7 @@ def _compose_then_die(ctx):
     caps = AdmissionCaps(chunk_size=64, cached_tokens=64, max_requests=2)
     rt = ComposeRuntime.create(ctx, preset("tiny"), num_pages=16, page_size=4, caps=caps, num_layers=2)
     layout = build_layout([(8, 10)], page_size=4, cp=ctx.world_size)
-    plan = rt.prepare(layout)
+    plan = rt.plan_batch(layout)
     rt.current_rows(plan, 0, "token")
     rt.compose(plan, 0, "token", mode="symm")  # one full round works
     if ctx.rank == 2:

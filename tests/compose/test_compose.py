@@ -30,7 +30,7 @@ def test_every_mode_matches_the_reference(cp, page_size, batches, seed):
     modes = out["modes"]
     for name in MODES:
         assert modes[name]["mismatches"] == 0 and modes[name]["bytes"] > 0 and modes[name]["effective"] == name
-    assert len({modes[m]["digest"] for m in ("legacy", "fused", "v2", "symm")}) == 1
+    assert len({modes[m]["digest"] for m in ("span-reduce", "batch-reduce", "prefix-gather", "symm")}) == 1
     assert modes["prefetch"]["batches"] == out["solo_batches"] > 0
     assert all(h > 0 for h in out["prefetch_hits"])  # the second layer consumed a prefetch
 
@@ -48,14 +48,14 @@ def test_check_batches_cover_the_corner_cases():
     assert owners == {0, 1, 2}
 
 
-def test_without_peer_memory_every_mode_falls_back_to_fused(monkeypatch):
+def test_without_peer_memory_every_mode_falls_back_to_batch_reduce(monkeypatch):
     monkeypatch.setenv("CPKV_DISABLE_PEER_MEMORY", "1")
-    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2, corrupt_mode="v2"))
+    out = run_check(CheckConfig(cp=2, page_size=8, batches=2, seed=5, layers=2, corrupt_mode="prefix-gather"))
     assert out["peer_memory"] == "none"
-    assert {v["effective"] for v in out["modes"].values()} == {"legacy", "fused"}
+    assert {v["effective"] for v in out["modes"].values()} == {"span-reduce", "batch-reduce"}
     # the injected one-byte fault is caught (by the comparison and by the ranks' digests), nothing else is
-    assert not out["ok"] and out["modes"]["v2"]["mismatches"] >= 1 and not out["modes"]["v2"]["ranks_agree"]
-    assert all(v["mismatches"] == 0 for m, v in out["modes"].items() if m != "v2")
+    assert not out["ok"] and out["modes"]["prefix-gather"]["mismatches"] >= 1 and not out["modes"]["prefix-gather"]["ranks_agree"]
+    assert all(v["mismatches"] == 0 for m, v in out["modes"].items() if m != "prefix-gather")
 
 
 def _misuse(ctx):
@@ -66,18 +66,18 @@ def _misuse(ctx):
     rt = ComposeRuntime.create(ctx, model, num_pages=32, page_size=4, caps=caps, num_layers=2)
     assert rt.staging.capacity == 32 // 4 + 2
     layout = build_layout([(8, 12), (4, 5)], page_size=4, cp=2)
-    plan = rt.prepare(layout)
+    plan = rt.plan_batch(layout)
     cases = {
         "unknown_mode": lambda: rt.compose(plan, 0, "token", mode="ring"),
         "not_a_plan": lambda: rt.compose(layout, 0, "token"),
-        "cp_mismatch": lambda: rt.prepare(build_layout([(0, 9)], page_size=4, cp=3)),
-        "overflow": lambda: rt.prepare(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
+        "cp_mismatch": lambda: rt.plan_batch(build_layout([(0, 9)], page_size=4, cp=3)),
+        "overflow": lambda: rt.plan_batch(build_layout([(0, 30), (0, 20)], page_size=4, cp=2)),
         "prefetch_bs2": lambda: rt.compose(plan, 0, "token", mode="prefetch"),
         "bad_layer": lambda: rt.compose(plan, 5, "token"),
         "bad_layer_all_kinds": lambda: rt.compose_layer(plan, -1),
         "layer_not_a_plan": lambda: rt.compose_layer(layout, 0),
         "layer_unknown_mode": lambda: rt.compose_layer(plan, 0, mode="nope"),
-        "bad_page_ids": lambda: rt.prepare(layout, [1] * 3),
+        "bad_page_ids": lambda: rt.plan_batch(layout, [1] * 3),
     }
     for name, fn in cases.items():
         try:
@@ -98,7 +98,7 @@ def _misuse(ctx):
 
 def test_bad_input_raises_named_errors_on_every_rank():
     for out in launch(_misuse, 2, timeout_s=120):
-        assert out["unknown_mode"].startswith("ComposeError") and "legacy, fused, v2, symm, prefetch" in out["unknown_mode"]
+        assert out["unknown_mode"].startswith("ComposeError") and "span-reduce, batch-reduce, prefix-gather, symm, prefetch" in out["unknown_mode"]
         assert out["not_a_plan"].startswith("ComposeError: expected the batch's ComposePlan")
         assert out["cp_mismatch"].startswith("ComposeError") and "cp=3" in out["cp_mismatch"]
         assert out["overflow"].startswith(StagingOverflow.__name__) and "staging holds 10" in out["overflow"]

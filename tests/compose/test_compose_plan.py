@@ -69,7 +69,7 @@ def test_every_entry_set_rebuilds_the_reference(reqs, P, cp, strategy, kind):
     plans = _plans(layout)
     stagings = _stagings(layout, plans, cur)
     S, pb = layout.num_slots, cur.shape[1]
-    fused = torch.zeros((S, pb), dtype=torch.int64)
+    batch_reduce = torch.zeros((S, pb), dtype=torch.int64)
     compact = torch.zeros((layout.num_current, pb), dtype=torch.int64)
     for p, pool, st in zip(plans, pools, stagings):
         assert torch.equal(_gather(S, pb, pools + stagings, p.all), ref)  # symm
@@ -78,16 +78,16 @@ def test_every_entry_set_rebuilds_the_reference(reqs, P, cp, strategy, kind):
         assert not pre[torch.from_numpy(p.is_current)].any()  # -1 zero-fills current slots
         page_gather_ref(pre, pools + stagings, p.current.dest, p.current.src, p.current.page)
         assert torch.equal(pre, ref)  # prefetch: prefix ahead, current after the barrier
-        fused += _gather(S, pb, [pool, st], p.own).long()
+        batch_reduce += _gather(S, pb, [pool, st], p.own).long()
         compact += _gather(layout.num_current, pb, [pool, st], p.compact).long()
-    assert torch.equal(fused, ref.long())  # sum all-reduce of own pages (others zero) is exact
-    assert torch.equal(compact, cur.long())  # v2's compact current pages
-    legacy = torch.zeros((S, pb), dtype=torch.int64)
-    for p, pool, st in zip(plans, pools, stagings):  # legacy: own pages per request span, summed
+    assert torch.equal(batch_reduce, ref.long())  # sum all-reduce of own pages (others zero) is exact
+    assert torch.equal(compact, cur.long())  # prefix-gather's compact current pages
+    span_reduce = torch.zeros((S, pb), dtype=torch.int64)
+    for p, pool, st in zip(plans, pools, stagings):  # span-reduce: own pages per request span, summed
         for span in p.spans:
             part = _gather(S, pb, [pool, st], span.own)[span.start: span.end]
-            legacy[span.start: span.end] += part.long()
-    assert torch.equal(legacy, ref.long())
+            span_reduce[span.start: span.end] += part.long()
+    assert torch.equal(span_reduce, ref.long())
 
 
 @pytest.mark.parametrize("reqs,P,cp,strategy", LAYOUTS)
@@ -200,12 +200,18 @@ def test_arena_grows_only_before_registration():
 
 
 def test_mode_registry_lists_names():
-    assert list(MODES) == ["legacy", "fused", "v2", "symm", "prefetch"]
-    assert parse_modes("all") == list(MODES) and parse_modes("v2, symm") == ["v2", "symm"]
-    with pytest.raises(ComposeError, match="supported: legacy, fused, v2, symm, prefetch"):
+    assert list(MODES) == ["span-reduce", "batch-reduce", "prefix-gather", "symm", "prefetch"]
+    assert parse_modes("all") == list(MODES) and parse_modes("prefix-gather, symm") == ["prefix-gather", "symm"]
+    with pytest.raises(ComposeError, match="supported: span-reduce, batch-reduce, prefix-gather, symm, prefetch"):
         get_mode("ring")
     with pytest.raises(ComposeError, match="unknown compose mode 'nope'"):
-        parse_modes("fused,nope")
+        parse_modes("batch-reduce,nope")
+
+
+def test_earlier_mode_spellings_name_the_same_modes():
+    assert parse_modes("legacy,fused,v2") == ["span-reduce", "batch-reduce", "prefix-gather"]
+    assert get_mode("v2") is MODES["prefix-gather"] and get_mode("legacy") is MODES["span-reduce"]
+    assert get_mode("fused") is MODES["batch-reduce"]
 
 
 def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
@@ -215,15 +221,30 @@ def test_check_cli_exits_1_on_a_mismatch(monkeypatch, capsys):
     from cpkv.bench import check, check_cmd as cli_check
     fake = {"ok": False, "cp": 2, "device": "cpu", "batches": 1, "page_size": 16, "layers": 1, "peer_memory": "shm",
             "backend": "gloo", "shared_device": False, "solo_batches": 1, "prefetch_hits": [0, 0],
-            "modes": {"fused": {"digest": "ab" * 32, "mismatches": 3, "bytes": 10, "batches": 1, "effective": "fused"}}}
+            "modes": {"batch-reduce": {"digest": "ab" * 32, "mismatches": 3, "bytes": 10, "batches": 1, "effective": "batch-reduce"}}}
     monkeypatch.setattr(check, "run_check", lambda cfg, on_progress=None: fake)
     parser = argparse.ArgumentParser()
     cli_check.add_arguments(parser)
-    assert cli_check.run(parser.parse_args(["--modes", "fused", "--json"])) == 1
+    assert cli_check.run(parser.parse_args(["--modes", "batch-reduce", "--json"])) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["ok"] is False and out["modes"]["fused"]["mismatches"] == 3
-    assert set(out["modes"]["fused"]) >= {"digest", "mismatches", "bytes"}
+    assert out["ok"] is False and out["modes"]["batch-reduce"]["mismatches"] == 3
+    assert set(out["modes"]["batch-reduce"]) >= {"digest", "mismatches", "bytes"}
     fake["ok"] = True
-    fake["modes"]["fused"]["mismatches"] = 0
-    assert cli_check.run(parser.parse_args(["--modes", "fused"])) == 0
-    assert "fused" in capsys.readouterr().out
+    fake["modes"]["batch-reduce"]["mismatches"] = 0
+    assert cli_check.run(parser.parse_args(["--modes", "batch-reduce"])) == 0
+    assert "batch-reduce" in capsys.readouterr().out
+
+
+def test_earlier_mode_spellings_pass_every_front_door(monkeypatch):
+    import argparse
+
+    from cpkv import envs
+    from cpkv.cli import run_cmd
+    from cpkv.engine.config import EngineConfig
+
+    monkeypatch.setenv("CPKV_COMPOSE_MODE", "v2")
+    assert envs.get("CPKV_COMPOSE_MODE") == "prefix-gather"
+    assert EngineConfig(mode="legacy").mode == "legacy"  # accepted; the runtime resolves it
+    parser = argparse.ArgumentParser()  # --mode of cpkv run (and serve, bench engine); --modes: parse_modes
+    run_cmd.add_arguments(parser)
+    assert parser.parse_args(["--mode", "fused"]).mode == "batch-reduce"

@@ -97,7 +97,7 @@ def _run_cases(ctx, cases, k: int, peer: bool) -> list[dict]:
         x, idx, w = (v.to(dev) for v in _batch(counts, k, route, seed))
         o = sum(counts[: ctx.rank])
         mine = slice(o, o + counts[ctx.rank])
-        ep = ex.prepare(counts)
+        ep = ex.plan_batch(counts)
         xs, offs, rw = ep.dispatch(x[mine], idx[mine], w[mine])
         got = ep.combine(grouped_swiglu(xs, offs, rw, ew))
         ref = all_to_all_reference(ctx, x[mine], idx[mine], w[mine], ew.gate_up, ew.down, local)
@@ -162,7 +162,7 @@ def test_prepare_checks_the_counts():
     ex = ExpertExchange.__new__(ExpertExchange)  # prepare reads only the group size and the token cap
     ex.cp, ex.t_cap = 2, 8
     with pytest.raises(ValueError, match=r"expected 2 token counts >= 0 summing to at most 8 .*got \[3, 6\]"):
-        ex.prepare([3, 6])
+        ex.plan_batch([3, 6])
     for bad in ([3], [-1, 2]):
         with pytest.raises(ValueError, match="expected 2 token counts"):
-            ex.prepare(bad)
+            ex.plan_batch(bad)

@@ -84,7 +84,7 @@ def _launch_logs(ctx, split: bool = False):
     ``prepare`` (and re-pointed per layer), then the same layers with every launch built in full on first use.
     ``split``: ``prepare`` makes the first layer's launches alone, ``prepare_launches`` the others once the first
     layer has composed (as the engine's forward does)."""
-    import cpkv.compose.runtime as R
+    import cpkv.compose.launches as R
     from cpkv.compose.runtime import ComposeRuntime
     from cpkv.config import AdmissionCaps, preset
     from cpkv.layout import build_layout
@@ -97,7 +97,7 @@ def _launch_logs(ctx, split: bool = False):
     caps = AdmissionCaps(chunk_size=64, cached_tokens=128, max_requests=2)
     rt = ComposeRuntime.create(ctx, model, num_pages=64, page_size=4, caps=caps, num_layers=3, mode="symm")
     rt.use_triton = True
-    rt._tables()  # the Triton source tables (addresses of the shared-memory pools and stagings)
+    rt.buffers.build_tables(use_triton=True)  # the Triton source tables (addresses of the shared pools, stagings)
     out = []
     for reqs in ([(8, 12), (4, 5)], [(0, 9)], [(16, 30)]):
         layout = build_layout(reqs, page_size=4, cp=ctx.world_size)

@@ -34,8 +34,7 @@ from cpkv.layout import BatchLayout, build_layout
 from cpkv.scheduler.costs import unit_costs_compose
 
 GATHER_CONFIGS = (  # block: int32 elements per unit (capped at the page), num_warps (missing keys:
-    # page_gather.triton.DEFAULT_CONFIG's, the first entry). 2026-12-01's sweep (BENCHMARKS.md, session 9) also
-    # measured cache hints and a persistent variant, both slower or no faster, both deleted
+    # page_gather.triton.DEFAULT_CONFIG's, the first entry); the kernel's one shape, so only these two vary
     {"block": 16384, "num_warps": 8},
     {"block": 16384, "num_warps": 4},
     {"block": 16384, "num_warps": 16},
@@ -149,14 +148,14 @@ def rank_worker(ctx: RankContext, cfg: BenchConfig) -> dict[str, Any]:
         best = {k: v for k, v in kern.get("best", {}).items() if k in page_gather.DEFAULT_CONFIG}
         page_gather.DEFAULT_CONFIG.update(best)
         out["kernel"] = kern if ctx.rank == 0 else None
-    plan = rt.prepare(layout, ids)
+    plan = rt.plan_batch(layout, ids)
     for i, mode in enumerate(cfg.modes):
         if ctx.rank == 0:
             ctx.report((i, f"timing {mode}"))  # the parent's progress line (a CPU run takes minutes)
         lay, p = layout, plan
         if mode == "prefetch" and len(layout.requests) != 1:
             lay = _solo_layout(cfg)
-            p = rt.prepare(lay)
+            p = rt.plan_batch(lay)
         out["modes"][mode] = _time_mode(ctx, rt, p, mode, cfg, range(cfg.layers))
         if model.num_layers > cfg.layers:
             shared = _time_mode(ctx, rt, p, mode, cfg, range(cfg.layers, model.num_layers))
@@ -242,7 +241,7 @@ def _host_us_compose_layer(ctx: RankContext, rt: ComposeRuntime, plan: ComposePl
     host only enqueues; with the host barrier this includes its wait."""
     if not rt.mem.available:
         return float("nan")
-    for layer in range(rt.num_layers):  # prepares every layer's launches
+    for layer in range(rt.num_layers):  # builds every layer's launches
         rt.compose_layer(plan, layer, mode="symm")
     _sync(rt.device)
     ctx.barrier()
@@ -262,7 +261,7 @@ def _host_call_us(rt: ComposeRuntime, n: int, call) -> tuple[float, float]:
     waking an idle device's queue)."""
     if not rt.mem.available:
         return float("nan"), float("nan")
-    call(0)  # prepares the launches
+    call(0)  # builds the launches
     _sync(rt.device)
     t0 = time.perf_counter()
     for i in range(n):
@@ -313,8 +312,8 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     read + written per second of *device* time (``event_median_s(..., device_only=True)``: the stream is held by a spin kernel
     while the host enqueues, so a launch's host cost is not counted: the 170-190 µs calls here are short
     enough for a 5-30 µs launch to show), ``ratio_to_copy`` against ``copy_`` timed the same way; the
-    ``*_event`` figures time each call from its host launch on an idle device (``event_median_s``, the
-    measure before 2026-12-01's sweep: a per-call Triton launch costs more host time than ``copy_``'s)."""
+    ``*_event`` figures time each call from its host launch on an idle device (``event_median_s``: a per-call
+    Triton launch costs more host time than ``copy_``'s, which these figures include)."""
     from cpkv.kernels.page_gather.triton import DEFAULT_CONFIG, gather_launcher, load, page_gather_triton
     pool = torch.randint(0, 256, (pool_pages, page_bytes), dtype=torch.uint8, device=device)
     out = torch.empty((gather_pages, page_bytes), dtype=torch.uint8, device=device)
@@ -357,7 +356,7 @@ def kernel_bench(device: torch.device, page_bytes: int = 64 * 656, pool_pages: i
     # host cost of one launch, on a one-page gather so that the GPU never holds the launches back
     one = (out[:1], bases, dest[:1], src[:1], idx[:1])
     res["launch_host_us_unprepared"] = _launch_us(lambda: page_gather_triton(*one))  # resolves args every call
-    res["launch_host_us"] = _launch_us(gather_launcher(*one))  # prepared once per plan: what compose runs
+    res["launch_host_us"] = _launch_us(gather_launcher(*one))  # built once per plan: what compose runs
     tiny = torch.zeros(1, device=device)
     res["torch_launch_host_us"] = _launch_us(lambda: tiny.add_(1))  # the host's launch floor, same run
     timed = [v for v in variants if v["correct"]]

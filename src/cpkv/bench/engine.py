@@ -32,6 +32,7 @@ HELP = "Prefill throughput of long prompts through the CP engine, with a per-par
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE
+    from cpkv.config import compose_mode
     from cpkv.engine.config import MODES
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a rank's share of a 3.6K-token turn at cp 8, a host-bound size; 0: none)")
     p.add_argument("--runs", type=a.bounded_int(1, 10_000), default=3, help="timed runs (default 3)")
     p.add_argument("--cp", type=a.ranks, default=1, help="rank processes (default 1: the whole GPU)")
-    p.add_argument("--mode", default="symm", choices=MODES, help="compose mode (default symm)")
+    p.add_argument("--mode", type=compose_mode, default="symm", choices=MODES, help="compose mode (default symm)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
@@ -76,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cpkv.bench import timing
     from cpkv.cli.args import require_cuda
     from cpkv.engine.engine import run_jobs
 
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     check_diagnostics(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
-    copy = copy_gbs(args.device)
+    copy = round(timing.copy_gbs(device=args.device), 1)  # the ceiling of this run's byte rates
     sustained = sustained_gemm() if args.device == "cuda" else None
     dense = dense_split(cfg_m)
     slices, jobs = [], []
@@ -350,28 +352,6 @@ def weight_floor_bytes(cfg, weights: str, tokens: int, head: bool = True, comput
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = e * (1 - (1 - k / e) ** tokens) if e and wb.moe_layers else 0.0
     return float(wb.replicated - unread + wb.expert * wb.moe_layers * hit)
-
-
-def copy_gbs(device: str) -> float:
-    """The device's ``copy_`` rate, GB/s of bytes read and written: CUDA as every benchmark measures it
-    (``cpkv.bench.timing.copy_gbs``, 1 GiB), CPU by the host clock over 64 MiB."""
-    import time
-
-    import torch
-
-    if device == "cuda":
-        from cpkv.bench import timing
-
-        rate = timing.copy_gbs()
-        torch.cuda.empty_cache()
-        return round(rate, 1)
-    src = torch.empty(64 << 20, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    return round(2 * src.numel() * 5 / (time.perf_counter() - t) / 1e9, 1)
 
 
 AHEAD_MS = 0.1  # a mark the GPU reached within this of the host issuing it: the GPU was waiting for the host

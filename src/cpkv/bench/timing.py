@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks (and the one-off experiments in ``benchmarks/``). CUDA only.
+"""Timing helpers shared by the benchmarks (and the one-off experiments in ``benchmarks/``). CUDA only, except
+``copy_gbs``'s CPU form.
 
 ``event_median_s`` times single calls with CUDA events (for calls short enough that a launch matters);
 ``do_bench_ms`` is Triton's ``do_bench`` median (warm-up and repetitions by time budget).
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 
@@ -38,11 +40,23 @@ def do_bench_ms(fn: Callable[[], object], rep_ms: int = 60, warmup_ms: int = 10)
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def copy_gbs(nbytes: int = 1 << 30) -> float:
-    """GB/s (bytes read + written) of a device-to-device ``copy_`` of ``nbytes`` bytes (``do_bench_ms``)."""
+def copy_gbs(nbytes: int | None = None, device: str = "cuda") -> float:
+    """GB/s (bytes read + written) of a ``copy_`` of ``nbytes`` bytes: on CUDA device to device (``do_bench_ms``,
+    default 1 GiB, the memory given back after), on the CPU by the host clock over five copies (default 64 MiB)."""
     import torch
 
+    if device != "cuda":
+        src = torch.empty(nbytes or 64 << 20, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        return 2 * src.numel() * 5 / (time.perf_counter() - t) / 1e9
+    nbytes = nbytes or 1 << 30
     src = torch.empty(nbytes, device="cuda", dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     ms = do_bench_ms(lambda: dst.copy_(src), 200, warmup_ms=25)
+    del src, dst
+    torch.cuda.empty_cache()
     return 2 * nbytes / ms / 1e6

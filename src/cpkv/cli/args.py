@@ -14,7 +14,7 @@ import re
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
-from cpkv.config import COMPOSE_MODES
+from cpkv.config import COMPOSE_MODE_ALIASES, COMPOSE_MODES
 from cpkv.errors import ConfigError, CpkvError
 from cpkv.files import atomic_output, atomic_path, check_output, check_outputs
 
@@ -24,7 +24,8 @@ __all__ = ["MODES_EPILOG", "as_flags", "atomic_output", "atomic_path", "bounded_
 
 # the compose modes, one line each, for the --help of every command that takes --mode / --modes
 MODES_EPILOG = "compose modes (byte-identical results):\n" + "\n".join(
-    f"  {name:<9} {what}" for name, what in COMPOSE_MODES.items())
+    f"  {name:<14} {what}" for name, what in COMPOSE_MODES.items()) + "\nearlier spellings, still accepted: " + ", ".join(
+    f"{old} = {name}" for old, name in COMPOSE_MODE_ALIASES.items())
 
 
 def _number_text(x: float) -> str:

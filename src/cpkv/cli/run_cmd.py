@@ -42,10 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
     from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
+    from cpkv.config import compose_mode
     from cpkv.engine.config import MODES
 
     p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
-    p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
+    p.add_argument("--mode", type=compose_mode, choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")
     p.add_argument("--requests", type=a.trace_requests, default=12, help="requests of the built-in trace (default 12)")

@@ -61,7 +61,7 @@ class CountingBarrier:
         self._lock = threading.Lock()
         self._lock.acquire()  # held by this rank for good; see _fence
 
-    def _bind(self) -> list[np.ndarray]:
+    def _peer_pads(self) -> list[np.ndarray]:
         if self._pads is None:
             self._pads = [t.numpy() for t in self.mem.peers(self.name)]
         return self._pads
@@ -70,13 +70,13 @@ class CountingBarrier:
         """Announce round ``rounds + 1`` to every rank; returns the round number."""
         self.rounds += 1
         self._fence()  # this rank's data writes before its count
-        for pad in self._bind():
+        for pad in self._peer_pads():
             pad[self.rank] = self.rounds
         return self.rounds
 
     def wait(self) -> None:
         """Block until every rank arrived at this rank's current round, or raise ComposeTimeout."""
-        pad = self._bind()[self.rank]
+        pad = self._peer_pads()[self.rank]
         k = self.rounds
         spins = 0
         deadline = 0.0
@@ -104,7 +104,7 @@ class CountingBarrier:
 
     def counters(self) -> list[int]:
         """This rank's pad: how many rounds each rank has arrived at (as seen here)."""
-        return [int(x) for x in self._bind()[self.rank]]
+        return [int(x) for x in self._peer_pads()[self.rank]]
 
     def _timeout(self, pad: np.ndarray, k: int) -> ComposeTimeout:
         missing = [s for s in range(self.world_size) if int(pad[s]) < k]
@@ -127,7 +127,7 @@ class DeviceBarrier:
         self.rounds = 0
         self._launch = None
 
-    def _bind(self):
+    def _launcher(self):
         if self._launch is None:
             from cpkv.kernels.barrier.triton import barrier_launcher
 
@@ -136,13 +136,15 @@ class DeviceBarrier:
             self._launch = barrier_launcher(peers, self.pad, self.state, self.rank, int(self.timeout_s * 1e9))
         return self._launch
 
-    def prepare(self) -> None:
+    def bind(self) -> None:
         """Compile and bind the kernel now (after ``mem.exchange()``), so the first round launches at once."""
-        self._bind()
+        self._launcher()
+
+    prepare = bind  # the name the GPU tests use
 
     def __call__(self) -> None:
         """One round, enqueued on the current stream: no host wait."""
-        self._bind()()
+        self._launcher()()
         self.rounds += 1
 
     def check(self) -> None:
@@ -160,7 +162,7 @@ class DeviceBarrier:
     @property
     def direct(self) -> bool:
         """True while rounds launch the compiled kernel directly (not through Triton's JIT launcher)."""
-        return self._bind().direct()
+        return self._launcher().direct()
 
     def counters(self) -> list[int]:
         """This rank's pad as seen now (a synchronisation; tests)."""

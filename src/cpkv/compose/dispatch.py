@@ -4,7 +4,7 @@ weighted expert outputs back to the token's rank (docs/design.md §6). No device
 Rank r holds the El = E / cp routed experts [r El, (r + 1) El) (``cpkv.model.moe.expert_block``)::
 
     ex = ExpertExchange(rt, hidden=D, top_k=k, num_experts=E, dtype=dtype)  # collective, once (after rt)
-    ep = ex.prepare(counts)                  # per batch; counts[s] = query tokens of rank s (host ints)
+    ep = ex.plan_batch(counts)               # per batch; counts[s] = query tokens of rank s (host ints)
     per MoE layer, every rank in the same order, also a rank with T = 0 (it serves its experts):
     xs, offs, rw = ep.dispatch(x [T, D], idx int64 [T, k], w float32 [T, k])          # barrier round 1
         xs [N, D] rows routed to this rank's experts, sorted by local expert; offs int32 [El] cumulative
@@ -41,7 +41,7 @@ Compose rounds between MoE layers only add more such separations.
 Row gathers from a table of ranks are the page-gather kernel on GPU with Triton (a row of D values is one
 "page"); elsewhere a masked pure-torch gather (one pass per rank, no host read). Without peer memory
 (``CPKV_DISABLE_PEER_MEMORY``) each rank all-reduces zero-padded copies instead: every value has one
-producer, so the sum is exact (as ``fused`` compose).
+producer, so the sum is exact (as ``batch-reduce`` compose).
 """
 from __future__ import annotations
 
@@ -57,12 +57,6 @@ from cpkv.kernels.platform import use_triton
 from cpkv.upload import upload
 
 REGIONS = ("x", "idx", "w", "y")
-
-
-def exchange_bytes(t_cap: int, hidden: int, top_k: int, local_experts: int, elem_bytes: int) -> int:
-    """Peer-visible bytes one rank's regions take (module docstring), for memory plans."""
-    n_cap = t_cap * min(top_k, local_experts)
-    return t_cap * hidden * elem_bytes + t_cap * top_k * 8 + n_cap * hidden * elem_bytes
 
 
 class ExpertExchange:
@@ -96,12 +90,14 @@ class ExpertExchange:
                       row % 16 == 0 and all(a % 16 == 0 for a in addrs))
         return out
 
-    def prepare(self, counts: Sequence[int]) -> "EPBatch":
+    def plan_batch(self, counts: Sequence[int]) -> "EPBatch":
         """The batch's exchange: ``counts[s]`` query tokens on rank s (host ints, the same on every rank)."""
         if len(counts) != self.cp or min(counts) < 0 or sum(counts) > self.t_cap:
             raise ValueError(f"expected {self.cp} token counts >= 0 summing to at most {self.t_cap} (the extend cap), "
                              f"got {list(counts)}")
         return EPBatch(self, [int(c) for c in counts])
+
+    prepare = plan_batch  # the engine's name for it
 
     def gather_rows(self, name: str, src: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """[n, D]: row ``row[i]`` of rank ``src[i]``'s region ``name`` (x or y); where src[i] < 0 zeros, or on the
@@ -144,7 +140,7 @@ class _Sorted:
 
 @dataclass
 class EPBatch:
-    """One batch's exchange (``ExpertExchange.prepare``): token counts per rank, and the device tables every
+    """One batch's exchange (``ExpertExchange.plan_batch``): token counts per rank, and the device tables every
     MoE layer of the batch uses (each token's rank and row), uploaded once without a host sync."""
 
     ex: ExpertExchange

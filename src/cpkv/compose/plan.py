@@ -1,6 +1,6 @@
 """ComposePlan: every layer-invariant compose descriptor of one batch on one rank, built once.
 
-A plan is built from a ``BatchLayout`` (numpy/python) by ``ComposeRuntime.prepare``, its index tensors are
+A plan is built from a ``BatchLayout`` (numpy/python) by ``ComposeRuntime.plan_batch``, its index tensors are
 moved to the device once, and the caller passes it to every compose call of the batch (never looked up by
 tensor address, never stored on the layout). Every layer and both kinds reuse it. Per slot of the dense buffer::
 
@@ -93,7 +93,7 @@ class Entries:
         self.np = (dest[1], src[1], page[1])
         self.n = int(dest[1].size)
         self._groups: tuple[list, torch.Tensor] | None = None
-        self.launchers: dict[tuple, Callable[[], None]] = {}  # prepared kernel launches (see ComposeRuntime.gather)
+        self.launchers: dict[tuple, Callable[[], None]] = {}  # built kernel launches (compose.launches.GatherLaunches)
 
     def __getattr__(self, name: str) -> torch.Tensor:
         if name not in ("dest", "src", "page") or "_regions" not in self.__dict__:
@@ -154,7 +154,7 @@ class ComposePlan:
         self._request_slots = [(r.slot_start, r.slot_end) for r in layout.requests]
         self.signature = (layout.cp, layout.page_size, capacity, tuple(page_bytes.items()))
         self.views: dict[tuple, object] = {}  # the runtime's arena and staging-row views of this batch
-        self.launch_layers = 0  # layers [0, launch_layers) whose compose launches are prepared (ComposeRuntime)
+        self.launch_layers = 0  # layers [0, launch_layers) whose compose launches are built (GatherLaunches)
         self.launch_uses: dict[str, int] = {}  # the staging use counters as layer launch_layers will find them
         own = layout.rank_current[rank]
         self.num_own = len(own)

@@ -1,4 +1,4 @@
-"""ComposeRuntime: one per rank; every layer it gives this rank the batch's dense KV (docs/design.md, compose).
+"""ComposeRuntime: one per rank; every layer it gives this rank the batch's dense KV (docs/design.md §4).
 
 Setup (collective, once)::
 
@@ -7,7 +7,7 @@ Setup (collective, once)::
 
 Per batch and per (layer, kind), every rank, in the same order::
 
-    plan = rt.prepare(layout, current_page_ids)        # once per batch; passed to every call below
+    plan = rt.plan_batch(layout, current_page_ids)     # once per batch; passed to every call below
     rows = rt.current_rows(plan, layer, kind)          # uint8 [n_own * P, row_bytes], writable
     rows.index_copy_(0, plan.query_rows, kv_rows)      # the writer's KV rows of its query tokens
     dense = rt.compose(plan, layer, kind)              # uint8 [num_slots * P, row_bytes]
@@ -35,12 +35,17 @@ Barrier rounds (``symm``, ``prefetch``): on CUDA with Triton a kernel on this ra
 ComposeTimeout at ``check_barrier`` (the engine calls it once per batch, after the batch's synchronisation);
 on the CPU a host-waited round that raises at once. A group of one rank takes no rounds.
 
+Parts: ``buffers`` (``compose.buffers.ComposeBuffers``: pool, staging, arena and the source tables over every
+rank's), ``launches`` (``compose.launches.GatherLaunches``: the Triton gathers built once per plan),
+``prefetcher`` (``compose.prefetch.Prefetcher``), ``barrier`` (``compose.barrier``); the modes
+(``compose.modes``) run against this object's primitives: ``dense``, ``gather``, ``gather_kinds``, ``all_reduce``,
+``barrier_round``, ``persist``, ``persist_kinds``.
+
 Wrong batches, pools of another shape, unknown modes or a layout whose cp differs from the group
 raise ComposeError; too many current pages raise StagingOverflow on every rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -48,38 +53,33 @@ import torch.distributed as dist
 
 from cpkv import envs
 from cpkv.compose.barrier import DeviceBarrier, make_barrier
+from cpkv.compose.buffers import ComposeBuffers, check_pool, pool_page_bytes
+from cpkv.compose.launches import GatherLaunches
 from cpkv.compose.modes import Mode, get_mode
 from cpkv.compose.peer import PeerMemory
 from cpkv.compose.plan import ComposePlan, Entries
-from cpkv.compose.staging import DenseArena, Staging, caps_arena_bytes
+from cpkv.compose.prefetch import Prefetcher
+from cpkv.compose.staging import Staging
 from cpkv.config import KINDS, AdmissionCaps, ModelConfig
 from cpkv.dist import RankContext
 from cpkv.errors import ComposeError
 from cpkv.kernels.page_gather.ref import gather_group
-from cpkv.kernels.page_gather.triton import gather_launcher, relaunch_with
 from cpkv.kernels.platform import use_triton
 from cpkv.kvcache.pool import KVPool
 from cpkv.layout import BatchLayout
 
 
-@dataclass
-class _Pending:
-    plan: ComposePlan
-    layer: int
-    half: int
-    event: torch.cuda.Event | None
-
-
 class ComposeRuntime:
-    """Per-rank compose state: pools and staging registered in peer memory, barrier, arena, tables."""
+    """Per-rank compose: the batch's plan, the per-layer calls in every mode, the barrier and the use counters
+    over the parts that hold the bytes, the launches and the prefetches (module docstring)."""
 
     def __init__(self, ctx: RankContext, pool: KVPool, mem: PeerMemory, caps: AdmissionCaps,
                  mode: str | None = None) -> None:
         self.ctx, self.pool, self.mem, self.caps = ctx, pool, mem, caps
         self.rank, self.cp, self.device = ctx.rank, ctx.world_size, pool.device
         self.page_size, self.num_layers = pool.page_size, pool.num_layers
-        self.page_bytes = {k: pool.page_size * pool.row_bytes(k) for k in KINDS}
-        self._check_pool()
+        self.page_bytes = pool_page_bytes(pool)
+        check_pool(pool, mem, ctx.world_size)
         self.staging = Staging(pool.model, pool.page_size, caps, mem.alloc)
         # what a plan must have been built for (checked on every compose call)
         self.signature = (self.cp, self.page_size, self.staging.capacity, tuple(self.page_bytes.items()))
@@ -87,20 +87,14 @@ class ComposeRuntime:
         mem.exchange()
         self._check_group()
         if isinstance(self.barrier, DeviceBarrier):
-            self.barrier.prepare()
-        self.arena = DenseArena(caps_arena_bytes(self.page_bytes, self.page_size, caps), self.device)
-        self.arena.register()
+            self.barrier.bind()
         self.use_triton = use_triton(self.device)
-        self._tables()
-        # per kind, per layer: the pool's page view (None where the layer keeps no rows of the kind); the pool
-        # never moves, so the views serve every batch (no per-layer view op)
-        self._pool_pages = {k: [pool.pages(n, k) if n in pool.slots[k] else None for n in range(self.num_layers)]
-                            for k in KINDS}
+        self.buffers = ComposeBuffers(pool, self.staging, mem, caps, self.use_triton)
+        self.arena = self.buffers.arena
+        self.launches = GatherLaunches(self.buffers)
+        self.prefetcher = Prefetcher(self.device)
         self.mode: Mode = get_mode(mode or envs.get("CPKV_COMPOSE_MODE"))
         self.uses = {k: 0 for k in KINDS}
-        self._pending: dict[str, _Pending | None] = {k: None for k in KINDS}
-        self.prefetch_hits = 0
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @classmethod
     def create(cls, ctx: RankContext, model: ModelConfig, *, num_pages: int, page_size: int, caps: AdmissionCaps,
@@ -110,24 +104,6 @@ class ComposeRuntime:
         pool = KVPool(model, num_pages, page_size, ctx.device, alloc=mem.alloc, num_layers=num_layers)
         return cls(ctx, pool, mem, caps, mode)
 
-    @property
-    def peer_available(self) -> bool:
-        return self.mem.available
-
-    # registration checks --------------------------------------------------------------------------
-
-    def _check_pool(self) -> None:
-        for k in KINDS:
-            buf = self.pool.buffers[k]
-            want = (len(self.pool.slots[k]), self.pool.num_pages, self.page_bytes[k])
-            if buf.dtype != torch.uint8 or tuple(buf.shape) != want:
-                raise ComposeError(f"pool {k!r} buffer must be uint8 {list(want)} (layers of kind, pages, page_size * "
-                                   f"row_bytes {self.pool.row_bytes(k)}), got {buf.dtype} {list(buf.shape)}")
-        if self.mem.available and not all(self.mem.has(f"pool.{k}") for k in KINDS):
-            raise ComposeError("the pool was not allocated through PeerMemory.alloc (pass alloc=mem.alloc to KVPool)")
-        if self.mem.ctx.world_size != self.ctx.world_size:
-            raise ComposeError(f"peer memory spans {self.mem.ctx.world_size} ranks, the group has {self.ctx.world_size}")
-
     def _check_group(self) -> None:
         mine = (self.num_layers, self.pool.num_pages, self.page_size, tuple(self.page_bytes.items()),
                 self.staging.capacity)
@@ -136,57 +112,22 @@ class ComposeRuntime:
             raise ComposeError(f"ranks registered different pools/staging: expected the same (layers, pages, page "
                                f"size, page bytes, staging pages) on every rank, got {everyone}")
 
-    # source tables --------------------------------------------------------------------------------
+    @property
+    def pools(self) -> dict[str, list[torch.Tensor]]:
+        """Per kind: every rank's pool (this rank's alone without peer memory)."""
+        return self.buffers.pools
 
-    def _tables(self) -> None:
-        """Per kind: peers' pools [L, N, PB] and stagings [2, 1 + C, PB]; for Triton, int64 base addresses
-        ``bases[table][kind]``: [layers, 2 halves, n_src] (global: cp pools + cp stagings; local: own pool,
-        own staging)."""
-        self.pools = {k: [self.pool.buffers[k]] for k in KINDS}
-        self.stagings = {k: [self.staging.buffers[k]] for k in KINDS}
-        if self.mem.available:
-            self.pools = {k: self.mem.peers(f"pool.{k}") for k in KINDS}
-            self.stagings = {k: self.mem.peers(f"staging.{k}") for k in KINDS}
-        self.bases: dict[str, dict[str, list[list[torch.Tensor]]]] = {"global": {}, "local": {}}
-        self.aligned16: dict[str, bool] = {}
-        if not self.use_triton:
-            return
-        for k in KINDS:
-            glob = self._base_rows(k, self.pools[k], self.stagings[k]) if self.mem.available else None
-            loc = self._base_rows(k, [self.pool.buffers[k]], [self.staging.buffers[k]])
-            addrs = [a for rows in (glob or []) + loc for a in rows]
-            self.aligned16[k] = self.page_bytes[k] % 16 == 0 and all(a % 16 == 0 for a in addrs)
-            if glob is not None:
-                self.bases["global"][k] = self._base_views(k, glob)
-            self.bases["local"][k] = self._base_views(k, loc)
-
-    def _base_views(self, kind: str, rows: list[list[int]]) -> list[list[torch.Tensor] | None]:
-        """[layer][half] -> int64 [n_src] device view (looked up per call with no torch op); None for a layer
-        that keeps no rows of ``kind``."""
-        t = torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(self.pool.slots[kind]), 2, -1)
-        slots = self.pool.slots[kind]
-        return [[t[slots[layer], h] for h in (0, 1)] if layer in slots else None for layer in range(self.num_layers)]
-
-    def _base_rows(self, kind: str, pools: Sequence[torch.Tensor], stagings: Sequence[torch.Tensor]) -> list[list[int]]:
-        rows = []
-        for slot in range(len(self.pool.slots[kind])):
-            for half in (0, 1):
-                rows.append([p[slot].data_ptr() for p in pools] + [s[half].data_ptr() for s in stagings])
-        return rows
-
-    def _sources(self, table: str, layer: int, kind: str, half: int) -> list[torch.Tensor]:
-        slot = self.pool.slot(layer, kind)
-        if table == "local":
-            return [self.pool.buffers[kind][slot], self.staging.buffers[kind][half]]
-        return [p[slot] for p in self.pools[kind]] + [s[half] for s in self.stagings[kind]]
+    @property
+    def prefetch_hits(self) -> int:
+        return self.prefetcher.hits
 
     # plans ----------------------------------------------------------------------------------------
 
-    def prepare(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None,
-                launch_layers: int | None = None) -> ComposePlan:
-        """Build this batch's plan (the caller passes it to every compose call of the batch), with the prepared
-        compose launches of its first ``launch_layers`` layers (None: every layer; ``prepare_launches`` makes
-        the others later, off the batch's critical path: ``engine.forward.run_batch`` after its first layer)."""
+    def plan_batch(self, layout: BatchLayout, current_page_ids: Sequence[int] | None = None,
+                   launch_layers: int | None = None) -> ComposePlan:
+        """Build this batch's plan (the caller passes it to every compose call of the batch), with the compose
+        launches of its first ``launch_layers`` layers built (None: every layer; ``build_launches`` makes the
+        others later, off the batch's critical path: ``engine.forward.run_batch`` after its first layer)."""
         if layout.cp != self.cp:
             raise ComposeError(f"the batch was laid out for cp={layout.cp}; this group has {self.cp} ranks")
         if layout.page_size != self.page_size:
@@ -198,14 +139,30 @@ class ComposeRuntime:
         self.arena.reserve(plan.arena_bytes)
         for k in KINDS:  # the views every layer uses, made now (none on first use inside the forward)
             for h in (0, 1):
-                self._rows_view(plan, k, h)
-                self.dense(plan, k, h)
-        self.prepare_launches(plan, layers=launch_layers)
+                self.buffers.rows(plan, k, h)
+                self.buffers.dense(plan, k, h)
+        self.build_launches(plan, layers=launch_layers)
         return plan
+
+    prepare = plan_batch  # the engine's name for it
+
+    def build_launches(self, plan: ComposePlan, mode: str | None = None, layers: int | None = None) -> None:
+        """Build every launch the batch's forward will make under ``symm`` (``GatherLaunches.build``) for the
+        layers from the first not yet built (``plan.launch_layers``) up to ``layers`` (None: all), whenever it is
+        called (the first call must come before the batch's first compose: it takes the batch's starting use
+        counters). Other modes and CPU runs build theirs on first use."""
+        stop = self.num_layers if layers is None else min(layers, self.num_layers)
+        if not self.use_triton or self._effective(mode).name != "symm" or plan.launch_layers >= stop:
+            return
+        # the use counters as the first unbuilt layer will find them: the batch's starting ones, or where the
+        # last call's simulation left them (whatever the layers have composed since)
+        self.launches.build(plan, plan.launch_uses if plan.launch_layers else self.uses, stop)
+
+    prepare_launches = build_launches  # the engine's name for it
 
     def _checked(self, plan: ComposePlan) -> ComposePlan:
         if not isinstance(plan, ComposePlan):
-            raise ComposeError(f"expected the batch's ComposePlan (from prepare), got {type(plan).__name__}")
+            raise ComposeError(f"expected the batch's ComposePlan (from plan_batch), got {type(plan).__name__}")
         plan.check(self.rank, self.signature)
         return plan
 
@@ -216,18 +173,9 @@ class ComposeRuntime:
         ``kind`` (see the module docstring). Tail rows of partial pages come zeroed."""
         plan = self._checked(plan)
         self._check_call(layer, kind)
-        half = self.uses[kind] & 1
-        rows = plan.views.get(("rows", kind, half))
-        if rows is None:
-            rows = self._rows_view(plan, kind, half)
+        rows = self.buffers.rows(plan, kind, self.uses[kind] & 1)
         if plan.tail_rows.numel():
             rows.index_fill_(0, plan.tail_rows, 0)
-        return rows
-
-    def _rows_view(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
-        """This rank's current-row block of staging half ``half`` (kept on the plan: the staging never moves)."""
-        block = self.staging.buffers[kind][half][1: 1 + plan.num_own]
-        rows = plan.views[("rows", kind, half)] = block.view(plan.num_own * self.page_size, self.pool.row_bytes(kind))
         return rows
 
     def compose(self, plan: ComposePlan, layer: int, kind: str, mode: str | None = None) -> torch.Tensor:
@@ -236,8 +184,8 @@ class ComposeRuntime:
         self._check_call(layer, kind)
         m = self._effective(mode)
         half = self.uses[kind] & 1
-        if m.name != "prefetch" and self._pending[kind] is not None:
-            self.settle_prefetch(kind)
+        if m.name != "prefetch":
+            self.prefetcher.settle(kind)
         dense = m.run(self, plan, layer, kind, half)
         self.uses[kind] += 1
         return dense
@@ -257,20 +205,19 @@ class ComposeRuntime:
             return {k: self.compose(plan, layer, k, mode=m.name) for k in kinds}
         halves = {k: self.uses[k] & 1 for k in kinds}
         for k in kinds:
-            if self._pending[k] is not None:
-                self.settle_prefetch(k)
+            self.prefetcher.settle(k)
         dense = m.run_layer(self, plan, layer, halves)
         for k in kinds:
             self.uses[k] += 1
         return dense
 
     def effective_mode(self, mode: str | None = None) -> str:
-        """The mode that really runs for ``mode`` (``fused`` replaces peer modes without peer memory)."""
+        """The mode that really runs for ``mode`` (``batch-reduce`` replaces peer modes without peer memory)."""
         return self._effective(mode).name
 
     def _effective(self, mode: str | None) -> Mode:
         m = self.mode if mode is None else get_mode(mode)
-        return get_mode("fused") if m.needs_peer and not self.mem.available else m
+        return get_mode("batch-reduce") if m.needs_peer and not self.mem.available else m
 
     def _check_call(self, layer: int, kind: str) -> None:
         if kind not in self.page_bytes:
@@ -282,31 +229,22 @@ class ComposeRuntime:
     # primitives used by the modes -----------------------------------------------------------------
 
     def dense(self, plan: ComposePlan, kind: str, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows uint8 [S * P, row_bytes], pages uint8 [S, page_bytes]) of the arena half ``half`` (views
-        cached on the plan: the registered arena never moves)."""
-        key = (kind, half)
-        views = plan.views.get(key)
-        if views is None:
-            pb = self.page_bytes[kind]
-            pages = self.arena.view(half, plan.dense_offset[kind], plan.num_slots, pb)
-            views = plan.views[key] = (pages.view(plan.num_slots * self.page_size, pb // self.page_size), pages)
-        return views
-
-    def compact(self, plan: ComposePlan, kind: str, half: int) -> torch.Tensor:
-        """uint8 [num_current, page_bytes] scratch for v2's compact current pages."""
-        return self.arena.view(half, plan.compact_offset[kind], plan.num_current, self.page_bytes[kind])
+        """(rows uint8 [S * P, row_bytes], pages uint8 [S, page_bytes]) of arena half ``half``
+        (``ComposeBuffers.dense``)."""
+        return self.buffers.dense(plan, kind, half)
 
     def gather(self, out: torch.Tensor, table: str, layer: int, kind: str, half: int, e: Entries) -> None:
-        """``out[e.dest] = source[e.src][e.page]`` (zeros for -1) through the ``table`` sources."""
+        """``out[e.dest] = source[e.src][e.page]`` (zeros for -1) through the ``table`` sources: with Triton the
+        launch built once per plan (``GatherLaunches``), else the pure-torch gather group by group."""
         if e.n == 0:
             return
-        if self.use_triton:  # launches prepared once per (entries, target) and kept on the plan's entries
-            self._prepared(out, table, layer, kind, half, e)()
+        if self.use_triton:
+            self.launches.launch(out, table, layer, kind, half, e)()
             return
         groups, zero = e.groups()
         if zero.numel():
             out.index_fill_(0, zero, 0)
-        sources = self._sources(table, layer, kind, half)
+        sources = self.buffers.sources(table, layer, kind, half)
         for s, dest, page in groups:
             gather_group(out, sources[s], dest, page)
 
@@ -316,56 +254,6 @@ class ComposeRuntime:
         both kinds ran slower: ``cpkv.kernels.page_gather.triton``)."""
         for k, (out, e) in targets.items():
             self.gather(out, table, layer, k, halves[k], e)
-
-    def _prepared(self, out: torch.Tensor, table: str, layer: int, kind: str, half: int, e: Entries):
-        """The prepared launch of ``gather(out, table, layer, kind, half, e)`` (``e`` not empty), built on first
-        use and kept on the entries. The first of a family (same entries, table and kind) on the plan is built in
-        full and kept as its template; the others (other layers, halves, outputs) re-point the template's output
-        and source table (``relaunch_with``: a few µs instead of a full build)."""
-        key = (table, layer, kind, half, out.data_ptr(), out.shape[-1])
-        launch = e.launchers.get(key)
-        if launch is not None:
-            return launch
-        family, bases = ("one", table, kind), self.bases[table][kind][layer][half]
-        template = e.launchers.get(family)
-        launch = relaunch_with(template, out, bases) if template is not None else None
-        if launch is None:
-            launch = gather_launcher(out, bases, e.dest, e.src, e.page, aligned16=self.aligned16[kind])
-            e.launchers.setdefault(family, launch)
-        e.launchers[key] = launch
-        return launch
-
-    def prepare_launches(self, plan: ComposePlan, mode: str | None = None, layers: int | None = None) -> None:
-        """Build every launch the batch's forward will make under ``symm`` (``compose_layer`` of each layer in
-        order: a gather and a persist per kind and layer, with the staging halves the use counters will
-        pick), and the dense views, so no layer builds host state on first use: the layers from the first not
-        yet prepared (``plan.launch_layers``) up to ``layers`` (None: all), whenever it is called (the first call
-        must come before the batch's first compose: it takes the batch's starting use counters). Other modes and
-        CPU runs build theirs on first use."""
-        stop = self.num_layers if layers is None else min(layers, self.num_layers)
-        if not self.use_triton or self._effective(mode).name != "symm" or plan.launch_layers >= stop:
-            return
-        # the use counters as the first unprepared layer will find them: the batch's starting ones, or where the
-        # last call's simulation left them (whatever the layers have composed since)
-        uses = dict(plan.launch_uses if plan.launch_layers else self.uses)
-        for n in range(plan.launch_layers, stop):
-            kinds = self.pool.kinds_at(n)
-            halves = {k: uses[k] & 1 for k in kinds}
-            targets = {k: (self.dense(plan, k, h)[1], plan.all) for k, h in halves.items()}
-            self._prebuild("global", n, halves, targets)
-            if plan.persists and plan.num_own:
-                self._prebuild("local", n, halves,
-                               {k: (self._pool_pages[k][n], plan.persist_entries) for k in halves})
-            for k in kinds:
-                uses[k] += 1
-        plan.launch_layers, plan.launch_uses = stop, uses
-
-    def _prebuild(self, table: str, layer: int, halves: dict[str, int],
-                  targets: dict[str, tuple[torch.Tensor, Entries]]) -> None:
-        """Make ``gather_kinds(table, layer, halves, targets)``'s launches without running them."""
-        for k, (out, e) in targets.items():
-            if e.n:
-                self._prepared(out, table, layer, k, halves[k], e)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         if self.cp > 1 and t.numel():
@@ -392,43 +280,14 @@ class ComposeRuntime:
 
     def persist(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
         """Store this rank's current pages (staging half) into its pool pages ``current_page_ids``."""
-        if plan.persists and plan.num_own:  # a gather over the local table: one prepared launch on GPU
-            self.gather(self._pool_pages[kind][layer], "local", layer, kind, half, plan.persist_entries)
+        if plan.persists and plan.num_own:  # a gather over the local table: one launch on GPU
+            self.gather(self.buffers.pool_pages[kind][layer], "local", layer, kind, half, plan.persist_entries)
 
     def persist_kinds(self, plan: ComposePlan, layer: int, halves: dict[str, int]) -> None:
         """``persist`` for every kind of ``halves`` (kind -> staging half), through ``gather_kinds``."""
         if plan.persists and plan.num_own:
             self.gather_kinds("local", layer, halves,
-                              {k: (self._pool_pages[k][layer], plan.persist_entries) for k in halves})
-
-    def take_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> bool:
-        """True (and the prefetched pages are ready) when a prefetch of exactly this use is pending."""
-        p = self.settle_prefetch(kind)
-        if p is None or p.plan is not plan or p.layer != layer or p.half != half:
-            return False
-        self.prefetch_hits += 1
-        return True
-
-    def settle_prefetch(self, kind: str) -> _Pending | None:
-        """Order the current stream after a pending prefetch of ``kind`` (hit or stale: it writes the arena)."""
-        p, self._pending[kind] = self._pending[kind], None
-        if p is not None and p.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(p.event)
-        return p
-
-    def issue_prefetch(self, plan: ComposePlan, layer: int, kind: str, half: int) -> None:
-        """Gather ``layer``'s prefix pages into arena half ``half`` ahead of time (side stream on GPU)."""
-        _, pages = self.dense(plan, kind, half)
-        event = None
-        if self.side_stream is not None:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side_stream):
-                self.gather(pages, "global", layer, kind, half, plan.prefix)
-                event = torch.cuda.Event()
-                event.record(self.side_stream)
-        else:
-            self.gather(pages, "global", layer, kind, half, plan.prefix)
-        self._pending[kind] = _Pending(plan, layer, half, event)
+                              {k: (self.buffers.pool_pages[k][layer], plan.persist_entries) for k in halves})
 
     def close(self) -> None:
         self.mem.close()

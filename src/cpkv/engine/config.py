@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheConfig, CPConfig
+from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheConfig, CPConfig, compose_mode
 from cpkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class EngineConfig:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
         from cpkv.scheduler.admission import POLICIES
 
-        if self.mode not in MODES:
+        if compose_mode(self.mode) not in MODES:
             raise ConfigError(f"unknown compose mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

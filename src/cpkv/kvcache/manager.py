@@ -85,10 +85,6 @@ class KVCacheManager:
         return len(self.tree.allocators)
 
     @property
-    def has_host_tier(self) -> bool:
-        return self.tree.host is not None
-
-    @property
     def pool_pages(self) -> int:
         """Pages of every pool together (page 0 of each reserved)."""
         return sum(a.num_pages - 1 for a in self.tree.allocators)

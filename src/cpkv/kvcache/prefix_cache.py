@@ -88,9 +88,9 @@ class PrefixCache:
     # -- lookup ------------------------------------------------------------------------------------
     def _keys(self, tokens: Sequence[int]) -> list[bytes]:
         """One key per full page of ``tokens`` (ints, or an integer numpy array): the page's ids as int64 bytes.
-        Equal pages give equal keys whatever the sequence type. Bytes slices of one conversion: a 200K-token
-        int64 array was 23 ms as tuples of numpy scalars on the dev VM, and every admission's match and every
-        chunk's commit keys the whole prompt (BENCHMARKS.md, session 17)."""
+        Equal pages give equal keys whatever the sequence type. Bytes slices of one conversion, because every
+        admission's match and every chunk's commit keys the whole prompt: tuples of the ids cost ten times as
+        much host time on a 200K-token prompt."""
         P = self.page_size
         n = len(tokens) - len(tokens) % P
         if n <= 0:
@@ -243,12 +243,6 @@ class PrefixCache:
         self._on_device_added(node)
         self.stats["reloaded"] += 1
         return slot
-
-    def reassign_owner(self, node: Node, owner: int) -> None:
-        """Before a reload: the node's page will come back on ``owner``'s pool (host-resident nodes only)."""
-        if node.on_device:
-            raise PageError("reassign_owner: node is on a device pool")
-        node.owner = owner
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _stamp(self, node: Node) -> None:

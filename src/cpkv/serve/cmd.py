@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
     from cpkv.cli import args as a
     from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
+    from cpkv.config import compose_mode
     from cpkv.engine.config import MODES
     from cpkv.serve.logs import LEVELS
 
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for their first token before new ones get 429 (default 256)")
     p.add_argument("--shutdown-timeout", type=a.timeout_s, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 30)")
-    p.add_argument("--mode", choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
+    p.add_argument("--mode", type=compose_mode, choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--num-layers", type=a.layers, help="override the model's depth")
     p.add_argument("--seed", type=a.seed, default=0, help="seed of a preset's random weights")
