@@ -61,23 +61,10 @@ class EngineConfig:
     #                        graphs, one per token bucket (cpkv.engine.graphs); 0: off. On CPU: the same
     #                        buffers and padding, run eagerly
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
-    fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
     record: bool = False  # record the layers' discrete decisions (experts, indexer selections) for verification
     plant: str | None = None  # testing: a planted fault (cpkv.engine.taps.PLANTS) verification must catch
-    sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
-    #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
-    profile: bool = False  # benchmarks (CUDA): each batch's kernels (name, start, end) from one profiler over the
-    #                        run, so that batches chain as unprofiled (engine.rank.split_spans)
-    host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
-    #                             with the most cumulative time: where a host-bound batch spends its wall)
-    look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.rank docstring)
-    chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.rank)
-    marks: bool = False  # benchmarks (CUDA): each batch's timeline marks, host vs GPU ms (cpkv.timeline)
-    mark_clocks: bool = False  # with marks: the SM clock at each mark too (a short spin probe)
-    trace_stacks: bool = True  # the trace_dir traces with the host's Python stacks (slower host; else op names only)
-    trace_dir: str | None = None  # benchmarks (with profile): each profiled batch's timeline, host ops with their
-    #                               Python stacks and kernels, as a gzipped Chrome trace rank<r>_batch<k>.json.gz
-    #                               (a profiler per batch: these batches are not chained)
+    look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.executor)
+    chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
