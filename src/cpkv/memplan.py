@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from cpkv.config import DEFAULT_PAGE_SIZE, KINDS, AdmissionCaps, CPConfig, ModelConfig
+from cpkv.config import (DEFAULT_PAGE_SIZE, KINDS, MODEL_SIZES, AdmissionCaps, CPConfig, ModelConfig, check_batch_sizes,
+                         pool_caps)
 from cpkv.errors import ConfigError
 from cpkv.model.checkpoint import fp8_scale_shape, layer_kinds, layer_shapes, outer_shapes
 from cpkv.scheduler.admission import Admission
@@ -158,8 +159,8 @@ class Setup:
     compute: str = "bfloat16"
     device: str = "cuda"
     page_size: int = DEFAULT_PAGE_SIZE
-    chunk_size: int = 16384
-    max_requests: int = 8
+    chunk_size: int = MODEL_SIZES.chunk_size
+    max_requests: int = MODEL_SIZES.max_requests
     pages_per_rank: int | None = None
     host_pages: int = 0
     logits_budget: int | None = None
@@ -167,6 +168,7 @@ class Setup:
 
     def __post_init__(self) -> None:
         CPConfig(self.cp, self.page_size)  # validates
+        check_batch_sizes(self.page_size, self.chunk_size, self.max_requests)
         if self.device not in WORKSPACE or self.compute not in ("bfloat16", "float32"):
             raise ConfigError(f"device must be cuda or cpu and compute bfloat16 or float32, got {self.device!r} "
                               f"and {self.compute!r}")
@@ -186,8 +188,7 @@ class Setup:
     def caps(self, pages: int) -> AdmissionCaps:
         """The engine's caps for a pool of ``pages`` per rank (as ``EngineConfig.caps``: the cached cap is
         every pool's pages)."""
-        return AdmissionCaps(chunk_size=self.chunk_size, cached_tokens=max(1, (pages - 1) * self.cp * self.page_size),
-                             buffer_bytes=64 << 30, max_requests=self.max_requests)
+        return pool_caps(self.cp, self.page_size, pages, self.chunk_size, self.max_requests)
 
     def admission(self, pages: int) -> Admission:
         return Admission.build(self.caps(pages), self.model, CPConfig(self.cp, self.page_size),

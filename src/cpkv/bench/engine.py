@@ -220,7 +220,8 @@ def _replace(cfg, **kw):
 
 
 def _setup(args: argparse.Namespace):
-    from cpkv.config import CPConfig
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.config import CPConfig, check_batch_sizes
     from cpkv.engine.config import EngineConfig, default_graph_tokens
     from cpkv.errors import ConfigError
     from cpkv.model.config import load_model_config
@@ -232,8 +233,8 @@ def _setup(args: argparse.Namespace):
     CPConfig(args.cp, args.page_size)  # validates cp and page_size before they size anything
     cfg_m = load_model_config(args.model, args.layers)
     P = args.page_size
-    if args.chunk_size % P:
-        raise ConfigError(f"--chunk-size: expected a multiple of --page-size {P}, got {args.chunk_size}")
+    with as_flags(flags_of(("chunk_size", "page_size"))):
+        check_batch_sizes(P, args.chunk_size, 1)
     prefix = int(args.prompt * args.cached) // P * P
     turn = getattr(args, "turn", 0)
     trace = bench_trace(args.prompt, prefix, args.long, turn)
