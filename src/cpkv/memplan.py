@@ -51,9 +51,8 @@ ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's
 WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (384 << 20, 0.0)}
 # The CUDA graphs' memory beyond their tensors: torch's caching allocator takes memory in segments (20 MiB at least for
 # a block over 1 MiB, 2 MiB for smaller ones), and the graphs use two pools (the default one for the buffers made at
-# a piece's first run, their own for the captures): one partly used segment of each size in each. Measured on the
-# H200 (2026-12-02): the tiny model's graphs held 38.5 MB against 2.7 MB of tensors; GLM-5's 4 layers 654.6 MB
-# against 629 MB.
+# a piece's first run, their own for the captures): one partly used segment of each size in each (BENCHMARKS.md
+# has the measurement behind it).
 GRAPH_SEGMENT_SLACK = 2 * ((20 << 20) + (2 << 20))
 
 # (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
@@ -239,7 +238,7 @@ def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None
 def graph_bytes(s: Setup) -> int:
     """``cpkv.engine.graphs``' memory at ``s.graph_tokens`` rows: its fixed buffers (h, delta, the projection's h
     [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; a layer's token and index rows; the indexer's
-    query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
+    query and head weights; BENCHMARKS.md) and the pool its captures keep,
     bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
     parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers), and the
     allocator's segments (GRAPH_SEGMENT_SLACK)."""
