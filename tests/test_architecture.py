@@ -114,3 +114,29 @@ def test_benchmarks_use_public_names_only():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cpkv"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name} imports private names {private} from {node.module}"
+
+
+ENGINE = sorted(n for n in MODULES if n == "cpkv.engine" or n.startswith("cpkv.engine."))
+MAX_METHODS = 25  # public and private methods of one class (the harness's commands and benchmarks aside)
+
+
+def _classes(name: str) -> list[ast.ClassDef]:
+    tree = ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))
+    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+
+def test_engine_classes_compose_rather_than_inherit():
+    """No class of ``cpkv.engine`` inherits another engine class: the drivers are composed around the executor."""
+    mine = {c.name for n in ENGINE for c in _classes(n)}
+    bad = [f"{n}.{c.name}({ast.unparse(b)})" for n in ENGINE for c in _classes(n) for b in c.bases
+           if ast.unparse(b).split(".")[-1] in mine]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", ENGINE)
+def test_engine_classes_stay_small(name):
+    """Each ``cpkv.engine`` class has at most MAX_METHODS methods (scoped to the engine: other core packages still
+    hold larger classes)."""
+    big = {c.name: n for c in _classes(name)
+           if (n := sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in c.body)) > MAX_METHODS}
+    assert not big, big

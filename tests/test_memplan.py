@@ -125,8 +125,9 @@ def test_per_rank_figures(m, cp):
     token_rows = m.num_layers * 656 + len(m.full_layers) * 132
     assert m.kv_bytes_per_token() == token_rows
     assert it["kv_bytes"] == plan.pages * 64 * token_rows and plan.kv_tokens == (plan.pages - 1) * 64
-    # staging: per kind two halves of 1 + C pages, C = 256 chunk pages + 8 request pages
-    assert it["staging_bytes"] == 2 * (1 + 256 + 8) * 64 * (656 + 132)
+    # staging: per kind two halves of 1 + C pages, C = 256 chunk pages + 16 request pages (the "model" sizes)
+    assert (s.chunk_size, s.max_requests) == (16384, 16)
+    assert it["staging_bytes"] == 2 * (1 + 256 + 16) * 64 * (656 + 132)
     logits = envs.get("CPKV_MQA_LOGITS_CHUNK_MAX_GB") * (1 << 30)
     assert 0 < it["logits_bytes"] <= logits
     if plan.fits:

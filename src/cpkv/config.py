@@ -20,7 +20,7 @@ from cpkv.errors import ConfigError
 QUANT_GROUP = 128
 KINDS = ("token", "index")
 STRATEGIES = ("zigzag", "contiguous", "round-robin")
-DEFAULT_PAGE_SIZE = 64
+DEFAULT_PAGE_SIZE = 64  # tokens per KV page, every command's default
 # sparse attention backends (cpkv.attention.sparse_mla, CPKV_SPARSE_MLA): FlashMLA where installed (auto), or one
 SPARSE_BACKENDS = ("auto", "cpkv", "flashmla")
 
@@ -358,10 +358,49 @@ class CPConfig:
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """The batch and pool sizes a command starts from, each overridden by its own flag: ``chunk_size`` (new tokens
+    per batch, and the chunk a long prompt is cut into), ``max_requests`` (entries per batch), ``pages_per_rank``
+    (each rank's device pool, page 0 reserved). Every command names the preset it starts from (``SIZES``)."""
+
+    chunk_size: int
+    max_requests: int
+    pages_per_rank: int
+
+
+# The named size presets. "model": a real model on a GPU (``cpkv plan``, ``cpkv replay``, the memory plan, the
+# admission caps); "toy": the tiny preset on a CPU, where a 512-token chunk already cuts the built-in trace's
+# prompts (``cpkv run``, ``cpkv serve``, ``cpkv bench serve``, ``EngineConfig``).
+SIZES: dict[str, Sizes] = {
+    "model": Sizes(chunk_size=16384, max_requests=16, pages_per_rank=1024),
+    "toy": Sizes(chunk_size=512, max_requests=8, pages_per_rank=256),
+}
+MODEL_SIZES, TOY_SIZES = SIZES["model"], SIZES["toy"]
+
+
+def check_batch_sizes(page_size: int, chunk_size: int, max_requests: int) -> None:
+    """``chunk_size`` and ``max_requests`` integers >= 1, ``chunk_size`` a multiple of ``page_size`` (the one check
+    every config runs; ConfigError naming the fields, which ``cli.args.as_flags`` turns into flags)."""
+    for key, value in (("chunk_size", chunk_size), ("max_requests", max_requests)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    if chunk_size % page_size:
+        raise ConfigError(f"chunk_size {chunk_size} must be a multiple of page_size {page_size}")
+
+
+def pool_caps(cp: int, page_size: int, pages_per_rank: int, chunk_size: int, max_requests: int) -> "AdmissionCaps":
+    """The engine's admission caps over ``cp`` pools of ``pages_per_rank`` pages: the chunk is the extend cap, the
+    cached cap is every pool's pages (page 0 reserved), the buffers' cap is generous (the memory plan sizes
+    them)."""
+    return AdmissionCaps(chunk_size=chunk_size, cached_tokens=max(1, (pages_per_rank - 1) * cp * page_size),
+                         buffer_bytes=64 << 30, max_requests=max_requests)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """KV cache sizes per rank: device pages (page 0 reserved) and pinned-host pages."""
 
-    pages_per_rank: int = 1024
+    pages_per_rank: int = MODEL_SIZES.pages_per_rank
     host_pages: int = 0
 
     def __post_init__(self) -> None:
@@ -382,10 +421,10 @@ class AdmissionCaps:
     staging and indexer logits per rank; ``max_requests``: entries per batch.
     """
 
-    chunk_size: int = 16384
+    chunk_size: int = MODEL_SIZES.chunk_size
     cached_tokens: int = 1 << 20
     buffer_bytes: int = 64 << 30
-    max_requests: int = 16
+    max_requests: int = MODEL_SIZES.max_requests
 
     def __post_init__(self) -> None:
         for key in ("chunk_size", "cached_tokens", "buffer_bytes", "max_requests"):

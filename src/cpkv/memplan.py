@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from cpkv.config import DEFAULT_PAGE_SIZE, KINDS, AdmissionCaps, CPConfig, ModelConfig
+from cpkv.config import (DEFAULT_PAGE_SIZE, KINDS, MODEL_SIZES, AdmissionCaps, CPConfig, ModelConfig, check_batch_sizes,
+                         pool_caps)
 from cpkv.errors import ConfigError
 from cpkv.model.checkpoint import fp8_scale_shape, layer_kinds, layer_shapes, outer_shapes
 from cpkv.scheduler.admission import Admission
@@ -50,9 +51,8 @@ ARENA_SLACK = 2 * 2 * 2 * 256  # halves x kinds x (dense, compact) x the arena's
 WORKSPACE = {"cuda": (2 * GIB, 0.10), "cpu": (384 << 20, 0.0)}
 # The CUDA graphs' memory beyond their tensors: torch's caching allocator takes memory in segments (20 MiB at least for
 # a block over 1 MiB, 2 MiB for smaller ones), and the graphs use two pools (the default one for the buffers made at
-# a piece's first run, their own for the captures): one partly used segment of each size in each. Measured on the
-# H200 (2026-12-02): the tiny model's graphs held 38.5 MB against 2.7 MB of tensors; GLM-5's 4 layers 654.6 MB
-# against 629 MB.
+# a piece's first run, their own for the captures): one partly used segment of each size in each (BENCHMARKS.md
+# has the measurement behind it).
 GRAPH_SEGMENT_SLACK = 2 * ((20 << 20) + (2 << 20))
 
 # (key, label, what shrinks it) in table order; the JSON's per_rank keys are these names
@@ -158,8 +158,8 @@ class Setup:
     compute: str = "bfloat16"
     device: str = "cuda"
     page_size: int = DEFAULT_PAGE_SIZE
-    chunk_size: int = 16384
-    max_requests: int = 8
+    chunk_size: int = MODEL_SIZES.chunk_size
+    max_requests: int = MODEL_SIZES.max_requests
     pages_per_rank: int | None = None
     host_pages: int = 0
     logits_budget: int | None = None
@@ -167,6 +167,7 @@ class Setup:
 
     def __post_init__(self) -> None:
         CPConfig(self.cp, self.page_size)  # validates
+        check_batch_sizes(self.page_size, self.chunk_size, self.max_requests)
         if self.device not in WORKSPACE or self.compute not in ("bfloat16", "float32"):
             raise ConfigError(f"device must be cuda or cpu and compute bfloat16 or float32, got {self.device!r} "
                               f"and {self.compute!r}")
@@ -186,8 +187,7 @@ class Setup:
     def caps(self, pages: int) -> AdmissionCaps:
         """The engine's caps for a pool of ``pages`` per rank (as ``EngineConfig.caps``: the cached cap is
         every pool's pages)."""
-        return AdmissionCaps(chunk_size=self.chunk_size, cached_tokens=max(1, (pages - 1) * self.cp * self.page_size),
-                             buffer_bytes=64 << 30, max_requests=self.max_requests)
+        return pool_caps(self.cp, self.page_size, pages, self.chunk_size, self.max_requests)
 
     def admission(self, pages: int) -> Admission:
         return Admission.build(self.caps(pages), self.model, CPConfig(self.cp, self.page_size),
@@ -238,7 +238,7 @@ def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None
 def graph_bytes(s: Setup) -> int:
     """``cpkv.engine.graphs``' memory at ``s.graph_tokens`` rows: its fixed buffers (h, delta, the projection's h
     [T, d]; the latent [T, H, kv_lora]; cos, sin; the absorbed query; a layer's token and index rows; the indexer's
-    query and head weights; measured equal on the H200, BENCHMARKS.md session 18) and the pool its captures keep,
+    query and head weights; BENCHMARKS.md) and the pool its captures keep,
     bounded by the activations of the pieces it captures (no dense keys; the MoE's pairs T k rows without expert
     parallelism, none with it: the exchange runs eagerly, and the R pieces' results take fixed buffers), and the
     allocator's segments (GRAPH_SEGMENT_SLACK)."""

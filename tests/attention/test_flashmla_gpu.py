@@ -68,15 +68,16 @@ def test_glm5_layers_on_flashmla_run_without_a_host_sync(peer, monkeypatch):
     (the rank processes inherit it): finite logits within 5e-2 of max |logit| of the run on cpkv's kernel."""
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs
+    from cpkv.engine.instruments import MeasureConfig
     from cpkv.scheduler.trace import TraceRequest
 
     trace = [TraceRequest("a0", 0.0, 3000), TraceRequest("a1", 0.0, 4500, None, "a0")]
     cfg = EngineConfig(model="glm5", num_layers=2, cp=2, device="cuda", page_size=64, pages_per_rank=200,
-                       chunk_size=4096, max_requests=1, warmup=True, sync_check=True)
+                       chunk_size=4096, max_requests=1, warmup=True)
     runs = {}
     for backend in ("flashmla", "cpkv"):
         monkeypatch.setenv("CPKV_SPARSE_MLA", backend)
-        (runs[backend],) = run_jobs([(dataclasses.replace(cfg), trace)], timeout_s=500)
+        (runs[backend],) = run_jobs([(cfg, trace, MeasureConfig(sync_check=True))], timeout_s=500)
     for res in runs.values():
         assert [r.id for r in res.requests] == ["a0", "a1"] and res.stats["attention"]["sparse"] > 0
     for a, b in zip(runs["flashmla"].requests, runs["cpkv"].requests):

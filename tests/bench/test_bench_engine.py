@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cpkv.bench.breakdown import PARTS, busy_us, classify, parts
-from cpkv.engine.rank import HOST_FUNCS_TOP
+from cpkv.engine.instruments import HOST_FUNCS_TOP
 
 
 @pytest.mark.parametrize("name, part", [
@@ -55,7 +55,7 @@ def test_split_spans_gives_each_batch_its_kernels_from_its_start():
     barrier check's copy after batch 1's GPU range (at 20), are left out. Without GPU ranges, host starts split
     them: batch 1's kernels then fall into batch 0 (what a run-spanning profiler must avoid: hence the GPU-side
     annotation)."""
-    from cpkv.engine.rank import split_spans
+    from cpkv.engine.instruments import split_spans
 
     k = [("setup", 0, 1), ("a", 3, 5), ("b", 5, 9), ("c", 10, 12), ("d", 12, 14), ("check", 20, 21), ("e", 31, 33)]
     spans = split_spans(k, [2, 4, 30], [(3, 9), (10, 14), (31, 33)])

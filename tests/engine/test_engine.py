@@ -12,6 +12,7 @@ import torch
 
 from cpkv.engine.config import MODES, EngineConfig
 from cpkv.engine.engine import RunResult, run_jobs, verify_run
+from cpkv.engine.instruments import MeasureConfig
 from cpkv.cli.traces import default_trace
 from cpkv.errors import ConfigError, RankFailure
 from cpkv.model import load_model
@@ -184,9 +185,8 @@ def test_host_tier_under_pressure_with_peer_gathers(cp3_runs, reference):
 
 # -- failures --------------------------------------------------------------------------------------
 def test_a_dying_rank_is_named():
-    cfg = dataclasses.replace(BASE, fault=(1, 2))
     with pytest.raises(RankFailure, match="rank 1 died"):
-        run_jobs([(cfg, TRACE)], timeout_s=120, grace_s=1.0)
+        run_jobs([(BASE, TRACE, MeasureConfig(fault=(1, 2)))], timeout_s=120, grace_s=1.0)
 
 
 def test_bad_config():

@@ -45,11 +45,12 @@ def _worker(ctx, job, marks):
 
     from cpkv.compose.runtime import ComposeRuntime
     from cpkv.engine import rank as rank_mod
+    from cpkv.engine.executor import BatchExecutor
     from cpkv.kvcache.host import HostTier
 
     state = {"batch": -1, "prefix": set(), "hazard": [], "changed": False, "fenced": False, "owner_done": False}
-    run_batch, fence, load, gather = (rank_mod.RankEngine._run_batch, rank_mod.RankEngine._fence_reload,
-                                      HostTier.load, ComposeRuntime.gather)
+    run_batch, fence, load, gather = (BatchExecutor.run, BatchExecutor._fence_reload, HostTier.load,
+                                      ComposeRuntime.gather)
     marker = os.path.join(marks, MARKER)
 
     def tracked_batch(self, batch, *args, **kwargs):
@@ -95,8 +96,8 @@ def _worker(ctx, job, marks):
             state["changed"] = held_back(rt.pools[kind][OWNER][rt.pool.slot(layer, kind)][PAGE])
         return gather(rt, out, table, layer, kind, half, e)
 
-    rank_mod.RankEngine._run_batch = tracked_batch
-    rank_mod.RankEngine._fence_reload = tracked_fence
+    BatchExecutor.run = tracked_batch
+    BatchExecutor._fence_reload = tracked_fence
     HostTier.load = tracked_load
     ComposeRuntime.gather = slow_gather
     runs = []

@@ -98,12 +98,14 @@ def test_engine_with_graphs_replays_every_piece_without_a_host_sync(cp):
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs, verify_run
     from cpkv.engine.graphs import buckets
+    from cpkv.engine.instruments import MeasureConfig
     from cpkv.memplan import Setup, graph_bytes
 
     cfg = EngineConfig(model="tiny", cp=cp, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
-                       max_requests=1, warmup=True, sync_check=True)
+                       max_requests=1, warmup=True)
     trace = _trace()
-    off, on = run_jobs([(cfg, trace), (dataclasses.replace(cfg, graph_tokens=256), trace)], timeout_s=500)
+    sync = MeasureConfig(sync_check=True)
+    off, on = run_jobs([(cfg, trace, sync), (dataclasses.replace(cfg, graph_tokens=256), trace, sync)], timeout_s=500)
     assert [r.id for r in on.requests] == ["a0", "b0", "a1", "b1", "a2"] and not on.rejected
     report = verify_run(on, trace)
     assert report.ok, report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import cProfile
 
-from cpkv.engine.rank import host_functions
+from cpkv.engine.instruments import host_functions
 
 
 def _leaf(n: int) -> int:

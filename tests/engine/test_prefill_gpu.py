@@ -12,12 +12,15 @@ import torch
 from cpkv.compose.barrier import make_barrier
 from cpkv.compose.peer import PeerMemory
 from cpkv.dist import launch
+from cpkv.engine.instruments import MeasureConfig
 from cpkv.errors import ComposeTimeout
 
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 
 ROUNDS = 240
 STAMP = 1 << 20  # int64 elements per parity half of each rank's round-stamped data (8 MiB)
+
+SYNC = MeasureConfig(sync_check=True)  # each timed batch's plan + forward: no device->host sync
 
 
 def _storm(ctx, rounds: int) -> dict:
@@ -112,9 +115,10 @@ def test_batches_at_cp2_run_without_a_host_sync():
     from cpkv.engine.engine import run_jobs
 
     base = EngineConfig(model="glm5", num_layers=2, cp=2, device="cuda", page_size=64, pages_per_rank=200,
-                        chunk_size=4096, max_requests=1, warmup=True, sync_check=True)
+                        chunk_size=4096, max_requests=1, warmup=True)
     trace = _trace()
-    symm, prefetch = run_jobs([(base, trace), (dataclasses.replace(base, mode="prefetch"), trace)], timeout_s=500)
+    symm, prefetch = run_jobs([(base, trace, SYNC), (dataclasses.replace(base, mode="prefetch"), trace, SYNC)],
+                              timeout_s=500)
     for res in (symm, prefetch):
         assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0"] and not res.rejected
         assert res.stats["barrier"] == "DeviceBarrier"
@@ -135,8 +139,8 @@ def test_shared_indexer_and_moe_layers_run_without_a_host_sync():
     cfg_m = load_model_config("glm5", 4)
     assert cfg_m.indexer_types == ("full", "full", "shared", "full") and cfg_m.mlp_layer_types[3] == "sparse"
     cfg = EngineConfig(model="glm5", num_layers=4, cp=2, device="cuda", page_size=64, pages_per_rank=200,
-                       chunk_size=4096, max_requests=1, warmup=True, sync_check=True)
-    (res,) = run_jobs([(cfg, _trace())], timeout_s=500)
+                       chunk_size=4096, max_requests=1, warmup=True)
+    (res,) = run_jobs([(cfg, _trace(), SYNC)], timeout_s=500)
     assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0"] and not res.rejected
     assert res.stats["attention"]["sparse"] > 0
     assert res.stats["experts_per_rank"] == [128, 128]  # expert parallelism: the MoE layer's exchange ran too
@@ -161,9 +165,9 @@ def test_expert_parallel_moe_layers_run_without_a_host_sync_and_match_one_rank(c
     from cpkv.scheduler.trace import TraceRequest
 
     cfg = EngineConfig(model="tiny", cp=cp, device="cuda", page_size=64, pages_per_rank=200, chunk_size=4096,
-                       max_requests=1, warmup=True, sync_check=True)
+                       max_requests=1, warmup=True)
     trace = _trace() + [TraceRequest("d0", 0.0, 30)]
-    (res,) = run_jobs([(cfg, trace)], timeout_s=500)
+    (res,) = run_jobs([(cfg, trace, SYNC)], timeout_s=500)
     assert [r.id for r in res.requests] == ["a0", "b0", "a1", "c0", "d0"] and not res.rejected
     assert res.stats["experts_per_rank"] == [24 // cp] * cp and res.stats["barrier"] == "DeviceBarrier"
     report = verify_run(res, trace)
@@ -244,10 +248,11 @@ def test_chained_chunks_run_without_a_host_sync_and_change_no_byte():
     from cpkv.scheduler.trace import TraceRequest
 
     cfg = EngineConfig(model="tiny", cp=2, device="cuda", page_size=64, pages_per_rank=200, chunk_size=1024,
-                       max_requests=1, warmup=True, sync_check=True)
+                       max_requests=1, warmup=True)
     trace = [TraceRequest("long", 0.0, 4000), TraceRequest("short", 0.0, 300)]
-    chained, drained, profiled = run_jobs([(cfg, trace), (dataclasses.replace(cfg, look_ahead=False), trace),
-                                           (dataclasses.replace(cfg, profile=True), trace)], timeout_s=500)
+    chained, drained, profiled = run_jobs([(cfg, trace, SYNC),
+                                           (dataclasses.replace(cfg, look_ahead=False), trace, SYNC),
+                                           (cfg, trace, MeasureConfig(sync_check=True, profile=True))], timeout_s=500)
     assert chained.stats["chained"] == 4 and drained.stats["chained"] == 0  # chunks 1-4 of 4 chained on
     assert profiled.stats["chained"] == 4
     kernels, host_ops = profiled.stats["kernels"], profiled.stats["host_ops"]

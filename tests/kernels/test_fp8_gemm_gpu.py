@@ -354,12 +354,14 @@ def test_glm5_layers_with_fp8_weights_run_without_a_host_sync():
 
     from cpkv.engine.config import EngineConfig
     from cpkv.engine.engine import run_jobs
+    from cpkv.engine.instruments import MeasureConfig
     from cpkv.scheduler.trace import TraceRequest
 
     trace = [TraceRequest("a", 0.0, 3000), TraceRequest("b", 0.0, 700)]
     fp8 = EngineConfig(model="glm5", num_layers=4, cp=2, device="cuda", page_size=64, pages_per_rank=120,
-                       chunk_size=4096, max_requests=1, warmup=True, sync_check=True, weights="fp8")
-    res, ref = run_jobs([(fp8, trace), (dataclasses.replace(fp8, weights="bf16", sync_check=False), trace)],
+                       chunk_size=4096, max_requests=1, warmup=True, weights="fp8")
+    res, ref = run_jobs([(fp8, trace, MeasureConfig(sync_check=True)),
+                         (dataclasses.replace(fp8, weights="bf16"), trace)],
                         timeout_s=550)
     assert res.stats["weights_dtype"] == "fp8" and ref.stats["weights_dtype"] == "bf16"
     for a, b in zip(res.requests, ref.requests):

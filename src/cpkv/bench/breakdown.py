@@ -1,7 +1,7 @@
 """Where a batch's time goes: its GPU kernels (from a profiled run) grouped by part, against its wall time.
 
     parts([(kernels, timed wall_s), ...]) -> {part: {"ms", "share"}} + gpu_busy_ms + wall_ms + timed_wall_ms
-    kernels: [(name, start us, end us)] of one batch, from its start (``RankEngine`` with ``cfg.profile``)
+    kernels: [(name, start us, end us)] of one batch, from its start (``engine.instruments``, ``MeasureConfig.profile``)
 
 Parts are read off kernel names (cuBLAS/CUTLASS GEMMs, the Triton/Gluon kernels by function name, torch's
 own kernels as elementwise; block-scaled fp8 GEMMs, cuBLAS's e4m3 ones, the grouped Triton kernel and the
@@ -11,7 +11,7 @@ The fused elementwise kernels that quantise as they go (``_add_rms_norm``, ``_to
 as elementwise.
 ``host_gap`` = the profiled batch's wall (from its start to its last kernel's end) - its GPU busy time (the union
 of kernel intervals): time the GPU waited for the host. A batch's start is where the host began it, or, chained on
-the batch before (``RankEngine``: one profiler over the run, so batches chain as unprofiled), where the batch
+the batch before (``Instruments``: one profiler over the run, so batches chain as unprofiled), where the batch
 before's last kernel ended. Shares are of that profiled wall (``wall_ms``); ``timed_wall_ms`` is the timed runs'
 median, whose kernels may run at other clocks than the profiled run's (under the power cap a cached batch can run
 ~10 % slower timed than profiled), so the host gap is measured against the profiled wall only. ``idle_ms`` =

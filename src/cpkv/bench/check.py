@@ -228,7 +228,7 @@ def _fence_batch(ctx: RankContext, rt: ComposeRuntime) -> None:
     the previous one that a slower peer is still gathering (its last gather follows its last barrier round,
     which this rank has passed too). The engine writes a batch's current pages only in ``persist``, after
     that batch's first barrier round or collective; its host-tier reloads synchronise on their own
-    (``RankEngine._fence_reload``)."""
+    (``BatchExecutor._fence_reload``)."""
     _sync(rt)
     ctx.barrier()
 

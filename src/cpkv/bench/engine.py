@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run (no breakdown)")
     p.add_argument("--no-chain", action="store_true",
                    help="wait for each batch to end before launching the next (batches planned ahead are otherwise "
-                        "chained on the one before: engine.rank); to measure what chaining gives")
+                        "chained on the one before: engine.executor); to measure what chaining gives")
     p.add_argument("--host-profile", action="store_true",
                    help="one more run with each batch's host side under cProfile: each case's top host functions")
     p.add_argument("--marks", action="store_true",
@@ -155,18 +155,21 @@ def dense_split(cfg_m) -> int | None:
 
 
 def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
-    """One weights mode's jobs: timed runs, the profiled run, timed runs through the dense layers alone."""
+    """One weights mode's jobs: timed runs, the profiled run, timed runs through the dense layers alone; each
+    measured run's MeasureConfig beside its EngineConfig."""
+    from cpkv.engine.instruments import MeasureConfig
+
     jobs = {"timed": _timed_jobs(cfg, trace, args.runs)}
     if not args.no_profile:
-        jobs["prof"] = [(_replace(cfg, profile=True), trace)]
+        jobs["prof"] = [(cfg, trace, MeasureConfig(profile=True))]
     if getattr(args, "host_profile", False):
-        jobs["hprof"] = [(_replace(cfg, host_profile=True), trace)]
+        jobs["hprof"] = [(cfg, trace, MeasureConfig(host_profile=True))]
     if getattr(args, "marks", False) or getattr(args, "mark_clocks", False):
-        jobs["marks"] = [(_replace(cfg, marks=True, mark_clocks=bool(getattr(args, "mark_clocks", False))), trace)]
+        jobs["marks"] = [(cfg, trace, MeasureConfig(marks=True, mark_clocks=bool(getattr(args, "mark_clocks", False))))]
     if getattr(args, "trace_dir", None):
         where = os.path.join(os.path.abspath(args.trace_dir), cfg.weights)
         stacks = not getattr(args, "trace_plain", False)
-        jobs["trace"] = [(_replace(cfg, profile=True, trace_dir=where, trace_stacks=stacks), trace)]
+        jobs["trace"] = [(cfg, trace, MeasureConfig(profile=True, trace_dir=where, trace_stacks=stacks))]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
         jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)
@@ -219,7 +222,8 @@ def _replace(cfg, **kw):
 
 
 def _setup(args: argparse.Namespace):
-    from cpkv.config import CPConfig
+    from cpkv.cli.args import as_flags, flags_of
+    from cpkv.config import CPConfig, check_batch_sizes
     from cpkv.engine.config import EngineConfig, default_graph_tokens
     from cpkv.errors import ConfigError
     from cpkv.model.config import load_model_config
@@ -231,8 +235,8 @@ def _setup(args: argparse.Namespace):
     CPConfig(args.cp, args.page_size)  # validates cp and page_size before they size anything
     cfg_m = load_model_config(args.model, args.layers)
     P = args.page_size
-    if args.chunk_size % P:
-        raise ConfigError(f"--chunk-size: expected a multiple of --page-size {P}, got {args.chunk_size}")
+    with as_flags(flags_of(("chunk_size", "page_size"))):
+        check_batch_sizes(P, args.chunk_size, 1)
     prefix = int(args.prompt * args.cached) // P * P
     turn = getattr(args, "turn", 0)
     trace = bench_trace(args.prompt, prefix, args.long, turn)

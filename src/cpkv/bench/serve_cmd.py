@@ -29,12 +29,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from cpkv.config import DEFAULT_PAGE_SIZE, TOY_SIZES
+
 if TYPE_CHECKING:
     from cpkv.bench.serve import Clock
     from cpkv.cli.fmt import Progress
 
 HELP = "Open-loop HTTP load generator for cpkv serve: TTFT percentiles, throughput, cache hits, replay prediction."
-GEOMETRY = {"cp": 2, "chunk_size": 512, "page_size": 64, "max_requests": 8, "pages_per_rank": 256}
+# cpkv serve's defaults, the "toy" size preset (cpkv.config.SIZES) with its cp
+GEOMETRY = {"cp": 2, "chunk_size": TOY_SIZES.chunk_size, "page_size": DEFAULT_PAGE_SIZE,
+            "max_requests": TOY_SIZES.max_requests, "pages_per_rank": TOY_SIZES.pages_per_rank}
 # option -> the server's /get_server_info field (cpkv serve's; SGLang's names where they exist)
 SERVER_INFO = {"cp": "cp_size", "chunk_size": "chunked_prefill_size", "page_size": "page_size",
                "max_requests": "max_running_requests", "pages_per_rank": "pages_per_rank", "policy": "schedule_policy",

@@ -21,7 +21,9 @@ MAX_GPU_GB = 10_000.0   # --gpu-memory: 10 TB per GPU
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
     from cpkv.engine.config import GRAPH_TOKENS
-    from cpkv.config import DEFAULT_PAGE_SIZE
+    from cpkv.config import DEFAULT_PAGE_SIZE, SIZES as PRESETS
+
+    SIZES = PRESETS["model"]  # a real model on a GPU
     from cpkv.memplan import WEIGHTS
 
     p.add_argument("--model", required=True, help="preset (glm5, deepseek-v32, tiny) or checkpoint dir (config.json)")
@@ -33,10 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp8 for the glm5 and deepseek-v32 presets)")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8", help="KV rows fp8 (default) or exact (bf16)")
     p.add_argument("--num-layers", type=a.layers, help="the first N layers only (as cpkv run)")
-    p.add_argument("--chunk-size", type=a.tokens, default=16384, help="new tokens per batch (default 16384)")
+    p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
+                   help=f"new tokens per batch (default {SIZES.chunk_size})")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests per batch (default 8)")
+    p.add_argument("--max-requests", type=a.batch_requests, default=SIZES.max_requests,
+                   help=f"requests per batch (default {SIZES.max_requests})")
     p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES),
                    help="plan this pool (page 0 reserved) instead of the largest that fits")
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
@@ -56,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
     with as_flags(flags_of(("cp", "page_size", "chunk_size", "pages_per_rank", "num_layers", "weights"))):
         CPConfig(args.cp, args.page_size)  # validates
         model = with_precision(load_model_config(args.model, args.num_layers), args.precision, COMPUTE_DTYPES["cuda"])
-        if args.chunk_size % args.page_size:
-            raise ConfigError(f"chunk_size {args.chunk_size} must be a multiple of page_size {args.page_size}")
         model.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
                       page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,

@@ -11,7 +11,7 @@ from cpkv.cli import args as a
 from cpkv.cli.args import as_flags, atomic_output, atomic_path, flags_of
 from cpkv.files import check_outputs
 from cpkv.cli.fmt import Progress, emit_json, finite, table
-from cpkv.config import DEFAULT_PAGE_SIZE
+from cpkv.config import DEFAULT_PAGE_SIZE, SIZES as PRESETS
 from cpkv.errors import ConfigError
 from cpkv.scheduler.admission import POLICIES
 from cpkv.scheduler.batch import Batch
@@ -21,6 +21,7 @@ from cpkv.scheduler.trace import TraceRequest, builtin_trace, ideal_hit_ratio, l
 
 HELP = "Replay a request trace through the real prefix cache and admission code; report time to first token."
 BUILTIN = {"requests": 2000, "seed": 0, "scale": 1.0}  # the built-in trace's options and their defaults
+SIZES = PRESETS["model"]  # a real model's batch sizes (the cost model's is GLM-5 on H200s)
 FLAGS = {**flags_of(["cp", "chunk_size", "page_size", "max_requests", "kv_tokens_per_rank", "policy"]), "kv": "--kv"}
 OUTPUTS = ("save_trace", "log_batches", "plot")
 REPLAY_PAGE_BYTES = 96  # host bytes of one simulated page: its id in the free heap and its reference count
@@ -32,14 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", choices=(*KV_MODES, "both"), default="shared",
                    help="KV capacity: shared (each page once in the group) or replicated (on every rank)")
     p.add_argument("--cp", type=a.sim_ranks, default=8, help="context-parallel ranks (default 8)")
-    p.add_argument("--chunk-size", type=a.tokens, default=16384,
-                   help="new tokens per batch, and the chunk a long prompt is cut into (default 16384)")
+    p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
+                   help=f"new tokens per batch, and the chunk a long prompt is cut into (default {SIZES.chunk_size})")
     p.add_argument("--kv-tokens-per-rank", type=a.bounded_int(1, a.MAX_KV_TOKENS), default=None,
                    help="KV budget of one rank in tokens (default: an H200 after GLM-5 weights, per the cost model)")
     p.add_argument("--costs", metavar="COSTS.json", action="append",
                    help="cost-model fields to replace, or a `cpkv bench ... --json` report (repeatable; applied in order)")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE, help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--max-requests", type=a.batch_requests, default=16, help="requests per batch cap (default 16)")
+    p.add_argument("--max-requests", type=a.batch_requests, default=SIZES.max_requests,
+                   help=f"requests per batch cap (default {SIZES.max_requests})")
     p.add_argument("--requests", type=a.trace_requests, help="built-in trace: number of requests (default 2000)")
     p.add_argument("--seed", type=a.seed, help="built-in trace: random seed (default 0)")
     p.add_argument("--scale", type=a.bounded_float(0.0, a.MAX_SCALE), help="built-in trace: length multiplier (default 1.0)")

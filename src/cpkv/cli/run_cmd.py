@@ -41,8 +41,9 @@ HINTS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
     from cpkv.cli import args as a
-    from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
-    from cpkv.config import compose_mode
+    from cpkv.config import DEFAULT_PAGE_SIZE, SIZES as PRESETS, STRATEGIES, compose_mode
+
+    SIZES = PRESETS["toy"]  # the tiny preset on a CPU, the default model's sizes
     from cpkv.engine.config import MODES
 
     p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
@@ -61,14 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page, a power of two (default {DEFAULT_PAGE_SIZE})")
-    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=256,
-                   help="device pool pages per rank (page 0 reserved; checked against the machine's memory)")
+    p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=SIZES.pages_per_rank,
+                   help=f"device pool pages per rank (page 0 reserved; checked against the machine's memory; default "
+                        f"{SIZES.pages_per_rank})")
     p.add_argument("--host-pages", type=a.bounded_int(0, a.MAX_PAGES), default=0,
                    help="host-tier page slots (CP-wide; each rank reserves as many): evicted pages spill there and "
                         "reload on a hit (checked against the machine's memory)")
-    p.add_argument("--chunk-size", type=a.tokens, default=512,
-                   help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
-    p.add_argument("--max-requests", type=a.batch_requests, default=8, help="requests per batch (default 8)")
+    p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
+                   help=f"new tokens per batch, and the chunk a long prompt is cut into (default {SIZES.chunk_size})")
+    p.add_argument("--max-requests", type=a.batch_requests, default=SIZES.max_requests,
+                   help=f"requests per batch (default {SIZES.max_requests})")
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the trace once untimed first (default: on with --device cuda, so that kernel JIT and "

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cpkv.config import COMPOSE_MODES, DEFAULT_PAGE_SIZE, AdmissionCaps, CacheConfig, CPConfig, compose_mode
+from cpkv.config import (COMPOSE_MODES, DEFAULT_PAGE_SIZE, TOY_SIZES, AdmissionCaps, CacheConfig, CPConfig,
+                         check_batch_sizes, compose_mode, pool_caps)
 from cpkv.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
 WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
-GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md, session 18)
+GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md)
 
 
 def default_graph_tokens(device: str, asked: int | None, precision: str = "fp8") -> int:
@@ -38,7 +39,8 @@ class EngineConfig:
     ``model``: a preset name or a checkpoint directory; ``seed``: random weights of a preset.
     ``pages_per_rank`` (page 0 reserved) and ``host_pages`` size each rank's device pool and host tier.
     ``chunk_size`` and ``max_requests`` are the admission caps that matter at toy sizes; the cached cap
-    is what all pools hold. ``mode`` ``prefetch`` runs batches of one request.
+    is what all pools hold. ``mode`` ``prefetch`` runs batches of one request. The sizes start from the "toy"
+    preset (``cpkv.config.SIZES``), as ``cpkv run`` and ``cpkv serve`` do.
     """
 
     model: str = "tiny"
@@ -49,11 +51,11 @@ class EngineConfig:
     device: str = "cpu"
     page_size: int = DEFAULT_PAGE_SIZE
     strategy: str = "zigzag"
-    pages_per_rank: int = 256
+    pages_per_rank: int = TOY_SIZES.pages_per_rank
     host_pages: int = 0
     policy: str = "solo"
-    chunk_size: int = 512
-    max_requests: int = 8
+    chunk_size: int = TOY_SIZES.chunk_size
+    max_requests: int = TOY_SIZES.max_requests
     full_hit: str = "page"
     precision: str = "fp8"  # fp8 KV rows, or exact: rows, indexer keys and queries in the model dtype
     weights: str = "auto"  # linear weights kept fp8 (block-scaled GEMMs) or widened to the compute dtype (WEIGHTS)
@@ -61,23 +63,10 @@ class EngineConfig:
     #                        graphs, one per token bucket (cpkv.engine.graphs); 0: off. On CPU: the same
     #                        buffers and padding, run eagerly
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
-    fault: tuple[int, int] | None = None  # testing: (rank, batch) -> that rank's process exits there
     record: bool = False  # record the layers' discrete decisions (experts, indexer selections) for verification
     plant: str | None = None  # testing: a planted fault (cpkv.engine.taps.PLANTS) verification must catch
-    sync_check: bool = False  # testing (CUDA): each timed batch's plan and forward run under
-    #                           torch.cuda.set_sync_debug_mode("error"): any device->host sync raises
-    profile: bool = False  # benchmarks (CUDA): each batch's kernels (name, start, end) from one profiler over the
-    #                        run, so that batches chain as unprofiled (engine.rank.split_spans)
-    host_profile: bool = False  # benchmarks: each batch's plan + forward under cProfile (the host functions
-    #                             with the most cumulative time: where a host-bound batch spends its wall)
-    look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.rank docstring)
-    chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.rank)
-    marks: bool = False  # benchmarks (CUDA): each batch's timeline marks, host vs GPU ms (cpkv.timeline)
-    mark_clocks: bool = False  # with marks: the SM clock at each mark too (a short spin probe)
-    trace_stacks: bool = True  # the trace_dir traces with the host's Python stacks (slower host; else op names only)
-    trace_dir: str | None = None  # benchmarks (with profile): each profiled batch's timeline, host ops with their
-    #                               Python stacks and kernels, as a gzipped Chrome trace rank<r>_batch<k>.json.gz
-    #                               (a profiler per batch: these batches are not chained)
+    look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.executor)
+    chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
@@ -93,17 +82,13 @@ class EngineConfig:
         CacheConfig(self.pages_per_rank, self.host_pages)  # validates
         if not isinstance(self.graph_tokens, int) or not 0 <= self.graph_tokens <= 1 << 16:
             raise ConfigError(f"graph_tokens must be an integer in 0..65536, got {self.graph_tokens!r}")
-        for key in ("chunk_size", "max_requests"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
+        check_batch_sizes(self.page_size, self.chunk_size, self.max_requests)
         if self.plant is not None:
             from cpkv.engine.taps import PLANTS
             if self.plant not in PLANTS:
                 raise ConfigError(f"unknown planted fault {self.plant!r}; expected one of {', '.join(PLANTS)}")
             if self.graph_tokens:
                 raise ConfigError("a planted fault runs eagerly: graph_tokens must be 0")
-        if self.chunk_size % self.page_size:
-            raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.weights not in WEIGHTS:
@@ -139,6 +124,5 @@ class EngineConfig:
 
     def caps(self) -> AdmissionCaps:
         """Admission caps: chunk = extend cap; cached cap = every pool's pages; prefetch runs solo."""
-        pool_tokens = (self.pages_per_rank - 1) * self.cp * self.page_size
-        return AdmissionCaps(chunk_size=self.chunk_size, cached_tokens=pool_tokens, buffer_bytes=64 << 30,
-                             max_requests=1 if self.mode == "prefetch" else self.max_requests)
+        return pool_caps(self.cp, self.page_size, self.pages_per_rank, self.chunk_size,
+                         1 if self.mode == "prefetch" else self.max_requests)

@@ -2,7 +2,8 @@
 
     result = run_engine(cfg, trace)                  # RunResult; launches cfg.cp rank processes
     report = verify_run(result, trace)               # VerifyReport: single-process reference prefill, no CP, no cache
-    results = run_jobs([(cfg, trace), (cfg, trace)]) # several runs in one set of rank processes
+    results = run_jobs([(cfg, trace), (cfg, trace, measure)])  # several runs in one set of rank processes
+                                                     # (measure: a MeasureConfig, what a benchmark or test asks)
 
 A run's outcome per request: prompt and cached lengths, TTFT (time from its release into the queue to
 the end of the batch that computed its last token; a conversation's next turn is released when the
@@ -25,7 +26,7 @@ import torch
 
 from cpkv.engine.config import EngineConfig
 from cpkv.errors import NonFiniteError
-from cpkv.engine.rank import RankOutput, rank_main
+from cpkv.engine.rank import Job, RankOutput, job_parts, rank_main
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
 
 # |logit difference| allowed against the single-rank reference: atol + rtol * max |reference logit|.
@@ -106,19 +107,21 @@ def merge(cfg: EngineConfig, trace: Sequence[TraceRequest], outs: Sequence[RankO
     return RunResult(cfg, reqs, rejected, zero.wall_s, zero.pages_used, stats, decisions)
 
 
-def run_jobs(jobs: Sequence[tuple[EngineConfig, Sequence[TraceRequest]]], *, timeout_s: float = 600.0,
-             grace_s: float = 2.0, on_progress=None) -> list[RunResult]:
-    """Run several jobs (same cp and device) in one set of rank processes, one after the other.
+def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 600.0, grace_s: float = 2.0,
+             on_progress=None) -> list[RunResult]:
+    """Run several jobs (same cp and device) in one set of rank processes, one after the other. A job is
+    (EngineConfig, trace) or (EngineConfig, trace, MeasureConfig | None) (``cpkv.engine.rank.Job``).
     ``on_progress(requests_done, batches)`` follows rank 0 through the current job."""
     from cpkv.dist import launch
 
+    jobs = [job_parts(j) for j in jobs]
     cp, device = jobs[0][0].cp, jobs[0][0].device
-    if any(c.cp != cp or c.device != device for c, _ in jobs):
+    if any(c.cp != cp or c.device != device for c, _, _ in jobs):
         raise ValueError("run_jobs: every job must use the same cp and device")
     report = (lambda rank, msg: on_progress(*msg)) if on_progress else None
     per_rank = launch(rank_main, cp, device=device, args=(list(jobs),), timeout_s=timeout_s, grace_s=grace_s,
                       on_progress=report)
-    return [merge(cfg, trace, [per_rank[r][i] for r in range(cp)]) for i, (cfg, trace) in enumerate(jobs)]
+    return [merge(cfg, trace, [per_rank[r][i] for r in range(cp)]) for i, (cfg, trace, _) in enumerate(jobs)]
 
 
 def run_engine(cfg: EngineConfig, trace: Sequence[TraceRequest], *, timeout_s: float = 600.0,

@@ -4,12 +4,12 @@ engine).
 
     step       rank 0 drains its inbox (waits up to IDLE_S when there is no work) and broadcasts the messages:
                every rank applies the same Submit / Cancel / Stop at the same step (one host collective)
-    schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``RankEngine``)
-    run        ``RankEngine._run_batch``; the rank that holds a request's last token picks the next token from its
+    schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``BatchExecutor``)
+    run        ``BatchExecutor.run``; the rank that holds a request's last token picks the next token from its
                logits (``sampling.pick``: the argmax when greedy), an all-reduce (max over -1) tells every rank;
                log-probabilities, when a request asks for them, travel from that rank in one all-gather
     look ahead a batch that finishes no request (a long prompt's middle chunks) takes the next step's messages,
-               forms the next batch and builds its plan while the GPU runs it (``RankEngine`` look-ahead): the
+               forms the next batch and builds its plan while the GPU runs it (the executor's look-ahead): the
                chunks run back to back. A batch that finishes a request does not: its tokens decide the next
                decode steps. Messages that arrive after that point wait for the step after.
     continue   a generation's next step is a new scheduler request: prompt + tokens so far, queued as a decode
@@ -32,8 +32,10 @@ import torch
 from cpkv.dist import RankContext
 from cpkv.engine import sampling
 from cpkv.engine.config import EngineConfig
+from cpkv.engine.executor import Ahead, BatchExecutor
+from cpkv.engine.instruments import NoInstruments
 from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, Step, Stop, Submit, Token
-from cpkv.engine.rank import RankEngine, rank_model, share_cores
+from cpkv.engine.rank import rank_model, share_cores
 from cpkv.scheduler import Batch, Request
 
 IDLE_S = 0.2  # rank 0's longest wait on an empty inbox before the (empty) step's broadcast: idle ranks stay in
@@ -54,11 +56,14 @@ class Generation:
         return self.sub.rid
 
 
-class OnlineRankEngine(RankEngine):
-    """A ``RankEngine`` (same setup and batches) driven by messages instead of a trace."""
+class OnlineLoop:
+    """One rank's server loop: a ``BatchExecutor`` (no instruments: a server keeps no per-batch records) driven by
+    messages instead of a trace."""
 
     def __init__(self, ctx: RankContext, cfg: EngineConfig, model) -> None:
-        super().__init__(ctx, cfg, model)
+        self.ctx, self.cfg, self.rank = ctx, cfg, ctx.rank
+        self.ex = BatchExecutor(ctx, cfg, model, NoInstruments())
+        self.sched, self.kv = self.ex.sched, self.ex.kv
         self.live: dict[int, Generation] = {}
         self._ahead_news: list = []  # news of the messages taken during a look-ahead, reported with that step
         self._stopping = False       # a Stop came during a look-ahead: stop once the running batch is done
@@ -68,17 +73,10 @@ class OnlineRankEngine(RankEngine):
         self.ctx.barrier()
         if self.rank == 0:
             self.ctx.report(Ready())
-        ahead = None
-        while True:
+        ahead: Ahead | None = None
+        while not self._stopping:
             if ahead is None:
-                msgs = self._messages()
-                if any(isinstance(m, Stop) for m in msgs):
-                    self._drain()
-                    return {"batches": self.batches, "planned_ahead": self.planned_ahead}
-                news = [ev for m in msgs for ev in self._apply(m)]
-                self._reload_waiting()
-                batch = self.sched.next_batch()
-                news += self._rejections()
+                batch, news = self._schedule()
             else:
                 batch, news = ahead.batch, []
             if batch is not None:
@@ -87,9 +85,20 @@ class OnlineRankEngine(RankEngine):
                 self._ahead_news = []
             if self.rank == 0 and (news or batch is not None):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
-            if self._stopping:
-                self._drain()
-                return {"batches": self.batches, "planned_ahead": self.planned_ahead}
+        self.ex.drain()
+        return {"batches": self.ex.batches, "planned_ahead": self.ex.planned_ahead}
+
+    def _schedule(self) -> tuple[Batch | None, list]:
+        """This step's messages applied, host-tier pages reloaded, the next batch formed -> (batch, news); a Stop
+        ends the loop (no batch)."""
+        msgs = self._messages()
+        if any(isinstance(m, Stop) for m in msgs):
+            self._stopping = True
+            return None, []
+        news = [ev for m in msgs for ev in self._apply(m)]
+        self.ex.reload_waiting()
+        batch = self.sched.next_batch()
+        return batch, news + self._rejections()
 
     # -- messages ----------------------------------------------------------------------------------
     def _messages(self) -> list:
@@ -149,18 +158,15 @@ class OnlineRankEngine(RankEngine):
     def _step(self, batch: Batch, ahead=None) -> tuple[list, Any]:
         """Run the batch (``ahead``: with its plan built during the batch before); each finished step's token
         (agreed by every rank) extends its generation -> (news, the next batch built ahead or None)."""
-        finished, logits, nxt = self._run_batch(batch, ahead, look_ahead=lambda: self._may_look_ahead_online(batch))
-        self.batch_log.clear()  # per-batch records are for a trace's report; a server keeps none
-        self.batch_ahead.clear()
-        self.batch_s.clear()
-        self.host_s.clear()
+        res = self.ex.run(batch, ahead, then=self._next_ahead if self._may_look_ahead(batch) else None)
+        finished, logits = res.finished, res.logits
         mine = [self._pick(logits[r.rid], self.live[r.rid[0]]) if r.rid in logits else -1 for r in finished]
         tokens = self.ctx.all_reduce_max_list(mine)
         probs = self._logprobs(finished, logits, tokens)
         out: list = []
         for req, tok in zip(finished, tokens):
             out += self._advance(self.live[req.rid[0]], req, tok, probs.get(req.rid))
-        return out, nxt
+        return out, res.ahead
 
     def _pick(self, row: torch.Tensor, gen: Generation) -> int:
         return sampling.pick(row, gen.sub.sampling, gen.tokens, len(gen.sub.tokens), gen.made)
@@ -175,9 +181,9 @@ class OnlineRankEngine(RankEngine):
                 if r.rid in logits and want[r.rid] is not None}
         return {k: v for part in self.ctx.all_gather_object(mine) for k, v in part.items()}
 
-    def _may_look_ahead_online(self, batch: Batch) -> bool:
+    def _may_look_ahead(self, batch: Batch) -> bool:
         """Look ahead after a batch that finishes no request (same decision on every rank: replicated state)."""
-        return self.cfg.look_ahead and self.host is None and not any(e.last_chunk for e in batch.entries)
+        return self.cfg.look_ahead and self.ex.host is None and not any(e.last_chunk for e in batch.entries)
 
     def _next_ahead(self) -> Batch | None:
         """During look-ahead: this step's messages first (every rank the same list), then the next batch; None
@@ -206,8 +212,8 @@ class OnlineRankEngine(RankEngine):
 def online_main(ctx: RankContext, cfg: EngineConfig) -> dict[str, Any]:
     """Rank entry point of ``cpkv serve`` (``cpkv.dist.RankGroup``): load the model, serve until Stop."""
     share_cores(ctx)
-    engine = OnlineRankEngine(ctx, cfg, rank_model(ctx, cfg))
+    loop = OnlineLoop(ctx, cfg, rank_model(ctx, cfg))
     try:
-        return engine.serve()
+        return loop.serve()
     finally:
-        engine.close()
+        loop.ex.close()

@@ -17,7 +17,7 @@ logits row, in float64 on the host, so a token depends on the logits, the parame
     logprobs(row, token, n)                    log_softmax of the raw logits: (log p(token), top n (id, log p))
 
 Every rank that holds a request's last token could pick it; only that one does, and the token travels as the
-greedy one does (``OnlineRankEngine._step``: an all-reduce max over -1).
+greedy one does (``OnlineLoop._step``: an all-reduce max over -1).
 """
 from __future__ import annotations
 

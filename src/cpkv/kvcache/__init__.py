@@ -8,7 +8,7 @@
     pool.py          KVPool: one rank's uint8 pages of every layer and both kinds, typed field views (torch)
     host.py          HostTier: the pinned host copy of spilled pages (torch)
 
-Only ``compose`` (gather, persist), ``engine.rank`` (the owner's spill and reload copies) and ``host`` touch
+Only ``compose`` (gather, persist), ``engine.executor`` (the owner's spill and reload copies) and ``host`` touch
 KV bytes; everything else sees page ids.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cpkv.config import DEFAULT_PAGE_SIZE, AdmissionCaps, CPConfig, ModelConfig, preset
+from cpkv.config import DEFAULT_PAGE_SIZE, MODEL_SIZES, AdmissionCaps, CPConfig, ModelConfig, check_batch_sizes, preset
 from cpkv.errors import ConfigError
 from cpkv.kvcache.allocator import PageAllocator
 from cpkv.kvcache.manager import KVCacheManager
@@ -31,8 +31,8 @@ class ReplayConfig:
     kv: str = "shared"
     cp: int = 8
     page_size: int = DEFAULT_PAGE_SIZE
-    chunk_size: int = 16384
-    max_requests: int = 16
+    chunk_size: int = MODEL_SIZES.chunk_size
+    max_requests: int = MODEL_SIZES.max_requests
     kv_tokens_per_rank: int | None = None  # default: the cost model's memory budget
     model: str = "glm5"
 
@@ -44,11 +44,7 @@ class ReplayConfig:
         if self.kv not in KV_MODES:
             raise ConfigError(f"unknown kv mode {self.kv!r}; expected one of {', '.join(KV_MODES)}")
         CPConfig(self.cp, self.page_size)  # validates cp and page_size
-        for key in ("chunk_size", "max_requests"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be an integer >= 1, got {getattr(self, key)!r}")
-        if self.chunk_size % self.page_size:
-            raise ConfigError(f"chunk_size {self.chunk_size} must be a multiple of page_size {self.page_size}")
+        check_batch_sizes(self.page_size, self.chunk_size, self.max_requests)
         if self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.page_size:
             raise ConfigError(f"kv_tokens_per_rank must hold at least one page ({self.page_size} tokens), "
                               f"got {self.kv_tokens_per_rank}")

@@ -39,14 +39,14 @@ FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_s
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 KEEP_ALIVE_S = 5          # an idle keep-alive connection is closed after this long
 BODY_BYTES_PER_TOKEN = 64  # the default --max-body-mb: room for a token as an id or as JSON-escaped text
-DEFAULT_PAGES = 256        # --pages-per-rank without --mem-fraction-static
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv import envs
     from cpkv.cli import args as a
-    from cpkv.config import DEFAULT_PAGE_SIZE, STRATEGIES
-    from cpkv.config import compose_mode
+    from cpkv.config import DEFAULT_PAGE_SIZE, SIZES as PRESETS, STRATEGIES, compose_mode
+
+    SIZES = PRESETS["toy"]  # the tiny preset on a CPU, the default model's sizes (as cpkv run)
     from cpkv.engine.config import MODES
     from cpkv.serve.logs import LEVELS
 
@@ -88,16 +88,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--pages-per-rank", type=a.bounded_int(2, a.MAX_PAGES), default=None,
-                   help=f"device pool pages per rank (page 0 reserved; default {DEFAULT_PAGES}, or as "
+                   help=f"device pool pages per rank (page 0 reserved; default {SIZES.pages_per_rank}, or as "
                         "--mem-fraction-static sizes it)")
     p.add_argument("--mem-fraction-static", type=a.bounded_float(0.0, 1.0), metavar="F",
                    help="size the KV pool from the memory plan (cpkv plan): the largest pool with which everything "
                         "a rank keeps fits in F of its share of the GPU (on CPU: of the host's available memory)")
     p.add_argument("--host-pages", type=a.bounded_int(0, a.MAX_PAGES), default=0, help="host-tier page slots (CP-wide)")
-    p.add_argument("--chunk-size", type=a.tokens, default=512,
-                   help="new tokens per batch, and the chunk a long prompt is cut into (default 512)")
+    p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
+                   help=f"new tokens per batch, and the chunk a long prompt is cut into (default {SIZES.chunk_size})")
     p.add_argument("--max-requests", "--max-running-requests", dest="max_requests", type=a.batch_requests,
-                   default=8, help="requests (prefills and decode steps) per batch (default 8); every running "
+                   default=SIZES.max_requests, help=f"requests (prefills and decode steps) per batch (default "
+                   f"{SIZES.max_requests}); every running "
                    "generation takes a decode step per batch, so this is SGLang's --max-running-requests")
     p.add_argument("--strategy", choices=STRATEGIES, default="zigzag", help="how new pages split over ranks")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8",
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
     from cpkv.cli.plan_cmd import check_run
     from cpkv.cli.run_cmd import engine_config
+    from cpkv.config import SIZES
 
     try:
         import prometheus_client, starlette, uvicorn  # noqa: F401, E401
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     warmup, args.warmup = args.warmup, False  # engine_config's warm-up replays a trace; serve warms up below
     if args.mem_fraction_static is not None and args.pages_per_rank is not None:
         raise ConfigError("--mem-fraction-static sizes the pool that --pages-per-rank gives: drop one of them")
-    fraction, args.pages_per_rank = args.mem_fraction_static, args.pages_per_rank or DEFAULT_PAGES
+    fraction, args.pages_per_rank = args.mem_fraction_static, args.pages_per_rank or SIZES["toy"].pages_per_rank
     with as_flags(flags_of(FLAGS)):
         cfg = engine_config(args, args.cp)
         if fraction is not None:
