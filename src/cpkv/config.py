@@ -241,6 +241,28 @@ class ModelConfig:
         return dataclasses.replace(self, num_layers=num_layers, indexer_pattern=self.indexer_pattern[:num_layers],
                                    mlp_pattern=self.mlp_pattern[:num_layers])
 
+    def with_experts(self, n: int) -> "ModelConfig":
+        """The same model routing over ``n`` routed experts per MoE layer instead of ``n_routed_experts``: one
+        rank's share at cp ``n_routed_experts / n`` on one GPU. Every dimension and the depth stay; the router's
+        weight and correction bias get ``n`` rows; the grouping stays (``n`` must split into ``n_group`` groups of
+        >= 2 experts with ``num_experts_per_tok`` <= ``topk_group`` x experts per group), so each token still picks
+        ``num_experts_per_tok`` experts and its expert FLOPs are unchanged; the chosen experts' weights are
+        normalised (``norm_topk_prob``) and scaled as before, so the combine is defined as at the full count."""
+        if "sparse" not in self.mlp_layer_types:
+            raise ConfigError(f"--experts {n}: {self.name} has no MoE layer")
+        if not isinstance(n, int) or not self.num_experts_per_tok <= n <= self.n_routed_experts:
+            raise ConfigError(f"--experts must be an integer in {self.num_experts_per_tok}..{self.n_routed_experts} "
+                              f"(at least the {self.num_experts_per_tok} experts each token picks, at most the "
+                              f"model's), got {n!r}")
+        per = self.n_routed_experts // self.n_group
+        if n % self.n_group or n // self.n_group < 2 or self.num_experts_per_tok > self.topk_group * (n // self.n_group):
+            fits = [k for k in range(self.num_experts_per_tok, self.n_routed_experts + 1) if k % self.n_group == 0
+                    and k // self.n_group >= 2 and self.num_experts_per_tok <= self.topk_group * (k // self.n_group)]
+            raise ConfigError(f"--experts {n}: {self.name} routes in {self.n_group} groups of {per} (top "
+                              f"{self.topk_group} groups, {self.num_experts_per_tok} experts a token); expected a "
+                              f"multiple of {self.n_group} from {fits[0]} to {self.n_routed_experts}")
+        return dataclasses.replace(self, n_routed_experts=n)
+
     # -- row formats -------------------------------------------------------------------------------
     @property
     def token_format(self) -> RowFormat | PlainFormat:

@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="glm5", help="preset or checkpoint dir (default glm5)")
     p.add_argument("--layers", type=a.layers, default=4, help="decoder layers (default 4)")
+    p.add_argument("--experts", type=a.experts, help="routed experts per MoE layer: fewer than the model's keeps every dimension and the depth and routes over that many (one rank's share at cp N on one GPU, e.g. --model glm5 --experts 32); presets only")
     p.add_argument("--prompt", type=a.tokens, default=32768, help="prompt tokens of cold/cached (default 32768)")
     p.add_argument("--long", type=a.bounded_int(0, a.MAX_TOKENS), default=131072, help="tokens of the long prompt (default 131072; 0: none)")
     p.add_argument("--chunk-size", type=a.tokens, default=32768, help="chunk size (default 32768)")
@@ -233,7 +234,7 @@ def _setup(args: argparse.Namespace):
     if args.long < 0:
         raise ConfigError(f"--long: expected 0 (no long prompt) or a token count, got {args.long}")
     CPConfig(args.cp, args.page_size)  # validates cp and page_size before they size anything
-    cfg_m = load_model_config(args.model, args.layers)
+    cfg_m = load_model_config(args.model, args.layers, args.experts)
     P = args.page_size
     with as_flags(flags_of(("chunk_size", "page_size"))):
         check_batch_sizes(P, args.chunk_size, 1)
@@ -243,11 +244,11 @@ def _setup(args: argparse.Namespace):
     tokens = 2 * args.prompt + args.long + turn
     pages = -(-tokens // P) + 16
     chunk = min(args.chunk_size, -(-max(args.prompt, args.long) // P) * P)
-    cfg = EngineConfig(model=args.model, num_layers=args.layers, cp=args.cp, mode=args.mode, device=args.device,
+    cfg = EngineConfig(model=args.model, num_layers=args.layers, experts=args.experts, cp=args.cp, mode=args.mode, device=args.device,
                        page_size=P, pages_per_rank=pages // args.cp + 16, chunk_size=chunk, max_requests=1,
                        chain=not getattr(args, "no_chain", False),
                        graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None)))
-    return cfg, cfg_m, load_model_config(args.model), trace
+    return cfg, cfg_m, load_model_config(args.model, None, args.experts), trace
 
 
 def bench_trace(prompt: int, prefix: int, long: int = 0, turn: int = 0):
@@ -437,7 +438,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             rows[name] = row
     dense_rows, split = None, None
     if dense_runs and dense:
-        cfg_d = load_model_config(args.model, dense)
+        cfg_d = load_model_config(args.model, dense, args.experts)
         dense_rows = {name: r for name, rid in CASES
                       if (r := case_row(name, dense_runs, rid, cfg_d, ceiling)) is not None}
         split = (dense, cfg_full.mlp_layer_types.count("dense"))

@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp8 for the glm5 and deepseek-v32 presets)")
     p.add_argument("--precision", choices=("fp8", "exact"), default="fp8", help="KV rows fp8 (default) or exact (bf16)")
     p.add_argument("--num-layers", type=a.layers, help="the first N layers only (as cpkv run)")
+    p.add_argument("--experts", type=a.experts, help="routed experts per MoE layer: fewer than the model's keeps every dimension and the depth and routes over that many (one rank's share at cp N on one GPU, e.g. --model glm5 --experts 32); presets only")
     p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
                    help=f"new tokens per batch (default {SIZES.chunk_size})")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
@@ -57,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
 
     budget = int(args.gpu_memory * GB) if args.gpu_memory else gpu_memory() or int(DEFAULT_GPU_GB * GB)
-    with as_flags(flags_of(("cp", "page_size", "chunk_size", "pages_per_rank", "num_layers", "weights"))):
+    with as_flags(flags_of(("cp", "page_size", "chunk_size", "pages_per_rank", "num_layers", "experts", "weights"))):
         CPConfig(args.cp, args.page_size)  # validates
-        model = with_precision(load_model_config(args.model, args.num_layers), args.precision, COMPUTE_DTYPES["cuda"])
+        model = with_precision(load_model_config(args.model, args.num_layers, args.experts), args.precision, COMPUTE_DTYPES["cuda"])
         model.token_format  # noqa: B018 -- fp8 rows need kv_lora_rank in whole 128-value groups
         setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
                       page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_memory(setup)
     if args.json:
         from cpkv.cli.fmt import emit_json
-        emit_json(plan.to_json(args.model))
+        emit_json({**plan.to_json(args.model), "routed_experts": plan.setup.model.n_routed_experts,
+                   "experts_option": args.experts})
     else:
         show(plan, args)
     return 0 if plan.fits else 1
@@ -81,7 +83,8 @@ def show(plan, args: argparse.Namespace) -> None:
     s, m = plan.setup, plan.setup.model
     print(f"{m.name}: {_count(plan.params)} parameters, {m.num_layers} layers "
           f"({m.mlp_layer_types.count('sparse')} MoE), weights {plan.weights_dtype()}, KV {m.kv_dtype}; cp {s.cp}, "
-          f"{s.budget / GB:.1f} GB per GPU, chunk {s.chunk_size}, page {s.page_size}\n")
+          f"{s.budget / GB:.1f} GB per GPU, chunk {s.chunk_size}, page {s.page_size}"
+          + (f"; routing over {m.n_routed_experts} experts per MoE layer (--experts)" if args.experts else "") + "\n")
     rows = [(label, f"{plan.items[key] / GB:.2f}", _what(plan, key)) for key, label, _ in ITEMS]
     rows.append(("total", f"{plan.total / GB:.2f}", f"of {s.budget / GB:.2f} GB"))
     table(("per rank", "GB", ""), rows)
@@ -96,7 +99,8 @@ def show(plan, args: argparse.Namespace) -> None:
         from cpkv.memplan import reference_bytes
 
         alone = reference_bytes(m, s.weights, s.compute, s.device) > s.budget  # --verify's single-rank model
-        print(f"fits: cpkv run --model {args.model} --cp {s.cp} --device cuda --weights {s.weights} --chunk-size "
+        print(f"fits: cpkv run --model {args.model}{f' --num-layers {m.num_layers}' if args.num_layers else ''}"
+              f"{f' --experts {args.experts}' if args.experts else ''} --cp {s.cp} --device cuda --weights {s.weights} --chunk-size "
               f"{s.chunk_size} --page-size {s.page_size} --pages-per-rank {plan.pages}"
               f"{f' --graph-tokens {s.graph_tokens}' if s.graph_tokens else ''}"
               f"{' --no-verify' if alone else ''} ...")

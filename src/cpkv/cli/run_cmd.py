@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preset:NAME (preset:tiny, preset:glm5, preset:deepseek-v32) or a checkpoint directory; a "
                         "plain preset name is accepted while no directory of that name exists (default tiny)")
     p.add_argument("--num-layers", type=a.layers, help="override the model's depth")
+    p.add_argument("--experts", type=a.experts, help="routed experts per MoE layer: fewer than the model's keeps every dimension and the depth and routes over that many (one rank's share at cp N on one GPU, e.g. --model glm5 --experts 32); presets only")
     p.add_argument("--seed", type=a.seed, default=0, help="seed of a preset's random weights")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, cp: int):
     from cpkv.engine.config import EngineConfig, default_graph_tokens
 
-    return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, cp=cp, mode=args.mode,
+    return EngineConfig(model=args.model, seed=args.seed, num_layers=args.num_layers, experts=args.experts, cp=cp, mode=args.mode,
                         device=args.device, page_size=args.page_size, strategy=args.strategy,
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
@@ -254,6 +255,7 @@ def emit(result, report, args, trace, times, ok) -> None:
                "gpu_memory_per_rank": result.stats.get("gpu_memory_per_rank") if cfg.device == "cuda" else None,
                "graph_tokens": cfg.graph_tokens, "graphs_per_rank": result.stats.get("graphs_per_rank"),
                "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
+               "routed_experts": cfg.model_config().n_routed_experts, "experts_option": cfg.experts,
                "weights_dtype": result.summary["weights_dtype"], "mode": result.summary["mode"],
                "policy": cfg.policy, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
                "pages_per_rank": cfg.pages_per_rank, "allow_rejected": args.allow_rejected,
@@ -282,7 +284,8 @@ def show(result, report, args, times) -> None:
     print(f"attention calls: {att['sparse']} sparse (indexer top-k), {att['dense']} dense (short rows)")
     experts = result.stats.get("experts_per_rank") or []
     if any(experts):
-        print(f"routed experts per rank {experts}" + (" (expert parallelism)" if cfg.cp > 1 else ""))
+        print(f"routed experts per rank {experts}" + (" (expert parallelism)" if cfg.cp > 1 else "")
+              + (f"; routing over {cfg.experts} experts per MoE layer (--experts)" if cfg.experts else ""))
     if report is None:
         print("verification: off")
         return

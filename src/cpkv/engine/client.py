@@ -36,7 +36,7 @@ class EngineClient:
         from cpkv.scheduler.admission import Admission
 
         self.cfg = cfg
-        self.model_cfg = load_model_config(cfg.model, cfg.num_layers)
+        self.model_cfg = load_model_config(cfg.model, cfg.num_layers, cfg.experts)
         self._adm = Admission.build(cfg.caps(), self.model_cfg, cfg.cp_config, policy=cfg.policy,
                                     full_hit=cfg.full_hit)
         self._on_exit, self._on_step = on_exit, on_step

@@ -46,6 +46,8 @@ class EngineConfig:
     model: str = "tiny"
     seed: int = 0
     num_layers: int | None = None
+    experts: int | None = None  # routed experts per MoE layer (ModelConfig.with_experts: one rank's share on one
+    #                             GPU); None: the model's
     cp: int = 2
     mode: str = "symm"
     device: str = "cpu"
@@ -109,7 +111,7 @@ class EngineConfig:
         of ``precision`` on ``device``. The parent process uses this one (never a config without the precision)."""
         from cpkv.model.config import COMPUTE_DTYPES, load_model_config, with_precision
 
-        return with_precision(load_model_config(self.model, self.num_layers), self.precision,
+        return with_precision(load_model_config(self.model, self.num_layers, self.experts), self.precision,
                               COMPUTE_DTYPES[self.device])
 
     @property

@@ -246,7 +246,7 @@ def _reference_model(cfg: EngineConfig):
 
     device = "cuda" if cfg.device == "cuda" else "cpu"
     return load_model(cfg.model, seed=cfg.seed, device=device, num_layers=cfg.num_layers, precision=cfg.precision,
-                      weights=cfg.weights_dtype)
+                      weights=cfg.weights_dtype, routed_experts=cfg.experts)
 
 
 def write_logits(path: str, result: RunResult) -> None:

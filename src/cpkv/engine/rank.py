@@ -38,7 +38,7 @@ def rank_main(ctx: RankContext, jobs: Sequence[Job]) -> list[RankOutput]:
     models: dict[tuple, DSAModel] = {}
     outputs = []
     for cfg, trace, measure in jobs:
-        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.precision, cfg.weights_dtype)
+        key = (cfg.model, cfg.seed, cfg.num_layers, cfg.experts, cfg.precision, cfg.weights_dtype)
         if key not in models:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
@@ -80,7 +80,7 @@ def rank_model(ctx: RankContext, cfg: EngineConfig) -> DSAModel:
     ep = (ctx.rank, ctx.world_size) if ctx.world_size > 1 else None
     share_cores(ctx)  # the load's CPU work (checkpoint reads, dequantisation) on the rank's share of the cores
     model = load_model(cfg.model, seed=cfg.seed, device=ctx.device, num_layers=cfg.num_layers,
-                       precision=cfg.precision, weights=cfg.weights_dtype, ep=ep)
+                       precision=cfg.precision, weights=cfg.weights_dtype, ep=ep, routed_experts=cfg.experts)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the load's transients (dense weights quantised at load) go back to the GPU
     batch_threads(ctx.device)

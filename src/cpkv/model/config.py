@@ -202,12 +202,13 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
+def load_model_config(spec: str, num_layers: int | None = None, experts: int | None = None) -> ModelConfig:
     """``spec``: a preset (``preset:glm5``, or plain ``glm5`` while no such directory exists: ``model_source``)
     or a directory holding config.json.
 
     ``num_layers`` keeps the first layers only (benchmarks run a few layers at real shapes; the
-    per-layer patterns are cut to match).
+    per-layer patterns are cut to match). ``experts``: route over that many experts per MoE layer
+    (``ModelConfig.with_experts``: one rank's share on one GPU; presets only, whose weights are drawn).
     """
     kind, where = model_source(spec)
     if kind == "preset":
@@ -226,6 +227,11 @@ def load_model_config(spec: str, num_layers: int | None = None) -> ModelConfig:
         cfg = config_from_dict(raw, name=path.name or str(path))
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
+    if experts is not None:
+        if kind != "preset":
+            raise ConfigError(f"--experts {experts}: only with a preset model (its weights are drawn, so fewer "
+                              f"experts stay a well-defined model); {spec!r} is a checkpoint")
+        cfg = cfg.with_experts(experts)
     return cfg
 
 

@@ -170,17 +170,18 @@ class DSAModel:
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                num_layers: int | None = None, precision: str = "fp8", weights: str = "bf16",
-               ep: tuple[int, int] | None = None) -> DSAModel:
+               ep: tuple[int, int] | None = None, routed_experts: int | None = None) -> DSAModel:
     """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
     ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype).
     ``weights``: fp8 (linear weights block-scaled fp8), bf16 (widened to the compute dtype) or auto
     (``model.config.resolve_weights``). ``ep``: (rank, cp): hold (and read) only that rank's block of the
-    routed experts."""
+    routed experts. ``routed_experts``: route over that many experts per MoE layer (a preset's rank share on one
+    GPU: ``ModelConfig.with_experts``)."""
     from cpkv.model.config import load_model_config, resolve_weights
     from cpkv.model.moe import expert_block
 
     dtype = dtype or default_dtype(device)
-    cfg = precision_config(load_model_config(spec, num_layers), precision, dtype)
+    cfg = precision_config(load_model_config(spec, num_layers, routed_experts), precision, dtype)
     fp8 = resolve_weights(weights, spec, torch.device(device).type, precision) == "fp8"
     experts = expert_block(ep[0], ep[1], cfg.n_routed_experts) if ep is not None else None
     from cpkv.config import model_source

@@ -83,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", type=compose_mode, choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--num-layers", type=a.layers, help="override the model's depth")
+    p.add_argument("--experts", type=a.experts, help="routed experts per MoE layer: fewer than the model's keeps every dimension and the depth and routes over that many (one rank's share at cp N on one GPU, e.g. --model glm5 --experts 32); presets only")
     p.add_argument("--seed", type=a.seed, default=0, help="seed of a preset's random weights")
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
