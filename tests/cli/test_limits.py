@@ -1,4 +1,4 @@
-"""Limits checked before allocation (README, "Reliability"): every numeric option of every command has a range,
+"""Limits checked before allocation (docs/reliability.md): every numeric option of every command has a range,
 shown in its --help; a value outside it is one error line naming the option, in-process and at once; options
 that size memory are checked against what the machine holds; a folder named like a preset never changes what
 the ranks load."""

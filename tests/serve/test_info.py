@@ -179,6 +179,20 @@ def test_step_log_prints_a_prefill_line_per_first_token_batch_and_a_decode_line_
                                                    "cache hit rate: 42.7%, gen throughput (token/s): ")
 
 
+def test_step_log_counts_a_request_gone_before_its_line_from_its_first_token(caplog):
+    """A one-token request finishes (its flight closed) before the watch thread logs its step: the first token
+    carries its prompt length, so the line never counts negative new tokens."""
+    import logging
+
+    from cpkv.engine.protocol import Step, Token
+    from cpkv.serve.logs import StepLog
+
+    steps = StepLog(lambda rid: 0, lambda: (0, 0), pool_pages=200)
+    with caplog.at_level(logging.INFO, logger="cpkv.serve"):
+        steps.step(Step((Token(1, 5, 0, 128, prompt=192),), (10, 12)))
+    assert "#new-seq: 1, #new-token: 64, #cached-token: 128," in caplog.records[0].getMessage()
+
+
 def test_mem_fraction_sizes_the_pool_from_the_memory_plan(monkeypatch):
     from cpkv.cli import plan_cmd
     from cpkv.engine.config import EngineConfig

@@ -3,8 +3,8 @@ import at module level.
 
 Numeric types carry their range (``bounds``, ``range_text``; the registry appends it to each option's --help)
 and turn a bad value into an argparse usage error (exit 2, one line naming the option, what was expected and
-what came), before anything is read or allocated. The limits themselves (``MAX_*``) are listed in README,
-"Reliability". Output files (``--logits-out``, ``--log-batches``, ``--save-trace``, ``--plot``) follow the
+what came), before anything is read or allocated. The limits themselves (``MAX_*``) are listed in docs/reliability.md.
+Output files (``--logits-out``, ``--log-batches``, ``--save-trace``, ``--plot``) follow the
 output policy of :mod:`cpkv.files`: checked before any work starts, written through :func:`atomic_output`.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def document_ranges(parser: argparse.ArgumentParser) -> None:
             action.help = f"{action.help} [{text}]" if action.help else f"[{text}]"
 
 
-# the limits every numeric option of every command is held to (README, "Reliability")
+# the limits every numeric option of every command is held to (docs/reliability.md)
 MAX_RANKS = 64              # rank processes one command starts on one host (--cp of run, check, benches)
 MAX_SIM_RANKS = 4096        # ranks a simulation models (replay, layout)
 MAX_TOKENS = 1 << 24        # tokens of one prompt or chunk (the trace format's prompt_len cap)

@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "precision, else 0: off; memory: cpkv plan --graph-tokens)")
     p.add_argument("--logits-out", metavar="FILE",
                    help="write each finished request's last-token logits (float32 safetensors, keyed by request id; "
-                        "README, Reliability: the output policy)")
+                        "docs/reliability.md: the output policy)")
     p.add_argument("--allow-rejected", action="store_true",
                    help="accept a run in which some requests were rejected (default: such a run fails, exit 2)")
     p.add_argument("--json", action="store_true", help="print JSON")

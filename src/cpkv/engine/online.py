@@ -200,7 +200,9 @@ class OnlineLoop:
     def _advance(self, gen: Generation, req: Request, tok: int, probs: tuple | None = None) -> list:
         assert tok >= 0, f"no rank held the last token of step {req.rid!r}"
         lp, top = probs if probs is not None else (None, ())
-        out: list = [Token(gen.rid, tok, gen.made, req.cached if gen.made == 0 else -1, lp, top)]
+        first = gen.made == 0
+        out: list = [Token(gen.rid, tok, gen.made, req.cached if first else -1, lp, top,
+                           len(gen.sub.tokens) if first else 0)]
         gen.tokens.append(tok)
         gen.made += 1
         if tok in gen.sub.stop_ids or gen.made >= gen.sub.max_new_tokens:

@@ -102,6 +102,7 @@ class Token:
     cached: int = -1  # index 0: prompt tokens from the prefix cache; -1 after
     logprob: float | None = None            # with sampling.logprobs: log p(token) under the raw logits
     top: tuple[tuple[int, float], ...] = ()  # and the sampling.logprobs most likely (id, log p), best first
+    prompt: int = 0  # index 0: the prompt's tokens (the request may be gone before its first token is logged)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class StepLog:
                 self._decode(used)
 
     def _prefill(self, firsts: list[Token], used: int) -> None:
-        prompt = sum(self.prompt_len(ev.rid) for ev in firsts)
+        prompt = sum(ev.prompt or self.prompt_len(ev.rid) for ev in firsts)
         cached = sum(max(ev.cached, 0) for ev in firsts)
         self.prompt, self.cached = self.prompt + prompt, self.cached + cached
         running, waiting = self.counts()
