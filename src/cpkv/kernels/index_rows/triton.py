@@ -10,7 +10,7 @@ BLOCK rows per program, each row held by one thread (token = row // heads):
     both               the first r dims rotated (interleaved pairs split from the row's one load, or halves with the
                        partner read by a second (cached) load; (a c - b s, a s + b c)), normed the same way
                        y = float32(D^-0.5) * FWHT(y): the Hadamard rotation as log2 D butterfly stages in float32
-                       (Sylvester order, the matrix ``hadamard_matrix(D)`` / its scale), all in the thread's registers
+                       (Sylvester order, the matrix ``ref._hadamard(D)`` / its scale), all in the thread's registers
                        scale = max(div_rn(amax |y|, 448), 1e-10), fp8 = rne(clamp(y / scale, +-448)) with y / scale as
                        q0 = y * r, r = div_rn(1, scale) once per row, plus one fma correction step (the correctly
                        rounded quotient but in rare cases one ulp off: fp8 bytes within one step)
