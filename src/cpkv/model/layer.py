@@ -18,7 +18,7 @@
         (``cpkv.model.moe``), residual.
 
 Each residual add runs with the RMSNorm after it and the fp8 quantisation of the normed rows
-(``cpkv.model.ops.add_rms_norm``: one Triton kernel on CUDA): h + o_proj(...) with the post-attention norm,
+(``cpkv.model.ops.add_rms_norm``: one Triton kernel where the backends run Triton): h + o_proj(...) with the post-attention norm,
 h + mlp(...) with the next layer's input norm; the quantised rows feed every fp8 Linear reading them.
 
 Absorbed MLA (DeepSeek-V3 / GLM-5): kv_b_proj [H*(nope+v), kv_lora] splits into W_UK [H, nope, kv_lora]

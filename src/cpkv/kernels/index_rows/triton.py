@@ -21,9 +21,8 @@ BLOCK rows per program, each row held by one thread (token = row // heads):
         a float32 copy of x; ``tl.dot`` in DOT_PRECISION (tf32x3 on the tensor cores: float32-level accuracy;
         ieee float32 on the FMA units ran at a sixth of the bandwidth of x), BLOCK_M rows per program
 
-Measured and deleted (BENCHMARKS.md, session 9): a tf32x3 Hadamard dot (32 rows a program), bf16 three-part dots,
-FWHT over 16 lanes, and other block / warp / persistent shapes of this kernel (queries at T 32768: 0.318-1.646 ms
-against this one's 0.317).
+One row per thread with the Hadamard rotation as an in-register butterfly: the other forms (tensor-core
+Hadamard dots, FWHT across lanes, other block / warp / persistent shapes) were slower (BENCHMARKS.md).
 
 Compiled without floating-point contraction. Not bit-equal to the reference: LayerNorm's reductions and the
 Hadamard sums run in another order than torch's (float32 values within a few ulps): scales agree within 2e-5
@@ -37,8 +36,8 @@ from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
 
 DOT_PRECISION = "tf32x3"  # head_weights: three tf32 products, float32-level accuracy on the tensor cores
-BLOCK_ROWS, NUM_WARPS = 64, 2  # index_rows: rows per program (one per thread). 2026-12-01, one H200, T 32768 (GLM-5):
-#                                queries 0.317 ms, keys 0.023 ms (benchmarks/elem_kernels.py)
+BLOCK_ROWS, NUM_WARPS = 64, 2  # index_rows: rows per program (one per thread); the fastest shape on GLM-5's rows
+#                                (benchmarks/elem_kernels.py, BENCHMARKS.md)
 
 
 @_jit
