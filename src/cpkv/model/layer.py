@@ -112,68 +112,22 @@ class DSALayer:
         self.exact = self.precision.exact
         self.full = cfg.indexer_types[n] == "full"
         h, nope, v, kr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.lin = {k: self._linear(k) for k in LINEARS if k + ".weight" in w}
+        self.lin = {k: _linear(w, k, self.backends) for k in LINEARS if k + ".weight" in w}
         kv_b = w["self_attn.kv_b_proj.weight"].view(h, nope + v, kr)
         self.w_uk = kv_b[:, :nope].contiguous()  # [H, nope, kv_lora]
         self.w_uv = kv_b[:, nope:].contiguous()  # [H, v, kv_lora]
         self.sm_scale = softmax_scale(cfg.rope, nope + cfg.qk_rope_head_dim)
         sparse = cfg.mlp_layer_types[n] == "sparse"
-        self.moe = self._stack_experts() if sparse else None
+        self.moe = _stack_experts(w, self.experts, self.backends) if sparse else None
         # (gate_up, down) of the dense MLP / the shared experts
-        self.dense_mlp = self._swiglu(weights, "mlp.") if not sparse else None
-        self.shared_mlp = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
+        pre = f"model.layers.{n}."
+        self.dense_mlp = _stacked_mlp(w, weights, pre, "mlp.", self.backends) if not sparse else None
+        shared = sparse and cfg.n_shared_experts
+        self.shared_mlp = _stacked_mlp(w, weights, pre, "mlp.shared_experts.", self.backends) if shared else None
         self.stats = {"dense": 0, "sparse": 0}
         # the layer's discrete decisions go through ``tap`` when set (cpkv.engine.taps: recorded by a verified run,
         # forced on the reference that checks it, a planted fault in tests); None: decided here
         self.tap: Any = None
-
-    def _linear(self, name: str) -> Linear:
-        """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
-        return Linear(self.w[name + ".weight"], self.w.get(name + ".weight_scale_inv"), self.backends)
-
-    def _swiglu(self, weights: dict[str, torch.Tensor], prefix: str) -> tuple[Linear, Linear]:
-        """(gate_up [2I, D], down [D, I]) of the MLP under ``prefix``: gate and up stacked once, and the dict
-        entries (this layer's and the model's) replaced by views of the stacked tensors (no second copy)."""
-        gate, up = self._linear(prefix + "gate_proj"), self._linear(prefix + "up_proj")
-        gate_up = Linear.cat([gate, up]) or Linear(torch.cat((gate.dense(self.dtype), up.dense(self.dtype))), None,
-                                                   self.backends)
-        i = gate.weight.shape[0]
-        pre = f"model.layers.{self.n}."
-        for k, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
-            if gate_up.fp8 != gate.fp8:  # fp8 gate / up whose blocks do not stack: kept as they are
-                break
-            views = {k + ".weight": gate_up.weight[part]}
-            if gate_up.fp8:
-                views[k + ".weight_scale_inv"] = gate_up.scale[part.start // 128: -(-part.stop // 128)]
-            for name, t in views.items():
-                self.w[prefix + name] = weights[pre + prefix + name] = t
-        return gate_up, self._linear(prefix + "down_proj")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype (the dtype of the layer's norm weights)."""
-        return self.w["input_layernorm.weight"].dtype
-
-    def _stack_experts(self) -> ExpertWeights:
-        """Routed experts as gate_up [E, 2I, D] and down [E, D, I], fp8 with their block scales when the
-        experts are fp8 and I a multiple of 128 (else dequantised); the per-expert tensors are dropped."""
-        w = self.w  # the routed experts held here: all, or this rank's block under expert parallelism
-        p = [f"mlp.experts.{x}." for x in self.experts]
-        names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-        fp8 = all(q + k + "_scale_inv" in w for q in p for k in names)
-        b = self.backends
-        if fp8 and w[p[0] + names[0]].shape[0] % 128 == 0:
-            ew = ExpertWeights(*_stack(w, p, ""), *_stack(w, p, "_scale_inv"), backends=b)
-        elif fp8:
-            ew = ExpertWeights(*_stack({q + k: self._linear(q + k[:-7]).dense(self.dtype) for q in p for k in names},
-                                       p, ""), backends=b)
-        else:
-            ew = ExpertWeights(*_stack(w, p, ""), backends=b)
-        for q in p:
-            for k in names:
-                w.pop(q + k)
-                w.pop(q + k + "_scale_inv", None)
-        return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
     def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None,
@@ -380,3 +334,49 @@ def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[t
                            for q in prefixes])
     return gate_up, torch.stack([w[q + "down_proj.weight" + sfx] for q in prefixes])
 
+
+def _linear(w: dict[str, torch.Tensor], name: str, backends: Backends) -> Linear:
+    """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
+    return Linear(w[name + ".weight"], w.get(name + ".weight_scale_inv"), backends)
+
+
+def _stacked_mlp(w: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], pre: str, prefix: str,
+                 backends: Backends) -> tuple[Linear, Linear]:
+    """(gate_up [2I, D], down [D, I]) of the MLP under ``prefix`` of a layer's weights ``w`` (the model's under
+    ``pre + prefix``): gate and up stacked once, and the dict entries (the layer's and the model's) replaced by
+    views of the stacked tensors (no second copy)."""
+    dtype = w["input_layernorm.weight"].dtype  # the compute dtype
+    gate, up = _linear(w, prefix + "gate_proj", backends), _linear(w, prefix + "up_proj", backends)
+    gate_up = Linear.cat([gate, up]) or Linear(torch.cat((gate.dense(dtype), up.dense(dtype))), None, backends)
+    i = gate.weight.shape[0]
+    for k, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+        if gate_up.fp8 != gate.fp8:  # fp8 gate / up whose blocks do not stack: kept as they are
+            break
+        views = {k + ".weight": gate_up.weight[part]}
+        if gate_up.fp8:
+            views[k + ".weight_scale_inv"] = gate_up.scale[part.start // 128: -(-part.stop // 128)]
+        for name, t in views.items():
+            w[prefix + name] = weights[pre + prefix + name] = t
+    return gate_up, _linear(w, prefix + "down_proj", backends)
+
+
+def _stack_experts(w: dict[str, torch.Tensor], experts: range, backends: Backends) -> ExpertWeights:
+    """The routed experts held here (all, or this rank's block under expert parallelism) as gate_up [E, 2I, D] and
+    down [E, D, I], fp8 with their block scales when the experts are fp8 and I a multiple of 128 (else
+    dequantised); the per-expert tensors are dropped from ``w``."""
+    p = [f"mlp.experts.{x}." for x in experts]
+    names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    fp8 = all(q + k + "_scale_inv" in w for q in p for k in names)
+    if fp8 and w[p[0] + names[0]].shape[0] % 128 == 0:
+        ew = ExpertWeights(*_stack(w, p, ""), *_stack(w, p, "_scale_inv"), backends=backends)
+    elif fp8:
+        dtype = w["input_layernorm.weight"].dtype
+        dense = {q + k: _linear(w, q + k[:-7], backends).dense(dtype) for q in p for k in names}
+        ew = ExpertWeights(*_stack(dense, p, ""), backends=backends)
+    else:
+        ew = ExpertWeights(*_stack(w, p, ""), backends=backends)
+    for q in p:
+        for k in names:
+            w.pop(q + k)
+            w.pop(q + k + "_scale_inv", None)
+    return ew
