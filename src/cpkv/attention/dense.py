@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.attention.backend import INDEX_DTYPES, check_same_device, check_tensor, expect, last_dim_contiguous
+from cpkv.attention.checks import INDEX_DTYPES, check_same_device, check_tensor, expect, last_dim_contiguous
 from cpkv.attention.sparse import check_inputs, kernel_applies
 from cpkv.kernels.platform import Backends, backends_for
 from cpkv.kernels.sparse_mla.ref import dense_causal_mla_ref

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.attention.backend import check_tensor, expect
+from cpkv.attention.checks import check_tensor, expect
 from cpkv.config import QUANT_GROUP, RowFormat
 from cpkv.kernels.platform import Backends, backends_for
 from cpkv.kernels.token_kv import ref
