@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle, the core never imports the harness, scheduling stays torch-free.
+"""The package's shape: no import cycle, the core never imports the harness, scheduling stays torch-free, the
+kernels import nothing above them.
 
 Imports are read from the source (every ``import`` statement, including those inside functions and under
 ``TYPE_CHECKING``), so a lazy import that would close a cycle counts as much as a top-level one.
@@ -102,6 +103,23 @@ def test_scheduling_and_layout_never_import_torch(name):
             todo.append(n)
     assert all(_is(m, TORCH_FREE) for m in closure), (
         f"{name} reaches torch-using modules: {sorted(m for m in closure if not _is(m, TORCH_FREE))}")
+
+
+KERNEL_LEAVES = ("cpkv.envs", "cpkv.errors", "cpkv.config")  # torch-free leaf modules the kernels may read
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if _is(m, ("cpkv.kernels",))))
+def test_kernels_import_nothing_above_them(name):
+    """A kernel, its reference and the platform facts sit at the bottom of the house: attention, indexer, model,
+    compose and engine import them, never the other way round."""
+    above = sorted(m for m in GRAPH[name] if not _is(m, ("cpkv.kernels",) + KERNEL_LEAVES))
+    assert not above, f"{name} imports {above} (above cpkv.kernels)"
+
+
+def test_kernel_leaves_are_leaves():
+    """The modules the kernels may read import only each other."""
+    for name in KERNEL_LEAVES:
+        assert GRAPH[name] <= set(KERNEL_LEAVES), f"{name} imports {sorted(GRAPH[name] - set(KERNEL_LEAVES))}"
 
 
 def test_benchmarks_use_public_names_only():

@@ -127,12 +127,14 @@ _VARS: tuple[EnvVar, ...] = (
            "Budget in GiB for one chunk of indexer logits (rows x visible keys x 4 B)."),
     EnvVar("CPKV_COMPOSE_MODE", "symm", _mode, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
-    EnvVar("CPKV_DISABLE_TRITON", False, _bool, "Use the pure-torch references even on CUDA."),
+    EnvVar("CPKV_DISABLE_TRITON", False, _bool,
+           "Use the pure-torch references even on CUDA (read once, when a model loads)."),
     EnvVar("CPKV_SPARSE_MLA", "auto", _sparse_backend,
            "Sparse attention: auto (FlashMLA where the flash_mla package imports and takes the call, else cpkv's "
-           "kernel), cpkv, or flashmla (an error where it does not import)."),
+           "kernel), cpkv, or flashmla (an error where it does not import); read once, when a model loads."),
     EnvVar("CPKV_GROUPED_MM_TORCH", False, _bool,
-           "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare)."),
+           "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare; "
+           "read once, when a model loads)."),
     EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
     EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
     EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,

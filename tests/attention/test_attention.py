@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpkv.attention import dense_causal_mla, dequant_token_kv, quant_token_kv, sparse_mla
+from cpkv.attention.sparse import sparse_backend
 from cpkv.attention.ref import GLM5_TOKEN, dense_indices, row_views, sparse_mla_ref
 from cpkv.config import RowFormat, preset
 from cpkv.errors import AttentionError
@@ -259,26 +260,32 @@ def test_kernel_config_choice_without_hopper() -> None:
 
 
 def test_sparse_backend_choice(monkeypatch):
-    """``sparse_mla``'s backend: cpkv pins cpkv's kernel; flashmla where ``flash_mla`` does not import is one error
-    naming it; auto falls back to cpkv's kernel; FlashMLA, where it imports and applies, gets kv [S, 1, d_qk] and
-    int32 indices [T, 1, topk] and its (out, max_logits, lse) becomes (out, lse [T, H]); a bad name is refused."""
+    """The sparse attention backend, resolved once (``platform.resolve``): cpkv pins cpkv's kernel; flashmla where
+    ``flash_mla`` does not import is one error naming it; auto falls back to cpkv's kernel, and to it too off
+    Hopper; a bad name is refused, naming the choices. ``sparse_mla`` with flashmla's backends, where FlashMLA
+    imports and applies, gives it kv [S, 1, d_qk] and int32 indices [T, 1, topk] and its (out, max_logits, lse)
+    becomes (out, lse [T, H]); where it does not apply (8 heads) cpkv's path runs."""
     import sys
     import types
 
-    from cpkv.attention import flashmla
-    from cpkv.attention.sparse import _flashmla, sparse_backend
+    from cpkv.errors import ConfigError
+    from cpkv.kernels import platform
+    from cpkv.kernels.sparse_mla import flashmla
 
-    q, kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16), torch.zeros(10, 576, dtype=torch.bfloat16)
     monkeypatch.setenv("CPKV_SPARSE_MLA", "auto")
     assert sparse_backend() == "auto" and sparse_backend("cpkv") == "cpkv"
     with pytest.raises(AttentionError, match="backend one of"):
         sparse_backend("fast")
-    monkeypatch.setattr(q.__class__, "is_cuda", property(lambda self: True))  # the CPU stand-ins pass as CUDA
+    with pytest.raises(ConfigError, match="expected one of auto, cpkv, flashmla, got 'fast'"):
+        platform._sparse_mla("fast", True)
+    with pytest.raises(ConfigError, match="expected one of flashmla, cpkv"):
+        platform.Backends(sparse_mla="auto")
+    assert platform.resolve("cpu") == platform.REFERENCE
     flashmla.load.cache_clear()
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # import fails
-    assert _flashmla(q, kv, 512, None) is None and _flashmla(q, kv, 512, "cpkv") is None
-    with pytest.raises(AttentionError, match="flash_mla package"):
-        _flashmla(q, kv, 512, "flashmla")
+    assert platform._sparse_mla("auto", True) == "cpkv" and platform._sparse_mla("cpkv", True) == "cpkv"
+    with pytest.raises(ConfigError, match="flash_mla package"):
+        platform._sparse_mla("flashmla", True)
     calls = []
 
     def fwd(q, kv, idx, scale, d_v):
@@ -287,13 +294,18 @@ def test_sparse_backend_choice(monkeypatch):
 
     flashmla.load.cache_clear()
     monkeypatch.setitem(sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
+    assert platform._sparse_mla("auto", True) == "flashmla" == platform._sparse_mla("flashmla", True)
+    assert platform._sparse_mla("auto", False) == "cpkv" == platform._sparse_mla("cpkv", True)
     monkeypatch.setattr(flashmla, "applies", lambda q, kv, d_v: q.shape[1] in flashmla.HEADS)
-    assert _flashmla(q, kv, 512, "cpkv") is None
-    fn = _flashmla(q, kv, 512, None)
-    assert fn is fwd and _flashmla(q[:, :8], kv, 512, "flashmla") is None  # 8 heads: not FlashMLA's
-    out, lse = flashmla.sparse_fwd(fn, q, kv, torch.zeros(3, 4, dtype=torch.int64), 0.5, 512)
+    q, kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16), torch.zeros(10, 576, dtype=torch.bfloat16)
+    peer = platform.Backends(sparse_mla="flashmla")
+    out, lse = sparse_mla(q, kv, torch.zeros(3, 4, dtype=torch.int64), 0.5, 512, peer)
     assert calls == [((3, 64, 576), (10, 1, 576), (3, 1, 4), torch.int32, 0.5, 512)]
     assert out.shape == (3, 64, 512) and lse.shape == (3, 64) and lse.dtype == torch.float32
+    out, _ = sparse_mla(q[:, :8], kv, torch.zeros(3, 4, dtype=torch.int64), 0.5, 512, peer)  # 8 heads: not FlashMLA's
+    assert len(calls) == 1 and out.shape == (3, 8, 512)
+    sparse_mla(q, kv, torch.zeros(3, 4, dtype=torch.int64), 0.5, 512, platform.REFERENCE)
+    assert len(calls) == 1
     flashmla.load.cache_clear()
 
 

@@ -1,4 +1,4 @@
-"""GPU: FlashMLA as the sparse attention backend (``cpkv.attention.flashmla``; skips unless the ``flash_mla``
+"""GPU: FlashMLA as the sparse attention backend (``cpkv.kernels.sparse_mla.flashmla``; skips unless the ``flash_mla``
 package imports on a Hopper GPU): its outputs against cpkv's kernel and the float64 reference on GLM-5's
 attention shapes, and GLM-5's first 2 layers at cp 2 run by it under the sync check, against the same run on
 cpkv's kernel.
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpkv.attention import sparse_mla, sparse_mla_ref
+from cpkv.kernels.platform import resolve
 
 pytestmark = [pytest.mark.cuda]
 
@@ -51,8 +52,8 @@ def test_flashmla_backend_matches_cpkv_and_the_reference(peer, heads, s_kv):
     idx[:, 3::11] = s_kv + 5
     idx[5] = -1
     scale = 576 ** -0.5
-    got, lse = sparse_mla(q, kv, idx, scale, backend="flashmla")
-    ours, lse_o = sparse_mla(q, kv, idx, scale, backend="cpkv")
+    got, lse = sparse_mla(q, kv, idx, scale, backends=resolve(q.device, sparse_mla="flashmla"))
+    ours, lse_o = sparse_mla(q, kv, idx, scale, backends=resolve(q.device, sparse_mla="cpkv"))
     ref, _ = sparse_mla_ref(q, kv, idx, scale, 512, dtype=torch.float64)
     assert got.shape == ours.shape == (t, heads, 512) and got.dtype == torch.bfloat16
     assert _cos(got, ours) <= 1e-8  # the same float32 sums, apart from their order (8.5e-11 and 1.3e-10 measured)

@@ -111,27 +111,27 @@ def case_router_scores() -> None:
 
 
 def case_route_dispatch() -> None:
-    """``route`` through the kernel (use_triton forced on CPU tensors) against ``fused=False`` (float32 torch)."""
+    """``route`` through the kernel (backends that run Triton, on CPU tensors) against ``fused=False`` (float32
+    torch)."""
     from cpkv.config import PRESETS
-    from cpkv.kernels import platform
+    from cpkv.kernels.platform import Backends
     from cpkv.model import moe
 
-    platform.use_triton = lambda x: True
     for name in ("glm5", "deepseek-v32"):  # 1 group; 8 groups keeping 4
-        _route_case(moe, PRESETS[name])
+        _route_case(moe, PRESETS[name], Backends(triton=True))
 
 
-def _route_case(moe, cfg) -> None:
+def _route_case(moe, cfg, backends) -> None:
     e, d, t = cfg.n_routed_experts, 256, 64
     gen = _gen(5)
     x = torch.randn(t, d, generator=gen).bfloat16()
     gate = (torch.randn(e, d, generator=gen) / d ** 0.5).bfloat16()
     bias = torch.randn(e, generator=gen) * 0.01
-    scores = moe.router_scores(x, gate)
+    scores = moe.router_scores(x, gate, backends)
     want = (x.double() @ gate.double().t()).sigmoid()
     tol = _logit_bound(x, gate) / 4 + 2.0 ** -22
     assert bool(((scores.double() - want).abs() <= tol).all())
-    idx, w = moe.route(x, gate, bias, cfg)
+    idx, w = moe.route(x, gate, bias, cfg, backends=backends)
     idx_ref, w_ref = moe.route(x, gate, bias, cfg, fused=False)
     from cpkv.kernels.router.ref import route_differences
 

@@ -231,8 +231,8 @@ def case_swiglu() -> None:
 
 def case_swiglu_plain() -> None:
     """No row weights (the dense MLPs): ``F.silu(g) * u``'s two roundings; the dispatch in ``model.linear.swiglu``
-    with ``use_triton`` forced on gives the kernel's bytes."""
-    from cpkv.kernels import platform
+    with Linears whose backends run Triton gives the kernel's bytes."""
+    from cpkv.kernels.platform import Backends
     from cpkv.kernels.swiglu import triton as kern
     from cpkv.kernels.swiglu.ref import swiglu_ref
     from cpkv.model.linear import Linear, swiglu
@@ -249,8 +249,8 @@ def case_swiglu_plain() -> None:
     x = torch.randn(9, 64, generator=gen).bfloat16()
     gate_up, down = Linear(torch.randn(256, 64, generator=gen).bfloat16()), Linear(torch.randn(64, 128, generator=gen).bfloat16())
     want = swiglu(x, gate_up, down)
-    platform.use_triton = lambda *a, **k: True  # noqa: E731  (this subprocess only)
-    got = swiglu(x, gate_up, down)
+    on = Backends(triton=True)
+    got = swiglu(x, Linear(gate_up.weight, backends=on), Linear(down.weight, backends=on))
     gu = gate_up(x)
     a = torch.empty(9, 128, dtype=torch.bfloat16)
     kern.swiglu_weighted(gu, None, a)
@@ -258,12 +258,12 @@ def case_swiglu_plain() -> None:
 
 
 def case_dispatch() -> None:
-    """The dispatch points' Triton branches (buffers, views, strides) on CPU tensors: ``use_triton`` forced on for
-    them only, their results against the same calls' torch path."""
+    """The dispatch points' Triton branches (buffers, views, strides) on CPU tensors: backends that run Triton
+    handed to them, their results against the same calls' torch path."""
     from cpkv.attention import quant as attention_quant
     from cpkv.attention.ref import GLM5_TOKEN, row_views
     from cpkv.indexer import dequantize_index_rows, head_weights, prepare_index_keys, prepare_index_queries
-    from cpkv.kernels import platform
+    from cpkv.kernels.platform import Backends
     from cpkv.model.experts import swiglu_weighted
     from cpkv.model.ops import Rotary, add_rms_norm
 
@@ -279,19 +279,18 @@ def case_dispatch() -> None:
     gu, rw = torch.randn(t, 512, generator=gen).bfloat16(), torch.rand(t, generator=gen)
     pw = torch.randn(32, 1024, generator=gen) / 32
 
-    def run():
-        return (add_rms_norm(h, delta, w, 1e-5, quant=True),
-                attention_quant.token_rows(kv, kw, rot.cos, rot.sin, 1e-6, GLM5_TOKEN),
-                prepare_index_keys(k, lw, lb, rot.cos, rot.sin, 64, True),
-                prepare_index_queries(q, wts, rot.cos, rot.sin, 64, True), swiglu_weighted(gu, rw),
-                head_weights(h, pw, 0.25))
+    def run(b=None):
+        return (add_rms_norm(h, delta, w, 1e-5, quant=True, backends=b),
+                attention_quant.token_rows(kv, kw, rot.cos, rot.sin, 1e-6, GLM5_TOKEN, b),
+                prepare_index_keys(k, lw, lb, rot.cos, rot.sin, 64, True, backends=b),
+                prepare_index_queries(q, wts, rot.cos, rot.sin, 64, True, b), swiglu_weighted(gu, rw, backends=b),
+                head_weights(h, pw, 0.25, b))
 
     want = run()
     qrope = torch.randn(t, 4, 128, generator=gen).bfloat16()[..., 64:]
     want_rope = rot.interleaved(qrope, out=torch.empty(t, 4, 64, dtype=torch.bfloat16))
-    forced = lambda x: True  # noqa: E731
-    platform.use_triton, attention_quant.use_triton = forced, forced
-    got = run()
+    on = Backends(triton=True)
+    got = run(on)
     (hs, x, qa), (whs, wx, wqa) = got[0], want[0]
     assert torch.equal(hs, whs) and within_ulp(x, wx)
     assert qa.s.stride() == (1, 8) and qa.x is x  # empty_quant's outer-dim-major scales (T rounded up to 8)
@@ -306,7 +305,7 @@ def case_dispatch() -> None:
     assert rel(gs, ws) <= 1e-5 and near_fp8(gk, wk)
     assert got[3][0].shape == (t, 8, 128) and rel(got[3][1], want[3][1]) <= 1e-5 and near_fp8(got[3][0], want[3][0])
     assert within_ulp(got[4], want[4])
-    assert torch.equal(rot.interleaved_into(qrope, torch.empty(t, 4, 64, dtype=torch.bfloat16)), want_rope)
+    assert torch.equal(rot.interleaved_into(qrope, torch.empty(t, 4, 64, dtype=torch.bfloat16), on), want_rope)
     assert bool(((got[5] - want[5]).abs() <= (h.float().abs() @ pw.abs().t()) * 0.25 * 2.0 ** -20).all())
 
 

@@ -245,8 +245,10 @@ def test_model_with_the_fused_kernels_near_the_torch_path(spec, layers, fp8, mon
     assert isinstance(model, DSAModel) and model.fp8 == fp8
     tokens = torch.randint(0, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     got = model.reference_prefill(tokens)
-    monkeypatch.setenv("CPKV_DISABLE_TRITON", "1")
-    want = model.reference_prefill(tokens)
+    monkeypatch.setenv("CPKV_DISABLE_TRITON", "1")  # read when a model is loaded: the same model on torch's ops
+    torch_ops = load_model(spec, seed=3, device="cuda", num_layers=layers, weights="fp8" if fp8 else "bf16")
+    assert model.backends.triton and not torch_ops.backends.triton
+    want = torch_ops.reference_prefill(tokens)
     assert bool(torch.isfinite(got).all())
     # bf16 weights: the two paths differ by bf16 roundings; fp8 weights: a norm output one bf16 ulp apart can
     # land in another fp8 step (an e4m3 step is 6-12 % of the value) and every layer compounds it: the engine's

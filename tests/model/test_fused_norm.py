@@ -13,8 +13,9 @@ from cpkv.attention import quant_token_kv, token_rows
 from cpkv.kernels.fp8_gemm.ref import act_quant_ref
 from cpkv.model.config import load_model_config
 from cpkv.model.linear import Linear, QuantAct, quant_act
-from cpkv.model.model import DSAModel
+from cpkv.model.model import DSAModel, precision_config
 from cpkv.model.ops import add_rms_norm, rms_norm
+from cpkv.model.precision import ExactPrecision
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,8 +47,9 @@ def test_token_rows_dispatch_equals_the_layer_s_former_path():
     rot = model.rotary(torch.arange(t) * 5)
     kv = torch.randn(t, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=torch.Generator().manual_seed(1)) * 3
     kv[1, :128] = 0
-    want = quant_token_kv(layer._token_kv(kv, rot), cfg.token_format)
     w = layer.w["self_attn.kv_a_layernorm.weight"]
+    exact = ExactPrecision(precision_config(cfg, "exact", torch.float32), layer.backends)
+    want = quant_token_kv(exact.token_kv(kv, w, rot), cfg.token_format)
     assert torch.equal(token_rows(kv, w, rot.cos, rot.sin, 1e-6, cfg.token_format), want)
 
 

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import RopeConfig
-from cpkv.model import layer as layer_mod
+from cpkv.model import precision as precision_mod
 from cpkv.model.config import load_model_config
-from cpkv.model.layer import DSALayer, _kv_torch_dtype
+from cpkv.model.layer import DSALayer
 from cpkv.model.model import DSAModel, precision_config
 from cpkv.model.ops import Rotary, rms_norm, rms_norm_ref
+from cpkv.model.precision import LATENT_NORM_EPS, ExactPrecision
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -64,14 +65,28 @@ def test_rope_without_stack_or_cat_is_bit_identical(dtype, yarn):
         assert torch.equal(out[..., :r], rot.halves_ref(x)) and not out[..., r:].any()
 
 
-class _UnfusedLayer(DSALayer):
-    """The layer's former forms: float32 cat of the token KV, cat of the query, cat in the indexer RoPE,
-    einsum + reshape for the attention output, RMSNorm as separate float32 passes."""
+class _UnfusedExact(ExactPrecision):
+    """The exact path's unfused forms: float32 cat of the token KV, cat in the indexer RoPE."""
 
-    def _token_kv(self, kv, rot):
+    def token_kv(self, kv, norm_weight, rot):
         kr = self.cfg.kv_lora_rank
-        latent = rms_norm_ref(kv[:, :kr], self.w["self_attn.kv_a_layernorm.weight"], layer_mod.LATENT_NORM_EPS)
+        latent = rms_norm_ref(kv[:, :kr], norm_weight, LATENT_NORM_EPS)
         return torch.cat((latent.float(), rot.interleaved_ref(kv[:, kr:])), dim=1)
+
+    def rope_first(self, x, rot):
+        r = self.cfg.qk_rope_head_dim
+        turn = rot.interleaved_ref if self.cfg.indexer_rope == "interleaved" else rot.halves_ref
+        return torch.cat((turn(x[..., :r]), x[..., r:].float()), dim=-1)
+
+
+class _UnfusedLayer(DSALayer):
+    """The layer's unfused forms: cat of the query, einsum + reshape for the attention output (and the exact
+    path's of ``_UnfusedExact``); RMSNorm as separate float32 passes where the test patches it in."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.exact:
+            self.precision = _UnfusedExact(self.cfg, self.backends)
 
     def _query(self, qr, rot, out=None):
         cfg = self.cfg
@@ -79,14 +94,9 @@ class _UnfusedLayer(DSALayer):
             qr.shape[0], cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        dtype = _kv_torch_dtype(cfg) if self.exact else torch.bfloat16
+        dtype = self.precision.query_dtype
         q = torch.cat((q_lat.float(), rot.interleaved_ref(q_rope)), dim=-1).to(dtype)
         return q if out is None else out.copy_(q)
-
-    def _rope_first(self, x, rot):
-        r = self.cfg.qk_rope_head_dim
-        turn = rot.interleaved_ref if self.cfg.indexer_rope == "interleaved" else rot.halves_ref
-        return torch.cat((turn(x[..., :r]), x[..., r:].float()), dim=-1)
 
     def _latent_out(self, latent):
         return torch.einsum("thc,hvc->thv", latent, self.w_uv).reshape(latent.shape[0], -1)
@@ -117,7 +127,7 @@ def test_fused_layer_gives_the_unfused_bytes(spec, precision, dtype, monkeypatch
     for a, b in zip(fused, unfused):
         pa = a.project(h, rot)
         with monkeypatch.context() as m:
-            m.setattr(layer_mod, "rms_norm", rms_norm_ref)
+            m.setattr(precision_mod, "rms_norm", rms_norm_ref)
             pb = b.project(h, rot)
         for name in ("q", "token", "index", "iq", "iw"):
             x, y = getattr(pa, name), getattr(pb, name)
@@ -126,7 +136,7 @@ def test_fused_layer_gives_the_unfused_bytes(spec, precision, dtype, monkeypatch
                 assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
     model.layers = unfused
     with monkeypatch.context() as m:
-        m.setattr(layer_mod, "rms_norm", rms_norm_ref)
+        m.setattr(precision_mod, "rms_norm", rms_norm_ref)
         want_unfused = model.reference_prefill(tokens)
     assert torch.equal(want_fused, want_unfused)
 

@@ -135,12 +135,12 @@ def test_no_index_score_ties_at_the_cut(checkpoint, monkeypatch):
     """Every indexer selection of the test prompts (cpkv's exact reference, the formula transformers uses) has
     a clear gap between its k-th and (k+1)-th best score (relative to the row's best): the lower-index tie
     rule never decides one, so equality with transformers is not luck of torch.topk's order."""
-    from cpkv.indexer import ref as indexer_ref
+    from cpkv.kernels.topk import ref as topk_mod
     from cpkv.model.model import load_model
 
     path, _ = checkpoint
     gaps = []
-    topk_ref = indexer_ref.topk_ref
+    topk_ref = topk_mod.topk_ref
 
     def recording(logits, ks, ke, k):
         for row, lo, hi in zip(logits, ks.tolist(), ke.tolist()):
@@ -149,7 +149,7 @@ def test_no_index_score_ties_at_the_cut(checkpoint, monkeypatch):
                 gaps.append(float(best[k - 1] - best[k]) / max(float(best[0].abs()), 1e-30))
         return topk_ref(logits, ks, ke, k)
 
-    monkeypatch.setattr(indexer_ref, "topk_ref", recording)
+    monkeypatch.setattr(topk_mod, "topk_ref", recording)
     model = load_model(str(path), precision="exact")
     tokens = materialize_tokens(TRACE, vocab_size=COMMON["vocab_size"])
     for r in TRACE:

@@ -5,8 +5,10 @@
     sparse_mla(q [T, H, 576], kv [S, 576], indices [T, topk], sm_scale, d_v=512) -> (out, lse)
     dense_causal_mla(q, kv, ks [T], ke [T], sm_scale, d_v) -> (out, lse)   short rows, no indexer
 
-Triton kernels on CUDA (``cpkv.kernels.sparse_mla``, ``cpkv.kernels.token_kv``, ``cpkv.kernels.token_rows``);
-the pure-torch references in ``cpkv.attention.ref`` define the semantics and run everywhere else.
+Each entry point takes the caller's ``cpkv.kernels.platform.Backends`` (the model's, chosen once at its load):
+the kernels of ``cpkv.kernels.sparse_mla`` (and FlashMLA where chosen), ``token_kv`` and ``token_rows`` where they
+run Triton; the pure-torch references beside those kernels (re-exported in ``cpkv.attention.ref``) define the
+semantics and run everywhere else.
 """
 from __future__ import annotations
 

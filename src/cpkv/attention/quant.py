@@ -1,4 +1,4 @@
-"""Token-KV rows (656-B fp8 layout for GLM-5) to bfloat16 and back; Triton on CUDA, torch elsewhere.
+"""Token-KV rows (656-B fp8 layout for GLM-5) to bfloat16 and back; Triton where the backends run it, else torch.
 
 Row layout (``cpkv.config.RowFormat``): D_L fp8 e4m3 | D_L/128 float32 scales | D_R bfloat16 rope.
 GLM-5: 512 + 16 + 128 = 656 B <-> 576 bf16 dims; tiny preset: 128 + 4 + 64 = 196 B <-> 160 dims.
@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import torch
 
-from cpkv.attention import ref
-from cpkv.attention.backend import check_tensor, expect, use_triton
+from cpkv.attention.checks import check_tensor, expect
 from cpkv.config import QUANT_GROUP, RowFormat
+from cpkv.kernels.platform import Backends, backends_for
+from cpkv.kernels.token_kv import ref
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tensor:
+def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None, backends: Backends | None = None
+                     ) -> torch.Tensor:
     """rows uint8 [S, row_bytes] -> bfloat16 [S, D_L + D_R]: ``bf16(fp32(fp8) * scale)`` then rope.
 
-    ``fmt`` defaults to the GLM-5 token format (656 B -> 576 dims). Bit-identical on both backends.
+    ``fmt`` defaults to the GLM-5 token format (656 B -> 576 dims). Bit-identical on both backends (``backends``:
+    the caller's; None: ``backends_for(rows)``, as every entry point here).
     """
     fmt = _check_format(fmt)
     check_tensor("rows", rows, 2, (torch.uint8,))
@@ -25,14 +28,14 @@ def dequant_token_kv(rows: torch.Tensor, fmt: RowFormat | None = None) -> torch.
         expect(False, f"rows of {fmt.row_bytes} bytes for {fmt}", rows.shape[1])
     if rows.stride(1) != 1 or rows.stride(0) % 4:
         rows = rows.contiguous()
-    if not (use_triton(rows) and _kernel_fits(fmt)):
+    if not ((backends or backends_for(rows)).triton and _kernel_fits(fmt)):
         return ref.dequant_token_kv_ref(rows, fmt)
     from cpkv.kernels.token_kv import triton as token_kv
 
     return token_kv.dequant(*ref.row_views(rows, fmt))
 
 
-def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tensor:
+def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None, backends: Backends | None = None) -> torch.Tensor:
     """kv float [S, D_L + D_R] -> uint8 [S, row_bytes] (scale = amax / 448 per 128-value group).
 
     A zero group stores scale 0 and zero values; values are clamped to +-448 then rounded to
@@ -43,7 +46,7 @@ def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tens
     width = fmt.fp8_bytes + fmt.rope_dims
     if kv.shape[1] != width:
         expect(False, f"kv of {width} dims for {fmt}", f"shape {tuple(kv.shape)}")
-    if not (use_triton(kv) and _kernel_fits(fmt)):
+    if not ((backends or backends_for(kv)).triton and _kernel_fits(fmt)):
         return ref.quant_token_kv_ref(kv, fmt)
     from cpkv.kernels.token_kv import triton as token_kv
 
@@ -54,12 +57,12 @@ def quant_token_kv(kv: torch.Tensor, fmt: RowFormat | None = None) -> torch.Tens
 
 
 def token_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-               fmt: RowFormat | None = None) -> torch.Tensor:
+               fmt: RowFormat | None = None, backends: Backends | None = None) -> torch.Tensor:
     """A layer's kv_a output kv float [T, D_L + D_R], the latent norm's weight [D_L], the rotation's cos / sin
     float32 [T, D_R / 2] -> uint8 token rows [T, row_bytes]: ``quant_token_kv`` of (RMSNorm(latent) * weight |
     the interleaved RoPE of the rope key), both in kv's dtype (``cpkv.kernels.token_rows.ref``).
 
-    One Triton kernel on CUDA (``cpkv.kernels.token_rows``: rope bytes equal, the latent within one ulp before
+    One Triton kernel where the backends run Triton (``cpkv.kernels.token_rows``: rope bytes equal, the latent within one ulp before
     its quantisation: only its sum of squares runs in another order); elsewhere the reference's torch ops."""
     from cpkv.kernels.token_rows import ref as rows_ref
 
@@ -67,7 +70,7 @@ def token_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     check_tensor("kv", kv, 2, FLOAT_DTYPES)
     if kv.shape[1] != fmt.fp8_bytes + fmt.rope_dims:
         expect(False, f"kv of {fmt.fp8_bytes + fmt.rope_dims} dims for {fmt}", f"shape {tuple(kv.shape)}")
-    if not (use_triton(kv) and _rows_kernel_fits(fmt)):
+    if not ((backends or backends_for(kv)).triton and _rows_kernel_fits(fmt)):
         return rows_ref.token_rows_ref(kv, weight, cos, sin, eps, fmt)
     from cpkv.kernels.token_rows import triton as kern
 

@@ -1,39 +1,37 @@
-"""Sparse MLA prefill attention over selected KV rows: FlashMLA where it is installed and applies
-(``cpkv.attention.flashmla``, ``CPKV_SPARSE_MLA``), else cpkv's kernel on CUDA, the torch reference elsewhere."""
+"""Sparse MLA prefill attention over selected KV rows: FlashMLA where the backends chose it and it takes the call
+(``cpkv.kernels.sparse_mla.flashmla``), else cpkv's kernel where they run Triton, the torch reference elsewhere."""
 from __future__ import annotations
 
 import torch
 
-from cpkv.attention import ref
-from cpkv.attention.backend import (
-    INDEX_DTYPES, check_same_device, check_tensor, expect, last_dim_contiguous, use_triton,
-)
+from cpkv.attention.checks import INDEX_DTYPES, check_same_device, check_tensor, expect, last_dim_contiguous
 from cpkv.config import SPARSE_BACKENDS
+from cpkv.kernels.platform import Backends, backends_for
+from cpkv.kernels.sparse_mla import flashmla
+from cpkv.kernels.sparse_mla.ref import sparse_mla_ref
 
 
 def sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
-    backend: str | None = None,
+    backends: Backends | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q bf16 [T, H, d_qk], kv bf16 [S, d_qk], indices int32 [T, topk] -> (out bf16 [T, H, d_v], lse f32 [T, H]).
 
     Scores ``sm_scale * q . kv[j]`` over all d_qk dims; values are ``kv[j, :d_v]``. An index of
     -1 (any negative) or >= S selects nothing; a row with no valid index gives out 0, lse +inf.
     lse is the natural log-sum-exp of the scaled scores. int64 indices are accepted too.
-    ``backend``: ``auto`` / ``cpkv`` / ``flashmla`` (``cpkv.attention.flashmla``); None: ``CPKV_SPARSE_MLA``.
+    ``backends``: the caller's (``cpkv.kernels.platform.Backends``); None: ``backends_for(q)``.
     """
     check_inputs(q, kv, sm_scale, d_v)
     check_tensor("indices", indices, 2, INDEX_DTYPES)
     if indices.shape[0] != q.shape[0]:  # messages built only on failure (these run once per layer)
         expect(False, f"indices with {q.shape[0]} rows (one per query token)", f"shape {tuple(indices.shape)}")
     check_same_device(q=q, kv=kv, indices=indices)
-    peer = _flashmla(q, kv, d_v, backend)
-    if peer is not None:
-        from cpkv.attention import flashmla
-
-        return flashmla.sparse_fwd(peer, q, kv, indices, sm_scale, d_v)
-    if not kernel_applies(q, d_v):
-        out, lse = ref.sparse_mla_ref(q, kv, indices, sm_scale, d_v)
+    backends = backends or backends_for(q)
+    if backends.sparse_mla == "flashmla" and flashmla.applies(q, kv, d_v):
+        return flashmla.sparse_fwd(flashmla.load(), q, kv, indices, sm_scale, d_v)
+    if not kernel_applies(q, d_v, backends):
+        out, lse = sparse_mla_ref(q, kv, indices, sm_scale, d_v)
         return out.to(torch.bfloat16), lse
     from cpkv.kernels.sparse_mla import triton as kernel
 
@@ -44,28 +42,14 @@ def sparse_mla(
 
 
 def sparse_backend(backend: str | None = None) -> str:
-    """The sparse attention backend asked for: ``backend``, else ``CPKV_SPARSE_MLA`` (auto, cpkv or flashmla)."""
+    """The sparse attention backend asked for (the choice ``cpkv.kernels.platform.resolve`` turns into an
+    implementation): ``backend``, else ``CPKV_SPARSE_MLA`` (auto, cpkv or flashmla)."""
     if backend is None:
         from cpkv import envs
 
         return envs.get("CPKV_SPARSE_MLA")
     expect(backend in SPARSE_BACKENDS, f"backend one of {', '.join(SPARSE_BACKENDS)}", repr(backend))
     return backend
-
-
-def _flashmla(q: torch.Tensor, kv: torch.Tensor, d_v: int, backend: str | None):
-    """FlashMLA's sparse prefill function when it runs this call, else None (cpkv's kernel or the reference)."""
-    choice = sparse_backend(backend)
-    if choice == "cpkv" or not q.is_cuda:
-        return None
-    from cpkv.attention import flashmla
-
-    fn = flashmla.load()
-    if fn is None:
-        if choice == "flashmla":  # the import error is read only for the message (each import attempt is costly)
-            expect(False, "the flash_mla package (CPKV_SPARSE_MLA=flashmla)", flashmla.import_error())
-        return None
-    return fn if flashmla.applies(q, kv, d_v) else None
 
 
 def check_inputs(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, d_v: int) -> None:
@@ -80,9 +64,9 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, d_v: int) -
     expect(isinstance(sm_scale, (int, float)) and sm_scale > 0, "a positive float sm_scale", sm_scale)
 
 
-def kernel_applies(q: torch.Tensor, d_v: int) -> bool:
-    """Whether the Triton kernel runs for this input (CUDA, Triton present, supported dims)."""
-    if not use_triton(q):
+def kernel_applies(q: torch.Tensor, d_v: int, backends: Backends) -> bool:
+    """Whether cpkv's kernel runs for this input (``backends.triton``, supported dims)."""
+    if not backends.triton:
         return False
     from cpkv.kernels.sparse_mla import triton as kernel
 

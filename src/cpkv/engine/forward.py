@@ -142,8 +142,7 @@ def _logits_work_shape(model: DSAModel):
     cfg = model.cfg
     if model.device.type != "cuda" or cfg.kv_dtype != "fp8" or "full" not in cfg.indexer_types:
         return None
-    from cpkv.kernels.platform import use_triton
-    if not use_triton(model.device):
+    if not model.backends.triton:
         return None
     from cpkv.kernels.mqa_logits.triton import planned_work_shape
     return planned_work_shape(cfg.index_n_heads, cfg.index_head_dim, model.device)

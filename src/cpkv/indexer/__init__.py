@@ -10,8 +10,9 @@
     prepare_index_keys / prepare_index_queries -- the same from the projections (norm, RoPE, Hadamard fused)
     head_weights -- the indexer's float32 head weights from the layer's input (no float32 copy of it)
 
-Triton kernels (cpkv.kernels.mqa_logits, cpkv.kernels.topk) run on CUDA; the references in
-cpkv.indexer.ref run everywhere else and define the edge cases.
+Each entry point takes the caller's ``cpkv.kernels.platform.Backends`` (the model's, chosen once at its load): the
+Triton kernels (cpkv.kernels.mqa_logits, cpkv.kernels.topk, cpkv.kernels.index_rows) where they run Triton; the
+references beside those kernels (re-exported in cpkv.indexer.ref) run everywhere else and define the edge cases.
 """
 from __future__ import annotations
 

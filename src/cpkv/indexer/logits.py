@@ -1,4 +1,5 @@
-"""MQA logits of the lightning indexer: input checks and dispatch (Triton on CUDA, reference elsewhere).
+"""MQA logits of the lightning indexer: input checks and dispatch (the Triton kernel where the caller's backends run
+it, the reference elsewhere).
 
     logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])   ks[i] <= j < ke[i]
                  = -inf elsewhere (clean=True) / unspecified (clean=False)
@@ -8,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from cpkv.errors import IndexerError
-from cpkv.indexer.ref import mqa_logits_ref
-from cpkv.kernels.platform import use_triton
+from cpkv.kernels.mqa_logits.ref import mqa_logits_ref
+from cpkv.kernels.platform import Backends, backends_for
 
 INPUT_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 
@@ -50,11 +51,12 @@ def aligned_scales(k_scale: torch.Tensor) -> torch.Tensor:
 
 
 def logits_into(q, k, k_scale, weights, ks, ke, out: torch.Tensor, *, col_offset: int, clean: bool,
-                config=None, work=None) -> torch.Tensor:
+                config=None, work=None, backends: Backends | None = None) -> torch.Tensor:
     """Write out [T, n] float32: column c holds key col_offset + c (inputs already checked).
     config: a cpkv.kernels.mqa_logits.LogitsConfig for the Triton kernel (None: its default); work: a
-    function of a cpkv.kernels.mqa_logits.work.WorkShape giving these rows' work items (IndexerPlan.work_items)."""
-    if use_triton(q):
+    function of a cpkv.kernels.mqa_logits.work.WorkShape giving these rows' work items (IndexerPlan.work_items);
+    ``backends``: the caller's (None: ``backends_for(q)``)."""
+    if (backends or backends_for(q)).triton:
         from cpkv.kernels.mqa_logits import triton as kern
 
         if kern.supported(q, k):
@@ -75,13 +77,16 @@ def mqa_logits(
     *,
     clean: bool = True,
     config=None,
+    backends: Backends | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] float8_e4m3fn/bf16, k: [S, D] float8_e4m3fn/bf16 (any row stride), k_scale:
     float32 [S] (any stride), weights: float32 [T, H], ks/ke: int32 [T] -> float32 [T, S] logits
-    (module docstring). Triton kernel on CUDA for H in 8/16/32/64 and D in 64/128 (``config``: its
-    LogitsConfig, None = default variant); reference otherwise."""
+    (module docstring). The Triton kernel where ``backends`` (None: ``backends_for(q)``) run it, for H in
+    8/16/32/64 and D in 64/128 (``config``: its LogitsConfig, None = default variant); reference otherwise."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
+    backends = backends or backends_for(q)
     out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device=q.device)
-    if use_triton(q):
+    if backends.triton:
         k, k_scale = aligned_keys(k), aligned_scales(k_scale)
-    return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean, config=config)
+    return logits_into(q, k, k_scale, weights, ks, ke, out, col_offset=0, clean=clean, backends=backends,
+                       config=config)

@@ -12,14 +12,17 @@ into the indexer weights: weights_folded[t, h] = weights[t, h] * q_scale[t, h].
 
 ``head_weights``: the head weights from the layer's input (``weights_proj`` in float32, no float32 copy of x).
 ``prepare_index_keys`` / ``prepare_index_queries``: the layer's whole way from the projections (LayerNorm of the
-keys, RoPE on the first dims, Hadamard rotation, quantisation): one Triton kernel each on CUDA
-(``cpkv.kernels.index_rows``), the torch ops of ``cpkv.kernels.index_rows.ref`` elsewhere.
+keys, RoPE on the first dims, Hadamard rotation, quantisation): one Triton kernel each where the caller's backends
+run Triton (``cpkv.kernels.index_rows``), the torch ops of ``cpkv.kernels.index_rows.ref`` elsewhere (``backends``
+None: ``cpkv.kernels.platform.backends_for`` of the input).
 """
 from __future__ import annotations
 
 import torch
 
 from cpkv.errors import IndexerError
+from cpkv.kernels.index_rows import ref
+from cpkv.kernels.platform import Backends, backends_for
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -79,15 +82,13 @@ def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tens
 
 
 def prepare_index_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, rope_dims: int, interleaved: bool, eps: float = 1e-6) -> torch.Tensor:
+                       sin: torch.Tensor, rope_dims: int, interleaved: bool, eps: float = 1e-6,
+                       backends: Backends | None = None) -> torch.Tensor:
     """k [T, D] (the wk projection), LayerNorm weight / bias [D], cos / sin float32 [T, rope_dims / 2] -> uint8
     index rows [T, D + 4] of the normed, first-dims-rotated, Hadamard-rotated keys (module docstring)."""
-    from cpkv.kernels import platform
-    from cpkv.kernels.index_rows import ref
-
     if k.dim() != 2 or k.shape[1] % 4:
         raise IndexerError(f"index keys must be [S, D] with D % 4 == 0, got shape {tuple(k.shape)}")
-    if not (platform.use_triton(k) and _fits(k.shape[1], rope_dims)):
+    if not ((backends or backends_for(k)).triton and _fits(k.shape[1], rope_dims)):
         return ref.index_keys_ref(k, weight, bias, cos, sin, rope_dims, interleaved, eps)
     from cpkv.kernels.index_rows import triton as kern
 
@@ -100,15 +101,13 @@ def prepare_index_keys(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def prepare_index_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          rope_dims: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          rope_dims: int, interleaved: bool, backends: Backends | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] (the wq_b projection), weights float32 [T, H] -> (fp8 [T, H, D], weights_folded float32 [T, H])
     of the first-dims-rotated, Hadamard-rotated queries (``quantize_queries`` after the rotations)."""
-    from cpkv.kernels import platform
-    from cpkv.kernels.index_rows import ref
-
     if q.dim() != 3 or weights.shape != q.shape[:2]:
         raise IndexerError(f"expected q [T, H, D] and weights [T, H], got {tuple(q.shape)} and {tuple(weights.shape)}")
-    if not (platform.use_triton(q) and _fits(q.shape[2], rope_dims)):
+    if not ((backends or backends_for(q)).triton and _fits(q.shape[2], rope_dims)):
         return ref.index_queries_ref(q, weights, cos, sin, rope_dims, interleaved)
     from cpkv.kernels.index_rows import triton as kern
 
@@ -120,14 +119,12 @@ def prepare_index_queries(q: torch.Tensor, weights: torch.Tensor, cos: torch.Ten
     return q_fp8, folded
 
 
-def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float, backends: Backends | None = None
+                 ) -> torch.Tensor:
     """x [T, K] (the layer's normed input, compute dtype), weight float32 [N, K] (``weights_proj``) -> float32
-    [T, N] = F.linear(float32(x), weight) * scale: a Triton kernel on CUDA reading x as it is (no float32 copy;
-    float32 products and sums, in another order than cuBLAS's: within float32 rounding of it)."""
-    from cpkv.kernels import platform
-    from cpkv.kernels.index_rows import ref
-
-    if not (platform.use_triton(x) and x.dim() == 2 and weight.dtype == torch.float32):
+    [T, N] = F.linear(float32(x), weight) * scale: a Triton kernel reading x as it is (no float32 copy; float32
+    products and sums, in another order than cuBLAS's: within float32 rounding of it)."""
+    if not ((backends or backends_for(x)).triton and x.dim() == 2 and weight.dtype == torch.float32):
         return ref.head_weights_ref(x, weight, scale)
     from cpkv.kernels.index_rows import triton as kern
 

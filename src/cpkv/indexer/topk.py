@@ -1,6 +1,6 @@
 """Top-k selection of the lightning indexer and the memory-bounded logits + top-k loop.
 
-Contract (cpkv.indexer.ref): per row the indices, relative to ks, of the k largest logits in
+Contract (cpkv.kernels.topk.ref): per row the indices, relative to ks, of the k largest logits in
 [ks, ke), ties toward the lower index, listed in ascending order; a row with <= k keys gives
 0..n-1 then -1. ``index_topk`` == ``topk(mqa_logits(...))`` exactly, without the full logits matrix.
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from cpkv.errors import IndexerError
-from cpkv.indexer.logits import aligned_keys, aligned_scales, check_logits_inputs, logits_into, use_triton
+from cpkv.indexer.logits import aligned_keys, aligned_scales, check_logits_inputs, logits_into
 from cpkv.indexer.plan import IndexerPlan, padded
-from cpkv.indexer.ref import short_rows_topk, topk_ref
+from cpkv.kernels.platform import Backends, backends_for
+from cpkv.kernels.topk.ref import short_rows_topk, topk_ref
 
 
 def _check_topk_inputs(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int) -> None:
@@ -38,13 +39,13 @@ def _kernel_ready(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor,
-              config=None, base: torch.Tensor | None = None) -> torch.Tensor:
+def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor, config=None,
+              base: torch.Tensor | None = None, backends: Backends | None = None) -> torch.Tensor:
     """out [T, k] int32 <- top-k of x[i, lo[i]:hi[i]] relative to lo[i] (inputs already checked;
     0 <= lo, hi <= N required where hi > lo + k); with ``base`` (int32 [T]) each index plus base[i], -1 kept
     (``topk_to_slots`` of the result, written by the kernel itself). config: a cpkv.kernels.topk.TopkConfig
-    (None: default)."""
-    if use_triton(x):
+    (None: default); ``backends``: the caller's (None: ``backends_for(x)``)."""
+    if (backends or backends_for(x)).triton:
         from cpkv.kernels.topk.triton import topk_triton
 
         return topk_triton(_kernel_ready(x), lo, hi, k, out, config=config, base=base)
@@ -53,13 +54,14 @@ def topk_into(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: 
     return out
 
 
-def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int = 2048, *, config=None) -> torch.Tensor:
+def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int = 2048, *, config=None,
+         backends: Backends | None = None) -> torch.Tensor:
     """logits: float32 [T, N], ks/ke: int32 [T] columns (0 <= ks, ke <= N) -> int32 [T, k] indices
-    relative to ks (module docstring). Triton select on CUDA (``config``: its TopkConfig, None =
-    default variant), reference elsewhere."""
+    relative to ks (module docstring). The Triton select where ``backends`` (None: ``backends_for(logits)``) run
+    it (``config``: its TopkConfig, None = default variant), reference elsewhere."""
     _check_topk_inputs(logits, ks, ke, k)
     out = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
-    return topk_into(logits, ks, ke, k, out, config=config)
+    return topk_into(logits, ks, ke, k, out, config=config, backends=backends)
 
 
 def topk_to_slots(idx: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -84,6 +86,7 @@ def index_topk(
     logits_config=None,
     topk_config=None,
     absolute: bool = False,
+    backends: Backends | None = None,
 ) -> torch.Tensor:
     """Inputs as mqa_logits -> int32 [T, topk] indices relative to ks, equal to
     ``topk(mqa_logits(q, k, k_scale, weights, ks, ke), ks, ke, topk)``; ``absolute``: the key rows themselves
@@ -94,7 +97,8 @@ def index_topk(
     <= topk keys computes no logits. Pass ``plan`` (IndexerPlan.build, once per batch; its ks/ke and
     budget are used) to avoid reading ks/ke back from the device on every call; its logits work items
     (cpkv.kernels.mqa_logits.work: only the non-empty programs) are built on first use and reused. logits_config /
-    topk_config pick the Triton kernels' variants (None: the defaults)."""
+    topk_config pick the Triton kernels' variants (None: the defaults); ``backends``: the caller's (None:
+    ``backends_for(q)``)."""
     check_logits_inputs(q, k, k_scale, weights, ks, ke)
     reused = plan is not None  # a caller's plan, reused across layers, is worth its logits work items
     if plan is None:
@@ -105,16 +109,19 @@ def index_topk(
     if plan.max_len <= topk:
         rel = short_rows_topk(plan.ke - plan.ks, topk)
         return topk_to_slots(rel, plan.ks) if absolute else rel
-    if use_triton(q):
+    backends = backends or backends_for(q)
+    if backends.triton:
         k, k_scale = aligned_keys(k), aligned_scales(k_scale)
     buf = torch.empty(plan.max_chunk_elems, dtype=torch.float32, device=q.device)
     for c in plan.chunks:
-        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, logits_config, topk_config, reused, absolute)
+        _run_chunk(q, k, k_scale, weights, plan, c, buf, out, topk, backends, logits_config, topk_config, reused,
+                   absolute)
     return out
 
 
 def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, out: torch.Tensor, topk: int,
-               logits_config=None, topk_config=None, items: bool = True, absolute: bool = False) -> None:
+               backends: Backends, logits_config=None, topk_config=None, items: bool = True,
+               absolute: bool = False) -> None:
     """Logits of chunk c into buf (clean=False: only [ks, ke) is read), then its top-k into out (``absolute``:
     plus each row's ks). items: launch the logits kernel over the plan's work items (built on the host on first
     use, then cached in the plan)."""
@@ -125,6 +132,7 @@ def _run_chunk(q, k, k_scale, weights, plan: IndexerPlan, c, buf: torch.Tensor, 
         return
     logits = buf[: c.rows * padded(c.width)].view(c.rows, padded(c.width))[:, : c.width]
     logits_into(q[r], k, k_scale, weights[r], plan.ks[r], plan.ke[r], logits, col_offset=c.key_start, clean=False,
-                config=logits_config, work=(lambda shape: plan.work_items(c, shape)) if items else None)
+                backends=backends, config=logits_config,
+                work=(lambda shape: plan.work_items(c, shape)) if items else None)
     topk_into(logits, plan.rel_ks[r], plan.rel_ke[r], topk, out[r], config=topk_config,
-              base=plan.ks[r] if absolute else None)
+              base=plan.ks[r] if absolute else None, backends=backends)

@@ -15,10 +15,9 @@ Contents, per tensor the model needs: a floating dtype (F64, F32, F16, BF16; F8_
 2-D weight with its ``weight_scale_inv`` beside it; integer and bool weights are refused); every value
 finite (no NaN, no Inf); every fp8 block scale a positive finite float. The value scan is **full**, not
 sampled (one NaN in one block is enough to poison every logit): the raw bits are tested on the memory-mapped
-file with numpy (exponent all ones = NaN or Inf), tensors spread over up to 8 threads. Cost, measured on
-a 1 GiB BF16 shard in the page cache: 0.5-0.65 s per GiB on a loaded 2-core Xeon VM, one thread or two
-(2026-12-01, ``benchmarks/checkpoint_scan.py``; BENCHMARKS.md), plus the disk read of a cold file; GLM-5's
-~700 GB fp8 checkpoint: minutes, dominated by the disk. The parent
+file with numpy (exponent all ones = NaN or Inf), tensors spread over up to 8 threads. Cost: about half a second
+per GiB in the page cache (``benchmarks/checkpoint_scan.py``; BENCHMARKS.md) plus the disk read of a cold file;
+GLM-5's ~700 GB fp8 checkpoint: minutes, dominated by the disk. The parent
 process runs ``check_checkpoint`` before any rank starts, so a bad checkpoint costs no rank a traceback;
 ``load_weights`` runs it again in each process that loads (a library user gets the same checks; within one
 process a clean tensor of an unchanged file is scanned once).

@@ -6,9 +6,9 @@
 
 The indexer here is transformers' formula: logits[i, j] = sum_h w[i, h] relu(q[i, h] . k[j] * Di^-1/2),
 over keys [ks[i], ke[i]) of the dense buffer, in float32, a bounded block of query rows at a time, then the
-top-k of ``cpkv.indexer.ref.topk_ref`` (ties toward the lower index). No Hadamard rotation: it exists to
+top-k of ``cpkv.kernels.topk.ref.topk_ref`` (ties toward the lower index). No Hadamard rotation: it exists to
 help fp8 quantisation and leaves dot products unchanged. The CP machinery (layout, compose, prefix cache)
-moves these rows as bytes like any others.
+moves these rows as bytes like any others. The layer's path of this precision: ``cpkv.model.precision.ExactPrecision``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def index_topk_exact(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torc
                      topk: int, softmax_scale: float) -> torch.Tensor:
     """q [T, Hi, Di], k [S, Di], w float32 [T, Hi] (head weights, n_heads^-1/2 folded), ks/ke int32 [T]
     -> int32 [T, topk] absolute dense rows of the selected keys (-1 none)."""
-    from cpkv.indexer.ref import topk_ref
+    from cpkv.kernels.topk.ref import topk_ref
 
     t, hi, _ = q.shape
     s = k.shape[0]

@@ -9,15 +9,16 @@
         offs[-1] are padding: their output is unspecified (callers ignore them).
 
 Routing, the sort by expert and (expert parallelism) moving rows between ranks live in ``cpkv.model.moe``;
-this module only multiplies. bf16 weights on a Hopper GPU with Gluon: the warp-specialised grouped GEMM of
-``kernels/fp8_gemm/gluon_ws.py`` without scales (both GEMMs; SwiGLU x routing weight in one Triton kernel
+this module only multiplies, with the backends the ExpertWeights hold (``cpkv.kernels.platform.Backends``, chosen
+once). bf16 weights where ``grouped_mm`` is ``gluon`` (a Hopper GPU with Gluon): the warp-specialised grouped GEMM
+of ``kernels/fp8_gemm/gluon_ws.py`` without scales (both GEMMs; SwiGLU x routing weight in one Triton kernel
 between them), which reads the weights near the copy rate where ``torch._grouped_mm`` does not (a cached turn's
-~100 rows per expert: BENCHMARKS.md). Other dense weights: ``torch._grouped_mm`` where the dtype and strides
-allow it (and where ``CPKV_GROUPED_MM_TORCH=1`` asks for it), else one expert at a time
-(``grouped_swiglu_loop``, also the reference in tests). fp8 weights on CUDA with
-Triton: the block-scaled grouped GEMM of ``kernels/fp8_gemm`` (rows quantised per 1 x 128 group, gate_up
-GEMM, SiLU x up x routing weight quantised again in one kernel, down GEMM; offsets stay on the device);
-elsewhere the loop over dequantised experts.
+~100 rows per expert: BENCHMARKS.md). Other dense weights (and ``grouped_mm`` ``torch``, which
+``CPKV_GROUPED_MM_TORCH=1`` chooses to compare): ``torch._grouped_mm`` where the dtype and strides allow it, else
+one expert at a time (``grouped_swiglu_loop``, also the reference in tests). fp8 weights where the backends run
+Triton: the block-scaled grouped GEMM of ``kernels/fp8_gemm`` (rows quantised per 1 x 128 group, gate_up GEMM,
+SiLU x up x routing weight quantised again in one kernel, down GEMM; offsets stay on the device); elsewhere the
+loop over dequantised experts.
 """
 from __future__ import annotations
 
@@ -26,16 +27,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cpkv.kernels.platform import Backends, backends_for
+
 
 @dataclass
 class ExpertWeights:
     """The local experts of one MoE layer, stacked: gate_up [E, 2I, D] (gate rows first), down [E, D, I];
-    fp8 with their block scales when ``gate_up_scale`` / ``down_scale`` are set (module docstring)."""
+    fp8 with their block scales when ``gate_up_scale`` / ``down_scale`` are set (module docstring). ``backends``:
+    the kernels they run (None: ``backends_for`` the weights' device, resolved here once)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    backends: Backends | None = None
+
+    def __post_init__(self) -> None:
+        if self.backends is None:
+            self.backends = backends_for(self.gate_up.device)
 
     @property
     def num_experts(self) -> int:
@@ -66,11 +75,10 @@ def _grouped_ok(xs: torch.Tensor, ew: ExpertWeights) -> bool:
     return dtype_ok and all((n * es) % 16 == 0 for n in (xs.shape[1], ew.gate_up.shape[1], ew.down.shape[2]))
 
 
-def grouped_takes_quantised(x: torch.Tensor, ew: ExpertWeights) -> bool:
-    """True when ``grouped_swiglu`` runs the fp8 grouped kernel for x's device: it takes rows quantised already."""
-    from cpkv.kernels import platform
-
-    return ew.fp8 and platform.use_triton(x)
+def grouped_takes_quantised(ew: ExpertWeights) -> bool:
+    """True when ``grouped_swiglu`` runs the fp8 grouped kernel (fp8 experts, Triton): it takes rows quantised
+    already."""
+    return ew.fp8 and ew.backends.triton
 
 
 def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
@@ -79,7 +87,7 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
     ``xq``: xs quantised already (fp8 [N, D], float32 [N, ceil(D/128)] row-major; only where
     ``grouped_takes_quantised``): xs then only gives the shape, dtype and device (an expanded empty view will do).
     ``out`` [N, D] (xs' dtype): where the outputs go (the fp8 kernels write it; other paths copy into it)."""
-    if grouped_takes_quantised(xs, ew):
+    if grouped_takes_quantised(ew):
         return grouped_swiglu_fp8(xs, offs, rw, ew, xq, out)
     assert xq is None, "quantised rows need the fp8 grouped kernel (grouped_takes_quantised)"
     y = _grouped_gluon(xs, offs, rw, ew, out)
@@ -96,11 +104,10 @@ def grouped_swiglu(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
 
 def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights,
                    out: torch.Tensor | None) -> torch.Tensor | None:
-    """Both GEMMs through the warp-specialised grouped kernel (bf16 on Hopper; ``gluon_ws.BF16``'s switches),
-    or None (nothing launched) where it does not apply. Rows at or past offs[-1] are not computed."""
-    from cpkv import envs
-
-    if ew.fp8 or xs.dtype != torch.bfloat16 or not xs.is_cuda or envs.get("CPKV_GROUPED_MM_TORCH"):
+    """Both GEMMs through the warp-specialised grouped kernel (bf16, the backends' ``grouped_mm`` ``gluon``;
+    ``gluon_ws.BF16``'s switches), or None (nothing launched) where it does not apply. Rows at or past offs[-1]
+    are not computed."""
+    if ew.backends.grouped_mm != "gluon" or ew.fp8 or xs.dtype != torch.bfloat16 or not xs.is_cuda:
         return None
     from cpkv.kernels.fp8_gemm import gluon_ws
     from cpkv.kernels.fp8_gemm.triton import tile_ends
@@ -115,25 +122,26 @@ def _grouped_gluon(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: E
     tiles = tile_ends(offs, gluon_ws.BLOCK)
     gluon_ws.launch(xs, None, offs, ew.gate_up, None, gu, tiles, **gluon_ws.BF16)
     live = offs[-1:] if offs.numel() else None  # the real row count (a static buffer's tail is padding)
-    gluon_ws.launch(swiglu_weighted(gu, rw, live), None, offs, ew.down, None, out, tiles, **gluon_ws.BF16)
+    gluon_ws.launch(swiglu_weighted(gu, rw, live, ew.backends), None, offs, ew.down, None, out, tiles,
+                    **gluon_ws.BF16)
     return out
 
 
 def _grouped(xs: torch.Tensor, offs: torch.Tensor, rw: torch.Tensor, ew: ExpertWeights) -> torch.Tensor:
     gu = torch._grouped_mm(xs, ew.gate_up.transpose(1, 2), offs=offs)
     # the routing weight scales the activation (down is linear), so the outputs come out weighted in xs' dtype
-    return torch._grouped_mm(swiglu_weighted(gu, rw), ew.down.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(swiglu_weighted(gu, rw, backends=ew.backends), ew.down.transpose(1, 2), offs=offs)
 
 
-def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_weighted(gu: torch.Tensor, rw: torch.Tensor, live: torch.Tensor | None = None,
+                    backends: Backends | None = None) -> torch.Tensor:
     """gu [N, 2I] (gate | up), rw float32 [N] -> silu(g) * u * rw [N, I] in gu's dtype, rounded after each op as
-    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel on CUDA). ``live``: int32
-    [1] on the device, the rows that matter (the kernel computes only those; the rest of the output is
-    unspecified)."""
-    from cpkv.kernels import platform
+    ``F.silu(g).mul_(u).mul_(rw[:, None])`` (``cpkv.kernels.swiglu``: one Triton kernel where ``backends`` (None:
+    ``backends_for(gu)``) run Triton). ``live``: int32 [1] on the device, the rows that matter (the kernel computes
+    only those; the rest of the output is unspecified)."""
     from cpkv.kernels.swiglu.ref import swiglu_weighted_ref
 
-    if not (platform.use_triton(gu) and gu.stride(-1) == 1):
+    if not ((backends or backends_for(gu)).triton and gu.stride(-1) == 1):
         return swiglu_weighted_ref(gu, rw)
     from cpkv.kernels.swiglu import triton as kern
 

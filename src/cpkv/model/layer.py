@@ -18,7 +18,7 @@
         (``cpkv.model.moe``), residual.
 
 Each residual add runs with the RMSNorm after it and the fp8 quantisation of the normed rows
-(``cpkv.model.ops.add_rms_norm``: one Triton kernel on CUDA): h + o_proj(...) with the post-attention norm,
+(``cpkv.model.ops.add_rms_norm``: one Triton kernel where the backends run Triton): h + o_proj(...) with the post-attention norm,
 h + mlp(...) with the next layer's input norm; the quantised rows feed every fp8 Linear reading them.
 
 Absorbed MLA (DeepSeek-V3 / GLM-5): kv_b_proj [H*(nope+v), kv_lora] splits into W_UK [H, nope, kv_lora]
@@ -34,8 +34,9 @@ Linear weights are ``cpkv.model.linear.Linear``: the compute dtype, or fp8 with 
 (W_UK / W_UV); gate and up projections are stacked into one [2I, D] weight (views of it replace the dict's
 entries), the routed experts into ``ExpertWeights``.
 
-Precision (``cfg.kv_dtype``): fp8 rows (656 / 132 B for GLM-5; Hadamard-rotated indexer q/k, as the
-DeepSeek reference, for the fp8 quantisation) or exact rows in the model dtype (``cpkv.model.exact``).
+Precision (``cfg.kv_dtype``): the layer's ``precision`` path, chosen once when it is built
+(``cpkv.model.precision``): fp8 rows through the fused kernels, or exact rows in the model dtype. The kernels run
+with the backends the layer is given (``cpkv.kernels.platform.Backends``: the model's, resolved at its load).
 """
 from __future__ import annotations
 
@@ -43,15 +44,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
+from cpkv.kernels.platform import Backends, backends_for
 from cpkv.model.experts import ExpertWeights
 from cpkv.model.linear import Linear, QuantAct, swiglu
-from cpkv.model.ops import Rotary, add_rms_norm, layer_norm, rms_norm, softmax_scale
+from cpkv.model.ops import Rotary, softmax_scale
+from cpkv.model.precision import LATENT_NORM_EPS, precision_for
 from cpkv.timeline import mark
 
-LATENT_NORM_EPS = 1e-6
 LINEARS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.o_proj",
            "self_attn.indexer.wq_b", "self_attn.indexer.wk")  # the attention's Linear sites (MLPs: _swiglu)
 
@@ -97,77 +98,36 @@ class AttnPlan:
 
 
 class DSALayer:
-    """Weights of layer ``n`` (public names under ``model.layers.n.``) and its two halves."""
+    """Weights of layer ``n`` (public names under ``model.layers.n.``) and its two halves. ``backends``: the
+    kernels it runs (None: ``backends_for`` its weights' device); its ``precision`` path is chosen here."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], n: int,
-                 experts: range | None = None) -> None:
+                 experts: range | None = None, backends: Backends | None = None) -> None:
         self.cfg, self.n = cfg, n
         self.experts = range(cfg.n_routed_experts) if experts is None else experts  # the routed experts held here
         w = {k[len(f"model.layers.{n}."):]: v for k, v in weights.items() if k.startswith(f"model.layers.{n}.")}
         self.w = w
+        self.backends = backends or backends_for(w["input_layernorm.weight"].device)
+        self.precision = precision_for(cfg, self.backends)
+        self.exact = self.precision.exact
         self.full = cfg.indexer_types[n] == "full"
-        self.exact = cfg.kv_dtype != "fp8"
         h, nope, v, kr = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        self.lin = {k: self._linear(k) for k in LINEARS if k + ".weight" in w}
+        self.lin = {k: _linear(w, k, self.backends) for k in LINEARS if k + ".weight" in w}
         kv_b = w["self_attn.kv_b_proj.weight"].view(h, nope + v, kr)
         self.w_uk = kv_b[:, :nope].contiguous()  # [H, nope, kv_lora]
         self.w_uv = kv_b[:, nope:].contiguous()  # [H, v, kv_lora]
         self.sm_scale = softmax_scale(cfg.rope, nope + cfg.qk_rope_head_dim)
         sparse = cfg.mlp_layer_types[n] == "sparse"
-        self.moe = self._stack_experts() if sparse else None
+        self.moe = _stack_experts(w, self.experts, self.backends) if sparse else None
         # (gate_up, down) of the dense MLP / the shared experts
-        self.dense_mlp = self._swiglu(weights, "mlp.") if not sparse else None
-        self.shared_mlp = self._swiglu(weights, "mlp.shared_experts.") if sparse and cfg.n_shared_experts else None
+        pre = f"model.layers.{n}."
+        self.dense_mlp = _stacked_mlp(w, weights, pre, "mlp.", self.backends) if not sparse else None
+        shared = sparse and cfg.n_shared_experts
+        self.shared_mlp = _stacked_mlp(w, weights, pre, "mlp.shared_experts.", self.backends) if shared else None
         self.stats = {"dense": 0, "sparse": 0}
         # the layer's discrete decisions go through ``tap`` when set (cpkv.engine.taps: recorded by a verified run,
         # forced on the reference that checks it, a planted fault in tests); None: decided here
         self.tap: Any = None
-
-    def _linear(self, name: str) -> Linear:
-        """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
-        return Linear(self.w[name + ".weight"], self.w.get(name + ".weight_scale_inv"))
-
-    def _swiglu(self, weights: dict[str, torch.Tensor], prefix: str) -> tuple[Linear, Linear]:
-        """(gate_up [2I, D], down [D, I]) of the MLP under ``prefix``: gate and up stacked once, and the dict
-        entries (this layer's and the model's) replaced by views of the stacked tensors (no second copy)."""
-        gate, up = self._linear(prefix + "gate_proj"), self._linear(prefix + "up_proj")
-        gate_up = Linear.cat([gate, up]) or Linear(torch.cat((gate.dense(self.dtype), up.dense(self.dtype))))
-        i = gate.weight.shape[0]
-        pre = f"model.layers.{self.n}."
-        for k, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
-            if gate_up.fp8 != gate.fp8:  # fp8 gate / up whose blocks do not stack: kept as they are
-                break
-            views = {k + ".weight": gate_up.weight[part]}
-            if gate_up.fp8:
-                views[k + ".weight_scale_inv"] = gate_up.scale[part.start // 128: -(-part.stop // 128)]
-            for name, t in views.items():
-                self.w[prefix + name] = weights[pre + prefix + name] = t
-        return gate_up, self._linear(prefix + "down_proj")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype (the dtype of the layer's norm weights)."""
-        return self.w["input_layernorm.weight"].dtype
-
-    def _stack_experts(self) -> ExpertWeights:
-        """Routed experts as gate_up [E, 2I, D] and down [E, D, I], fp8 with their block scales when the
-        experts are fp8 and I a multiple of 128 (else dequantised); the per-expert tensors are dropped."""
-        w = self.w  # the routed experts held here: all, or this rank's block under expert parallelism
-        p = [f"mlp.experts.{x}." for x in self.experts]
-        names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-        fp8 = all(q + k + "_scale_inv" in w for q in p for k in names)
-        if fp8 and w[p[0] + names[0]].shape[0] % 128 == 0:
-            ew = ExpertWeights(*_stack(w, p, ""), *_stack(w, p, "_scale_inv"))
-        elif fp8:
-            ew = ExpertWeights(*_stack({q + k: self._linear(q + k[:-7]).dense(self.dtype) for q in p for k in names},
-                                       p, ""))
-        else:
-            ew = ExpertWeights(*_stack(w, p, ""))
-        for q in p:
-            for k in names:
-                w.pop(q + k)
-                w.pop(q + k + "_scale_inv", None)
-        return ew
 
     # -- half 1: the rank's own tokens -> query, KV rows, indexer inputs ---------------------------
     def project(self, h: torch.Tensor, rot: Rotary, delta: torch.Tensor | None = None,
@@ -180,7 +140,8 @@ class DSALayer:
         # the query latent, normed and quantised once (fp8) for q_b and the indexer's wq_b in one kernel
         qa = self._add_norm(lin["self_attn.q_a_proj"](xa), None, "self_attn.q_a_layernorm.weight",
                             lin["self_attn.q_b_proj"], LATENT_NORM_EPS)[2]
-        token = self._token_rows(lin["self_attn.kv_a_proj_with_mqa"](xa), rot)
+        token = self.precision.token_rows(lin["self_attn.kv_a_proj_with_mqa"](xa),
+                                          self.w["self_attn.kv_a_layernorm.weight"], rot)
         if not self.full:
             return Projected(self._query(qa, rot, q_out), token, None, None, None, h)
         iq, iw, index = self._indexer_inputs(x, xa, qa, rot)
@@ -189,41 +150,14 @@ class DSALayer:
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: str, reader: Linear | None,
                   eps: float | None = None):
         """(h + delta, x = RMSNorm(h + delta) with weight ``norm`` (eps: the layer norms' by default), x as the
-        input of ``reader``: its QuantAct when ``reader`` quantises its input (made in the same kernel), else x)."""
+        input of ``reader``: its QuantAct when ``reader`` quantises its input (made with the norm), else x)."""
         eps = self.cfg.rms_norm_eps if eps is None else eps
-        if self.exact:  # --precision exact keeps torch's separate add, norm and (fp8 weights) quantisation
-            h = h if delta is None else h + delta
-            x = rms_norm(h, self.w[norm], eps)
-            return h, x, reader.prepare(x) if reader is not None else x
-        quant = reader is not None and reader.quantises(h)
-        h, x, qa = add_rms_norm(h, delta, self.w[norm], eps, quant)
-        return h, x, qa if qa is not None else x
-
-    def _token_kv(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent |
-        rotated rope key, each written into its slice (no float32 cat). The values the rows keep are the
-        same: the latent is rounded to the compute dtype by its norm either way, and the rope key is stored
-        in bfloat16 (fp8 rows) or the KV dtype (= the compute dtype), one rounding of the float32 rotation."""
-        kr = self.cfg.kv_lora_rank
-        out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-        out[:, :kr] = rms_norm(kv[:, :kr], self.w["self_attn.kv_a_layernorm.weight"], LATENT_NORM_EPS)
-        rot.interleaved(kv[:, kr:], out=out[:, kr:])
-        return out
-
-    def _token_rows(self, kv: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """kv_a output [T, kv_lora + rope] -> uint8 token rows: fp8 (``cpkv.attention.token_rows``: norm, RoPE and
-        quantisation, one kernel on CUDA) or exact rows of ``_token_kv``'s values in the KV dtype."""
-        if self.exact:
-            from cpkv.model.exact import pack_rows
-            return pack_rows(self._token_kv(kv, rot), self.cfg.token_format)
-        from cpkv.attention import token_rows
-        return token_rows(kv, self.w["self_attn.kv_a_layernorm.weight"], rot.cos, rot.sin, LATENT_NORM_EPS,
-                          self.cfg.token_format)
+        return self.precision.add_norm(h, delta, self.w[norm], eps, reader)
 
     @property
     def query_dtype(self) -> torch.dtype:
         """The absorbed query's dtype: bfloat16 (fp8 precision) or the KV dtype (exact)."""
-        return _kv_torch_dtype(self.cfg) if self.exact else torch.bfloat16
+        return self.precision.query_dtype
 
     def _query(self, qr, rot: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
         """qr [T, q_lora] (or its QuantAct) -> absorbed query [T, H, kv_lora + rope]: bf16 (fp8 precision) or
@@ -247,10 +181,7 @@ class DSALayer:
             torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=lat.transpose(0, 1))
         else:
             lat.copy_(torch.einsum("thn,hnc->thc", q_nope, self.w_uk))
-        if self.exact:
-            rot.interleaved(q_rope, out=out[..., kr:])
-        else:  # one kernel writing the slice on CUDA
-            rot.interleaved_into(q_rope, out[..., kr:])
+        self.precision.rope_query(rot, q_rope, out[..., kr:])
         return out
 
     def _indexer_inputs(self, x: torch.Tensor, xa, qa, rot: Rotary):
@@ -260,30 +191,8 @@ class DSALayer:
         t, hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
         q = lin["self_attn.indexer.wq_b"](qa).view(t, hi, di)
         k = lin["self_attn.indexer.wk"](xa)
-        kw, kb = w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"]
-        if self.exact:
-            from cpkv.model.exact import pack_rows
-
-            weights = F.linear(x.float(), w["self_attn.indexer.weights_proj.weight"].float()) * hi ** -0.5
-            q, k = self._rope_first(q, rot), self._rope_first(layer_norm(k, kw, kb), rot)
-            return q.to(_kv_torch_dtype(cfg)), weights, pack_rows(k, cfg.index_format)
-        from cpkv.indexer import head_weights, prepare_index_keys, prepare_index_queries
-
-        weights = head_weights(x, w["self_attn.indexer.weights_proj.weight"], hi ** -0.5)
-
-        # LayerNorm (keys), RoPE on the first dims, Hadamard rotation and quantisation: one kernel each on CUDA
-        r, turn = cfg.qk_rope_head_dim, cfg.indexer_rope == "interleaved"
-        iq, iw = prepare_index_queries(q, weights * di ** -0.5, rot.cos, rot.sin, r, turn)
-        return iq, iw, prepare_index_keys(k, kw, kb, rot.cos, rot.sin, r, turn)
-
-    def _rope_first(self, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
-        """Indexer q/k [..., Di]: the first ``qk_rope_head_dim`` dims rotate (interleaved or halves), the rest pass."""
-        r = self.cfg.qk_rope_head_dim
-        turn = rot.interleaved if self.cfg.indexer_rope == "interleaved" else rot.halves
-        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        out[..., r:] = x[..., r:]
-        turn(x[..., :r], out=out[..., :r])
-        return out
+        k_norm = (w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"])
+        return self.precision.index_inputs(x, q, k, k_norm, w["self_attn.indexer.weights_proj.weight"], rot)
 
     # -- half 2: over the composed dense buffers ---------------------------------------------------
     def attend(self, h: torch.Tensor, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
@@ -306,7 +215,7 @@ class DSALayer:
     def attention(self, p: Projected, dense: dict[str, torch.Tensor], plan: AttnPlan,
                   topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The part of ``attend_split`` that reads the composed keys -> (latent [T, H, kv_lora], topk)."""
-        kv = self._dense_kv(dense["token"])
+        kv = self.precision.dense_kv(dense["token"])
         if not plan.dense and self.full:
             topk = self.select(p, dense["index"], plan)
             if self.tap is not None:
@@ -359,38 +268,19 @@ class DSALayer:
         torch.bmm(latent.transpose(0, 1), self.w_uv.transpose(1, 2), out=o.transpose(0, 1))
         return o.view(t, -1)
 
-    def _dense_kv(self, token_dense: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            from cpkv.model.exact import unpack_rows
-            return unpack_rows(token_dense, self.cfg.token_format)
-        from cpkv.attention import dequant_token_kv
-        return dequant_token_kv(token_dense, self.cfg.token_format)
-
     def _attention(self, p: Projected, kv: torch.Tensor, topk: torch.Tensor | None, plan: AttnPlan) -> torch.Tensor:
-        from cpkv.attention import dense_causal_mla, dense_causal_mla_ref, sparse_mla, sparse_mla_ref
-
         kr = self.cfg.kv_lora_rank
         if plan.dense:
             self.stats["dense"] += 1
-            run = dense_causal_mla_ref if self.exact else dense_causal_mla
-            return run(p.q, kv, plan.ks, plan.ke, self.sm_scale, kr)[0]
+            return self.precision.dense_mla(p.q, kv, plan.ks, plan.ke, self.sm_scale, kr)
         if topk is None:
             raise ValueError(f"layer {self.n} is a shared indexer layer with no earlier full layer's top-k")
         self.stats["sparse"] += 1
-        return (sparse_mla_ref if self.exact else sparse_mla)(p.q, kv, topk, self.sm_scale, kr)[0]
+        return self.precision.sparse_mla(p.q, kv, topk, self.sm_scale, kr)
 
     def select(self, p: Projected, index_dense: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
         """Indexer top-k: int32 [T, topk] absolute dense rows (-1 none) of each query's selected keys."""
-        if self.exact:
-            from cpkv.model.exact import index_topk_exact, unpack_rows
-
-            k = unpack_rows(index_dense, self.cfg.index_format)
-            return index_topk_exact(p.iq, k, p.iw, plan.ks, plan.ke, plan.topk, self.cfg.index_head_dim ** -0.5)
-        from cpkv.indexer import dequantize_index_rows, index_topk
-
-        k_fp8, k_scale = dequantize_index_rows(index_dense)
-        return index_topk(p.iq, k_fp8, k_scale, p.iw, plan.ks, plan.ke, topk=plan.topk, plan=plan.indexer,
-                          absolute=True)
+        return self.precision.select(p.iq, p.iw, index_dense, plan)
 
     @property
     def is_moe(self) -> bool:
@@ -405,14 +295,11 @@ class DSALayer:
 
     def _route(self, x: torch.Tensor, xa: Any):
         """A MoE layer's routing of x and its shared experts' output -> (idx, weights, shared or None)."""
-        from cpkv.model.moe import route
-
         w = self.w
         if self.tap is not None:
             idx, weights = self.tap.route(self, x)
         else:
-            idx, weights = route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"], self.cfg,
-                                 fused=not self.exact)
+            idx, weights = self.precision.route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"])
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         mark(f"L{self.n} route+shared")
         return idx, weights, shared
@@ -426,8 +313,6 @@ class DSALayer:
 
     def _mlp(self, x: torch.Tensor, xa: Any, ep: Any = None) -> torch.Tensor:
         """x [T, hidden] (normed), xa: x or its QuantAct -> the MLP's output [T, hidden] (``mlp``)."""
-        from cpkv.model.moe import experts
-
         if self.moe is None:
             return swiglu(xa, *self.dense_mlp)
         idx, weights, shared = self._route(x, xa)
@@ -438,7 +323,7 @@ class DSALayer:
                              f"{self.cfg.n_routed_experts}: its MoE needs the expert-parallel exchange (ep)")
         # x's fp8 rows (made by the norm) gathered per pair; the shared experts' output added in the combine
         xq = (xa.q, xa.s) if isinstance(xa, QuantAct) else None
-        y = experts(x, idx, weights, self.moe, xq=xq, add=shared, fused=not self.exact)
+        y = self.precision.experts(x, idx, weights, self.moe, xq, shared)
         return y if self.tap is None else self.tap.moe_out(self, y)
 
 
@@ -450,6 +335,48 @@ def _stack(w: dict[str, torch.Tensor], prefixes: list[str], sfx: str) -> tuple[t
     return gate_up, torch.stack([w[q + "down_proj.weight" + sfx] for q in prefixes])
 
 
-def _kv_torch_dtype(cfg: ModelConfig) -> torch.dtype:
-    from cpkv.model.exact import TORCH_DTYPES
-    return TORCH_DTYPES[cfg.kv_dtype]
+def _linear(w: dict[str, torch.Tensor], name: str, backends: Backends) -> Linear:
+    """``name`` (without ``.weight``) as a Linear: fp8 + its block scales when the dict holds them."""
+    return Linear(w[name + ".weight"], w.get(name + ".weight_scale_inv"), backends)
+
+
+def _stacked_mlp(w: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], pre: str, prefix: str,
+                 backends: Backends) -> tuple[Linear, Linear]:
+    """(gate_up [2I, D], down [D, I]) of the MLP under ``prefix`` of a layer's weights ``w`` (the model's under
+    ``pre + prefix``): gate and up stacked once, and the dict entries (the layer's and the model's) replaced by
+    views of the stacked tensors (no second copy)."""
+    dtype = w["input_layernorm.weight"].dtype  # the compute dtype
+    gate, up = _linear(w, prefix + "gate_proj", backends), _linear(w, prefix + "up_proj", backends)
+    gate_up = Linear.cat([gate, up]) or Linear(torch.cat((gate.dense(dtype), up.dense(dtype))), None, backends)
+    i = gate.weight.shape[0]
+    for k, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+        if gate_up.fp8 != gate.fp8:  # fp8 gate / up whose blocks do not stack: kept as they are
+            break
+        views = {k + ".weight": gate_up.weight[part]}
+        if gate_up.fp8:
+            views[k + ".weight_scale_inv"] = gate_up.scale[part.start // 128: -(-part.stop // 128)]
+        for name, t in views.items():
+            w[prefix + name] = weights[pre + prefix + name] = t
+    return gate_up, _linear(w, prefix + "down_proj", backends)
+
+
+def _stack_experts(w: dict[str, torch.Tensor], experts: range, backends: Backends) -> ExpertWeights:
+    """The routed experts held here (all, or this rank's block under expert parallelism) as gate_up [E, 2I, D] and
+    down [E, D, I], fp8 with their block scales when the experts are fp8 and I a multiple of 128 (else
+    dequantised); the per-expert tensors are dropped from ``w``."""
+    p = [f"mlp.experts.{x}." for x in experts]
+    names = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    fp8 = all(q + k + "_scale_inv" in w for q in p for k in names)
+    if fp8 and w[p[0] + names[0]].shape[0] % 128 == 0:
+        ew = ExpertWeights(*_stack(w, p, ""), *_stack(w, p, "_scale_inv"), backends=backends)
+    elif fp8:
+        dtype = w["input_layernorm.weight"].dtype
+        dense = {q + k: _linear(w, q + k[:-7], backends).dense(dtype) for q in p for k in names}
+        ew = ExpertWeights(*_stack(dense, p, ""), backends=backends)
+    else:
+        ew = ExpertWeights(*_stack(w, p, ""), backends=backends)
+    for q in p:
+        for k in names:
+            w.pop(q + k)
+            w.pop(q + k + "_scale_inv", None)
+    return ew

@@ -4,8 +4,8 @@
     Linear(weight fp8 [N, K], scale f32 [N/128, K/128])
                                                   y = quant(x) dequant(W)^T: the block-scaled fp8 GEMM
     quant_act(x [M, K]) -> QuantAct(q fp8 [M, K], s float32 (M, K/128) strides (1, M))
-        per token per 1 x 128 group (one Triton kernel on CUDA); a QuantAct feeds every fp8 Linear reading
-        the same input (quantised once)
+        per token per 1 x 128 group (one Triton kernel where the backends run Triton); a QuantAct feeds every fp8
+        Linear reading the same input (quantised once)
     fp8_linear(x | QuantAct, w, w_scale) -> [M, N] bf16        (the dispatch point of kernels/fp8_gemm)
 
 Path: ``torch._scaled_mm`` with DeepSeek block scales (1 x 128 activation groups, 128 x 128 weight blocks;
@@ -13,7 +13,8 @@ cuBLAS, sm90+) when the tensors are on CUDA, the output dtype is bfloat16, K is 
 128-groups, in the multiple of 4 cuBLAS wants for the scale rows) and N of 16. Elsewhere (CPU, other
 shapes, or a weight shape this build's ``_scaled_mm`` refused once: remembered, one line on stderr) the
 reference ``kernels.fp8_gemm.ref.fp8_linear_ref``: the fp8 weight dequantised per call in float32, the
-activation not quantised. Neither path reads anything back to the host.
+activation not quantised. Neither path reads anything back to the host. A Linear holds the backends it runs
+with (``cpkv.kernels.platform.Backends``: the model's, or its weight's device's when built on its own).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.kernels.fp8_gemm.ref import BLOCK, act_dequant_ref, act_quant_ref, dequant_blocks, fp8_linear_ref
+from cpkv.kernels.platform import Backends, backends_for
 
 FP8 = torch.float8_e4m3fn
 _SCALED_MM_FAILED: set[tuple[int, int]] = set()  # weight shapes (N, K) torch._scaled_mm refused once
@@ -48,10 +50,16 @@ class QuantAct:
 @dataclass
 class Linear:
     """One linear layer's weight [N, K]: the compute dtype (``scale`` None) or float8_e4m3fn with float32
-    ``scale`` [ceil(N/128), ceil(K/128)] (the checkpoint's ``weight_scale_inv``)."""
+    ``scale`` [ceil(N/128), ceil(K/128)] (the checkpoint's ``weight_scale_inv``); ``backends``: the kernels it
+    runs (None: ``backends_for`` its weight's device, resolved here once)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
+    backends: Backends | None = None
+
+    def __post_init__(self) -> None:
+        if self.backends is None:
+            self.backends = backends_for(self.weight.device)
 
     @property
     def fp8(self) -> bool:
@@ -60,7 +68,7 @@ class Linear:
     def __call__(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
         """x [M, K] (or its QuantAct) -> [M, N] in x's dtype."""
         if self.scale is not None:
-            return fp8_linear(x, self.weight, self.scale)
+            return fp8_linear(x, self.weight, self.scale, self.backends)
         return F.linear(x.dequant() if isinstance(x, QuantAct) else x, self.weight)
 
     def prepare(self, x: torch.Tensor | QuantAct) -> torch.Tensor | QuantAct:
@@ -68,7 +76,7 @@ class Linear:
         layer reading x. A QuantAct (x quantised already, e.g. by its fused norm) is returned as it is."""
         if isinstance(x, QuantAct):
             return x
-        return quant_act(x) if self.quantises(x) else x
+        return quant_act(x, self.backends) if self.quantises(x) else x
 
     def quantises(self, x: torch.Tensor) -> bool:
         """True when ``prepare`` quantises an input with x's device, dtype and shape (the fused norms ask
@@ -83,11 +91,12 @@ class Linear:
     def cat(cls, parts: list["Linear"]) -> "Linear | None":
         """The parts' rows stacked into one Linear [sum N, K], or None when fp8 block rows would not stay
         whole (an fp8 part but the last whose N is not a multiple of 128) or the parts mix kinds."""
+        backends = parts[0].backends
         if all(p.scale is None for p in parts):
-            return cls(torch.cat([p.weight for p in parts]))
+            return cls(torch.cat([p.weight for p in parts]), None, backends)
         if not all(p.fp8 for p in parts) or any(p.weight.shape[0] % BLOCK for p in parts[:-1]):
             return None
-        return cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+        return cls(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), backends)
 
 
 def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -97,12 +106,11 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and hasattr(torch, "_scaled_mm") and (n, k) not in _SCALED_MM_FAILED)
 
 
-def quant_act(x: torch.Tensor) -> QuantAct:
-    """x [M, K] -> QuantAct (the Triton kernel on CUDA with Triton; else ``act_quant_ref``, relaid out)."""
-    from cpkv.kernels import platform
-
+def quant_act(x: torch.Tensor, backends: Backends | None = None) -> QuantAct:
+    """x [M, K] -> QuantAct (the Triton kernel where ``backends`` (None: ``backends_for(x)``) run Triton; else
+    ``act_quant_ref``, relaid out)."""
     m, k = x.shape
-    if platform.use_triton(x):
+    if (backends or backends_for(x)).triton:
         from cpkv.kernels.fp8_gemm import triton as kern
 
         q, s = empty_quant(m, k, x.device)
@@ -127,13 +135,14 @@ def _round4(m: int) -> int:
     return max(4, -(-m // 4) * 4)
 
 
-def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tensor,
+               backends: Backends | None = None) -> torch.Tensor:
     """x [M, K] (or its QuantAct), w fp8 [N, K], w_scale float32 [ceil(N/128), ceil(K/128)] -> [M, N] in
-    x's dtype (module docstring: the path)."""
+    x's dtype (module docstring: the path; ``backends``: those of ``quant_act``)."""
     if isinstance(x, QuantAct):
         return _scaled_mm(x, w, w_scale)
     if scaled_mm_ok(x, w):
-        return _scaled_mm(quant_act(x), w, w_scale)
+        return _scaled_mm(quant_act(x, backends), w, w_scale)
     return fp8_linear_ref(x, w, w_scale)
 
 
@@ -177,18 +186,18 @@ def _room(t: torch.Tensor, elements: int) -> bool:
 
 def swiglu(x: torch.Tensor | QuantAct, gate_up: Linear, down: Linear) -> torch.Tensor:
     """x [T, D] (or its QuantAct) -> down(silu(g) * u) [T, D], (g | u) = gate_up(x) [T, 2I]. fp8 ``down`` on the
-    ``_scaled_mm`` path: SiLU, product and the 1 x 128 quantisation in one Triton kernel."""
-    from cpkv.kernels import platform
-
+    ``_scaled_mm`` path: SiLU, product and the 1 x 128 quantisation in one Triton kernel (where ``down``'s
+    backends run Triton)."""
     gu = gate_up(gate_up.prepare(x))
     m, i = gu.shape[0], gu.shape[1] // 2
-    if down.fp8 and scaled_mm_ok(gu, down.weight) and platform.use_triton(gu):
+    triton = down.backends.triton
+    if down.fp8 and scaled_mm_ok(gu, down.weight) and triton:
         from cpkv.kernels.fp8_gemm import triton as kern
 
         q, s = empty_quant(m, i, gu.device)
         kern.swiglu_quant(gu, None, q, s)
         return down(QuantAct(q, s, gu.dtype))
-    if platform.use_triton(gu) and gu.stride(-1) == 1:  # SiLU and product in one pass (F.silu(g) * u's bytes)
+    if triton and gu.stride(-1) == 1:  # SiLU and product in one pass (F.silu(g) * u's bytes)
         from cpkv.kernels.swiglu import triton as act
 
         a = torch.empty(m, i, dtype=gu.dtype, device=gu.device)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
+from cpkv.kernels.platform import Backends, resolve
 from cpkv.model.config import PRECISIONS, with_precision  # noqa: F401  (PRECISIONS re-exported)
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
@@ -47,18 +48,21 @@ class DSAModel:
 
     ``fp8``: the linear weights ``weights.fp8_kept`` names stay (or are quantised to) float8_e4m3fn with
     128 x 128 block scales and run block-scaled fp8 GEMMs (``model.linear``); else every weight is widened
-    to ``dtype`` (fp8 ones dequantised)."""
+    to ``dtype`` (fp8 ones dequantised). ``backends``: the kernels it runs, chosen once when it is built
+    (``cpkv.kernels.platform.resolve`` of its device: the platform and the ``CPKV_*`` environment read then) and
+    handed to every layer, linear and expert block."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False,
-                 consume: bool = False) -> None:
+                 consume: bool = False, backends: Backends | None = None) -> None:
         """``experts``: the routed experts this process holds (expert parallelism: one rank's block,
         ``cpkv.model.moe.expert_block``); None: all of them (the single-process model). ``consume``: the model
         takes ``weights`` (the dict is emptied as its tensors are converted, placed and stacked), so no tensor is
         ever held twice while the model is built: the load peak stays near what the model keeps (``random`` and
-        ``from_pretrained`` pass it; the memory plan counts the kept model)."""
+        ``from_pretrained`` pass it; the memory plan counts the kept model). ``backends``: None resolves them."""
         check_weights(weights, cfg, experts=experts)
         self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
+        self.backends = backends or resolve(self.device)
         self.dtype = dtype or default_dtype(self.device)
         self.experts = range(cfg.n_routed_experts) if experts is None else experts
         src = weights if consume else dict(weights)
@@ -67,25 +71,26 @@ class DSAModel:
         self.layers = []
         self.tap = None  # set_tap
         for n in range(cfg.num_layers):
-            self.layers.append(DSALayer(cfg, self.weights, n, self.experts))
+            self.layers.append(DSALayer(cfg, self.weights, n, self.experts, self.backends))
             prefix = f"model.layers.{n}.mlp.experts."  # stacked in the layer now: the per-expert tensors go
             for k in [k for k in self.weights if k.startswith(prefix)]:
                 del self.weights[k]
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False) -> "DSAModel":
+               dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False,
+               backends: Backends | None = None) -> "DSAModel":
         dtype = dtype or default_dtype(device)
         return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts, fp8=fp8,
-                   consume=True)
+                   consume=True, backends=backends)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",
                         dtype: torch.dtype | None = None, experts: range | None = None, *,
-                        fp8: bool = False) -> "DSAModel":
+                        fp8: bool = False, backends: Backends | None = None) -> "DSAModel":
         dtype = dtype or default_dtype(device)
         return cls(cfg, load_weights(path, cfg, dtype, device, experts, fp8=fp8), device, dtype, experts, fp8=fp8,
-                   consume=True)
+                   consume=True, backends=backends)
 
     @property
     def expert_parallel(self) -> bool:
@@ -170,13 +175,15 @@ class DSAModel:
 
 def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                num_layers: int | None = None, precision: str = "fp8", weights: str = "bf16",
-               ep: tuple[int, int] | None = None, routed_experts: int | None = None) -> DSAModel:
+               ep: tuple[int, int] | None = None, routed_experts: int | None = None,
+               backends: Backends | None = None) -> DSAModel:
     """``spec``: a preset (random weights from ``seed``) or a checkpoint directory (config.json + safetensors).
     ``precision``: fp8 KV rows, or ``exact`` (rows, indexer keys and queries in the compute dtype).
     ``weights``: fp8 (linear weights block-scaled fp8), bf16 (widened to the compute dtype) or auto
     (``model.config.resolve_weights``). ``ep``: (rank, cp): hold (and read) only that rank's block of the
     routed experts. ``routed_experts``: route over that many experts per MoE layer (a preset's rank share on one
-    GPU: ``ModelConfig.with_experts``)."""
+    GPU: ``ModelConfig.with_experts``). ``backends``: the kernels it runs (None: resolved from the device and the
+    environment now)."""
     from cpkv.model.config import load_model_config, resolve_weights
     from cpkv.model.moe import expert_block
 
@@ -187,5 +194,5 @@ def load_model(spec: str, *, seed: int = 0, device: torch.device | str = "cpu", 
     from cpkv.config import model_source
 
     if model_source(spec)[0] == "dir":  # the same decision as load_model_config's
-        return DSAModel.from_pretrained(spec, cfg, device, dtype, experts, fp8=fp8)
-    return DSAModel.random(cfg, seed, device, dtype, experts, fp8=fp8)
+        return DSAModel.from_pretrained(spec, cfg, device, dtype, experts, fp8=fp8, backends=backends)
+    return DSAModel.random(cfg, seed, device, dtype, experts, fp8=fp8, backends=backends)

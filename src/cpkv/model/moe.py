@@ -1,7 +1,8 @@
 """The MoE block of GLM-5 / DeepSeek-V3.2: grouped top-k routing, routed experts, shared experts.
 
     route(x, gate, bias, cfg) -> (idx int64 [T, k], w float32 [T, k])
-        scores = sigmoid(x W_gate^T) (float32; ``router_scores``: a Triton kernel on CUDA); choice = scores + e_score_correction_bias;
+        scores = sigmoid(x W_gate^T) (float32; ``router_scores``: a Triton kernel where the backends run Triton);
+        choice = scores + e_score_correction_bias;
         a group's score = the sum of its 2 best choices; keep the topk_group best of n_group groups;
         idx = the k best choices within them; w = scores[idx] (/ their sum when norm_topk_prob)
         * routed_scaling_factor
@@ -27,22 +28,23 @@ import torch.nn.functional as F
 
 from cpkv.config import ModelConfig
 from cpkv.errors import ConfigError
+from cpkv.kernels.platform import Backends, backends_for
 from cpkv.model.experts import ExpertWeights, grouped_swiglu, grouped_takes_quantised
 
 
 def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig,
-          fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          fused: bool = True, backends: Backends | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k]) (module docstring). ``fused`` False: the
-    scores as ``F.linear`` in float32 also on CUDA (``--precision exact`` runs)."""
-    scores, choice = route_scores(x, gate, bias, fused)
+    scores as ``F.linear`` in float32 also on CUDA (``--precision exact`` runs); ``backends``: ``router_scores``'s."""
+    scores, choice = route_scores(x, gate, bias, fused, backends)
     idx = pick_experts(choice, cfg)
     return idx, route_weights(scores, idx, cfg)
 
 
-def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
-                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, fused: bool = True,
+                 backends: Backends | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (scores float32 [T, E] = sigmoid(x W_gate^T), choice float32 [T, E] = scores + bias)."""
-    scores = router_scores(x, gate) if fused else F.linear(x.float(), gate.float()).sigmoid()
+    scores = router_scores(x, gate, backends) if fused else F.linear(x.float(), gate.float()).sigmoid()
     return scores, scores + bias.float()
 
 
@@ -77,14 +79,13 @@ def route_weights(scores: torch.Tensor, idx: torch.Tensor, cfg: ModelConfig) -> 
     return w * cfg.routed_scaling_factor
 
 
-def router_scores(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x [T, D], gate [E, D] -> float32 [T, E] = sigmoid(float32(x) @ float32(gate)^T): one Triton kernel on CUDA
-    for a bf16 / fp16 x (``cpkv.kernels.router``: no float32 copy of x; float32 products and sums, in another
-    order than cuBLAS's), ``F.linear`` in float32 elsewhere."""
-    from cpkv.kernels import platform
+def router_scores(x: torch.Tensor, gate: torch.Tensor, backends: Backends | None = None) -> torch.Tensor:
+    """x [T, D], gate [E, D] -> float32 [T, E] = sigmoid(float32(x) @ float32(gate)^T): one Triton kernel where
+    ``backends`` (None: ``backends_for(x)``) run Triton, for a bf16 / fp16 x (``cpkv.kernels.router``: no float32
+    copy of x; float32 products and sums, in another order than cuBLAS's), ``F.linear`` in float32 elsewhere."""
     from cpkv.kernels.router.ref import router_scores_ref
 
-    if not platform.use_triton(x):
+    if not (backends or backends_for(x)).triton:
         return router_scores_ref(x, gate)
     from cpkv.kernels.router import triton as kern
 
@@ -102,7 +103,8 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
     ``gate_up``, fp8 ones included) -> [T, D] (x's dtype). ``xq``: x quantised already (fp8 [T, D], float32
     scales (T, ceil(D/128)), any strides: a QuantAct's q, s), for fp8 experts on the grouped kernel. ``add``
     [T, D]: added to the result in its combine (the shared experts' output). ``fused`` False: the combine as
-    torch's gather, reduction and add also on CUDA (``--precision exact`` runs).
+    torch's gather, reduction and add also on CUDA (``--precision exact`` runs). The backends: ``gate_up``'s when
+    ExpertWeights, else those of x's device.
 
     Sort the (token, expert) pairs by expert (counts and offsets stay on the device), run the experts as
     one grouped SwiGLU (``cpkv.model.experts``), then sum each token's k weighted outputs. With ``xq`` the
@@ -112,14 +114,14 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
     t, k = idx.shape
     order, offs = sort_pairs(idx, ew.num_experts)
     rows = order // k
-    if xq is not None and grouped_takes_quantised(x, ew):
+    if xq is not None and grouped_takes_quantised(ew):
         q, s = xq
         pairs = (q.view(torch.uint8).index_select(0, rows).view(q.dtype), s.index_select(0, rows))
         shape = x.new_empty(1, x.shape[1]).expand(rows.shape[0], -1)  # the rows' shape, dtype and device only
         y = grouped_swiglu(shape, offs, w.reshape(-1)[order], ew, pairs)
     else:
         y = grouped_swiglu(x.index_select(0, rows), offs, w.reshape(-1)[order], ew)
-    return combine_pairs(y, order, t, k, add, fused)
+    return combine_pairs(y, order, t, k, add, fused, ew.backends)
 
 
 def expert_block(rank: int, cp: int, num_experts: int) -> range:
@@ -160,17 +162,17 @@ def _expert_ids(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def combine_pairs(y: torch.Tensor, order: torch.Tensor, t: int, k: int, add: torch.Tensor | None = None,
-                  fused: bool = True) -> torch.Tensor:
+                  fused: bool = True, backends: Backends | None = None) -> torch.Tensor:
     """y [T*k, D] in sorted pair order -> [T, D]: each token's k outputs summed (float32 accumulation, one
-    rounding), plus ``add`` [T, D] when given (one more rounding). One Triton kernel on CUDA (the k rows gathered
-    and summed in one pass, ``cpkv.kernels.combine``: within one ulp of the reduction's other summation order);
-    elsewhere the gather, the reduction and the add."""
-    from cpkv.kernels import platform
+    rounding), plus ``add`` [T, D] when given (one more rounding). One Triton kernel where ``fused`` and
+    ``backends`` (None: ``backends_for(y)``) run Triton (the k rows gathered and summed in one pass,
+    ``cpkv.kernels.combine``: within one ulp of the reduction's other summation order); elsewhere the gather, the
+    reduction and the add."""
     from cpkv.kernels.combine.ref import combine_ref
 
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=y.device))
     fits = y.stride(-1) == 1 and (add is None or add.stride(-1) == 1 and add.dtype == y.dtype)
-    if not (fused and platform.use_triton(y) and fits):
+    if not (fused and fits and (backends or backends_for(y)).triton):
         return combine_ref(y, inv, t, k, add)
     from cpkv.kernels.combine import triton as kern
 

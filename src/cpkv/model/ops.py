@@ -1,4 +1,5 @@
-"""Small tensor ops of the DSA model: norms, rotary embeddings, the Hadamard rotation, SwiGLU.
+"""Small tensor ops of the DSA model: norms and rotary embeddings (the Hadamard rotation and ``rms_norm_ref`` live
+beside their kernels, ``cpkv.kernels.index_rows.ref`` and ``cpkv.kernels.add_norm.ref``, and are re-exported).
 
 Rotary embeddings as transformers' GLM-5 / DeepSeek-V3.2: MLA rotates *interleaved* pairs
 (x[2i], x[2i+1]); the indexer rotates interleaved pairs on GLM-5 and *halves* (x[i], x[i + d/2]) on
@@ -18,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from cpkv.config import RopeConfig
+from cpkv.kernels.add_norm.ref import rms_norm_ref
+from cpkv.kernels.index_rows.ref import hadamard_rotate  # noqa: F401  (re-exported: the indexer's rotation)
+from cpkv.kernels.platform import Backends, backends_for
 from cpkv.upload import upload
 
 if TYPE_CHECKING:
@@ -35,25 +39,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm`` as separate float32 passes (any weight dtype; the reference of the fused form)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 quant: bool = False) -> tuple[torch.Tensor, torch.Tensor, "QuantAct | None"]:
+                 quant: bool = False, backends: Backends | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, "QuantAct | None"]:
     """h [T, D], delta [T, D] or None (a residual not yet added) -> (h' = h + delta [T, D], x = rms_norm(h') [T, D],
     the QuantAct of x when ``quant`` (fp8 1 x 128 groups, ``cpkv.model.linear.quant_act``'s bytes for this x)).
 
-    One Triton kernel on CUDA (``cpkv.kernels.add_norm``: the add, the norm and the quantisation in one pass,
-    x within one ulp of ``rms_norm``'s: only the order of the sum of squares differs); elsewhere the torch ops
-    it replaces (``add_rms_norm_ref``'s order: add, ``rms_norm``, ``quant_act``)."""
-    from cpkv.kernels import platform
+    One Triton kernel where ``backends`` (None: ``backends_for(h)``) run Triton (``cpkv.kernels.add_norm``: the
+    add, the norm and the quantisation in one pass, x within one ulp of ``rms_norm``'s: only the order of the sum
+    of squares differs); elsewhere the torch ops it replaces (``add_rms_norm_ref``'s order: add, ``rms_norm``,
+    ``quant_act``)."""
     from cpkv.model.linear import QuantAct, empty_quant, quant_act
 
-    if platform.use_triton(h) and _norm_fusable(h, delta, weight):
+    backends = backends or backends_for(h)
+    if backends.triton and _norm_fusable(h, delta, weight):
         from cpkv.kernels.add_norm import triton as kern
 
         t, d = h.shape
@@ -64,7 +63,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return hs, x, QuantAct(q, s, x.dtype, x) if quant else None
     hs = h if delta is None else h + delta
     x = rms_norm(hs, weight, eps)
-    return hs, x, quant_act(x) if quant else None
+    return hs, x, quant_act(x, backends) if quant else None
 
 
 def _norm_fusable(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
@@ -76,11 +75,6 @@ def _norm_fusable(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x [..., d] -> float32 LayerNorm (the indexer's k_norm)."""
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps)
-
-
-def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, d] -> [T, d]: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -189,14 +183,13 @@ class Rotary:
         y = torch.view_as_real(z * cis).flatten(-2)
         return y if out is None else out.copy_(y)
 
-    def interleaved_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def interleaved_into(self, x: torch.Tensor, out: torch.Tensor, backends: Backends | None = None) -> torch.Tensor:
         """x [T, H, r] -> ``out`` [T, H, r] (a slice, any float dtype; returned): the rotation rounded once to out's
-        dtype. One Triton kernel on CUDA (``cpkv.kernels.rope``: ``interleaved_ref``'s separate float32 products,
-        its bytes; ``interleaved``'s complex product may round an FMA differently there); elsewhere
-        ``interleaved(x, out=out)`` (bit-identical to ``interleaved_ref`` on CPU)."""
-        from cpkv.kernels import platform
-
-        if platform.use_triton(x) and x.dim() == 3 and x.stride(-1) == 1 and out.stride(-1) == 1:
+        dtype. One Triton kernel where ``backends`` (None: ``backends_for(x)``) run Triton (``cpkv.kernels.rope``:
+        ``interleaved_ref``'s separate float32 products, its bytes; ``interleaved``'s complex product may round an
+        FMA differently there); elsewhere ``interleaved(x, out=out)`` (bit-identical to ``interleaved_ref`` on
+        CPU)."""
+        if (backends or backends_for(x)).triton and x.dim() == 3 and x.stride(-1) == 1 and out.stride(-1) == 1:
             from cpkv.kernels.rope import triton as kern
 
             if kern.supported(x.shape[-1]):
@@ -230,23 +223,3 @@ class Rotary:
         c, s = self._cs(x)
         a, b = x.float().chunk(2, dim=-1)
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
-
-
-@lru_cache(maxsize=8)
-def _hadamard(n: int, device: str) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float32)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h * n ** -0.5).to(device)
-
-
-def hadamard_matrix(n: int, device: torch.device | str) -> torch.Tensor:
-    """float32 [n, n] H_n / sqrt(n) on ``device`` (built once per size and device), n a power of two."""
-    return _hadamard(n, str(torch.device(device)))
-
-
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] float, n a power of two -> x @ H_n / sqrt(n) (the indexer's ``rotate_activation``)."""
-    n = x.shape[-1]
-    assert n & (n - 1) == 0, f"Hadamard rotation needs a power-of-two width, got {n}"
-    return x.float() @ _hadamard(n, str(x.device))

@@ -6,7 +6,7 @@
             (q fp8 [T, D], s float32 [T, ceil(D/128)]) = act_quant_ref(x) when ``quant``, else None)
 
 RMSNorm: x = (h' * rstd) * weight with rstd = 1 / sqrt(sum(h'^2) / D + eps) in float32 (``F.rms_norm`` on CPU,
-``cpkv.model.ops.rms_norm_ref``). The kernel computes the same expression with correctly rounded sqrt and
+``rms_norm_ref``). The kernel computes the same expression with correctly rounded sqrt and
 division; only the order of the float32 sum of squares differs (x within one ulp of its dtype).
 """
 from __future__ import annotations
@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from cpkv.kernels.fp8_gemm.ref import act_quant_ref
-from cpkv.model.ops import rms_norm_ref
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] -> x's dtype: x * rsqrt(mean(x^2) + eps) * weight as separate float32 passes, rounded once (any
+    weight dtype; the reference of ``cpkv.model.ops.rms_norm``'s fused form)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
 
 
 def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False

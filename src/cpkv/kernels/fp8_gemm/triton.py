@@ -21,8 +21,8 @@ included), any K and N (loads at clamped indices, stores masked). A few variants
 ``GROUPED`` selects the one the model runs. The GLUON variants run the warp-specialised Gluon kernel of
 ``gluon_ws.py`` instead (Hopper, N and K multiples of 128: a TMA producer warp and two consumer warpgroups, so
 one warpgroup's per-K-block scaling overlaps the other's wgmma; elsewhere they run ``GLUON_FALLBACK``, the
-fastest Triton variant). The dispatch points import this module after ``cpkv.kernels.platform.use_triton``; without Triton it still imports (its
-kernels raise ImportError when launched).
+fastest Triton variant). The dispatch points import this module once their Backends say Triton runs; without
+Triton it still imports (its kernels raise ImportError when launched).
 """
 from __future__ import annotations
 
@@ -113,10 +113,8 @@ def _swiglu_quant(GU, RW, Q, S, M, I, stride_gu, stride_q, stride_sm, stride_sg,
 TILE_M = 128  # default rows per tile; ``tile_ends`` is built per tile size
 # Variants of the grouped GEMM: ``_grouped_v`` with these compile-time switches (absent: off), or the Gluon kernel.
 # Its loads clamp row / column indices to the expert's last row / N - 1 (the stores stay masked) and drop the K
-# masks whenever K % 128 == 0 (every real shape). Deleted after the sweeps (BENCHMARKS.md): the first kernel
-# (masked loads: 0.50 of the dense GEMM on the H200; last commit 2f67d26), then what the later sweeps measured
-# slower (this kernel's RESCALE, PAIR, FLATTEN and GROUP_M switches, its masked-load and non-persistent variants,
-# K-major activation scales, the Gluon kernel's register-epilogue names; last commit 57fe63d).
+# masks whenever K % 128 == 0 (every real shape). Only the switches of the kept variants remain: the others were
+# slower in the sweeps (BENCHMARKS.md).
 #   TMA         A [R, K] and B [E * N, K] read through device-side TMA descriptors (out-of-range rows: zeros;
 #               where TMA's stride rules are not met, e.g. K % 16 != 0, the call runs clamped pointer loads)
 #   PERSISTENT  PERSISTENT programs per SM, each looping over tiles (column tiles fastest)
@@ -154,7 +152,7 @@ VARIANTS: dict[str, dict] = {
 }
 EMAP_MAX = 1024  # experts the EMAP switch holds in registers (more: the binary search)
 # the Triton kernel a GLUON variant's call runs where the Gluon kernel does not apply (same 128-row tile map): the
-# fastest Triton variant at its measured config (BENCHMARKS.md: 873 / 723 TFLOP/s on GLM-5's gate_up / down)
+# fastest Triton variant at its fastest config (BENCHMARKS.md, GLM-5's gate_up / down)
 GLUON_FALLBACK = ("v16", {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 # The kernel the model runs (``model.experts.grouped_swiglu``): a VARIANTS key and None (autotune over the
 # variant's configs at TILE_M rows) or one config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}

@@ -1,5 +1,6 @@
 """The indexer's key rows and quantised queries, pure torch: the ops the fused kernel replaces, in their order.
 
+    hadamard_rotate(x [..., n] float, n a power of two) -> float32 x @ H_n / sqrt(n) (Sylvester order)
     rope_first(x [..., D] float32, cos, sin float32 [T, r / 2], r, interleaved) -> float32 [..., D]
         the first r dims rotated (pairs (x[2i], x[2i+1]) or halves (x[i], x[i + r/2]): (a c - b s, a s + b c)),
         the rest passed (x's first dim is the token)
@@ -11,12 +12,29 @@
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
-from cpkv.model.ops import hadamard_rotate
 
 FP8_MAX, MIN_SCALE = 448.0, 1e-10  # cpkv.indexer.quant's (not imported: it dispatches here)
+
+
+@lru_cache(maxsize=8)
+def _hadamard(n: int, device: str) -> torch.Tensor:
+    """float32 [n, n] H_n / sqrt(n) in Sylvester order on ``device`` (built once per size and device)."""
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h * n ** -0.5).to(device)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] float, n a power of two -> x @ H_n / sqrt(n) (the indexer's ``rotate_activation``)."""
+    n = x.shape[-1]
+    assert n & (n - 1) == 0, f"Hadamard rotation needs a power-of-two width, got {n}"
+    return x.float() @ _hadamard(n, str(x.device))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

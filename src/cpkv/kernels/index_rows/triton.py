@@ -10,7 +10,7 @@ BLOCK rows per program, each row held by one thread (token = row // heads):
     both               the first r dims rotated (interleaved pairs split from the row's one load, or halves with the
                        partner read by a second (cached) load; (a c - b s, a s + b c)), normed the same way
                        y = float32(D^-0.5) * FWHT(y): the Hadamard rotation as log2 D butterfly stages in float32
-                       (Sylvester order, the matrix ``hadamard_matrix(D)`` / its scale), all in the thread's registers
+                       (Sylvester order, the matrix ``ref._hadamard(D)`` / its scale), all in the thread's registers
                        scale = max(div_rn(amax |y|, 448), 1e-10), fp8 = rne(clamp(y / scale, +-448)) with y / scale as
                        q0 = y * r, r = div_rn(1, scale) once per row, plus one fma correction step (the correctly
                        rounded quotient but in rare cases one ulp off: fp8 bytes within one step)
@@ -21,9 +21,8 @@ BLOCK rows per program, each row held by one thread (token = row // heads):
         a float32 copy of x; ``tl.dot`` in DOT_PRECISION (tf32x3 on the tensor cores: float32-level accuracy;
         ieee float32 on the FMA units ran at a sixth of the bandwidth of x), BLOCK_M rows per program
 
-Measured and deleted (BENCHMARKS.md, session 9): a tf32x3 Hadamard dot (32 rows a program), bf16 three-part dots,
-FWHT over 16 lanes, and other block / warp / persistent shapes of this kernel (queries at T 32768: 0.318-1.646 ms
-against this one's 0.317).
+One row per thread with the Hadamard rotation as an in-register butterfly: the other forms (tensor-core
+Hadamard dots, FWHT across lanes, other block / warp / persistent shapes) were slower (BENCHMARKS.md).
 
 Compiled without floating-point contraction. Not bit-equal to the reference: LayerNorm's reductions and the
 Hadamard sums run in another order than torch's (float32 values within a few ulps): scales agree within 2e-5
@@ -37,8 +36,8 @@ from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
 
 DOT_PRECISION = "tf32x3"  # head_weights: three tf32 products, float32-level accuracy on the tensor cores
-BLOCK_ROWS, NUM_WARPS = 64, 2  # index_rows: rows per program (one per thread). 2026-12-01, one H200, T 32768 (GLM-5):
-#                                queries 0.317 ms, keys 0.023 ms (benchmarks/elem_kernels.py)
+BLOCK_ROWS, NUM_WARPS = 64, 2  # index_rows: rows per program (one per thread); the fastest shape on GLM-5's rows
+#                                (benchmarks/elem_kernels.py, BENCHMARKS.md)
 
 
 @_jit

@@ -1,4 +1,4 @@
-"""Gluon (explicit-layout Triton) kernel for the indexer's MQA logits on Hopper; reference: cpkv.indexer.ref.
+"""Gluon (explicit-layout Triton) kernel for the indexer's MQA logits on Hopper; reference: cpkv.kernels.mqa_logits.ref.
 
 Same contract as cpkv.kernels.mqa_logits.triton (its module docstring): out[i, c] = k_scale[j] * sum_h w[i, h] *
 relu(q[i, h] . k[j]), j = col_offset + c, -inf outside [ks[i], ke[i]) with ``clean``, key tiles outside

@@ -1,4 +1,4 @@
-"""Triton kernel for the lightning indexer's MQA logits (docs/design.md, indexer); reference: cpkv.indexer.ref.
+"""Triton kernel for the lightning indexer's MQA logits (docs/design.md, indexer); reference: cpkv.kernels.mqa_logits.ref.
 
     out[i, c] = k_scale[j] * sum_h w[i, h] * relu(q[i, h, :] . k[j, :]),  j = col_offset + c,
                 -inf where j is outside [ks[i], ke[i])

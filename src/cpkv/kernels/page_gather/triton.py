@@ -17,9 +17,7 @@ The Triton kernel moves 16-byte vectors when ``page_bytes`` and every address ar
 (4-byte words otherwise, bytes as a last resort). A unit is one block of one entry's page; a program
 copies one unit with no inner loop, so all of a thread's loads are in flight before its stores; no cache hints.
 ``cpkv bench compose`` (``kernel_bench``) sweeps its block and warp shapes against ``copy_`` in device time.
-Measured and deleted (BENCHMARKS.md, session 9): a persistent variant (k programs per SM walking their units
-pipelined: 0.58-0.92 of ``copy_`` against this one's 0.936-0.945) and cache hints (evict_first loads with
-streaming stores 0.902-0.913; ``.cg`` loads the same as none, within noise).
+No persistent programs and no cache hints: both were slower than this form (BENCHMARKS.md).
 Triton is imported lazily; :func:`cpkv.kernels.page_gather.ref.page_gather_ref` is the reference and the CPU path.
 """
 from __future__ import annotations
@@ -31,13 +29,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 # one program per whole page (block >= the page: 41,984-byte token pages and 8,448-byte index pages each fit
-# one 16,384-element block), 8 warps; the fastest shape measured (BENCHMARKS.md, ``cpkv bench compose``;
-# 2026-12-01 on the H200, device time: 0.945 of copy_ on token pages, 0.944 on index pages)
+# one 16,384-element block), 8 warps: the fastest shape (BENCHMARKS.md, ``cpkv bench compose``: near copy_'s rate)
 DEFAULT_CONFIG = {"block": 16384, "num_warps": 8}
-# compose gathers a layer's two KV kinds as two launches of this kernel, each at DEFAULT_CONFIG: 0.951-0.959 of
-# copy_ in the engine's page order, where one two-segment kernel doing both kinds (measured and deleted in session
-# 15, BENCHMARKS.md) reached 0.944-0.952 at 4096-element units and 0.80-0.82 at 16384 (one kernel's registers are
-# its larger segment's: the index pages ran at token-page occupancy)
+# compose gathers a layer's two KV kinds as two launches of this kernel, each at DEFAULT_CONFIG: one kernel doing
+# both kinds would hold its larger segment's registers, so the index pages would run at token-page occupancy
 
 
 @lru_cache(maxsize=1)

@@ -10,8 +10,8 @@ kernel into three bfloat16 parts g = g_hi + g_mid + g_lo (each the rne rounding 
 them is at most 2^-27 |g|), three dots into the same accumulator (small parts first): float32-level accuracy
 without tf32. The sums run in another order than cuBLAS's: the logits agree with a float64 reference within
 2^-18 sum_k |x_k g_k| (tests), as the float32 reference does. sigmoid in float32 (``tl.sigmoid``). The kernel's
-name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces). Other tile
-shapes (128 x 128, 64 x 256, 64 x 128) were measured slower and deleted (BENCHMARKS.md, session 9).
+name says GEMM: ``cpkv.bench.breakdown`` counts it with the GEMMs (as the cuBLAS GEMM it replaces). CONFIG's tile
+is the fastest on GLM-5's shapes (other tiles: BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import torch
 from cpkv.kernels.fp8_gemm.triton import _jit, tl
 from cpkv.kernels.grid import cdiv, check_grid
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 2026-12-01, one H200, x [32768, 6144] x bf16 gate [256, 6144]:
-# 0.184 ms (F.linear in float32 2.573 ms; benchmarks/elem_kernels.py). A float32 gate: at most 128 columns and 2
-# stages (launch_config)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x [T, 6144] x bf16 gate [256, 6144] (GLM-5; far below
+# F.linear in float32: benchmarks/elem_kernels.py). A float32 gate: at most 128 columns and 2 stages (launch_config)
 CONFIG = (128, 256, 64, 8, 3)
 SHARED_LIMIT = 232448  # sm_90's shared memory per block
 

@@ -46,32 +46,24 @@ producer threads completing by ``cp.async.mbarrier.arrive.noinc``, the two-consu
 owning half of d_v, P of block 0 over block 0's rope dims, consumer 0's look-ahead. Different:
 
 1. L2 hints: FlashMLA's key gathers carry ``.L2::cache_hint`` (``evict_last``) and ``.L2::256B``; ours none
-   (Gluon's ``async_copy`` drops ``eviction_policy``; measured by a PTX rewrite twice, no gain).
+   (Gluon's ``async_copy`` drops ``eviction_policy``; by a PTX rewrite they gave nothing: BENCHMARKS.md).
 2. Masking: FlashMLA's producer writes the 64 validity bits of each block to shared memory behind a barrier of
    their own; ours stages the 64 indices with the block's data (the consumers compare them).
 3. Q arrives by TMA (evict_first) and O leaves through shared memory by TMA stores (lse by a bulk copy);
    ours: Q by the producer's ``cp.async``, O by 16-byte register stores, lse by register stores.
 4. Syncs between the consumers: named barriers (bar.arrive / bar.sync over 256 threads) in FlashMLA; ours
-   are mbarriers, each arrive after a warpgroup barrier (named barriers measured twice, slower).
+   are mbarriers, each arrive after a warpgroup barrier (named barriers are slower here: BENCHMARKS.md).
 5. Consumer 0 publishes P0 before its first value wgmma is done; FlashMLA's warpgroup 0 after.
 6. Registers: FlashMLA 216 / 216 / 72 (consumers / producer) of 384 threads at launch bounds 1 block/SM.
    FlashMLA needs top-k a multiple of 128 (no tail masks); ours takes any count.
 7. FlashMLA is not persistent (one CTA per tile: each tile's Q load, first key gathers and epilogue exposed);
    ours is.
 
-Measured and deleted (BENCHMARKS.md, session 9): the non-persistent kernel, FlashMLA's L2 hints (by a PTX
-rewrite), named-barrier consumer syncs, early max signals, late index loads, P0 under the first value wgmma,
-P1 first, separate barrier allocations, and their combinations: none faster than that session's kernel on
-FlashMLA's shapes. Session 13 (Nsight Compute's per-instruction stall samples: the consumers' index loads and
-4-byte output stores queued behind the producer's gathers) added the staged indices and the 16-byte stores
-(0.895 -> 0.93 of FlashMLA), then P0 under the first value wgmma, which now paid (-> 0.945); measured again and
-deleted: the L2 hints (.L2::256B, and with evict_last / evict_first policies), named barriers, and P1 signalled
-before the P0 wait. Session 14 (BENCHMARKS.md), all slower or level: A0 freed after the common max, or before it
-(FlashMLA's order); the producer filling BR1 before A0; two 2-warp producers, one per key buffer; each pair's
-indices loaded a pair ahead; the epilogue by one reciprocal per row; one allocation per barrier (Triton then drops
-most of its warpgroup barriers before mbarrier waits) and per-thread frees on top (FlashMLA's): fewer warpgroup
-barriers, slower kernel. A 128-head CTA sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of
-registers (the whole register file) and Q alone 144 KB of the 227 KB shared memory.
+The indices staged with each block and the 16-byte output stores keep the consumers' loads and stores from
+queueing behind the producer's gathers; other schedules (non-persistent, L2 hints, named barriers, other signal,
+free and fill orders, more producers, per-barrier allocations) were slower or level (BENCHMARKS.md). A 128-head CTA
+sharing one gather does not fit: its fp32 output is 128 x 512 x 4 B = 256 KB of registers (the whole register
+file) and Q alone 144 KB of the 227 KB shared memory.
 
 Speed against the bf16 GEMM: BENCHMARKS.md (``cpkv bench attention``; against FlashMLA: ``--peer flashmla``).
 Triton is imported lazily by :func:`load`.
@@ -399,7 +391,7 @@ def load() -> Any:
             mbarrier.wait(bars[11], ph)  # P0 ready
             fence_async_shared()
             o = warpgroup_mma(k_r.index(z), k_b.index(z), o, is_async=True)
-            _signal(bars, 12)  # P1 ready (signalled before the P0 wait, it was slower: BENCHMARKS.md, session 13)
+            _signal(bars, 12)  # P1 ready (after the P0 wait: signalled before it, the kernel is slower)
             o = warpgroup_mma_wait(1, deps=[o])
             gl.thread_barrier()
             mbarrier.arrive(bars[8])  # BR1 free

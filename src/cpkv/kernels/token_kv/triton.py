@@ -1,4 +1,4 @@
-"""Triton token-KV row (de)quantisation (reference: ``cpkv.attention.ref``).
+"""Triton token-KV row (de)quantisation (reference: ``cpkv.kernels.token_kv.ref``).
 
 Row layout (``cpkv.config.RowFormat``), GLM-5 sizes in brackets:
 

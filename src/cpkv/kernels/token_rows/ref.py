@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpkv.attention.ref import quant_token_kv_ref
 from cpkv.config import RowFormat
+from cpkv.kernels.token_kv.ref import quant_token_kv_ref
 
 
 def token_kv_ref(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,8 +1,8 @@
-"""Triton top-k over ragged row ranges (sample, compact, bisect); reference: cpkv.indexer.ref.topk_ref.
+"""Triton top-k over ragged row ranges (sample, compact, bisect); reference: cpkv.kernels.topk.ref.topk_ref.
 
 x: [T, N] float32 (any row stride), lo/hi: [T] int32 columns (row i's candidates are x[i, lo:hi]),
 out: [T, k] int32 (any row stride) receives relative indices c - lo[i], ascending, ties toward the
-lower index (the contract of cpkv.indexer.ref).
+lower index (the contract of cpkv.kernels.topk.ref).
 
 Keys: float32 bits mapped to an int32 ``skey`` whose signed order is the float order (-0.0 folded
 into +0.0). A persistent program takes rows in turn:

@@ -1,12 +1,11 @@
-"""Backend choice (Triton on CUDA, pure torch elsewhere) and input checks shared by the entry points."""
+"""Input checks shared by the attention's entry points."""
 from __future__ import annotations
 
 import torch
 
 from cpkv.errors import AttentionError
-from cpkv.kernels.platform import use_triton
 
-__all__ = ["INDEX_DTYPES", "check_same_device", "check_tensor", "expect", "last_dim_contiguous", "use_triton"]
+__all__ = ["INDEX_DTYPES", "check_same_device", "check_tensor", "expect", "last_dim_contiguous"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -1,0 +1,63 @@
+"""Sparse and dense causal MLA attention, pure torch: the semantics the kernels match, and the CPU path.
+
+Edge cases (as FlashMLA's reference): an index of -1 or >= S (or any negative) selects nothing; a query row
+with no valid index gets out 0 and lse +inf.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sparse_mla_ref(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+    dtype: torch.dtype = torch.float32, chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, d_qk], kv [S, d_qk], indices int [T, topk] -> (out [T, H, d_v], lse float32 [T, H]).
+
+    Computed in ``dtype`` (float64 for tests), ``chunk`` query rows at a time to bound memory.
+    ``out`` is returned in ``dtype``; lse in natural log, +inf for a row with no valid index.
+    """
+    t, h, _ = q.shape
+    kvc = kv.to(dtype)
+    out = torch.empty((t, h, d_v), dtype=dtype, device=q.device)
+    lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        out[t0:t1], lse[t0:t1] = _sparse_chunk(q[t0:t1].to(dtype), kvc, indices[t0:t1], sm_scale, d_v)
+    return out, lse
+
+
+def _sparse_chunk(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = kv.shape[0]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < s)
+    keys = kv[torch.where(valid, idx, torch.zeros_like(idx))]  # [c, topk, d_qk]
+    scores = torch.einsum("thd,tkd->thk", q, keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where no key
+    empty = torch.isneginf(lse)
+    p = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+    out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
+    return out, lse.float()
+
+
+def dense_indices(ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """ks, ke int [T] -> int32 [T, max(ke - ks)]: row i holds ks[i] .. ke[i]-1, then -1 padding.
+
+    Reads ``max(ke - ks)`` on the host (a device sync on CUDA): reference / fallback use only.
+    """
+    ks64, ke64 = ks.long(), ke.long()
+    width = int((ke64 - ks64).clamp(min=0).max().item()) if ks.numel() else 0
+    idx = ks64[:, None] + torch.arange(width, device=ks.device)[None, :]
+    return torch.where(idx < ke64[:, None], idx, torch.full_like(idx, -1)).to(torch.int32)
+
+
+def dense_causal_mla_ref(
+    q: torch.Tensor, kv: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, sm_scale: float,
+    d_v: int = 512, dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query i attends kv rows [ks[i], ke[i]) (rows outside [0, S) ignored): sparse_mla_ref on those indices."""
+    return sparse_mla_ref(q, kv, dense_indices(ks, ke), sm_scale, d_v, dtype=dtype)
