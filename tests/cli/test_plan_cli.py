@@ -31,7 +31,9 @@ def plan(capsys, *args: str) -> tuple[int, dict]:
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_plan_json(capsys, model, cp):
     rc, out = plan(capsys, "--model", model, "--cp", str(cp))
-    assert list(out) == ["model", "cp", "params", "weights_dtype", "fits", "per_rank", "node"]
+    assert list(out) == ["model", "cp", "params", "weights_dtype", "fits", "per_rank", "node", "routed_experts",
+                         "experts_option"]
+    assert (out["routed_experts"], out["experts_option"]) == (256, None)
     assert set(out["per_rank"]) == PER_RANK and set(out["node"]) == {"kv_tokens_shared", "kv_tokens_replicated"}
     assert (out["model"], out["cp"], out["weights_dtype"]) == (model, cp, "fp8")
     assert out["fits"] == (cp == 8) and rc == (0 if cp == 8 else 1)
