@@ -411,7 +411,7 @@ def check_batch_sizes(page_size: int, chunk_size: int, max_requests: int) -> Non
 
 
 def pool_caps(cp: int, page_size: int, pages_per_rank: int, chunk_size: int, max_requests: int) -> "AdmissionCaps":
-    """The engine's admission caps over ``cp`` pools of ``pages_per_rank`` pages: the chunk is the extend cap, the
+    """The engine's admission caps over ``cp`` pools of ``pages_per_rank`` pages: the chunk is the cap on new tokens, the
     cached cap is every pool's pages (page 0 reserved), the buffers' cap is generous (the memory plan sizes
     them)."""
     return AdmissionCaps(chunk_size=chunk_size, cached_tokens=max(1, (pages_per_rank - 1) * cp * page_size),
@@ -453,14 +453,15 @@ class AdmissionCaps:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
 
-    def effective_extend(self, page_size: int) -> int:
-        """The chunk size rounded down to whole pages (at least one page): the extend cap of a batch."""
+    def chunk_tokens(self, page_size: int) -> int:
+        """``chunk_size`` in whole pages (at least one page): the new tokens one batch may compute. Equal to
+        ``chunk_size`` wherever the commands built the caps (``check_batch_sizes`` asks a multiple of the page)."""
         cap = self.chunk_size
         return max(page_size, cap - cap % page_size)
 
     def staging_pages(self, page_size: int) -> int:
-        """Current pages one round can hold: extend cap in pages + one slack page per request."""
-        return self.effective_extend(page_size) // page_size + self.max_requests
+        """Current pages one round can hold: chunk in pages + one slack page per request."""
+        return self.chunk_tokens(page_size) // page_size + self.max_requests
 
     def max_slots(self, page_size: int) -> int:
         """Logical pages of the largest batch the caps admit: every cached page, one partial page per

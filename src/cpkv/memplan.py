@@ -197,8 +197,8 @@ class Setup:
 def busiest_rows(adm: Admission) -> int:
     """Query rows of the busiest rank in a full batch: its share of the chunk's pages rounded up, plus two
     pages per request (each request's pages split in runs over the ranks), at most the chunk."""
-    pages = adm.extend_cap // adm.page_size
-    return min(adm.extend_cap, (-(-pages // adm.cp) + 2 * adm.caps.max_requests) * adm.page_size)
+    pages = adm.chunk_tokens // adm.page_size
+    return min(adm.chunk_tokens, (-(-pages // adm.cp) + 2 * adm.caps.max_requests) * adm.page_size)
 
 
 def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None) -> dict[str, int]:
@@ -229,7 +229,7 @@ def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None
     if "sparse" in m.mlp_layer_types:
         k, mi = m.num_experts_per_tok, m.moe_intermediate_size
         if capacity is None:
-            capacity = s.caps(2).effective_extend(s.page_size) * k  # static: every token of the chunk, k times
+            capacity = s.caps(2).chunk_tokens(s.page_size) * k  # static: every token of the chunk, k times
         parts["moe"] = 3 * t * m.n_routed_experts * 4 + t * k * 12 + capacity * (2 * d + 3 * mi) * c
         parts["moe"] += t * k * d * c + 3 * t * mi * m.n_shared_experts * c
     return parts

@@ -160,7 +160,7 @@ def _check(both: list[dict]) -> None:
 
 def test_prepare_checks_the_counts():
     ex = ExpertExchange.__new__(ExpertExchange)  # prepare reads only the group size and the token cap
-    ex.cp, ex.t_cap = 2, 8
+    ex.cp, ex.chunk_tokens = 2, 8
     with pytest.raises(ValueError, match=r"expected 2 token counts >= 0 summing to at most 8 .*got \[3, 6\]"):
         ex.plan_batch([3, 6])
     for bad in ([3], [-1, 2]):

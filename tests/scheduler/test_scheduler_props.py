@@ -58,7 +58,7 @@ def check_batch(sched, batch, started):
     check_invariants(lay)
     assert [c.writer for c in lay.current_pages] == [w for e in batch.entries for w in e.writers]
     assert len(batch.entries) <= caps.max_requests
-    assert batch.extend_tokens <= adm.extend_cap
+    assert batch.extend_tokens <= adm.chunk_tokens
     assert batch.prefix_tokens <= caps.cached_tokens
     rows = max(lay.query_tokens(r) for r in range(adm.cp))
     assert adm.buffer_bytes(batch.num_slots, rows) <= caps.buffer_bytes
@@ -68,7 +68,7 @@ def check_batch(sched, batch, started):
         assert e.prefix_len == (r.cached if e.request.rid not in started else started[r.rid])
         started[r.rid] = e.prefix_len + e.extend_len
         if not e.last_chunk:
-            assert e.chunked and e.seq_len % P == 0 and e.extend_len == adm.extend_cap
+            assert e.chunked and e.seq_len % P == 0 and e.extend_len == adm.chunk_tokens
         alone = e.prefix_len % P or (e.chunked and (adm.policy == "solo" or not e.last_chunk))
         if alone:
             assert len(batch.entries) == 1

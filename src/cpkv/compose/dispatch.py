@@ -24,8 +24,8 @@ pairs in the owner's output (sorted position - bounds[owner]) without asking.
         from its expert's rank; the k of a token summed (one reduction, like ``moe.combine_pairs``)
 
 Regions (per rank, in peer memory: /dev/shm on CPU, CUDA IPC on GPU; sized once from the admission caps,
-T_cap = the extend cap, N_cap = T_cap min(k, El)): ``ep.x`` [T_cap, D], ``ep.idx`` int32 [T_cap, k],
-``ep.w`` float32 [T_cap, k], ``ep.y`` [N_cap, D]. One copy of each, no parity halves, because every MoE
+T = ``chunk_tokens``, the chunk in whole pages, N = T min(k, El)): ``ep.x`` [T, D], ``ep.idx`` int32 [T, k],
+``ep.w`` float32 [T, k], ``ep.y`` [N, D]. One copy of each, no parity halves, because every MoE
 layer takes two rounds of the group's one counting barrier (``ComposeRuntime.barrier_round``):
 
 - a rank rewrites its send regions (next MoE layer's dispatch) only after passing this layer's round 2,
@@ -69,11 +69,11 @@ class ExpertExchange:
             raise ValueError(f"cp {self.cp} must divide the routed experts {num_experts}")
         self.hidden, self.k, self.num_experts, self.dtype = hidden, top_k, num_experts, dtype
         self.local = num_experts // self.cp
-        self.t_cap = rt.caps.effective_extend(rt.page_size)
-        self.n_cap = self.t_cap * min(top_k, self.local)
+        self.chunk_tokens = rt.caps.chunk_tokens(rt.page_size)
+        self.pair_rows = self.chunk_tokens * min(top_k, self.local)
         self.peer = self.mem.available
-        shapes = {"x": ((self.t_cap, hidden), dtype), "idx": ((self.t_cap, top_k), torch.int32),
-                  "w": ((self.t_cap, top_k), torch.float32), "y": ((self.n_cap, hidden), dtype)}
+        shapes = {"x": ((self.chunk_tokens, hidden), dtype), "idx": ((self.chunk_tokens, top_k), torch.int32),
+                  "w": ((self.chunk_tokens, top_k), torch.float32), "y": ((self.pair_rows, hidden), dtype)}
         self.own = {n: self.mem.alloc(s, f"ep.{n}", d) for n, (s, d) in shapes.items()} if self.peer else {}
         self.mem.exchange()  # collective: every rank maps every rank's regions
         self.peers = {n: self.mem.peers(f"ep.{n}") for n in REGIONS} if self.peer else {}
@@ -92,8 +92,8 @@ class ExpertExchange:
 
     def plan_batch(self, counts: Sequence[int]) -> "EPBatch":
         """The batch's exchange: ``counts[s]`` query tokens on rank s (host ints, the same on every rank)."""
-        if len(counts) != self.cp or min(counts) < 0 or sum(counts) > self.t_cap:
-            raise ValueError(f"expected {self.cp} token counts >= 0 summing to at most {self.t_cap} (the extend cap), "
+        if len(counts) != self.cp or min(counts) < 0 or sum(counts) > self.chunk_tokens:
+            raise ValueError(f"expected {self.cp} token counts >= 0 summing to at most {self.chunk_tokens} (the chunk), "
                              f"got {list(counts)}")
         return EPBatch(self, [int(c) for c in counts])
 

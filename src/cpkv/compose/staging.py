@@ -8,7 +8,7 @@ Staging, per kind, in peer memory::
                               (compact order restricted to that rank) is page j + 1, so its pages form
                               one contiguous, writable block of rows
 
-C is one round of current pages: the extend cap in pages plus one slack page per request (a request's
+C is one round of current pages: the chunk in pages plus one slack page per request (a request's
 last page may be partial). Layer L writes half L % 2; a half is rewritten (layer L + 2) only after every
 rank passed layer L + 1's barrier, hence finished reading layer L. ``check`` raises StagingOverflow on
 every rank alike, because it is decided from the batch layout only.
@@ -38,7 +38,7 @@ class Staging:
     def __init__(self, model: ModelConfig, page_size: int, caps: AdmissionCaps, alloc) -> None:
         self.page_size, self.caps = page_size, caps
         self.capacity = caps.staging_pages(page_size)
-        expected = caps.effective_extend(page_size) // page_size + caps.max_requests
+        expected = caps.chunk_tokens(page_size) // page_size + caps.max_requests
         assert self.capacity == expected, f"staging identity: {self.capacity} != extend pages + request slack"
         self.page_bytes = {k: page_size * model.row_bytes(k) for k in KINDS}
         self.buffers = {k: alloc((2, 1 + self.capacity, self.page_bytes[k]), f"staging.{k}") for k in KINDS}
@@ -48,7 +48,7 @@ class Staging:
         if num_current > self.capacity:
             raise StagingOverflow(
                 f"batch has {num_current} current pages ({num_requests} requests); staging holds {self.capacity} "
-                f"= extend cap {self.caps.effective_extend(self.page_size)} tokens / page {self.page_size} "
+                f"= chunk {self.caps.chunk_tokens(self.page_size)} tokens / page {self.page_size} "
                 f"+ {self.caps.max_requests} request slack pages")
 
     def half(self, layer: int, kind: str) -> torch.Tensor:

@@ -125,6 +125,6 @@ class EngineConfig:
         return CPConfig(self.cp, self.page_size, self.strategy)
 
     def caps(self) -> AdmissionCaps:
-        """Admission caps: chunk = extend cap; cached cap = every pool's pages; prefetch runs solo."""
+        """Admission caps: chunk = the cap on new tokens; cached cap = every pool's pages; prefetch runs solo."""
         return pool_caps(self.cp, self.page_size, self.pages_per_rank, self.chunk_size,
                          1 if self.mode == "prefetch" else self.max_requests)

@@ -3,7 +3,7 @@
 ``Admission`` holds the static rules (caps, policy, byte sizes); ``PrefillAdder`` builds one batch:
 ``try_add(request)`` answers ``Admitted(entry)`` or ``Rejected(reason)``, ``reason`` naming the cap:
 
-- ``chunk_size``: new tokens of the batch > the chunk size (the extend cap);
+- ``chunk_size``: new tokens of the batch > the chunk size;
 - ``cached_tokens``: carried prefix tokens of the batch > the cached cap;
 - ``buffer_bytes``: dense buffers (both kinds, two parity halves) + staging + indexer logits
   (rows on the busiest rank × the batch's keys × 4 B, within the logits chunk budget) > the buffer cap;
@@ -15,9 +15,9 @@
 Policies. ``solo`` (default): a batch holding a chunked request admits nothing else, and a request
 whose carried prefix is not page-aligned runs alone. ``mix`` (experimental): after a *tail* chunk
 (the last chunk of a chunked request) followers may join within the caps; a full chunk fills the
-extend cap and so stays alone; an unaligned prefix stays alone.
+chunk and so stays alone; an unaligned prefix stays alone.
 
-Chunks: a prompt whose remaining tokens exceed the extend cap runs in chunks of exactly the cap
+Chunks: a prompt whose remaining tokens exceed the chunk runs in chunks of exactly the chunk
 (a multiple of the page size) from its page-aligned cached prefix, so every boundary is page-aligned.
 Each chunk's budget is seeded with its true carried prefix (cache hit + earlier chunks).
 """
@@ -98,8 +98,9 @@ class Admission:
                    logits_budget, model.max_context, policy, replicated, full_hit)
 
     @property
-    def extend_cap(self) -> int:
-        return self.caps.effective_extend(self.page_size)
+    def chunk_tokens(self) -> int:
+        """The new tokens one batch may compute (``AdmissionCaps.chunk_tokens``)."""
+        return self.caps.chunk_tokens(self.page_size)
 
     @property
     def staging_pages(self) -> int:
@@ -130,7 +131,7 @@ class Admission:
 
     def last_prefix(self, prompt_len: int, cached: int) -> int:
         """Carried prefix of the last chunk when the first chunk starts at ``cached``."""
-        cap = self.extend_cap
+        cap = self.chunk_tokens
         rest = prompt_len - cached
         return cached if rest <= cap else cached + (rest - 1) // cap * cap
 
@@ -163,8 +164,8 @@ class Admission:
             return Rejected("cached_tokens", f"its last chunk carries {self.last_prefix(prompt_len, 0)} prefix "
                             f"tokens, above the cached cap of {caps.cached_tokens}", True)
         last = self.last_prefix(prompt_len, 0)
-        for start in sorted({max(0, last - self.extend_cap), last}):  # bytes grow with keys and rows
-            extend = min(self.extend_cap, prompt_len - start)
+        for start in sorted({max(0, last - self.chunk_tokens), last}):  # bytes grow with keys and rows
+            extend = min(self.chunk_tokens, prompt_len - start)
             keys = cdiv(start + extend, P) * P
             if 4 * keys > self.logits_budget:  # one query's logits row alone: the budget is too small, not the chunk
                 return Rejected("logits_budget", f"its chunk at {start} sees {keys} keys: one indexer logits row "
@@ -178,13 +179,13 @@ class Admission:
 
 
 def check_staging_identity(caps: AdmissionCaps, page_size: int, staging_pages: int | None) -> None:
-    """extend cap in pages + one slack page per request must equal the compose runtime's staging pages."""
+    """The chunk in pages + one slack page per request must equal the compose runtime's staging pages."""
     if staging_pages is None:
         return
     want = caps.staging_pages(page_size)
     if staging_pages != want:
         raise AdmissionError(
-            f"staging identity broken: chunk size {caps.effective_extend(page_size)} tokens / page size {page_size}"
+            f"staging identity broken: chunk size {caps.chunk_tokens(page_size)} tokens / page size {page_size}"
             f" + {caps.max_requests} slack pages (one per request) = {want} pages, but the staging holds "
             f"{staging_pages}")
 
@@ -255,8 +256,8 @@ class PrefillAdder:
                 hit, prefix = hit.head(len(hit) - 1), prefix - P
             while len(hit) and adm.last_prefix(prompt, prefix) > adm.caps.cached_tokens:
                 hit, prefix = hit.head(len(hit) - 1), prefix - P
-        extend = min(prompt - prefix, adm.extend_cap)
-        chunked = resumed or prompt - prefix > adm.extend_cap
+        extend = min(prompt - prefix, adm.chunk_tokens)
+        chunked = resumed or prompt - prefix > adm.chunk_tokens
         return _Plan(prefix, extend, chunked, extend == prompt - prefix, hit, fresh)
 
     def _alone(self, plan: _Plan) -> bool:
@@ -269,8 +270,8 @@ class PrefillAdder:
         adm, caps = self.adm, self.adm.caps
         if self.entries and self._alone(plan):
             return Rejected("solo", "this chunk must run alone (chunked or unaligned prefix)")
-        if self.extend + plan.extend > adm.extend_cap:
-            return Rejected("chunk_size", f"{self.extend} + {plan.extend} new tokens > cap {adm.extend_cap}")
+        if self.extend + plan.extend > adm.chunk_tokens:
+            return Rejected("chunk_size", f"{self.extend} + {plan.extend} new tokens > cap {adm.chunk_tokens}")
         if self.cached + plan.prefix > caps.cached_tokens:
             return Rejected("cached_tokens", f"{self.cached} + {plan.prefix} prefix tokens > cap {caps.cached_tokens}")
         need = self._buffer_with(plan, rows)
