@@ -42,7 +42,7 @@ def worker(ctx) -> dict:
     rt = ComposeRuntime.create(ctx, preset("glm5"), num_pages=1200, page_size=64, caps=caps, num_layers=4)
     layout = build_layout([(16384, 4096), (8192, 2048)], page_size=64, cp=ctx.world_size)
     ids = list(range(1, layout.num_current + 1))
-    plan = rt.prepare(layout, ids)
+    plan = rt.plan_batch(layout, ids)
     halves = {k: 0 for k in KINDS}
     out = {"barrier": type(rt.barrier).__name__}
     out["barrier_us"] = _us(ctx, rt, lambda i: rt.barrier_round())

@@ -82,7 +82,7 @@ def _fake_launcher(log: list, builds: list):
 def _launch_logs(ctx, split: bool = False):
     """Per batch: the raw launches of every layer's symm compose_layer with the launches prepared by
     ``prepare`` (and re-pointed per layer), then the same layers with every launch built in full on first use.
-    ``split``: ``prepare`` makes the first layer's launches alone, ``prepare_launches`` the others once the first
+    ``split``: ``plan_batch`` makes the first layer's launches alone, ``build_launches`` the others once the first
     layer has composed (as the engine's forward does)."""
     import cpkv.compose.launches as R
     from cpkv.compose.runtime import ComposeRuntime
@@ -105,7 +105,7 @@ def _launch_logs(ctx, split: bool = False):
         R.relaunch_with = real_relaunch
         uses = dict(rt.uses)
         before = len(builds)
-        plan = rt.prepare(layout, ids, launch_layers=1 if split else None)
+        plan = rt.plan_batch(layout, ids, launch_layers=1 if split else None)
         prepared = sum(len(e.launchers) for e in (plan.all, plan.persist_entries))
         at_prepare = len(builds) - before
         del log[:]
@@ -113,7 +113,7 @@ def _launch_logs(ctx, split: bool = False):
             rt.compose_layer(plan, n)
             if split and n == 0:
                 mark = len(builds)
-                rt.prepare_launches(plan)
+                rt.build_launches(plan)
                 at_prepare += len(builds) - mark
                 prepared = sum(len(e.launchers) for e in (plan.all, plan.persist_entries))
         ahead = list(log)
@@ -174,7 +174,7 @@ def test_relaunch_with_repoints_outputs_and_tables_only():
 
 
 def test_compose_launches_prepared_after_the_first_layer_equal_full_builds():
-    """The engine's split: ``prepare`` builds the first layer's launches, ``prepare_launches`` the others after the
+    """The engine's split: ``plan_batch`` builds the first layer's launches, ``build_launches`` the others after the
     first layer composed (the staging use counters continued from its simulation): the same raw launches as
     launches built in full, none built inside a layer's compose."""
     from cpkv.dist import launch

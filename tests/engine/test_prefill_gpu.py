@@ -33,7 +33,7 @@ def _storm(ctx, rounds: int) -> dict:
     mem.alloc((2, STAMP), "stamp", torch.int64)
     mem.exchange()
     kind = type(bar).__name__
-    bar.prepare()
+    bar.bind()
     stamps = mem.peers("stamp")
     bad = torch.zeros(rounds, ctx.world_size, dtype=torch.int64, device=ctx.device)
     for k in range(1, rounds + 1):
@@ -71,7 +71,7 @@ def _late(ctx) -> dict:
     mem = PeerMemory.create(ctx)
     bar = make_barrier(mem, name="late", timeout_s=0.5)
     mem.exchange()
-    bar.prepare()
+    bar.bind()
     msg, after_s = None, None
     if ctx.rank != ctx.world_size - 1:
         bar()

@@ -36,7 +36,7 @@ def test_prepare_keeps_a_quantised_input():
     x = torch.randn(4, 512)
     qa = quant_act(x)
     lin = Linear(torch.randn(16, 512))
-    assert lin.prepare(qa) is qa and lin.prepare(x) is x and not lin.quantises(x)
+    assert lin.quantised_input(qa) is qa and lin.quantised_input(x) is x and not lin.quantises(x)
 
 
 def test_token_rows_dispatch_equals_the_layer_s_former_path():

@@ -30,7 +30,7 @@ def step(sched):
     if batch is None:
         return None, []
     entries = [(e.rid, e.prefix_len, e.extend_len) for e in batch.entries]
-    return entries, sched.finish(batch)
+    return entries, sched.postprocess(batch)
 
 
 def test_decode_steps_go_before_new_prompts():
@@ -97,5 +97,5 @@ def test_cancel_refuses_while_a_batch_is_in_flight():
     batch = sched.next_batch()
     with pytest.raises(AdmissionError, match="in flight"):
         sched.cancel(r)
-    sched.finish(batch)
+    sched.postprocess(batch)
     assert not sched.cancel(r)  # finished: nothing to take out

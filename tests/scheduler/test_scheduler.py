@@ -39,7 +39,7 @@ def run_all(sched):
             break
         check_invariants(batch.layout())
         out.append([(e.rid, e.prefix_len, e.extend_len, e.chunked, e.last_chunk) for e in batch.entries])
-        sched.finish(batch)
+        sched.postprocess(batch)
     return out
 
 
@@ -181,7 +181,7 @@ def test_buffer_cap_admits_followers_within_bytes():
         for rid, base, n in (("A", 100, 36), ("B", 300, 5), ("C", 400, 5)):
             sched.add(req(rid, toks(base, n)))
         for _ in range(2):
-            sched.finish(sched.next_batch())
+            sched.postprocess(sched.next_batch())
         return sched, cache
 
     sched, cache = setup()
@@ -196,7 +196,7 @@ def test_buffer_cap_admits_followers_within_bytes():
     assert [e.rid for e in b3.entries] == ["A", "B"]
     rows = max(b3.layout().query_tokens(r) for r in range(2))
     assert sched.adm.buffer_bytes(b3.num_slots, rows) <= one + 1
-    sched.finish(b3)
+    sched.postprocess(b3)
     assert run_all(sched) == [[("C", 0, 5, False, True)]]
 
 
@@ -205,7 +205,7 @@ def test_page_tail_split_of_the_tail_chunk_under_mix():
     sched.add(req("A", toks(100, 38)))    # chunks 16, 16, 6: the tail ends in a half page
     sched.add(req("B", toks(300, 7)))
     for _ in range(2):
-        sched.finish(sched.next_batch())
+        sched.postprocess(sched.next_batch())
     batch = sched.next_batch()
     lay = batch.layout()
     check_invariants(lay)
@@ -215,7 +215,7 @@ def test_page_tail_split_of_the_tail_chunk_under_mix():
     assert b.slot_start == a.slot_end                       # B starts on a fresh page after A's tail
     assert lay.num_current <= sched.adm.staging_pages      # one slack page per request covers the tails
     tail = batch.entries[0].pages[-1]
-    sched.finish(batch)
+    sched.postprocess(batch)
     owner, pid = tail
     assert allocs[owner].refcount(pid) == 0                 # the partial page is not cached
     assert cache.match(toks(100, 38)).num_tokens == 36
@@ -289,7 +289,7 @@ def test_replicated_kv_uses_one_pool():
     batch = sched.next_batch()
     e = batch.entries[0]
     assert {o for o, _ in e.pages} == {0} and set(e.writers) == {0, 1, 2, 3}
-    sched.finish(batch)
+    sched.postprocess(batch)
     run_all(sched)
     assert cache.match(toks(100, 30)).num_tokens == 28
     assert_clean(cache, allocs)
@@ -301,9 +301,9 @@ def test_next_batch_requires_finish():
     batch = sched.next_batch()
     with pytest.raises(AdmissionError, match="in flight"):
         sched.next_batch()
-    sched.finish(batch)
+    sched.postprocess(batch)
     with pytest.raises(AdmissionError, match="not the batch in flight"):
-        sched.finish(batch)
+        sched.postprocess(batch)
 
 
 def test_scheduler_package_imports_no_torch():
@@ -338,7 +338,7 @@ def test_host_tier_spills_through_the_hook_and_admits_the_device_run():
     batch = sched.next_batch()
     e = batch.entries[0]
     assert e.prefix_len == P * next(i for i, n in enumerate(m.nodes) if not n.on_device)
-    sched.finish(batch)
+    sched.postprocess(batch)
 
 
 def test_try_add_refuses_misuse():

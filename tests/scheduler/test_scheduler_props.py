@@ -104,7 +104,7 @@ def step(sched, batch, started, first):
             first.append(e.request.rid)
     check_batch(sched, batch, started)
     out = [(e.rid, e.prefix_len, e.extend_len, e.pages) for e in batch.entries]
-    sched.finish(batch)
+    sched.postprocess(batch)
     return out
 
 

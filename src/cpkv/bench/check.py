@@ -164,7 +164,7 @@ def rank_worker(ctx: RankContext, cfg: CheckConfig) -> dict[str, Any]:
     solo = 0
     for b in range(cfg.batches):
         layout, ids = draw_batch(cfg, b)
-        plan = rt.prepare(layout, ids)
+        plan = rt.plan_batch(layout, ids)
         _fence_batch(ctx, rt)
         solo += len(layout.requests) == 1
         for mode in cfg.modes:

@@ -140,7 +140,6 @@ class DeviceBarrier:
         """Compile and bind the kernel now (after ``mem.exchange()``), so the first round launches at once."""
         self._launcher()
 
-    prepare = bind  # the name the GPU tests use
 
     def __call__(self) -> None:
         """One round, enqueued on the current stream: no host wait."""

@@ -97,7 +97,6 @@ class ExpertExchange:
                              f"got {list(counts)}")
         return EPBatch(self, [int(c) for c in counts])
 
-    prepare = plan_batch  # the engine's name for it
 
     def gather_rows(self, name: str, src: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """[n, D]: row ``row[i]`` of rank ``src[i]``'s region ``name`` (x or y); where src[i] < 0 zeros, or on the

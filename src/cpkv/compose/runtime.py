@@ -144,7 +144,6 @@ class ComposeRuntime:
         self.build_launches(plan, layers=launch_layers)
         return plan
 
-    prepare = plan_batch  # the engine's name for it
 
     def build_launches(self, plan: ComposePlan, mode: str | None = None, layers: int | None = None) -> None:
         """Build every launch the batch's forward will make under ``symm`` (``GatherLaunches.build``) for the
@@ -158,7 +157,6 @@ class ComposeRuntime:
         # last call's simulation left them (whatever the layers have composed since)
         self.launches.build(plan, plan.launch_uses if plan.launch_layers else self.uses, stop)
 
-    prepare_launches = build_launches  # the engine's name for it
 
     def _checked(self, plan: ComposePlan) -> ComposePlan:
         if not isinstance(plan, ComposePlan):

@@ -193,7 +193,7 @@ class BatchExecutor:
                 inst.launched(launch)  # every kernel of the forward launched
                 mark("launched")
                 if then is not None:
-                    finished = self.sched.finish(batch)  # bookkeeping only: the next batch's kernels run after
+                    finished = self.sched.postprocess(batch)  # bookkeeping only: the next batch's kernels run after
                     nxt = self._plan_next(then, slot)    # this one's on the stream
             logits = {i: out[i].detach().float() for i, e in enumerate(batch.entries) if e.last_chunk and i in out}
             chained = self._chain_on(launch, start_ev, rec, logits) if nxt is not None and prof is None and \
@@ -205,7 +205,7 @@ class BatchExecutor:
         self.batches += 1
         inst.after_batch(batch, self.batches, ahead is not None, prof, host_prof)
         if finished is None:
-            finished = self.sched.finish(batch)
+            finished = self.sched.postprocess(batch)
         return BatchResult(finished, {batch.entries[i].rid: v for i, v in logits.items()}, nxt, chained)
 
     def _forward(self, batch: Batch, ahead: Ahead | None) -> dict[int, torch.Tensor]:
@@ -215,7 +215,7 @@ class BatchExecutor:
             self.tap.batch_ends({i for i, e in enumerate(batch.entries) if e.last_chunk})
         if ahead is None:
             layout, page_ids, spec = self._spec(batch)
-            first = lambda: self.rt.prepare(layout, page_ids, launch_layers=1)  # noqa: E731
+            first = lambda: self.rt.plan_batch(layout, page_ids, launch_layers=1)  # noqa: E731
             plan = rank_plan(spec, self.rank, self.model, self.ep)
             out = run_batch(self.model, self.rt, first, plan, self.graphs)
         else:
@@ -298,7 +298,7 @@ class BatchExecutor:
         layout, page_ids, spec = self._spec(batch)
         plan = rank_plan(spec, self.rank, self.model, self.ep)
         plan.rotary(self.model)
-        compose = self.rt.prepare(layout, page_ids)
+        compose = self.rt.plan_batch(layout, page_ids)
         plan.complete(self.model, chunks=None)
         return Ahead(batch, plan, compose)
 

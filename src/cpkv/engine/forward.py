@@ -8,7 +8,7 @@
     last token sits when this rank holds it. Its device tensors are written straight into the pinned staging
     buffer and uploaded asynchronously in one copy, so neither the plan nor the forward pass waits on the
     device (``cpkv.upload``). The GPU starts on the batch (its embedding) right after that copy; the rotary
-    tables are built behind the embedding, the compose plan (``run_batch``'s ``prepare``) after the first
+    tables are built behind the embedding, the compose plan (``run_batch``'s ``compose_plan``) after the first
     layer's projections, and the attention part (key ranges, the indexer's chunks and work items: most of the
     plan's host time) by ``RankPlan.complete`` after the first layer's compose is launched.
 
@@ -132,7 +132,7 @@ def rank_plan(spec: BatchSpec, rank: int, model: DSAModel, ep: Any = None) -> Ra
     ids_d, pos_d, last_d = staged.send()  # one copy
     mark("rank plan uploaded")
     counts = [sum(e - s for _, s, e in ranges) for ranges in lay.rank_query_ranges]
-    return RankPlan(ids_d, pos_d, last, last_d, ep.prepare(counts) if ep is not None else None,
+    return RankPlan(ids_d, pos_d, last, last_d, ep.plan_batch(counts) if ep is not None else None,
                     tuple((s, e, base) for _, s, e, base in runs), model.cfg.index_topk,
                     reqs=tuple(req for req, _, _, _ in runs))
 
@@ -148,11 +148,11 @@ def _logits_work_shape(model: DSAModel):
     return planned_work_shape(cfg.index_n_heads, cfg.index_head_dim, model.device)
 
 
-def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], ComposePlan] | ComposePlan",
+def run_batch(model: DSAModel, rt: "ComposeRuntime", compose_plan: "Callable[[], ComposePlan] | ComposePlan",
               plan: RankPlan, graphs: "LayerGraphs | None" = None) -> dict[int, torch.Tensor]:
     """-> {request index: float32 [vocab] last-token logits} for the requests whose last token is here.
 
-    ``prepare``: builds the batch's compose plan (``rt.prepare``: it persists current pages into the batch's
+    ``compose_plan``: builds the batch's compose plan (``rt.plan_batch``: it persists current pages into the batch's
     page ids; the engine asks it for the first layer's compose launches alone, the others are prepared once the
     first layer is launched), called once the first layer's projections are launched, then ``plan.complete``;
     or the compose plan itself, built ahead (``plan`` completed then too);
@@ -180,7 +180,7 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
         return p
 
     p = project(0, model.layers[0]) if model.layers else None
-    compose = prepare() if callable(prepare) else prepare  # the plan's host work while the GPU runs the first
+    compose = compose_plan() if callable(compose_plan) else compose_plan  # the plan's host work while the GPU runs the first
     #                                                           projections (unless it was built ahead)
     mark("compose plan")
     attn = None
@@ -208,7 +208,7 @@ def run_batch(model: DSAModel, rt: "ComposeRuntime", prepare: "Callable[[], Comp
         elif plan.ep is not None and layer.is_moe:
             layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
         if n == 0:  # the other layers' prepared compose launches, behind the GPU's work on the first layer
-            rt.prepare_launches(compose)
+            rt.build_launches(compose)
     if not plan.last:
         return {}
     if g is not None:

@@ -71,7 +71,7 @@ class Linear:
             return fp8_linear(x, self.weight, self.scale, self.backends)
         return F.linear(x.dequant() if isinstance(x, QuantAct) else x, self.weight)
 
-    def prepare(self, x: torch.Tensor | QuantAct) -> torch.Tensor | QuantAct:
+    def quantised_input(self, x: torch.Tensor | QuantAct) -> torch.Tensor | QuantAct:
         """x itself, or (an fp8 weight on the ``_scaled_mm`` path) x quantised, to be shared by every fp8
         layer reading x. A QuantAct (x quantised already, e.g. by its fused norm) is returned as it is."""
         if isinstance(x, QuantAct):
@@ -188,7 +188,7 @@ def swiglu(x: torch.Tensor | QuantAct, gate_up: Linear, down: Linear) -> torch.T
     """x [T, D] (or its QuantAct) -> down(silu(g) * u) [T, D], (g | u) = gate_up(x) [T, 2I]. fp8 ``down`` on the
     ``_scaled_mm`` path: SiLU, product and the 1 x 128 quantisation in one Triton kernel (where ``down``'s
     backends run Triton)."""
-    gu = gate_up(gate_up.prepare(x))
+    gu = gate_up(gate_up.quantised_input(x))
     m, i = gu.shape[0], gu.shape[1] // 2
     triton = down.backends.triton
     if down.fp8 and scaled_mm_ok(gu, down.weight) and triton:

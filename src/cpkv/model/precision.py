@@ -121,7 +121,7 @@ class ExactPrecision:
         """torch's separate add, norm and (fp8 weights) quantisation."""
         h = h if delta is None else h + delta
         x = rms_norm(h, weight, eps)
-        return h, x, reader.prepare(x) if reader is not None else x
+        return h, x, reader.quantised_input(x) if reader is not None else x
 
     def token_kv(self, kv: torch.Tensor, norm_weight: torch.Tensor, rot: Rotary) -> torch.Tensor:
         """kv_a output [T, kv_lora + rope] -> [T, kv_lora + rope] in the compute dtype: RMSNorm'd latent | rotated

@@ -21,7 +21,7 @@ The engine's loop::
                                  #   prefix (held), prefix_pages / pages (owner, page id), writers
     layout = batch.layout()      # build_layout(...) with the entries' prefix pages: same writers
     ...                          # forward: write each entry's new KV into entry.pages
-    finished = sched.finish(batch)   # full pages committed to the KV cache (writers own them), partial
+    finished = sched.postprocess(batch)   # full pages committed to the KV cache (writers own them), partial
                                      # pages released, prefix dropped, next chunk requeued first
 
 ``kv`` is the ``cpkv.kvcache.KVCacheManager``: the scheduler reaches the cache through its verbs only.

@@ -153,7 +153,7 @@ def _run_batch(sched: Scheduler, batch: Batch, t: float, costs: CostModel, repli
     t_end = t + costs.batch_seconds(batch, replicated)
     for e in batch.entries:
         e.request.meta.setdefault("start", t)
-    done = sched.finish(batch)
+    done = sched.postprocess(batch)
     res.batches += 1
     res.batch_entries += len(batch.entries)
     for r in done:

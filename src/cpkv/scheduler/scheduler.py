@@ -5,7 +5,7 @@
     while sched.has_work:
         batch = sched.next_batch()          # entries: (request, prefix_len, extend_len, pages, ...)
         ...run the forward, writing each entry's KV into entry.pages...
-        done = sched.finish(batch)          # commits full pages to the KV cache, releases the rest, requeues
+        done = sched.postprocess(batch)          # commits full pages to the KV cache, releases the rest, requeues
 
 One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the decode
 steps of running generations (``add(req, decode=True)``, the online engine), then the waiting queue in
@@ -153,7 +153,7 @@ class Scheduler:
         self.in_flight = batch
         return batch
 
-    def finish(self, batch: Batch) -> list[Request]:
+    def postprocess(self, batch: Batch) -> list[Request]:
         """The batch's KV is written: cache its full pages, free the rest, requeue unfinished requests.
 
         Returns the requests whose last chunk this was.
