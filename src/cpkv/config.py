@@ -21,7 +21,7 @@ QUANT_GROUP = 128
 KINDS = ("token", "index")
 STRATEGIES = ("zigzag", "contiguous", "round-robin")
 DEFAULT_PAGE_SIZE = 64  # tokens per KV page, every command's default
-# sparse attention backends (cpkv.attention.sparse_mla, CPKV_SPARSE_MLA): FlashMLA where installed (auto), or one
+# sparse attention backends (cpkv.attention.sparse, CPKV_SPARSE_MLA; resolved by cpkv.kernels.platform.resolve): FlashMLA where installed (auto), or one
 SPARSE_BACKENDS = ("auto", "cpkv", "flashmla")
 
 # The compose modes (cpkv.compose.modes runs them): name -> what it does, in one line. All give byte-identical

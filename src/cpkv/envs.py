@@ -128,7 +128,7 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_COMPOSE_MODE", "symm", _mode, f"Default compose mode ({', '.join(COMPOSE_MODES)})."),
     EnvVar("CPKV_DISABLE_PEER_MEMORY", False, _bool, "Force the collective fallback: never use peer memory."),
     EnvVar("CPKV_DISABLE_TRITON", False, _bool,
-           "Use the pure-torch references even on CUDA (read once, when a model loads)."),
+           "Use the pure-torch references even on CUDA, no Triton or Gluon kernel (read once, when a model loads)."),
     EnvVar("CPKV_SPARSE_MLA", "auto", _sparse_backend,
            "Sparse attention: auto (FlashMLA where the flash_mla package imports and takes the call, else cpkv's "
            "kernel), cpkv, or flashmla (an error where it does not import); read once, when a model loads."),

@@ -314,3 +314,18 @@ def test_flashmla_applies_only_to_its_shapes():
 
     q, kv = torch.zeros(3, 64, 576, dtype=torch.bfloat16), torch.zeros(10, 576, dtype=torch.bfloat16)
     assert not flashmla.applies(q, kv, 512)  # CPU tensors
+
+
+@pytest.mark.parametrize("disable,torch_mm,triton,grouped", [
+    (False, False, True, "gluon"), (True, False, False, "torch"), (False, True, True, "torch"), (True, True, False, "torch"),
+])
+def test_backends_on_a_hopper_gpu_follow_the_switches(monkeypatch, disable, torch_mm, triton, grouped):
+    """``resolve`` on a (pretended) Hopper GPU with Triton and Gluon importable: ``CPKV_DISABLE_TRITON`` turns off
+    every Triton and Gluon kernel, the bf16 grouped expert GEMM included; ``CPKV_GROUPED_MM_TORCH`` that one alone."""
+    from cpkv.kernels import platform
+
+    monkeypatch.setattr(platform, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(platform, "triton_importable", lambda: True)
+    monkeypatch.setattr(platform, "gluon_importable", lambda: True)
+    b = platform.resolve("cuda", disable_triton=disable, sparse_mla="cpkv", grouped_mm_torch=torch_mm)
+    assert (b.triton, b.grouped_mm, b.sparse_mla) == (triton, grouped, "cpkv")

@@ -110,7 +110,7 @@ class Recorder:
         return self.rank == 0 and not self.fired
 
     def route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact)
+        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact, backends=layer.backends)
         idx = pick_experts(choice, self.cfg)
         buf = self.route_buf.get(layer.n)
         if buf is None:
@@ -307,7 +307,7 @@ class Forced:
 
     def route(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = layer.cfg
-        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact)
+        scores, choice = route_scores(x, *_router(layer), fused=not layer.exact, backends=layer.backends)
         own = pick_experts(choice, cfg)
         rec = self.route_rec.get(layer.n)
         count = self.counts["route"]

@@ -82,7 +82,7 @@ def resolve(device: torch.device | str, *, disable_triton: bool | None = None, s
     if grouped_mm_torch is None:
         grouped_mm_torch = envs.get("CPKV_GROUPED_MM_TORCH")
     hopper = capability(device)[0] == 9
-    gluon = hopper and gluon_importable() and not grouped_mm_torch
+    gluon = hopper and gluon_importable() and not (grouped_mm_torch or disable_triton)  # Gluon is Triton's
     return Backends(triton=triton_importable() and not disable_triton,
                     sparse_mla=_sparse_mla(envs.get("CPKV_SPARSE_MLA") if sparse_mla is None else sparse_mla, hopper),
                     grouped_mm="gluon" if gluon else "torch")
