@@ -139,7 +139,7 @@ class BatchExecutor:
 
         The queue head may evict to make room; later requests only use free pages (no thrashing).
         When any page came back, the group synchronises: peers gather prefix pages straight from the
-        owner's pool (``v2`` before any collective), so the bytes must have landed first. Before the first
+        owner's pool (``prefix-gather`` before any collective), so the bytes must have landed first. Before the first
         page comes back it synchronises too (``_fence_reload``): the page it lands in may have been a prefix
         page of the batch just done (evicted here to make room), which a slower peer may still be
         gathering (``symm``/``prefetch`` gather after the batch's last barrier round, which this rank has passed
