@@ -383,19 +383,22 @@ class CPConfig:
 class Sizes:
     """The batch and pool sizes a command starts from, each overridden by its own flag: ``chunk_size`` (new tokens
     per batch, and the chunk a long prompt is cut into), ``max_requests`` (entries per batch), ``pages_per_rank``
-    (each rank's device pool, page 0 reserved). Every command names the preset it starts from (``SIZES``)."""
+    (each rank's device pool, page 0 reserved), ``cp`` (the CP group's ranks). Every command names the preset it
+    starts from (``SIZES``)."""
 
     chunk_size: int
     max_requests: int
     pages_per_rank: int
+    cp: int
 
 
-# The named size presets. "model": a real model on a GPU (``cpkv plan``, ``cpkv replay``, the memory plan, the
-# admission caps); "toy": the tiny preset on a CPU, where a 512-token chunk already cuts the built-in trace's
-# prompts (``cpkv run``, ``cpkv serve``, ``cpkv bench serve``, ``EngineConfig``).
+# The named size presets. "model": a real model on an 8-GPU node (``cpkv plan``, ``cpkv replay``, the memory plan,
+# the admission caps); "toy": the tiny preset on a CPU, where a 512-token chunk already cuts the built-in trace's
+# prompts and two ranks show the shared KV (``cpkv run``, ``cpkv serve``, ``cpkv bench serve``, ``EngineConfig``,
+# ``cpkv bench compose`` / ``check compose``). ``cpkv bench engine`` measures one GPU: its cp is 1 unless told.
 SIZES: dict[str, Sizes] = {
-    "model": Sizes(chunk_size=16384, max_requests=16, pages_per_rank=1024),
-    "toy": Sizes(chunk_size=512, max_requests=8, pages_per_rank=256),
+    "model": Sizes(chunk_size=16384, max_requests=16, pages_per_rank=1024, cp=8),
+    "toy": Sizes(chunk_size=512, max_requests=8, pages_per_rank=256, cp=2),
 }
 MODEL_SIZES, TOY_SIZES = SIZES["model"], SIZES["toy"]
 

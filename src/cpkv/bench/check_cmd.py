@@ -12,7 +12,9 @@ HELP = "Compose dense KV in N real rank processes with every mode; compare byte 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
 
-    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
+    from cpkv.config import TOY_SIZES
+
+    p.add_argument("--cp", type=a.ranks, default=TOY_SIZES.cp, help=f"rank processes (default {TOY_SIZES.cp})")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--batches", type=a.bounded_int(1, 100_000), default=6, help="random batches (default 6)")
     p.add_argument("--seed", type=a.seed, default=0)

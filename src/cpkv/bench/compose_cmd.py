@@ -13,7 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.cli import args as a
 
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
+    from cpkv.config import TOY_SIZES
+
+    p.add_argument("--cp", type=a.ranks, default=TOY_SIZES.cp, help=f"rank processes (default {TOY_SIZES.cp})")
     p.add_argument("--modes", default="all", help="comma-separated modes (listed below) or all")
     p.add_argument("--model", default="glm5", help="row sizes and layer count from this preset (default glm5)")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE)

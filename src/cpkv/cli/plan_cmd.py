@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.memplan import WEIGHTS
 
     p.add_argument("--model", required=True, help="preset (glm5, deepseek-v32, tiny) or checkpoint dir (config.json)")
-    p.add_argument("--cp", type=a.sim_ranks, required=True, help="ranks (one GPU each); the experts split over them")
+    p.add_argument("--cp", type=a.sim_ranks, default=SIZES.cp,
+                   help=f"ranks (one GPU each; default {SIZES.cp}, a node); the experts split over them")
     p.add_argument("--gpu-memory", type=a.bounded_float(0.0, MAX_GPU_GB), metavar="GB",
                    help=f"memory of one GPU in GB of 10^9 bytes (default: the visible GPU's, else {DEFAULT_GPU_GB:g})")
     p.add_argument("--weights", choices=WEIGHTS,

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=(*POLICIES, "both"), default="solo", help="admission policy (default solo)")
     p.add_argument("--kv", choices=(*KV_MODES, "both"), default="shared",
                    help="KV capacity: shared (each page once in the group) or replicated (on every rank)")
-    p.add_argument("--cp", type=a.sim_ranks, default=8, help="context-parallel ranks (default 8)")
+    p.add_argument("--cp", type=a.sim_ranks, default=SIZES.cp, help=f"context-parallel ranks (default {SIZES.cp})")
     p.add_argument("--chunk-size", type=a.tokens, default=SIZES.chunk_size,
                    help=f"new tokens per batch, and the chunk a long prompt is cut into (default {SIZES.chunk_size})")
     p.add_argument("--kv-tokens-per-rank", type=a.bounded_int(1, a.MAX_KV_TOKENS), default=None,

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     SIZES = PRESETS["toy"]  # the tiny preset on a CPU, the default model's sizes
     from cpkv.engine.config import MODES
 
-    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2; WORLD_SIZE under torchrun)")
+    p.add_argument("--cp", type=a.ranks, default=SIZES.cp,
+                   help=f"rank processes (default {SIZES.cp}; WORLD_SIZE under torchrun)")
     p.add_argument("--mode", type=compose_mode, choices=MODES, default=envs.get("CPKV_COMPOSE_MODE"),
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")

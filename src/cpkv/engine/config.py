@@ -48,7 +48,7 @@ class EngineConfig:
     num_layers: int | None = None
     experts: int | None = None  # routed experts per MoE layer (ModelConfig.with_experts: one rank's share on one
     #                             GPU); None: the model's
-    cp: int = 2
+    cp: int = TOY_SIZES.cp
     mode: str = "symm"
     device: str = "cpu"
     page_size: int = DEFAULT_PAGE_SIZE

@@ -29,7 +29,7 @@ KV_MODES = ("shared", "replicated")
 class ReplayConfig:
     policy: str = "solo"
     kv: str = "shared"
-    cp: int = 8
+    cp: int = MODEL_SIZES.cp
     page_size: int = DEFAULT_PAGE_SIZE
     chunk_size: int = MODEL_SIZES.chunk_size
     max_requests: int = MODEL_SIZES.max_requests

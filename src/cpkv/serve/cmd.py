@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "replacing the tokenizer's")
     p.add_argument("--context-length", type=a.bounded_int(2, 1 << 30), metavar="N",
                    help="tokens a request may hold, prompt and generation together (default: the model's)")
-    p.add_argument("--cp", type=a.ranks, default=2, help="rank processes (default 2)")
+    p.add_argument("--cp", type=a.ranks, default=SIZES.cp, help=f"rank processes (default {SIZES.cp})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=a.bounded_int(0, 65535), default=30000, help="port (default 30000; 0: a free one, printed)")
