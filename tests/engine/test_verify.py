@@ -17,6 +17,8 @@ from cpkv.config import preset
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.decisions import DecisionLog
 from cpkv.engine.engine import RequestResult, VerifyReport, _check_request, run_jobs, verify_run
+from cpkv.engine.instruments import MeasureConfig
+from cpkv.errors import ConfigError
 from cpkv.engine.taps import BatchDecisions, Forced, route_margin
 from cpkv.model.model import load_model
 from cpkv.model.moe import pick_experts, route_scores
@@ -33,8 +35,7 @@ def test_planted_faults_fail_and_the_clean_run_passes(cp):
     trace = default_trace(6)
     clean = dataclasses.replace(BASE, cp=cp)
     plants = ["expert", "combine", "index", "page"]
-    results = run_jobs([(clean, trace)] + [(dataclasses.replace(clean, plant=p), trace) for p in plants],
-                       timeout_s=600)
+    results = run_jobs([(clean, trace)] + [(clean, trace, MeasureConfig(plant=p)) for p in plants], timeout_s=600)
     ok = verify_run(results[0], trace)
     assert ok.ok and ok.decisions["route"].compared > 0 and ok.decisions["index"].compared > 0, ok.failures
     assert ok.decisions["route"].unforced == ok.decisions["index"].unforced == 0
@@ -48,10 +49,11 @@ def test_planted_faults_fail_and_the_clean_run_passes(cp):
 
 
 def test_a_planted_fault_needs_an_eager_run():
-    with pytest.raises(Exception, match="graph_tokens must be 0"):
-        dataclasses.replace(BASE, plant="page", graph_tokens=64)
-    with pytest.raises(Exception, match="unknown planted fault"):
-        dataclasses.replace(BASE, plant="nope")
+    """Both refused before any rank starts."""
+    with pytest.raises(ConfigError, match="graph_tokens must be 0"):
+        run_jobs([(dataclasses.replace(BASE, graph_tokens=64), default_trace(2), MeasureConfig(plant="page"))])
+    with pytest.raises(ConfigError, match="unknown planted fault"):
+        MeasureConfig(plant="nope")
 
 
 def _batch(batch: int, runs, route: dict, values: dict | None = None) -> BatchDecisions:

@@ -34,10 +34,11 @@ def test_planted_faults_fail_verification_at_glm5_shapes(plant):
     the same run without the fault passes (cp 2, bf16 weights, eager)."""
     from cpkv.cli.traces import default_trace
     from cpkv.engine.engine import run_jobs, verify_run
+    from cpkv.engine.instruments import MeasureConfig
 
     trace = default_trace(6)
     clean = _cfg("glm5", 2, graph_tokens=0)
-    ok, bad = run_jobs([(clean, trace), (dataclasses.replace(clean, plant=plant), trace)], timeout_s=900)
+    ok, bad = run_jobs([(clean, trace), (clean, trace, MeasureConfig(plant=plant))], timeout_s=900)
     assert verify_run(ok, trace).ok
     rep = verify_run(bad, trace)
     assert not rep.ok and rep.failures, plant
@@ -47,10 +48,11 @@ def test_planted_index_fault_fails_verification_on_the_gpu():
     """The tiny preset (top-k 64: the built-in trace runs sparse selection): one replaced selection fails."""
     from cpkv.cli.traces import default_trace
     from cpkv.engine.engine import run_jobs, verify_run
+    from cpkv.engine.instruments import MeasureConfig
 
     trace = default_trace(6)
     clean = _cfg("tiny", 2, graph_tokens=0)
-    ok, bad = run_jobs([(clean, trace), (dataclasses.replace(clean, plant="index"), trace)], timeout_s=900)
+    ok, bad = run_jobs([(clean, trace), (clean, trace, MeasureConfig(plant="index"))], timeout_s=900)
     assert verify_run(ok, trace).ok
     rep = verify_run(bad, trace)
     assert not rep.ok and rep.decisions["index"].unexplained >= 1

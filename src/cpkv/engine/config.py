@@ -66,7 +66,6 @@ class EngineConfig:
     #                        buffers and padding, run eagerly
     warmup: bool = False  # replay the trace once untimed first (JIT-compiles/autotunes the GPU kernels)
     record: bool = False  # record the layers' discrete decisions (experts, indexer selections) for verification
-    plant: str | None = None  # testing: a planted fault (cpkv.engine.taps.PLANTS) verification must catch
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.executor)
     chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
 
@@ -85,12 +84,6 @@ class EngineConfig:
         if not isinstance(self.graph_tokens, int) or not 0 <= self.graph_tokens <= 1 << 16:
             raise ConfigError(f"graph_tokens must be an integer in 0..65536, got {self.graph_tokens!r}")
         check_batch_sizes(self.page_size, self.chunk_size, self.max_requests)
-        if self.plant is not None:
-            from cpkv.engine.taps import PLANTS
-            if self.plant not in PLANTS:
-                raise ConfigError(f"unknown planted fault {self.plant!r}; expected one of {', '.join(PLANTS)}")
-            if self.graph_tokens:
-                raise ConfigError("a planted fault runs eagerly: graph_tokens must be 0")
         if self.num_layers is not None and self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.weights not in WEIGHTS:

@@ -25,7 +25,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from cpkv.engine.config import EngineConfig
-from cpkv.errors import NonFiniteError
+from cpkv.errors import ConfigError, NonFiniteError
 from cpkv.engine.rank import Job, RankOutput, job_parts, rank_main
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens
 
@@ -115,6 +115,8 @@ def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 600.0, grace_s: float = 
     from cpkv.dist import launch
 
     jobs = [job_parts(j) for j in jobs]
+    if any(m is not None and m.plant and c.graph_tokens for c, _, m in jobs):
+        raise ConfigError("a planted fault runs eagerly: graph_tokens must be 0")
     cp, device = jobs[0][0].cp, jobs[0][0].device
     if any(c.cp != cp or c.device != device for c, _, _ in jobs):
         raise ValueError("run_jobs: every job must use the same cp and device")

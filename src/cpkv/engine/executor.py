@@ -93,11 +93,11 @@ class BatchExecutor:
         self.rt = ComposeRuntime.create(ctx, model.cfg, num_pages=cfg.pages_per_rank, page_size=cfg.page_size,
                                         caps=caps, mode=cfg.mode)
         self.ep = self._expert_exchange()
-        self.tap = model.tap if cfg.record or cfg.plant else None  # installed by rank_main, before any capture
-        if (cfg.record or cfg.plant) and self.tap is None:
+        self.tap = model.tap if cfg.record or inst.plant else None  # installed by rank_main, before any capture
+        if (cfg.record or inst.plant) and self.tap is None:
             raise ValueError("a run that records decisions needs its model's tap (rank_main installs it)")
         if model.tap is not None:  # this run's planted fault (or none) may fire once
-            model.tap.reset(cfg.plant, cfg.page_size)
+            model.tap.reset(inst.plant, cfg.page_size)
         self.decisions: list = []  # per batch: its BatchDecisions (host copies, complete once the run ends)
         # small batches' layer pieces as CUDA graphs, captured once per model (later runs replay them); no rank's
         # batch holds more new tokens than the chunk: buckets past it would never run

@@ -42,7 +42,8 @@ class MeasureConfig:
     timeline marks, host vs GPU ms (``cpkv.timeline``); ``mark_clocks``: the SM clock at each mark too.
     ``trace_dir`` (with ``profile``): each batch's timeline as a gzipped Chrome trace ``rank<r>_batch<k>.json.gz``
     (a profiler per batch: these batches are not chained), with the host's Python stacks unless ``trace_stacks``
-    is off. ``fault`` (tests): (rank, batch) -> that rank's process exits after that batch.
+    is off. ``fault`` (tests): (rank, batch) -> that rank's process exits after that batch. ``plant`` (tests): a
+    planted fault (``cpkv.engine.taps.PLANTS``) the run's verification must catch; eager runs only.
     """
 
     sync_check: bool = False
@@ -53,8 +54,13 @@ class MeasureConfig:
     trace_stacks: bool = True
     trace_dir: str | None = None
     fault: tuple[int, int] | None = None
+    plant: str | None = None
 
     def __post_init__(self) -> None:
+        if self.plant is not None:
+            from cpkv.engine.taps import PLANTS
+            if self.plant not in PLANTS:
+                raise ConfigError(f"unknown planted fault {self.plant!r}; expected one of {', '.join(PLANTS)}")
         if self.fault is not None and (len(self.fault) != 2 or min(self.fault) < 0):
             raise ConfigError(f"fault must be (rank, batch) with both >= 0, got {self.fault!r}")
         if self.mark_clocks and not self.marks:
@@ -63,6 +69,8 @@ class MeasureConfig:
 
 class NoInstruments:
     """The null instruments: the executor's hooks, each doing nothing."""
+
+    plant = None
 
     def run_scope(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -97,6 +105,7 @@ class Instruments:
 
     def __init__(self, measure: MeasureConfig, rank: int, device: torch.device) -> None:
         self.measure, self.rank, self.device = measure, rank, device
+        self.plant = measure.plant  # the executor hands it to the model's tap
         self.cuda = device.type == "cuda"
         self.batch_log: list[list[tuple]] = []  # per batch: (id, prefix_len, extend_len, chunked, last_chunk)
         self.batch_s: list[float] = []  # per batch: seconds from plan to logits (device synced); a batch

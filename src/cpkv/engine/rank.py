@@ -43,9 +43,10 @@ def rank_main(ctx: RankContext, jobs: Sequence[Job]) -> list[RankOutput]:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
             models[key] = rank_model(ctx, cfg)
-            if any(c.record or c.plant for c, _, _ in jobs):  # before any graph is captured
+            plants = [m.plant for _, _, m in jobs if m is not None and m.plant]
+            if plants or any(c.record for c, _, _ in jobs):  # before any graph is captured
                 from cpkv.engine.taps import Recorder
-                plant = next((c.plant for c, _, _ in jobs if c.plant), None)
+                plant = plants[0] if plants else None
                 models[key].set_tap(Recorder(models[key], max(c.chunk_size for c, _, _ in jobs), cfg.page_size,
                                              ctx.rank, plant))
         model = models[key]
