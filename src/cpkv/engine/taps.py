@@ -16,7 +16,7 @@ that compares logits alone cannot tell such a flip from a defect, so (docs/desig
                the run picked: a flip rounding can explain has a small one, a defect (a wrong expert, a stale
                key) a large one. ``summary()`` counts them.
 
-Tests plant faults through the Recorder (``PLANTS``, ``EngineConfig.plant``; eager runs only): one expert's
+Tests plant faults through the Recorder (``PLANTS``, ``MeasureConfig.plant``; eager runs only): one expert's
 contribution dropped for one token, one MoE output row zeroed, one indexer selection replaced by the query's
 lowest-scored key, one KV page of one rank left stale (its rows not written). Each must fail verification.
 """
