@@ -80,6 +80,7 @@ def test_by_layer_empties_the_dict_and_drops_deeper_layers():
     assert all(layer_of(k) in (None, 0, 1) for g in groups for k in g)
 
 
+@pytest.mark.slow
 def test_cut_glm5_groups_equal_the_old_draw_quantised_tensor_by_tensor():
     """GLM-5's every dimension (vocab cut, 4 layers: three dense, one MoE over 8 experts), bf16 as on CUDA: each
     group of the fp8 load holds the old draw, quantised where ``fp8_kept``, in the compute dtype elsewhere."""
