@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_serve ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -121,4 +121,26 @@ if want fp8; then  # issue 22 item 1: block-scaled fp8 linear / grouped expert G
 fi
 if want fp8_engine; then  # GLM-5 shapes, 4 layers: fp8 vs bf16 weights in one run, TTFT weighted by layer kind
     step engine_fp8 560 python3 -m cpkv bench engine --weights fp8,bf16 --json
+fi
+# issue 42: GLM-5 at its full 78 layers on one H200, one cp-8 rank's share of the experts (--experts 32), cp 1.
+DEPTH="--model glm5 --experts 32 --weights fp8"
+if want depth; then  # the run verified at depth (reference on rank 0's own model: --reference auto at cp 1 on CUDA),
+    # its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in the run's JSON), then TTFT
+    # measured at depth beside the 4-layer extrapolation in the same rank processes (one timed run: time is short)
+    step depth_run ${DEPTH_RUN_S:-220} python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
+        --page-size 64 --pages-per-rank 2048 --json
+    step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
+    python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
+    step depth_bench ${DEPTH_BENCH_S:-330} python3 -m cpkv bench engine $DEPTH --layers 78 --extrapolate-from 4 \
+        --runs 1 --no-profile --json
+fi
+if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loop on the seed-shaped trace scaled to its
+    # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix
+    python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
+        python3 -m pip install -q --no-index --no-deps out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    step depth_serve 560 env CPKV="python3 -m cpkv" BOOT_S=${DEPTH_BOOT_S:-240} WARMUP=2 \
+        TRACE="${DEPTH_TRACE:---requests 16 --scale 0.25}" \
+        GEOM="--model glm5 --cp 1 --chunk-size 8192 --page-size 64 --pages-per-rank 2048 --max-requests 8" \
+        SERVE_EXTRA="--experts 32 --weights fp8 --device cuda" bash benchmarks/serve_ab.sh "$OUT/depth_serve" \
+        "solo=--policy solo" "mix=--policy mix"
 fi

@@ -289,3 +289,49 @@ def test_the_text_report_prints_the_breakdown_with_both_walls(capsys):
     out = capsys.readouterr().out
     assert "3.00 (60.0%)" in out and "0.50 (10.0%)" in out  # GEMM, then the host gap: 0.5 ms idle of 5 profiled
     assert "4.50 / 5.00" in out and "5.20" in out  # busy / profiled wall, then the timed wall
+
+
+@pytest.mark.slow
+def test_bench_engine_at_depth_beside_its_extrapolation(capsys):
+    """``--extrapolate-from K``: the same cases measured at ``--layers`` and, in the same rank processes, at K layers
+    extrapolated to that depth; each TTFT beside the other with the difference; load time reported."""
+    from cpkv.cli import main
+
+    rc = main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "3", "--experts", "8",
+               "--extrapolate-from", "2", "--prompt", "256", "--long", "512", "--chunk-size", "256", "--page-size",
+               "16", "--runs", "1", "--no-profile", "--turn", "40", "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    ex = rep["extrapolation"]
+    assert ex["from_layers"] == 2 and set(ex) >= {"256", "512"}
+    cases = {c["case"]: c for c in rep["cases"]}
+    assert ex["256"]["measured_s"] == pytest.approx(cases["cold"]["batch_s"], abs=2e-3)
+    for k in ("256", "512"):
+        v = ex[k]
+        assert v["extrapolated_s"] > 0 and v["difference"] == pytest.approx(v["measured_s"] / v["extrapolated_s"] - 1,
+                                                                            abs=0.02)
+    assert rep["skipped"] == [] and rep["load_s"] > 0
+
+
+def test_extrapolating_from_as_many_layers_is_refused(capsys):
+    from cpkv.cli import main
+
+    assert main(["bench", "engine", "--device", "cpu", "--model", "tiny", "--layers", "2", "--extrapolate-from", "2"]) == 2
+    assert "--extrapolate-from: expected fewer layers than --layers 2, got 2" in capsys.readouterr().err
+
+
+def test_cases_that_do_not_fit_are_skipped_with_a_reason(monkeypatch):
+    from cpkv.bench import engine as bench
+    from cpkv.cli import plan_cmd
+    from cpkv.engine.config import EngineConfig
+
+    trace = bench.bench_trace(256, 224, 4096, 40)
+    cfg = EngineConfig(model="tiny", cp=1, page_size=16, chunk_size=256, max_requests=1,
+                       pages_per_rank=(2 * 256 + 4096 + 40) // 16 + 32)
+    from cpkv.memplan import plan_memory
+    full = plan_memory(plan_cmd.run_setup(cfg, cfg.model_config(), 0)).total
+    monkeypatch.setattr(plan_cmd, "rank_budget", lambda c, torchrun=False: (full - 1, 1, "one GPU"))
+    got_cfg, got, skipped = bench.fit_cases(cfg, cfg.model_config(), trace)
+    assert [r.id for r in got] == ["cold", "base", "hit", "turn"]
+    assert [s["case"] for s in skipped] == ["long"] and "per rank" in skipped[0]["reason"]
+    assert got_cfg.pages_per_rank < cfg.pages_per_rank

@@ -239,3 +239,47 @@ def test_check_verify_refuses_bad_options_in_one_line_before_any_rank(argv, need
     lines = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(lines) == 1 and needle in lines[0], err
     assert "Traceback" not in err
+
+
+def _request(rid: str, logits) -> RequestResult:
+    return RequestResult(rid, 10, 0, 0.1, 0, torch.tensor(logits, dtype=torch.float32))
+
+
+def test_a_floor_that_measures_nothing_is_not_a_zero_floor():
+    """A request whose chunked reruns equal its reference bit for bit (s1.t0 on the H200: floor 0.0) has its floor
+    reported unmeasured; failing on its logit difference alone, it borrows the largest floor the run's other
+    requests measured (reported as lent) and fails, saying why, when none measured one."""
+    from cpkv.engine.verify import UNMEASURED, lend_floors
+
+    ref = [2.0, 1.0, 0.0]
+    rep = VerifyReport(True, True, 0.0, 0.0, None, 2)
+    exact = lambda cuts=(): (torch.tensor(ref), None)  # noqa: E731  (bit-identical reruns)
+    spread = lambda cuts=(): (torch.tensor(ref) + torch.tensor([0.0, 0.0, 0.25]), None)  # noqa: E731
+    _check_request(rep, _request("short", [2.0, 1.0, 0.3]), torch.tensor(ref), None, None, list(range(10)), 0.05,
+                   0.05, exact)
+    assert rep.floors[0]["floor"] is None and rep.floors[0]["unmeasured"] == UNMEASURED
+    assert "numerics floor unmeasured" in rep.requests[0]["why"]
+    alone = VerifyReport(True, True, 0.0, 0.0, None, 1, floors=[dict(rep.floors[0])],
+                         requests=[dict(rep.requests[0])])
+    lend_floors(alone)
+    assert not alone.requests[0]["ok"]  # nothing measured to lend
+    _check_request(rep, _request("long", [2.0, 1.0, 0.35]), torch.tensor(ref), None, None, list(range(10)), 0.05,
+                   0.05, spread)
+    assert rep.requests[1]["ok"] and rep.floors[1]["floor"] == pytest.approx(0.25)
+    lend_floors(rep)
+    short = rep.requests[0]
+    assert short["ok"] and short["numerics_floor_lent"] == pytest.approx(0.25) and "why" not in short
+    assert short["tolerance"] == pytest.approx(0.15 + 0.25) and rep.floors[0]["lent"] == pytest.approx(0.25)
+
+
+def test_a_lent_floor_never_passes_a_differing_first_token():
+    from cpkv.engine.verify import lend_floors
+
+    ref = [2.0, 1.0, 0.0]
+    rep = VerifyReport(True, True, 0.0, 0.0, None, 2)
+    exact = lambda cuts=(): (torch.tensor(ref), None)  # noqa: E731
+    wrong = RequestResult("short", 10, 0, 0.1, 1, torch.tensor([1.5, 2.2, 0.0]))  # its token 1.0 below the top
+    _check_request(rep, wrong, torch.tensor(ref), None, None, list(range(10)), 0.05, 0.05, exact)
+    rep.floors.append({"id": "other", "floor": 5.0})
+    lend_floors(rep)
+    assert not rep.requests[0]["ok"] and "numerics_floor_lent" not in rep.requests[0]

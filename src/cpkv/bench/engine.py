@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="a rank's batches of up to N tokens run each layer's token-only pieces as CUDA graphs "
                         "(cpkv.engine.graphs; default: as cpkv run, 1024 on CUDA; 0: off)")
+    p.add_argument("--extrapolate-from", type=a.layers, default=None, metavar="K",
+                   help="in the same rank processes, also measure the first K layers and extrapolate them to --layers "
+                        "as a K-layer run does: each TTFT measured at depth beside that extrapolation, the difference "
+                        "between them (e.g. --layers 78 --extrapolate-from 4)")
     p.add_argument("--json", action="store_true")
 
 
@@ -85,25 +89,42 @@ def run(args: argparse.Namespace) -> int:
     cfg, cfg_m, cfg_full, trace = _setup(args)
     modes = weights_modes(args.weights)
     check_diagnostics(args)
+    check_extrapolation(args)
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
     copy = round(timing.copy_gbs(device=args.device), 1)  # the ceiling of this run's byte rates
     sustained = sustained_gemm() if args.device == "cuda" else None
+    release_parent_cache(args.device)
     dense = dense_split(cfg_m)
-    slices, jobs = [], []
+    slices, jobs, skipped = [], [], {}
     for mode in modes:  # every mode's jobs in one set of rank processes, one model in memory at a time
+        mcfg, mtrace, skipped[mode] = fit_cases(_replace(cfg, weights=mode), cfg_m, trace)
         sl = {}
-        for key, js in _mode_jobs(args, _replace(cfg, weights=mode), trace, dense).items():
+        for key, js in _mode_jobs(args, mcfg, mtrace, dense).items():
             sl[key] = slice(len(jobs), len(jobs) + len(js))
             jobs += js
+        if args.extrapolate_from:  # the first K layers of the same config, timed only, after the depth's jobs
+            k = args.extrapolate_from
+            few = _replace(mcfg, num_layers=k)
+            for key, js in _mode_jobs(_few_args(args, k), few, mtrace, dense_split(_layers_cfg(args, k))).items():
+                if key in ("timed", "dense"):
+                    sl["few_" + key] = slice(len(jobs), len(jobs) + len(js))
+                    jobs += js
         slices.append(sl)
-    results = run_jobs(jobs, timeout_s=590)
+    results = run_jobs(jobs, timeout_s=getattr(args, "timeout", None) or 590)
     reports = []
-    for sl in slices:
+    for mode, sl in zip(modes, slices):
         got = {k: results[s] for k, s in sl.items()}
-        reports.append(_report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
-                               got.get("dense"), dense, (got.get("hprof") or [None])[0],
-                               (got.get("marks") or [None])[0]))
+        rep = _report(args, cfg_m, cfg_full, ceiling, got["timed"], (got.get("prof") or [None])[0],
+                      got.get("dense"), dense, (got.get("hprof") or [None])[0], (got.get("marks") or [None])[0])
+        rep["skipped"] = skipped[mode]
+        if args.extrapolate_from:
+            k = args.extrapolate_from
+            few = _report(_few_args(args, k), _layers_cfg(args, k), cfg_m, ceiling, got["few_timed"], None,
+                          got.get("few_dense"), dense_split(_layers_cfg(args, k)))
+            at_depth = ttft({c["case"]: c for c in rep["cases"]}, args.layers, args.layers)  # measured, unscaled
+            rep["extrapolation"] = depth_vs_extrapolation(at_depth, few["ttft_s"], k)
+        reports.append(rep)
     for rep in reports:
         add_sustained(rep, sustained)
         add_floor(rep, cfg_m, copy)
@@ -134,6 +155,75 @@ def check_diagnostics(args: argparse.Namespace) -> None:
             os.makedirs(where, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"--trace-dir: expected a folder that can be made, got {where!r} ({exc.strerror})") from None
+
+
+def check_extrapolation(args: argparse.Namespace) -> None:
+    """``--extrapolate-from K``: fewer layers than ``--layers`` (ConfigError naming both flags otherwise)."""
+    from cpkv.errors import ConfigError
+
+    k = getattr(args, "extrapolate_from", None)
+    if k is not None and k >= args.layers:
+        raise ConfigError(f"--extrapolate-from: expected fewer layers than --layers {args.layers}, got {k}")
+
+
+def _few_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "layers": k, "extrapolate_from": None})
+
+
+def _layers_cfg(args: argparse.Namespace, k: int):
+    from cpkv.model.config import load_model_config
+
+    return load_model_config(args.model, k, args.experts)
+
+
+def depth_vs_extrapolation(measured: dict, few: dict, k: int) -> dict:
+    """Each prompt length's TTFT measured at depth beside the K-layer run's extrapolation to that depth:
+    {"from_layers": K, "weighting": how, "32768": {"measured_s", "extrapolated_s", "difference": measured /
+    extrapolated - 1}, ...}."""
+    out: dict = {"from_layers": k, "weighting": few.get("weighting")}
+    for key, t in measured.items():
+        if key.isdigit() and key in few:
+            e = few[key]
+            out[key] = {"measured_s": t, "extrapolated_s": e, "difference": round(t / e - 1, 4) if e else None}
+    return out
+
+
+def fit_cases(cfg, cfg_m, trace) -> tuple:
+    """(cfg, trace, skipped): the cases whose pool and buffers fit each rank's memory (``cpkv plan``'s plan at
+    ``cfg``'s pool), dropping the long prompt, then the cached turn, while they do not; each skipped case with its
+    reason. On a machine that does not say its memory, everything is kept."""
+    from cpkv.cli.plan_cmd import rank_budget, run_setup
+    from cpkv.memplan import GB, plan_memory
+
+    got = rank_budget(cfg)
+    skipped: list[dict] = []
+    if got is None:
+        return cfg, trace, skipped
+    budget = got[0] // got[1]
+    model = cfg.model_config()
+    for drop in ("long", "turn"):
+        plan = plan_memory(run_setup(cfg, model, budget))
+        if plan.fits or not any(r.id == drop for r in trace):
+            continue
+        skipped.append({"case": drop, "reason": f"the plan with it needs {plan.total / GB:.1f} GB per rank, "
+                                                  f"{budget / GB:.1f} GB there"})
+        gone = next(r for r in trace if r.id == drop)
+        trace = [r for r in trace if r.id != drop]
+        cfg = _replace(cfg, pages_per_rank=max(cfg.pages_per_rank - -(-gone.prompt_len // cfg.page_size), 32))
+    plan = plan_memory(run_setup(cfg, model, budget))
+    if not plan.fits:
+        from cpkv.errors import ConfigError
+        raise ConfigError(f"even the cold and cached cases need {plan.total / GB:.1f} GB per rank, {budget / GB:.1f} "
+                          "GB there: lower --prompt, --layers or --experts")
+    return cfg, trace, skipped
+
+
+def release_parent_cache(device: str) -> None:
+    """The ceilings' tensors (this process's cached GPU memory) back before the ranks load their models."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def weights_modes(spec: str) -> list[str]:
@@ -173,7 +263,8 @@ def _mode_jobs(args, cfg, trace, dense: int | None) -> dict[str, list]:
         jobs["trace"] = [(cfg, trace, MeasureConfig(profile=True, trace_dir=where, trace_stacks=stacks))]
     if dense:
         fresh = [r for r in trace if r.id in ("cold", "long")]
-        jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense), fresh, args.runs)
+        # the dense layers alone hold no MoE layer: routed over the model's own count (no expert weights drawn)
+        jobs["dense"] = _timed_jobs(_replace(cfg, num_layers=dense, experts=None), fresh, args.runs)
     return jobs
 
 
@@ -438,7 +529,7 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             rows[name] = row
     dense_rows, split = None, None
     if dense_runs and dense:
-        cfg_d = load_model_config(args.model, dense, args.experts)
+        cfg_d = load_model_config(args.model, dense)  # dense layers only: --experts does not apply
         dense_rows = {name: r for name, rid in CASES
                       if (r := case_row(name, dense_runs, rid, cfg_d, ceiling)) is not None}
         split = (dense, cfg_full.mlp_layer_types.count("dense"))
@@ -451,6 +542,8 @@ def _report(args, cfg_m, cfg_full, ceiling: float, timed, prof, dense_runs=None,
             "weights_dtype": st.get("weights_dtype"), "chained_batches": st.get("chained"),
             "sparse_mla": sparse_mla_used(args.device),
             "graph_tokens": timed[0].cfg.graph_tokens, "graphs": (st.get("graphs_per_rank") or [None])[0],
+            "load_s": (st.get("load_s_per_rank") or [None])[0],
+            "gpu_memory": (st.get("gpu_memory_per_rank") or [None])[0],
             "cases": list(rows.values()), "ttft_s": ttft(rows, args.layers, full_layers, dense_rows, split),
             "breakdown_from": None if prof is None else (
                 "rank 0's kernels in a profiled run (one profiler over the run: batches chain as in the timed runs); "
@@ -496,6 +589,15 @@ def _print(rep: dict, as_json: bool) -> None:
           f"barrier {rep['barrier']}); ceiling: GEMM {rep['gemm_tflops']:.3g} TFLOP/s measured in this run; floor "
           f"(cp 1): the longer of a chunk's FLOPs at that rate and its weights read once at the copy rate "
           f"({rep.get('copy_gbs') or 0:.4g} GB/s)")
+    if rep.get("load_s") is not None:
+        print(f"model load {rep['load_s']} s (rank 0)")
+    for sk in rep.get("skipped") or []:
+        print(f"case {sk['case']} skipped: {sk['reason']}")
+    ex = rep.get("extrapolation")
+    if ex:
+        print(f"TTFT at {rep['layers']} layers measured / extrapolated from {ex['from_layers']} layers: " + ", ".join(
+            f"{k} tokens {v['measured_s']} s / {v['extrapolated_s']} s ({v['difference']:+.1%})"
+            for k, v in ex.items() if k.isdigit() and v["difference"] is not None))
     gr = rep.get("graphs")
     if gr:
         print(f"CUDA graphs up to {gr['max_tokens']} tokens: {gr['batches']} batches of the timed run through them, "

@@ -188,6 +188,29 @@ def rank_budget(cfg, torchrun: bool = False) -> tuple[int, int, str] | None:
     return total, cfg.cp, f"a rank's share of the host's available memory ({cfg.cp} ranks)"
 
 
+def plan_vs_peak(cfg, model, measured: list) -> list[dict] | None:
+    """Per rank, the memory plan of ``cfg`` (EngineConfig) with ``model`` (its ``model_config()``) beside what the
+    run measured (``gpu_memory_per_rank``: setup, peak allocated and peak reserved bytes): the ratios of the peaks
+    to the plan's total, whether the plan bounds the reserved peak and lies within 10 % above it. The plan's
+    ``context_bytes`` (CUDA context and libraries) is memory torch's allocator never sees. None off CUDA."""
+    from cpkv.memplan import WORKSPACE, plan_memory
+
+    if cfg.device != "cuda" or not measured or not any(measured):
+        return None
+    plan = plan_memory(run_setup(cfg, model, 0))  # the run's pool: its items do not depend on the budget
+    total, out = plan.total, []
+    for m in measured:
+        if not m:
+            out.append(None)
+            continue
+        alloc, reserved = m["peak_bytes"], m["peak_reserved_bytes"]
+        out.append({"plan_total_bytes": total, "context_bytes": WORKSPACE["cuda"][0],
+                    "peak_allocated_bytes": alloc, "peak_reserved_bytes": reserved,
+                    "allocated_ratio": round(alloc / total, 4), "reserved_ratio": round(reserved / total, 4),
+                    "bounds": total >= reserved, "within_10pct": total >= reserved and total <= 1.1 * reserved})
+    return out
+
+
 def run_setup(cfg, model, budget: int, pages_per_rank: int | None = -1):
     """The memory plan's ``Setup`` of ``cfg`` at ``budget`` bytes per rank (``pages_per_rank`` None: the largest
     pool that fits; -1: ``cfg``'s)."""

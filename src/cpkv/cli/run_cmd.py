@@ -23,7 +23,7 @@ from cpkv.errors import ConfigError
 from cpkv.cli.args import MODES_EPILOG as EPILOG  # noqa: F401  (shown under --help)
 
 HELP = "Run CP prefill of a trace (KV shared across ranks) and verify it against a single rank."
-FLAGS = ("cp", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_size", "max_requests", "num_layers")
+FLAGS = ("cp", "reference", "page_size", "strategy", "pages_per_rank", "host_pages", "chunk_size", "max_requests", "num_layers")
 # what to change for each rejection reason (scheduler.admission.REASONS, and "parent")
 HINTS = {
     "max_context": "the model's context is fixed: shorten those prompts or pick a --model with a longer context",
@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="rerun on one rank without CP and compare (default on; a failure exits 1)")
+    p.add_argument("--reference", choices=("auto", "rank", "parent"), default="auto",
+                   help="where --verify's reference runs: rank (cp 1 only: rank 0's own model after its run, one copy "
+                        "of the weights), parent (a second model loaded by this process after the ranks end), auto "
+                        "(default: rank at cp 1 on CUDA, else parent)")
     p.add_argument("--policy", choices=("solo", "mix"), default="solo", help="admission policy")
     p.add_argument("--page-size", type=a.page_size, default=DEFAULT_PAGE_SIZE,
                    help=f"tokens per KV page, a power of two (default {DEFAULT_PAGE_SIZE})")
@@ -105,9 +109,21 @@ def engine_config(args: argparse.Namespace, cp: int):
                         pages_per_rank=args.pages_per_rank, host_pages=args.host_pages, policy=args.policy,
                         chunk_size=args.chunk_size, max_requests=args.max_requests, precision=args.precision,
                         weights=args.weights, record=bool(getattr(args, "verify", False)),
+                        reference=reference_of(args, cp),
                         graph_tokens=default_graph_tokens(args.device, getattr(args, "graph_tokens", None),
                                                           args.precision),
                         warmup=args.device == "cuda" if args.warmup is None else args.warmup)
+
+
+def reference_of(args: argparse.Namespace, cp: int) -> str:
+    """Where verification's reference runs: ``--reference``, auto resolved (rank 0's own model at cp 1 on CUDA,
+    where a second copy of the weights would cost a second load and a second CUDA context; else the parent)."""
+    asked = getattr(args, "reference", "auto")
+    if not getattr(args, "verify", False):
+        return "parent"  # nothing to verify: the ranks do nothing extra
+    if asked == "auto":
+        return "rank" if cp == 1 and args.device == "cuda" else "parent"
+    return asked
 
 
 def load_requests(args: argparse.Namespace, vocab_size: int):
@@ -187,7 +203,7 @@ def checkpoint_inputs(model: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from cpkv.cli.args import as_flags, flags_of
     from cpkv.cli.hostmem import check_shm_fits
-    from cpkv.cli.plan_cmd import check_run
+    from cpkv.cli.plan_cmd import check_run, plan_vs_peak
     from cpkv.engine.engine import nonfinite_failure, run_engine, run_under_torchrun, verify_run
     from cpkv.files import string_keys
 
@@ -197,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     with as_flags(flags_of(FLAGS)):  # every option checked before the trace is read or a rank starts
         cfg = engine_config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.cp)
     model_cfg = cfg.model_config()  # the config the ranks run (precision applied)
-    check_run(cfg, model_cfg, torchrun, args.verify)  # does not fit its GPUs (CPU: the host): one line, the option
+    check_run(cfg, model_cfg, torchrun, args.verify and cfg.reference == "parent")  # does not fit its GPUs (CPU: the host): one line, the option
     if not torchrun:
         check_shm_fits(cfg, model_cfg)  # CPU: the ranks' pools in /dev/shm
     trace = load_requests(args, model_cfg.vocab_size)
@@ -225,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         def checked(n: int) -> None:
             bar.set(bar.done, f"verified {n} of {len(result.requests)} on one rank")
 
-        report = verify_run(result, runnable, on_request=checked) if args.verify else None
+        report = result.verify if result.verify is not None else \
+            verify_run(result, runnable, on_request=checked) if args.verify else None
         nonfinite = nonfinite_failure(result, runnable, report)  # NaN/Inf logits fail a run, verified or not
     finally:
         bar.close()
@@ -235,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
     order = {(type(r.id).__name__, r.id): i for i, r in enumerate(trace)}  # 1 and "1" are different ids
     result.rejected = sorted(result.rejected + gone, key=lambda x: order[(type(x["id"]).__name__, x["id"])])
     times = {"command_s": round(time.monotonic() - t0, 3), "ranks_s": round(t_ranks - t0, 3),
-             "verify_s": round(time.monotonic() - t_ranks, 3)}
+             "verify_s": round(time.monotonic() - t_ranks, 3), "load_s_per_rank": result.stats.get("load_s_per_rank")}
+    if result.verify is not None:  # verified on rank 0 (inside ranks_s): its own seconds
+        times["verify_s"] = result.stats.get("verify_s", times["verify_s"])
+    result.stats["plan_vs_peak"] = plan_vs_peak(cfg, model_cfg, result.stats.get("gpu_memory_per_rank"))
     ok = (report is None or report.ok) and (not result.rejected or args.allow_rejected) and nonfinite is None
     if args.json:
         emit(result, report, args, trace, times, ok)
@@ -254,6 +274,7 @@ def emit(result, report, args, trace, times, ok) -> None:
     cfg = result.cfg
     emit_json({"ok": ok, "cp": cfg.cp, "experts_per_rank": result.stats.get("experts_per_rank"),
                "gpu_memory_per_rank": result.stats.get("gpu_memory_per_rank") if cfg.device == "cuda" else None,
+               "plan_vs_peak": result.stats.get("plan_vs_peak"), "reference": cfg.reference if report else None,
                "graph_tokens": cfg.graph_tokens, "graphs_per_rank": result.stats.get("graphs_per_rank"),
                "device": cfg.device, "model": cfg.model, "precision": cfg.precision,
                "routed_experts": cfg.model_config().n_routed_experts, "experts_option": cfg.experts,
@@ -278,6 +299,15 @@ def show(result, report, args, times) -> None:
     print(f"wall {s['wall_s']:.3f} s in rank 0's batch loop, {s['tokens_per_s']:.0f} computed tokens/s, cache-hit "
           f"ratio {s['cache_hit_ratio']:.3f}; the command took {times['command_s']:.1f} s ({times['ranks_s']:.1f} s "
           f"with rank processes: start-up, model load, warm-up and batches; {times['verify_s']:.1f} s verification)")
+    loads = [x for x in times.get("load_s_per_rank") or [] if x is not None]
+    if loads:
+        print(f"model load {', '.join(f'{x:.2f}' for x in loads)} s per rank")
+    for rank, pv in enumerate(result.stats.get("plan_vs_peak") or []):
+        if pv:
+            print(f"rank {rank} GPU memory: plan {pv['plan_total_bytes'] / 1e9:.2f} GB, peak allocated "
+                  f"{pv['peak_allocated_bytes'] / 1e9:.2f} GB ({pv['allocated_ratio']:.2f} of the plan), reserved "
+                  f"{pv['peak_reserved_bytes'] / 1e9:.2f} GB ({pv['reserved_ratio']:.2f}): the plan "
+                  f"{'bounds' if pv['bounds'] else 'does NOT bound'} it")
     print(f"KV pages per rank {s['kv_pages_per_rank']} (a replicated layout would hold "
           f"{s['kv_pages_replicated']} on every rank); host tier: {s['pages_spilled']} spilled, "
           f"{s['pages_reloaded']} reloaded")
@@ -299,9 +329,11 @@ def show(result, report, args, times) -> None:
     if report.ok and result.rejected:
         verdict = "PASSED (rejected requests allowed by --allow-rejected)" if args.allow_rejected else \
             "INCOMPLETE (requests were rejected: see the error below)"
+    where = "rank 0's own model" if result.cfg.reference == "rank" else "a second model in this process"
     print(f"verification against a single rank: {verdict} (first tokens "
           f"{'equal' if report.tokens_equal else 'DIFFER'}, max |logit diff| {report.max_logit_diff:.3g} "
-          f"<= {report.tolerance:.3g} needed, {report.checked} requests checked, {len(result.rejected)} rejected)",
+          f"<= {report.tolerance:.3g} needed, {report.checked} requests checked, {len(result.rejected)} rejected; the "
+          f"reference on {where})",
           file=sys.stdout)
     print(decisions_line(report))
     for t in report.ties:

@@ -164,12 +164,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+ALLOC_CONF = "expandable_segments:True"  # a cp-1 CUDA rank's allocator unless PYTORCH_CUDA_ALLOC_CONF is set
+
+
+def default_alloc_conf(device: str, world_size: int) -> None:
+    """A lone CUDA rank (cp 1) runs torch's allocator with expandable segments unless ``PYTORCH_CUDA_ALLOC_CONF``
+    is set (even to ''): a long forward's transients of varied shapes then extend and reuse mapped memory instead
+    of leaving cached blocks of old shapes, so the reserved peak stays near the allocated one (docs/design.md §10).
+    Not at cp > 1: there the pools and staging go to peers as CUDA IPC handles, which an expandable segment
+    exports only where the container allows ``pidfd_getfd``. Call before the process's first CUDA allocation."""
+    if device == "cuda" and world_size == 1:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
+
+
 def _child(fn: Callable, rank: int, world_size: int, device: str, backend: str, shared: bool, port: int,
            args: tuple, conn: connection.Connection, timeout_s: float, parent: int, inbox: Any = None) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, lambda *_: _exit(128 + signal.SIGTERM))  # atexit handlers remove shm files
     if inbox is not None:  # a long-lived group: signals to the parent's process group (Ctrl-C, ``timeout``) reach
         os.setpgrp()       # the parent alone, which drains and then ends the ranks itself
+    default_alloc_conf(device, world_size)
     channel = _Channel(conn)
     threading.Thread(target=channel.beat_forever, name="cpkv-heartbeat", daemon=True).start()
     dev = _rank_device(device, rank, shared)

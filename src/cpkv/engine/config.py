@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
+REFERENCES = ("parent", "rank")  # cpkv.engine.verify: where the verification's reference model runs
 WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
 GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md)
 
@@ -68,6 +69,8 @@ class EngineConfig:
     record: bool = False  # record the layers' discrete decisions (experts, indexer selections) for verification
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.executor)
     chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
+    reference: str = "parent"  # where verification's reference runs (REFERENCES): a second model in the parent
+    #                            process, or (cp 1) rank 0's own model after its run, sharing the engine's weights
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
@@ -90,6 +93,11 @@ class EngineConfig:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.reference not in REFERENCES:
+            raise ConfigError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if self.reference == "rank" and self.cp != 1:
+            raise ConfigError(f"reference 'rank' needs cp 1 (rank 0 holding every expert), got cp {self.cp}: at cp > 1 "
+                              "the reference runs in the parent process")
         cfg = self.model_config()  # a preset, or a directory with a valid config.json (the ranks' config)
         if "sparse" in cfg.mlp_layer_types and cfg.n_routed_experts % self.cp:
             raise ConfigError(f"cp {self.cp} must divide the model's {cfg.n_routed_experts} routed experts (each "

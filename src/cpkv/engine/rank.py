@@ -7,6 +7,7 @@ measures travels beside the engine's config, never in it.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from typing import Sequence, Union
 
@@ -39,10 +40,13 @@ def rank_main(ctx: RankContext, jobs: Sequence[Job]) -> list[RankOutput]:
     outputs = []
     for cfg, trace, measure in jobs:
         key = (cfg.model, cfg.seed, cfg.num_layers, cfg.experts, cfg.precision, cfg.weights_dtype)
+        load_s = 0.0
         if key not in models:
             models.clear()  # one model in memory at a time (a bench runs fp8 then bf16 weights of one model)
             model = None
+            t0 = time.perf_counter()
             models[key] = rank_model(ctx, cfg)
+            load_s = time.perf_counter() - t0
             plants = [m.plant for _, _, m in jobs if m is not None and m.plant]
             if plants or any(c.record for c, _, _ in jobs):  # before any graph is captured
                 from cpkv.engine.taps import Recorder
@@ -57,8 +61,27 @@ def rank_main(ctx: RankContext, jobs: Sequence[Job]) -> list[RankOutput]:
             _run_once(ctx, cfg, model, trace, untimed)
             for layer in model.layers:
                 layer.stats.update(dense=0, sparse=0)
-        outputs.append(_run_once(ctx, cfg, model, trace, measure))
+        out = _run_once(ctx, cfg, model, trace, measure)
+        out.stats["load_s"] = round(load_s, 3)
+        if cfg.reference == "rank" and ctx.rank == 0:
+            _verify_here(cfg, trace, out, model)
+        outputs.append(out)
     return outputs
+
+
+def _verify_here(cfg: EngineConfig, trace: Sequence[TraceRequest], out: RankOutput, model: DSAModel) -> None:
+    """cp 1: verify this run on the rank's own model (one copy of the weights; the run's pools and graphs are gone
+    with its loop) -> ``out.verify``, and its seconds in ``out.stats["verify_s"]``."""
+    from cpkv.engine.verify import verify_on_rank
+
+    if model.device.type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the run's pool and graph memory, freed with its loop, back for the reference
+    t0 = time.perf_counter()
+    out.verify = verify_on_rank(cfg, trace, out, model)
+    out.stats["verify_s"] = round(time.perf_counter() - t0, 3)
 
 
 def share_cores(ctx: RankContext) -> None:

@@ -43,6 +43,7 @@ class RankOutput:
     pages_used: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     decisions: list = field(default_factory=list)  # with cfg.record: per batch, cpkv.engine.taps.BatchDecisions
+    verify: Any = None  # cfg.reference "rank": the VerifyReport rank 0 made on its own model (cpkv.engine.verify)
 
 
 class TraceLoop:

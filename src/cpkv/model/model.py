@@ -7,7 +7,7 @@ engine must reproduce its first tokens and, within tolerance, its last-token log
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,8 @@ from cpkv.kernels.platform import Backends, resolve
 from cpkv.model.config import PRECISIONS, with_precision  # noqa: F401  (PRECISIONS re-exported)
 from cpkv.model.layer import AttnPlan, DSALayer
 from cpkv.model.ops import Rotary, rms_norm
-from cpkv.model.weights import Weights, check_weights, is_fp8, load_weights, random_weights, to_dense, to_fp8
+from cpkv.model.weights import (Weights, by_layer, check_weights, is_fp8, load_weights, random_weight_groups,  # noqa: F401
+                               random_weights, to_dense, to_fp8)
 
 
 FLOAT32_WEIGHTS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # kept in float32, as transformers
@@ -52,37 +53,57 @@ class DSAModel:
     (``cpkv.kernels.platform.resolve`` of its device: the platform and the ``CPKV_*`` environment read then) and
     handed to every layer, linear and expert block."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, device: torch.device | str = "cpu",
+    def __init__(self, cfg: ModelConfig, weights: Weights | Iterable[Weights], device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False,
                  consume: bool = False, backends: Backends | None = None) -> None:
-        """``experts``: the routed experts this process holds (expert parallelism: one rank's block,
+        """``weights``: every tensor in one dict (checked whole first), or the groups ``random_weight_groups`` yields
+        (the outer tensors, then each layer's in order). The model is built one group at a time: a group's tensors
+        converted to their stored form and placed, then its layer built (experts stacked, their per-expert tensors
+        dropped) before the next group is touched, so the load's peak is the kept model plus one layer's
+        transients. ``experts``: the routed experts this process holds (expert parallelism: one rank's block,
         ``cpkv.model.moe.expert_block``); None: all of them (the single-process model). ``consume``: the model
-        takes ``weights`` (the dict is emptied as its tensors are converted, placed and stacked), so no tensor is
-        ever held twice while the model is built: the load peak stays near what the model keeps (``random`` and
-        ``from_pretrained`` pass it; the memory plan counts the kept model). ``backends``: None resolves them."""
-        check_weights(weights, cfg, experts=experts)
+        takes a ``weights`` dict (emptied as its tensors are placed; ``random`` and ``from_pretrained`` pass it).
+        ``backends``: None resolves them."""
         self.cfg, self.device, self.fp8 = cfg, torch.device(device), fp8
         self.backends = backends or resolve(self.device)
         self.dtype = dtype or default_dtype(self.device)
         self.experts = range(cfg.n_routed_experts) if experts is None else experts
-        src = weights if consume else dict(weights)
-        src = to_fp8(src, consume=True) if fp8 else to_dense(src, self.dtype, consume=True)
-        self.weights = {k: _place(k, src.pop(k), self.device, self.dtype) for k in list(src)}
-        self.layers = []
+        quantise = None
+        if isinstance(weights, dict):
+            check_weights(weights, cfg, experts=experts)
+            quantise = not any(is_fp8(w) for w in weights.values())  # decided over the whole model, as to_fp8
+            weights = by_layer(weights if consume else dict(weights), cfg.num_layers)
+        self.weights: Weights = {}
+        self.layers: list[DSALayer] = []
         self.tap = None  # set_tap
-        for n in range(cfg.num_layers):
-            self.layers.append(DSALayer(cfg, self.weights, n, self.experts, self.backends))
-            prefix = f"model.layers.{n}.mlp.experts."  # stacked in the layer now: the per-expert tensors go
-            for k in [k for k in self.weights if k.startswith(prefix)]:
-                del self.weights[k]
+        for i, group in enumerate(weights):
+            self._place_group(group, quantise)
+            if i:
+                self._build_layer(i - 1)
+        assert len(self.layers) == cfg.num_layers, (len(self.layers), cfg.num_layers)
+
+    def _place_group(self, group: Weights, quantise: bool | None) -> None:
+        """One group's tensors in their stored form (fp8 + block scales where ``fp8_kept`` and ``fp8``, else the
+        compute dtype; two kept float32) on the device, into ``self.weights``; the group emptied."""
+        src = to_fp8(group, consume=True, quantise=quantise) if self.fp8 else to_dense(group, self.dtype, consume=True)
+        for k in list(src):
+            self.weights[k] = _place(k, src.pop(k), self.device, self.dtype)
+
+    def _build_layer(self, n: int) -> None:
+        self.layers.append(DSALayer(self.cfg, self.weights, n, self.experts, self.backends))
+        prefix = f"model.layers.{n}.mlp.experts."  # stacked in the layer now: the per-expert tensors go
+        for k in [k for k in self.weights if k.startswith(prefix)]:
+            del self.weights[k]
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, experts: range | None = None, *, fp8: bool = False,
                backends: Backends | None = None) -> "DSAModel":
+        """Seeded random weights (``random_weights``' values) drawn on ``device`` layer by layer, each fp8 weight
+        quantised as it is drawn: the host holds nothing, the device the kept model plus one layer's transients."""
         dtype = dtype or default_dtype(device)
-        return cls(cfg, random_weights(cfg, seed, dtype, device, experts), device, dtype, experts, fp8=fp8,
-                   consume=True, backends=backends)
+        groups = random_weight_groups(cfg, seed, dtype, device, experts, fp8=fp8)
+        return cls(cfg, groups, device, dtype, experts, fp8=fp8, consume=True, backends=backends)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, device: torch.device | str = "cpu",

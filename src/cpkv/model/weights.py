@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -69,15 +70,59 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
     Drawn on ``device`` with a generator seeded per tensor (same seed, same device type -> same weights).
     ``experts``: only these routed experts (expert parallelism; None: all); the seed of a tensor is its index
-    in the full model's list, so a rank's experts equal the full model's.
+    in the full model's list, so a rank's experts equal the full model's. The whole model at once: a model is
+    built from ``random_weight_groups`` instead, one layer at a time.
     """
     out: Weights = {}
-    for i, (name, shape) in enumerate(expected_shapes(cfg).items()):
-        if not is_local(name, experts):
-            continue
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
-        out[name] = _random_tensor(name, shape, gen, device).to(dtype)
+    for group in random_weight_groups(cfg, seed, dtype, device, experts):
+        out.update(group)
     return out
+
+
+def random_weight_groups(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str = "cpu", experts: range | None = None, *,
+                         fp8: bool = False) -> Iterator[Weights]:
+    """``random_weights``' tensors (the same values) in groups a model is built from, one at a time: the outer
+    tensors (embeddings, final norm, LM head), then each layer's (``model.layers.N.*``) in order. ``fp8``: each
+    ``fp8_kept`` weight quantised (``quant_fp8_blocks``) as soon as it is drawn, its dense form dropped, so a group
+    holds its stored form and the transient is one tensor's float32 draw. A tensor is one draw of its own
+    generator (the values depend on the draw's shape, so it is never drawn in pieces); the largest draws, the
+    embeddings and the head (float32 [vocab, hidden]: 3.8 GB at GLM-5), come first, while the device holds
+    little else."""
+    index = {name: i for i, name in enumerate(expected_shapes(cfg))}
+    by_layer: dict[int | None, list[str]] = {}
+    for name in local_shapes(cfg, experts):
+        by_layer.setdefault(layer_of(name), []).append(name)
+    shapes = expected_shapes(cfg)
+    for key in [None, *range(cfg.num_layers)]:
+        out: Weights = {}
+        for name in by_layer.get(key, []):
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index[name])
+            w = _random_tensor(name, shapes[name], gen, device).to(dtype)
+            if fp8 and fp8_kept(name):
+                out[name], out[name + "_scale_inv"] = quant_fp8_blocks(w)
+                del w
+            else:
+                out[name] = w
+        yield out
+
+
+def layer_of(name: str) -> int | None:
+    """The layer a tensor belongs to (``model.layers.N.*`` -> N); None for the outer tensors."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
+
+
+def by_layer(weights: Weights, num_layers: int) -> Iterator[Weights]:
+    """``weights`` split as ``random_weight_groups`` orders them (outer tensors, then layers 0 .. num_layers - 1),
+    the dict emptied as the groups are handed out (no tensor held twice; tensors of deeper layers dropped)."""
+    keys: dict[int | None, list[str]] = {}
+    for name in weights:
+        keys.setdefault(layer_of(name), []).append(name)
+    for key in [None, *range(num_layers)]:
+        yield {name: weights.pop(name) for name in keys.get(key, [])}
+    weights.clear()
 
 
 def local_shapes(cfg: ModelConfig, experts: range | None = None) -> dict[str, tuple[int, ...]]:
@@ -163,13 +208,16 @@ def _fp8_pair(raw: Weights, name: str, device: torch.device | str) -> Weights:
     return {name: w.to(device, copy=True), name + "_scale_inv": scale.to(device=device, dtype=torch.float32, copy=True)}
 
 
-def to_fp8(weights: Weights, consume: bool = False) -> Weights:
+def to_fp8(weights: Weights, consume: bool = False, quantise: bool | None = None) -> Weights:
     """``weights`` with every ``fp8_kept`` weight quantised to 128 x 128 blocks, when none is fp8 yet (a dense
     checkpoint or random weights); weights already holding fp8 tensors (an fp8 checkpoint) as they are.
     ``consume``: quantise in ``weights`` itself, each dense tensor dropped as its fp8 form arrives (the peak is
-    the dense model plus one tensor, not the dense model plus its fp8 copy)."""
+    the dense model plus one tensor, not the dense model plus its fp8 copy). ``quantise``: that decision taken
+    already over the whole model (``weights`` is one layer's group of it); None: decided from ``weights``."""
     out = weights if consume else dict(weights)
-    if any(is_fp8(w) for w in out.values()):
+    if quantise is None:
+        quantise = not any(is_fp8(w) for w in out.values())
+    if not quantise:
         return out
     for name in [n for n, w in out.items() if fp8_kept(n) and not is_fp8(w)]:
         out[name], out[name + "_scale_inv"] = quant_fp8_blocks(out[name])
