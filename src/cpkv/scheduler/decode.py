@@ -1,0 +1,160 @@
+"""Paged decode bookkeeping: the running generations whose KV stays where it lies (docs/design.md §11). No torch.
+
+A generation's prompt is prefilled by the batch loop; its last chunk keeps its pages (``Request.keep``): the full
+pages committed to the prefix cache and held, the partial tail page kept out of the cache. The ``Decoder`` then
+advances every running generation by one token per step::
+
+    0            P           2P                    length          (P = page size)
+    | full page  | full page  | tail page (partial) |
+    |<-- prefix: cached, held -->|<- tail: the generation's own ->|
+                                  ^ the next token's KV goes at ``length`` (a fresh page when length % P == 0)
+
+    dec = Decoder(kv, cp, page_size)
+    dec.start(rid, tokens, prefix, tail)   # tokens: the generation's list (prompt + tokens so far), kept by reference
+    step, failed = dec.plan()              # DecodeStep: one entry per generation, its page table with the token's page
+    ...the step's forward writes each token's KV rows into its page on its owner...
+    dec.advance(rid)                       # the token's KV is stored (tokens[length] known): a filled tail page
+                                           #   enters the prefix cache, held
+    dec.finish(rid)                        # the prefix dropped (its pages stay cached), the tail page released
+
+A fresh tail page goes to rank (spread + page index) % cp: each generation's pages, and so its steps, rotate over
+the group, and concurrent generations start on different ranks. The rank that owns a step's tail page computes
+the step (its query, its KV rows, its attention over every page of the context, wherever they lie). Every rank
+holds the same Decoder and makes the same calls, so every rank plans the same steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from cpkv.kvcache.manager import KVCacheManager, Page, Prefix
+
+
+@dataclass(eq=False)
+class DecodeSeq:
+    """One running generation. ``tokens``: prompt + tokens so far (the caller's list); ``length``: tokens whose KV
+    is stored; ``prefix``: its full pages (held); ``tail``: the partial page after them, or None."""
+
+    rid: Hashable
+    tokens: list[int]
+    prefix: Prefix
+    tail: Page | None
+    length: int
+    spread: int
+
+    @property
+    def pages(self) -> tuple[Page, ...]:
+        return self.prefix.pages + ((self.tail,) if self.tail is not None else ())
+
+
+@dataclass(frozen=True)
+class DecodeEntry:
+    """One generation in a step: its input ``token`` at ``position`` (= the tokens already in KV), the ``owner``
+    rank computing it (its tail page's), and ``pages``: (owner, page id) of every page of its context, the token's
+    page last."""
+
+    rid: Hashable
+    token: int
+    position: int
+    owner: int
+    pages: tuple[Page, ...]
+
+    @property
+    def context(self) -> int:
+        """Keys the token attends to: every earlier token and itself."""
+        return self.position + 1
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One step of every running generation, in start order (the same on every rank)."""
+
+    index: int
+    entries: tuple[DecodeEntry, ...]
+    page_size: int
+    cp: int
+
+    def on(self, rank: int) -> tuple[DecodeEntry, ...]:
+        """The entries ``rank`` computes."""
+        return tuple(e for e in self.entries if e.owner == rank)
+
+    def counts(self) -> list[int]:
+        """Tokens per rank."""
+        out = [0] * self.cp
+        for e in self.entries:
+            out[e.owner] += 1
+        return out
+
+
+class Decoder:
+    """The running generations of the paged decode path and their pages (module docstring)."""
+
+    def __init__(self, kv: KVCacheManager, cp: int, page_size: int) -> None:
+        if kv.page_size != page_size:
+            raise ValueError(f"the decoder needs a token-keyed cache (page size {page_size}), got {kv.page_size}")
+        self.kv, self.cp, self.page_size = kv, cp, page_size
+        self.seqs: dict[Hashable, DecodeSeq] = {}
+        self.started = 0
+        self.steps = 0
+
+    def start(self, rid: Hashable, tokens: list[int], prefix: Prefix, tail: Sequence[Page]) -> None:
+        """Take over a prefilled generation: ``prefix`` held (its full pages), ``tail`` its partial page (0 or 1)."""
+        if rid in self.seqs:
+            raise ValueError(f"generation {rid!r} is already decoding")
+        kept = tuple(tail)
+        if len(kept) > 1:
+            raise ValueError(f"generation {rid!r}: at most one partial tail page, got {kept}")
+        length = len(tokens) - 1  # every token but the last sampled one has its KV stored
+        if not len(prefix) * self.page_size <= length <= (len(prefix) + len(kept)) * self.page_size:
+            raise ValueError(f"generation {rid!r}: {length} tokens in KV do not fit {len(prefix)} full pages and "
+                             f"{len(kept)} tail page(s) of {self.page_size}")
+        self.seqs[rid] = DecodeSeq(rid, tokens, prefix, kept[0] if kept else None, length, self.started)
+        self.started += 1
+
+    def plan(self) -> tuple[DecodeStep | None, list[tuple[Hashable, str]]]:
+        """The next step (None: no generation runs) and the generations that could not get a page this step
+        ((rid, reason): finished and gone from the decoder)."""
+        entries, failed = [], []
+        for seq in list(self.seqs.values()):
+            if seq.length % self.page_size == 0 and not self._grow(seq):
+                failed.append((seq.rid, f"pages: no free page on rank {self._owner(seq)} for the next token"))
+                self.finish(seq.rid)
+                continue
+            entries.append(DecodeEntry(seq.rid, seq.tokens[seq.length], seq.length, seq.tail[0], seq.pages))
+        if not entries:
+            return None, failed
+        self.steps += 1
+        return DecodeStep(self.steps - 1, tuple(entries), self.page_size, self.cp), failed
+
+    def _owner(self, seq: DecodeSeq) -> int:
+        return (seq.spread + seq.length // self.page_size) % self.cp
+
+    def _grow(self, seq: DecodeSeq) -> bool:
+        """A fresh tail page for the next token (LRU leaves evicted as needed); False when none is free."""
+        got = self.kv.allocate([self._owner(seq)])
+        if got is None:
+            return False
+        seq.tail = got[0]
+        return True
+
+    def advance(self, rid: Hashable) -> None:
+        """The step's token of ``rid`` has its KV stored; a tail page it filled enters the prefix cache (held)."""
+        seq = self.seqs[rid]
+        seq.length += 1
+        if seq.length % self.page_size == 0:
+            keys = seq.tokens[: seq.length]
+            seq.prefix = self.kv.commit(keys, seq.prefix, [seq.tail], hold=True)
+            seq.tail = None
+
+    def finish(self, rid: Hashable) -> None:
+        """``rid`` stops (done, cancelled or failed): its full pages stay cached, unheld; its tail page is freed."""
+        seq = self.seqs.pop(rid)
+        self.discard(seq.prefix, (seq.tail,) if seq.tail is not None else ())
+
+    def discard(self, prefix: Prefix, tail: Sequence[Page]) -> None:
+        """Undo what a kept last chunk holds (``Request.keep``) for a generation that never starts decoding."""
+        self.kv.drop(prefix)
+        self.kv.release(tail)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
