@@ -1,8 +1,10 @@
 """The online engine through its client (rank processes, no HTTP): a long prefill stalls a running decode by at
-most one chunk, and the decoded tokens are the single-rank reference's greedy continuation."""
+most one chunk, and the decoded tokens are the single-rank reference's greedy continuation, on both decode paths
+(paged: one batched step over the KV where it lies after every batch; extend: a one-token prefill per step)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +17,8 @@ pytestmark = pytest.mark.slow
 CFG = EngineConfig(page_size=16, pages_per_rank=128, chunk_size=64, max_requests=4)
 
 
-def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
+@pytest.mark.parametrize("decode", ["paged", "extend"])
+def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk(decode):
     steps, events, done = [], {}, threading.Event()
 
     def on_event(ev) -> None:
@@ -23,7 +26,7 @@ def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
         if isinstance(ev, Finished) and len([r for r in events.values() if isinstance(r[-1], Finished)]) == 2:
             done.set()
 
-    client = EngineClient(CFG, timeout_s=120, on_step=steps.append)
+    client = EngineClient(replace(CFG, decode=decode), timeout_s=120, on_step=steps.append)
     client.start(ready_timeout_s=300)
     try:
         first = threading.Event()
@@ -39,9 +42,12 @@ def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
     during = steps[start:]
     b_first = next(i for i, s in enumerate(during) if any(e.rid == b and isinstance(e, Token) for e in s.events))
     a_in = [any(e.rid == a and isinstance(e, Token) for e in s.events) for s in during[:b_first]]
-    assert a_in.count(False) >= 9  # B's chunks ran meanwhile ...
     gaps = "".join("a" if x else "." for x in a_in)
-    assert ".." not in gaps, gaps  # ... and A got a token after every one of them
+    if decode == "extend":
+        assert a_in.count(False) >= 9  # B's chunks ran meanwhile ...
+        assert ".." not in gaps, gaps  # ... and A got a token after every one of them
+    else:
+        assert len(a_in) >= 9 and all(a_in), gaps  # each of B's chunks ran in a step with A's decode step after it
 
     from cpkv.model import load_model
 
@@ -79,3 +85,38 @@ def test_a_long_prompt_alone_runs_its_chunks_planned_ahead():
     for t in got:
         assert int(model.reference_prefill(seq).argmax()) == t
         seq.append(t)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_paged_decode_gives_the_reference_greedy_tokens_past_the_top_k(cp):
+    """Generations side by side on the paged decode path, with contexts short of, at and past the tiny model's top-k
+    (64: the indexer selects) and steps crossing page boundaries: every token is the single-rank reference's
+    greedy token for the prompt plus the tokens before it (``cpkv run``'s), and the steps ran paged."""
+    prompts = [[(17 * i + 5 * k) % 500 + 4 for i in range(n)] for k, n in enumerate((30, 63, 100))]
+    events, done, lock = {}, threading.Event(), threading.Lock()
+
+    def on_event(ev) -> None:
+        with lock:
+            events.setdefault(ev.rid, []).append(ev)
+            if sum(isinstance(v[-1], Finished) for v in events.values()) == len(prompts):
+                done.set()
+
+    client = EngineClient(replace(CFG, cp=cp), timeout_s=120)
+    client.start(ready_timeout_s=300)
+    try:
+        rids = [client.submit(p, 8, on_event) for p in prompts]
+        assert done.wait(300), events
+    finally:
+        client.close(60)
+    assert all(r["decode_steps"] >= 7 for r in client.results), client.results
+
+    from cpkv.model import load_model
+
+    model = load_model("tiny", seed=0)
+    for rid, prompt in zip(rids, prompts):
+        got = [e.token for e in events[rid] if isinstance(e, Token)]
+        assert len(got) == 8 and events[rid][-1].reason == "length"
+        seq = list(prompt)
+        for t in got:
+            assert int(model.reference_prefill(seq).argmax()) == t, (len(prompt), len(seq))
+            seq.append(t)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
 WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
+DECODES = ("paged", "extend")  # how the online engine advances a generation (docs/design.md §11)
 GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md)
 
 
@@ -69,6 +70,8 @@ class EngineConfig:
     plant: str | None = None  # testing: a planted fault (cpkv.engine.taps.PLANTS) verification must catch
     look_ahead: bool = True  # form and plan the next batch while the GPU runs this one (engine.executor)
     chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
+    decode: str = "paged"    # the online engine's decode steps: "paged" (one batched step of every generation over
+    #                          the KV where it lies, cpkv.engine.decode) or "extend" (a one-token prefill per step)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
@@ -95,6 +98,8 @@ class EngineConfig:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.decode not in DECODES:
+            raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         cfg = self.model_config()  # a preset, or a directory with a valid config.json (the ranks' config)
