@@ -1,0 +1,98 @@
+"""The paged decode bookkeeping (cpkv.scheduler.decode, no torch): a kept last chunk hands its pages to the
+Decoder, steps take fresh tail pages on rotating owners, filled pages enter the prefix cache, a finished generation
+leaves its full pages cached and frees its tail; exact page ids."""
+from __future__ import annotations
+
+import pytest
+
+from cpkv.config import PRESETS, AdmissionCaps, CPConfig
+from cpkv.kvcache import KVCacheManager, PageAllocator
+from cpkv.scheduler import Request, Scheduler
+from cpkv.scheduler.decode import Decoder
+
+P = 4
+
+
+def make(cp=2, pages=8, full_hit="page"):
+    allocs = [PageAllocator(pages, f"rank{r}") for r in range(cp)]
+    kv = KVCacheManager(P, allocs)
+    sched = Scheduler(kv, AdmissionCaps(chunk_size=16, max_requests=4), model=PRESETS["tiny"], cp=CPConfig(cp, P),
+                      full_hit=full_hit)
+    return sched, kv, allocs, Decoder(kv, cp, P)
+
+
+def prefill(sched, rid, tokens, keep=True):
+    req = Request(rid, list(tokens), len(tokens))
+    req.keep = keep
+    sched.add(req)
+    batch = sched.next_batch()
+    assert sched.postprocess(batch) == [req]
+    return req, batch.entries[0]
+
+
+def test_a_kept_last_chunk_holds_its_full_pages_and_keeps_its_tail():
+    sched, kv, allocs, _ = make()
+    req, e = prefill(sched, "a", range(10))  # pages [0, 4) [4, 8) full, [8, 10) the tail
+    assert req.keep and req.prefix.pages == e.pages[:2] and req.tail == e.pages[2:]
+    assert sum(a.num_used for a in allocs) == 3  # nothing released
+    assert kv.tree.match(list(range(10))).nodes[0].lock == 1  # held for the decoder
+
+
+def test_an_unkept_last_chunk_releases_its_tail_as_before():
+    sched, kv, allocs, _ = make()
+    req, _ = prefill(sched, "a", range(10), keep=False)
+    assert req.tail == () and len(req.prefix) == 0 and sum(a.num_used for a in allocs) == 2
+
+
+def test_steps_fill_the_tail_then_take_a_fresh_page_on_the_next_owner():
+    sched, kv, allocs, dec = make()
+    tokens = list(range(10))
+    req, e = prefill(sched, "a", tokens)
+    tokens.append(100)  # the prefill's token: its KV comes with the first decode step
+    dec.start("a", tokens, req.prefix, req.tail)
+    owners = []
+    for t in range(101, 108):
+        step, failed = dec.plan()
+        assert not failed and len(step.entries) == 1
+        entry = step.entries[0]
+        assert entry.token == tokens[entry.position] and entry.position == len(tokens) - 1
+        assert entry.pages[: len(entry.pages) - 1] == dec.seqs["a"].prefix.pages
+        assert entry.owner == entry.pages[-1][0]
+        owners.append((entry.position, entry.pages[-1]))
+        tokens.append(t)
+        dec.advance("a")
+    # positions 10, 11 fill the prefill's tail page; 12..15 a fresh page on rank (0 + 3) % 2; 16, 17 the next
+    tail = e.pages[2]
+    assert [p for _, p in owners[:2]] == [tail, tail]
+    assert {p for _, p in owners[2:6]} == {(1, owners[2][1][1])} and owners[6][1][0] == 0
+    assert dec.seqs["a"].length == 17 and len(dec.seqs["a"].prefix) == 4  # 16 tokens in 4 cached pages
+    assert [n.page_id for n in kv.tree.match(tokens[:16]).nodes] == [p for _, p in dec.seqs["a"].prefix.pages]
+    dec.finish("a")
+    assert sum(a.num_used for a in allocs) == 4  # the tail page freed, the full pages cached
+    assert all(n.lock == 0 for n in kv.tree.match(tokens[:16]).nodes)
+
+
+def test_concurrent_generations_spread_over_ranks_and_a_short_pool_fails_only_its_generation():
+    sched, kv, allocs, dec = make(pages=3)  # 2 pages per rank (page 0 reserved)
+    seqs = {}
+    for rid, base in (("a", 0), ("b", 50)):
+        toks = list(range(base, base + 4))
+        req, e = prefill(sched, rid, toks)  # one full page each, no tail: both on rank 0 (one page: zigzag's first)
+        assert e.pages[0][0] == 0 and req.tail == ()
+        seqs[rid] = toks + [base + 40]
+        dec.start(rid, seqs[rid], req.prefix, req.tail)
+    step, failed = dec.plan()  # a (spread 0) -> rank 1; b (spread 1) -> rank 0, whose two pages are held
+    assert [(e.rid, e.owner) for e in step.entries] == [("a", 1)] and step.counts() == [0, 1]
+    assert [rid for rid, _ in failed] == ["b"] and "rank 0" in failed[0][1]
+    assert list(dec.seqs) == ["a"] and kv.tree.match(seqs["b"][:4]).nodes[0].lock == 0  # b's page unheld
+    assert [a.num_used for a in allocs] == [2, 1]
+
+
+def test_starting_twice_or_with_a_wrong_length_is_refused():
+    sched, kv, _, dec = make()
+    req, _ = prefill(sched, "a", range(6))
+    with pytest.raises(ValueError, match="do not fit"):
+        dec.start("a", list(range(20)), req.prefix, req.tail)
+    dec.start("a", list(range(7)), req.prefix, req.tail)
+    with pytest.raises(ValueError, match="already decoding"):
+        dec.start("a", list(range(7)), req.prefix, req.tail)
