@@ -50,26 +50,58 @@ def test_steps_fill_the_tail_then_take_a_fresh_page_on_the_next_owner():
     req, e = prefill(sched, "a", tokens)
     tokens.append(100)  # the prefill's token: its KV comes with the first decode step
     dec.start("a", tokens, req.prefix, req.tail)
-    owners = []
+    table: dict[int, tuple[int, int]] = {}  # the page table as the steps' changes write it
+    seen = []
     for t in range(101, 108):
         step, failed = dec.plan()
         assert not failed and len(step.entries) == 1
         entry = step.entries[0]
-        assert entry.token == tokens[entry.position] and entry.position == len(tokens) - 1
-        assert entry.pages[: len(entry.pages) - 1] == dec.seqs["a"].prefix.pages
-        assert entry.owner == entry.pages[-1][0]
-        owners.append((entry.position, entry.pages[-1]))
+        assert entry.token == tokens[entry.position] and entry.position == len(tokens) - 1 and entry.slot == 0
+        table.update({i: (o, p) for i, o, p in entry.changes})
+        assert [table[i] for i in range(len(table))] == list(dec.seqs["a"].pages)
+        assert (entry.owner, entry.page) == table[entry.position // P]
+        seen.append(([i for i, _, _ in entry.changes], (entry.owner, entry.page)))
         tokens.append(t)
         dec.advance("a")
-    # positions 10, 11 fill the prefill's tail page; 12..15 a fresh page on rank (0 + 3) % 2; 16, 17 the next
-    tail = e.pages[2]
-    assert [p for _, p in owners[:2]] == [tail, tail]
-    assert {p for _, p in owners[2:6]} == {(1, owners[2][1][1])} and owners[6][1][0] == 0
+    # positions 10, 11 fill the prefill's tail page (the first step writes the whole table); 12..15 a fresh page on
+    # rank (spread 0 + page 3) % 2 = 1, 16 one on rank 0; only a fresh page is a change
+    assert [c for c, _ in seen] == [[0, 1, 2], [], [3], [], [], [], [4]]
+    assert [p for _, p in seen[:2]] == [e.pages[2]] * 2
+    assert {p[0] for _, p in seen[2:6]} == {1} and seen[6][1][0] == 0
     assert dec.seqs["a"].length == 17 and len(dec.seqs["a"].prefix) == 4  # 16 tokens in 4 cached pages
     assert [n.page_id for n in kv.tree.match(tokens[:16]).nodes] == [p for _, p in dec.seqs["a"].prefix.pages]
     dec.finish("a")
     assert sum(a.num_used for a in allocs) == 4  # the tail page freed, the full pages cached
     assert all(n.lock == 0 for n in kv.tree.match(tokens[:16]).nodes)
+
+
+def test_a_filled_page_the_cache_already_holds_is_swapped_for_its_twin_in_the_table():
+    sched, kv, allocs, dec = make()
+    tokens = list(range(6))
+    req, _ = prefill(sched, "a", tokens)  # page [0, 4) full, [4, 6) the tail
+    tokens.append(6)
+    dec.start("a", tokens, req.prefix, req.tail)
+    prefill(sched, "b", list(range(8)), keep=False)  # caches the page of tokens [4, 8) first
+    twin = kv.match(list(range(8))).pages[1]
+    for t in (7, 8):
+        step, _ = dec.plan()
+        tokens.append(t)
+        dec.advance("a")
+    assert dec.seqs["a"].prefix.pages[1] == twin  # ours went back to its allocator
+    step, _ = dec.plan()
+    assert step.entries[0].changes[0] == (1, *twin) and [i for i, _, _ in step.entries[0].changes] == [1, 2]
+
+
+def test_slots_are_reused_lowest_first():
+    sched, kv, _, dec = make(pages=16)
+    for rid in "abc":
+        req, _ = prefill(sched, rid, [ord(rid)] * 3)
+        dec.start(rid, [ord(rid)] * 4, req.prefix, req.tail)
+    dec.finish("b")
+    dec.finish("a")
+    req, _ = prefill(sched, "d", [9] * 3)
+    dec.start("d", [9] * 4, req.prefix, req.tail)
+    assert {r: s.slot for r, s in dec.seqs.items()} == {"c": 2, "d": 0} and dec.slots == 3
 
 
 def test_concurrent_generations_spread_over_ranks_and_a_short_pool_fails_only_its_generation():

@@ -1,11 +1,14 @@
 """One rank's paged decode step: every running generation advances by one token, its KV read where it lies
 (docs/design.md §11).
 
-    DecodeStep (cpkv.scheduler.decode, the same on every rank): per generation its input token, position, owner
-    and page table (owner, page id), the token's page last
+    DecodeStep (cpkv.scheduler.decode, the same on every rank): per generation its input token, position, owner,
+    tail page, page-table slot and the table entries that changed since its last step
+    DecodeTable (every rank, the same): owner and page id of every page of every running generation, int64
+    [slots, max pages] on the device, written only where a step says it changed (a page per P tokens)
     DecodePlan (``decode_plan``, once per step, every layer reuses it): the rank's own entries' token ids,
-    positions, the pool rows their KV goes to, and the context map: (owner, row) of every key of every own
-    entry, entry by entry -- the S rows the indexer scores, whose positions the top-k indexes
+    positions, the pool rows their KV goes to (O(B) host work, one upload), and the context map made on the
+    device from the table: (owner, row) of every key of every own entry, entry by entry -- the S rows the indexer
+    scores, whose positions the top-k indexes
     per layer      project the new tokens -> write their token / index rows into this rank's pool (the tail
                    page of each entry is this rank's) -> indexer over the context's index rows read through the
                    map (every rank's pool through peer memory) -> top-k -> sparse MLA over the selected token rows
@@ -29,7 +32,7 @@ import torch
 from cpkv.kernels.paged_rows.ref import paged_rows_ref
 from cpkv.model.layer import AttnPlan, DSALayer, Projected
 from cpkv.model.model import DSAModel
-from cpkv.scheduler.decode import DecodeEntry, DecodeStep
+from cpkv.scheduler.decode import DecodeStep
 
 
 def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -55,35 +58,52 @@ class DecodePlan:
         return len(self.rids)
 
 
-def context_rows(e: DecodeEntry, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(owner, row) int64 [e.context] of every key of entry ``e``, in position order."""
-    owners = np.fromiter((o for o, _ in e.pages), np.int64, len(e.pages))
-    pids = np.fromiter((p for _, p in e.pages), np.int64, len(e.pages))
-    offs = np.arange(page_size, dtype=np.int64)
-    rows = (pids[:, None] * page_size + offs[None, :]).reshape(-1)[: e.context]
-    return np.repeat(owners, page_size)[: e.context], rows
+class DecodeTable:
+    """Every running generation's page table on the device: ``owner`` / ``page`` int64 [slots, max pages] (rows
+    grow by doubling as generations start; a slot's row is valid up to its generation's pages)."""
+
+    def __init__(self, max_pages: int, device: torch.device) -> None:
+        self.max_pages, self.device = max_pages, device
+        self.owner = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
+        self.page = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
+
+    def apply(self, step: DecodeStep) -> None:
+        """Write the step's changed entries (one upload, one scatter; nothing when none changed)."""
+        at = [(e.slot, i, o, p) for e in step.entries for i, o, p in e.changes]
+        if not at:
+            return
+        rows = max(a[0] for a in at) + 1
+        if rows > self.owner.shape[0]:
+            self._grow(rows)
+        slot, idx, owner, page = torch.tensor(at, dtype=torch.int64).to(self.device).unbind(1)
+        self.owner[slot, idx] = owner
+        self.page[slot, idx] = page
+
+    def _grow(self, rows: int) -> None:
+        n = max(rows, 2 * self.owner.shape[0], 8)
+        for name in ("owner", "page"):
+            old = getattr(self, name)
+            new = torch.zeros((n, self.max_pages), dtype=torch.int64, device=self.device)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
 
 
-def decode_plan(step: DecodeStep, rank: int, model: DSAModel, ep: Any = None) -> DecodePlan:
-    """Rank ``rank``'s plan of ``step`` (module docstring); ``ep``: the rank's ExpertExchange, prepared with every
-    rank's token count."""
+def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None) -> DecodePlan:
+    """Rank ``rank``'s plan of ``step`` (module docstring) over ``table`` (the step's changes applied); ``ep``: the
+    rank's ExpertExchange, prepared with every rank's token count. Host work O(own entries)."""
     mine, P, dev = step.on(rank), step.page_size, model.device
-    owners, rows, ks, ke = [], [], [], []
-    at = 0
-    for e in mine:
-        o, r = context_rows(e, P)
-        owners.append(o)
-        rows.append(r)
-        ks.append(at)
-        at += e.context
-        ke.append(at)
-    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
-    host = [[e.token for e in mine], [e.position for e in mine],
-            [e.pages[-1][1] * P + e.position % P for e in mine]]
-    ids, pos, write = (torch.tensor(x, dtype=torch.int64).to(dev) for x in host)
-    attn = AttnPlan.build(ks, ke, model.cfg.index_topk, dev)
-    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write, torch.from_numpy(cat(owners)).to(dev),
-                      torch.from_numpy(cat(rows)).to(dev), attn,
+    ke = np.cumsum([e.context for e in mine], dtype=np.int64)
+    ks = ke - [e.context for e in mine]
+    host = [[e.token for e in mine], [e.position for e in mine], [e.page * P + e.position % P for e in mine],
+            [e.slot for e in mine], [e.context for e in mine], ks.tolist()]
+    ids, pos, write, slot, ctx, start = torch.tensor(host, dtype=torch.int64).reshape(6, -1).to(dev).unbind(0)
+    s = int(ke[-1]) if len(mine) else 0
+    seq = torch.repeat_interleave(torch.arange(len(mine), device=dev), ctx, output_size=s)  # each key's entry
+    at = torch.arange(s, device=dev) - start[seq]                                           # its position
+    row, col = slot[seq], at // P
+    attn = AttnPlan.build(ks.tolist(), ke.tolist(), model.cfg.index_topk, dev)
+    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write, table.owner[row, col],
+                      table.page[row, col] * P + at % P, attn,
                       ep.plan_batch(step.counts()) if ep is not None else None)
 
 
@@ -162,9 +182,12 @@ class DecodeRunner:
     def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int) -> None:
         self.model, self.ep, self.rank = model, ep, rank
         self.views = PagedViews(rt)
+        self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
         self.steps = 0
 
     def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
-        out = run_decode(self.model, self.views, decode_plan(step, self.rank, self.model, self.ep))
+        self.table.apply(step)  # every rank: any rank may compute a generation's later steps
+        plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
+        out = run_decode(self.model, self.views, plan)
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}

@@ -11,11 +11,16 @@ advances every running generation by one token per step::
 
     dec = Decoder(kv, cp, page_size)
     dec.start(rid, tokens, prefix, tail)   # tokens: the generation's list (prompt + tokens so far), kept by reference
-    step, failed = dec.plan()              # DecodeStep: one entry per generation, its page table with the token's page
+    step, failed = dec.plan()              # DecodeStep: one entry per generation: its token, position, table slot
+                                           #   and the entries of its page table that changed since its last step
     ...the step's forward writes each token's KV rows into its page on its owner...
     dec.advance(rid)                       # the token's KV is stored (tokens[length] known): a filled tail page
                                            #   enters the prefix cache, held
     dec.finish(rid)                        # the prefix dropped (its pages stay cached), the tail page released
+
+Each generation holds a slot (the lowest free) of the engine's page table; a step carries only the table entries
+that changed (a fresh tail page; a filled page the cache swapped for its twin; every page at a generation's first
+step), so a step's host work does not grow with the context.
 
 A fresh tail page goes to rank (spread + page index) % cp: each generation's pages, and so its steps, rotate over
 the group, and concurrent generations start on different ranks. The rank that owns a step's tail page computes
@@ -24,6 +29,7 @@ holds the same Decoder and makes the same calls, so every rank plans the same st
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -33,7 +39,8 @@ from cpkv.kvcache.manager import KVCacheManager, Page, Prefix
 @dataclass(eq=False)
 class DecodeSeq:
     """One running generation. ``tokens``: prompt + tokens so far (the caller's list); ``length``: tokens whose KV
-    is stored; ``prefix``: its full pages (held); ``tail``: the partial page after them, or None."""
+    is stored; ``prefix``: its full pages (held); ``tail``: the partial page after them, or None; ``slot``: its row
+    of the page table; ``fresh``: the first page index changed since its last step (``NONE``: none)."""
 
     rid: Hashable
     tokens: list[int]
@@ -41,23 +48,38 @@ class DecodeSeq:
     tail: Page | None
     length: int
     spread: int
+    slot: int
+    fresh: int = 0
 
     @property
     def pages(self) -> tuple[Page, ...]:
         return self.prefix.pages + ((self.tail,) if self.tail is not None else ())
 
+    def changes(self) -> tuple[tuple[int, int, int], ...]:
+        """(page index, owner, page id) of the pages from ``fresh`` on, the tail last; ``fresh`` reset."""
+        if self.fresh == NONE:
+            return ()
+        start, self.fresh = self.fresh, NONE
+        pages = self.prefix.pages_from(start) + ((self.tail,) if self.tail is not None else ())
+        return tuple((start + i, o, p) for i, (o, p) in enumerate(pages))
+
+
+NONE = 1 << 62  # DecodeSeq.fresh when no page changed
+
 
 @dataclass(frozen=True)
 class DecodeEntry:
     """One generation in a step: its input ``token`` at ``position`` (= the tokens already in KV), the ``owner``
-    rank computing it (its tail page's), and ``pages``: (owner, page id) of every page of its context, the token's
-    page last."""
+    rank computing it (its tail page's), ``page``: that tail page's id (the token's KV goes there), ``slot``: its row of
+    the page table, ``changes``: the table entries to write first ((page index, owner, page id))."""
 
     rid: Hashable
     token: int
     position: int
     owner: int
-    pages: tuple[Page, ...]
+    page: int
+    slot: int
+    changes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def context(self) -> int:
@@ -94,6 +116,8 @@ class Decoder:
             raise ValueError(f"the decoder needs a token-keyed cache (page size {page_size}), got {kv.page_size}")
         self.kv, self.cp, self.page_size = kv, cp, page_size
         self.seqs: dict[Hashable, DecodeSeq] = {}
+        self._free: list[int] = []  # slots given back (a heap: the lowest is reused first)
+        self.slots = 0              # slots ever used: the page table's rows
         self.started = 0
         self.steps = 0
 
@@ -108,7 +132,9 @@ class Decoder:
         if not len(prefix) * self.page_size <= length <= (len(prefix) + len(kept)) * self.page_size:
             raise ValueError(f"generation {rid!r}: {length} tokens in KV do not fit {len(prefix)} full pages and "
                              f"{len(kept)} tail page(s) of {self.page_size}")
-        self.seqs[rid] = DecodeSeq(rid, tokens, prefix, kept[0] if kept else None, length, self.started)
+        slot = heapq.heappop(self._free) if self._free else self.slots
+        self.slots = max(self.slots, slot + 1)
+        self.seqs[rid] = DecodeSeq(rid, tokens, prefix, kept[0] if kept else None, length, self.started, slot)
         self.started += 1
 
     def plan(self) -> tuple[DecodeStep | None, list[tuple[Hashable, str]]]:
@@ -120,7 +146,8 @@ class Decoder:
                 failed.append((seq.rid, f"pages: no free page on rank {self._owner(seq)} for the next token"))
                 self.finish(seq.rid)
                 continue
-            entries.append(DecodeEntry(seq.rid, seq.tokens[seq.length], seq.length, seq.tail[0], seq.pages))
+            entries.append(DecodeEntry(seq.rid, seq.tokens[seq.length], seq.length, seq.tail[0], seq.tail[1],
+                                       seq.slot, seq.changes()))
         if not entries:
             return None, failed
         self.steps += 1
@@ -135,6 +162,7 @@ class Decoder:
         if got is None:
             return False
         seq.tail = got[0]
+        seq.fresh = min(seq.fresh, len(seq.prefix))
         return True
 
     def advance(self, rid: Hashable) -> None:
@@ -144,11 +172,14 @@ class Decoder:
         if seq.length % self.page_size == 0:
             keys = seq.tokens[: seq.length]
             seq.prefix = self.kv.commit(keys, seq.prefix, [seq.tail], hold=True)
+            if seq.prefix.pages_from(len(seq.prefix) - 1) != (seq.tail,):  # the cache kept its twin: ours went back
+                seq.fresh = min(seq.fresh, len(seq.prefix) - 1)
             seq.tail = None
 
     def finish(self, rid: Hashable) -> None:
         """``rid`` stops (done, cancelled or failed): its full pages stay cached, unheld; its tail page is freed."""
         seq = self.seqs.pop(rid)
+        heapq.heappush(self._free, seq.slot)
         self.discard(seq.prefix, (seq.tail,) if seq.tail is not None else ())
 
     def discard(self, prefix: Prefix, tail: Sequence[Page]) -> None:
