@@ -120,3 +120,39 @@ def test_paged_decode_gives_the_reference_greedy_tokens_past_the_top_k(cp):
         for t in got:
             assert int(model.reference_prefill(seq).argmax()) == t, (len(prompt), len(seq))
             seq.append(t)
+
+
+@pytest.mark.parametrize("decode", ["paged", "extend"])
+def test_cancelled_and_finished_generations_leave_no_page_held(decode):
+    """A generation cancelled mid-decode and one that ran to its length leave every page unheld: a flush afterwards
+    empties every pool (a held prefix or a kept tail page would stay)."""
+    steps, events, lock = [], {}, threading.Lock()
+    tok, fin = threading.Event(), threading.Event()
+
+    def on_event(ev) -> None:
+        with lock:
+            events.setdefault(ev.rid, []).append(ev)
+            if sum(isinstance(e, Token) for e in events[ev.rid]) >= 5:
+                tok.set()
+            if isinstance(ev, Finished) and ev.reason == "length":
+                fin.set()
+
+    client = EngineClient(replace(CFG, cp=2, decode=decode), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    try:
+        long = client.submit([(3 * i) % 500 + 1 for i in range(75)], 400, on_event)
+        short = client.submit([(5 * i) % 500 + 2 for i in range(90)], 12, on_event)
+        assert tok.wait(120) and fin.wait(120), events
+        client.cancel(long)
+        flushed = threading.Event()
+        while not flushed.is_set():  # refused (-1) while the cancel is not yet applied
+            answer = []
+            client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
+            for _ in range(100):
+                if answer:
+                    break
+                threading.Event().wait(0.05)
+    finally:
+        client.close(60)
+    assert events[long][-1].reason == "cancelled" and events[short][-1].reason == "length"
+    assert steps[-1].pages_used == (0, 0) and steps[-1].live == 0, steps[-1]
