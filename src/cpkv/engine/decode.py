@@ -6,7 +6,8 @@
     DecodeTable (every rank, the same): owner and page id of every page of every running generation, int64
     [slots, max pages] on the device, written only where a step says it changed (a page per P tokens)
     DecodePlan (``decode_plan``, once per step, every layer reuses it): the rank's own entries' token ids,
-    positions, the pool rows their KV goes to (O(B) host work, one upload), and the context map made on the
+    positions, the pool rows their KV goes to (O(B) host work, one asynchronous upload: no host sync), and the
+    context map made on the
     device from the table: (owner, row) of every key of every own entry, entry by entry -- the S rows the indexer
     scores, whose positions the top-k indexes
     per layer      project the new tokens -> write their token / index rows into this rank's pool (the tail
@@ -33,6 +34,7 @@ from cpkv.kernels.paged_rows.ref import paged_rows_ref
 from cpkv.model.layer import AttnPlan, DSALayer, Projected
 from cpkv.model.model import DSAModel
 from cpkv.scheduler.decode import DecodeStep
+from cpkv.upload import upload_arrays
 
 
 def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ class DecodeTable:
         rows = max(a[0] for a in at) + 1
         if rows > self.owner.shape[0]:
             self._grow(rows)
-        slot, idx, owner, page = torch.tensor(at, dtype=torch.int64).to(self.device).unbind(1)
+        slot, idx, owner, page = upload_arrays([np.asarray(at, dtype=np.int64)], self.device)[0].unbind(1)
         self.owner[slot, idx] = owner
         self.page[slot, idx] = page
 
@@ -96,7 +98,7 @@ def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable
     ks = ke - [e.context for e in mine]
     host = [[e.token for e in mine], [e.position for e in mine], [e.page * P + e.position % P for e in mine],
             [e.slot for e in mine], [e.context for e in mine], ks.tolist()]
-    ids, pos, write, slot, ctx, start = torch.tensor(host, dtype=torch.int64).reshape(6, -1).to(dev).unbind(0)
+    ids, pos, write, slot, ctx, start = upload_arrays([np.asarray(host, np.int64).reshape(6, -1)], dev)[0].unbind(0)
     s = int(ke[-1]) if len(mine) else 0
     seq = torch.repeat_interleave(torch.arange(len(mine), device=dev), ctx, output_size=s)  # each key's entry
     at = torch.arange(s, device=dev) - start[seq]                                           # its position
