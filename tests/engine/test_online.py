@@ -156,3 +156,49 @@ def test_cancelled_and_finished_generations_leave_no_page_held(decode):
         client.close(60)
     assert events[long][-1].reason == "cancelled" and events[short][-1].reason == "length"
     assert steps[-1].pages_used == (0, 0) and steps[-1].live == 0, steps[-1]
+
+
+
+def test_pages_a_paged_decode_filled_spill_to_the_host_tier_and_come_back():
+    """A small pool with a host tier: a generation's pages (its prompt's and those its decode steps filled, on
+    rotating owners) are spilled while other prompts run, and its next turn reloads them: the turn's tokens are
+    the reference's greedy ones for the whole conversation."""
+    first = [(31 * i) % 500 + 8 for i in range(100)]
+    other = [[(37 * i + k) % 500 + 9 for i in range(100)] for k in range(2)]
+    got: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    done = threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Token):
+            got.setdefault(ev.rid, []).append(ev.token)
+            cached.setdefault(ev.rid, ev.cached)
+        if isinstance(ev, Finished):
+            done.set()
+
+    steps = []  # 7 pages a rank: one 120-token conversation (8 pages) with another evicts it
+    client = EngineClient(replace(CFG, cp=2, pages_per_rank=8, host_pages=64), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    rids = []
+    try:
+        for prompt in [first, *other]:
+            done.clear()
+            rids.append(client.submit(prompt, 20, on_event))
+            assert done.wait(120)
+        turn = first + got[rids[0]] + [7, 8, 9]
+        done.clear()
+        rids.append(client.submit(turn, 4, on_event))
+        assert done.wait(120)
+    finally:
+        client.close(60)
+    assert max(max(s.pages_used) for s in steps) <= 7
+    assert cached[rids[-1]] == 112  # the history's 7 full pages (5 of the prompt, 2 its decode steps filled) reloaded
+
+    from cpkv.model import load_model
+
+    model = load_model("tiny", seed=0)
+    for prompt, rid in ((first, rids[0]), (turn, rids[-1])):
+        seq = list(prompt)
+        for t in got[rid]:
+            assert int(model.reference_prefill(seq).argmax()) == t, (rid, len(seq))
+            seq.append(t)
