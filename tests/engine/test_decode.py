@@ -35,7 +35,7 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
     dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
-    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank)
+    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs)
     gens = {i: list(p) for i, p in enumerate(prompts)}
     for i, p in enumerate(prompts):
         req = Request(i, list(p), len(p))
@@ -49,6 +49,7 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
             gens[r.rid].append(t)
             dec.start(r.rid, gens[r.rid], r.prefix, r.tail)
     steps = []
+    before = ex.graphs.counts()["batches"] if ex.graphs is not None else 0
     for _ in range(new):
         step, failed = dec.plan()
         assert not failed
@@ -64,7 +65,8 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
     for rid in list(dec.seqs):
         dec.finish(rid)
     ex.close()
-    return gens, steps, ex.kv.pages_used()
+    graphed = ex.graphs.counts()["batches"] - before if ex.graphs is not None else 0  # steps through the buffers
+    return gens, steps, ex.kv.pages_used(), graphed
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,9 @@ def reference():
     return load_model("tiny", seed=0)
 
 
-def _run(cp: int, prompts: list[list[int]], new: int = NEW, device: str = "cpu"):
-    cfg = EngineConfig(cp=cp, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device=device)
+def _run(cp: int, prompts: list[list[int]], new: int = NEW, device: str = "cpu", graph_tokens: int = 0):
+    cfg = EngineConfig(cp=cp, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device=device,
+                       graph_tokens=graph_tokens)
     return launch(_decode_ranks, cp, args=(cfg, prompts, new), device=device, timeout_s=600)[0]
 
 
@@ -82,7 +85,7 @@ def test_one_generation_at_cp1_is_the_reference_run_token_by_token_bit_for_bit(r
     """cp 1, one generation: each step's logits equal the reference run as one-token chunks after the prompt
     (the same ops at the same row counts) exactly; its tokens are the reference's greedy ones."""
     prompt = _prompt(1, 93)  # 93 > top-k 64: the indexer selects; the steps cross the page boundary at 96
-    gens, steps, _ = _run(1, [prompt])
+    gens, steps, _, _ = _run(1, [prompt])
     seq = gens[0]
     for s, got in enumerate(steps):
         n = len(prompt) + 1 + s  # tokens in the context of step s's logits
@@ -98,7 +101,7 @@ def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     the reference prefill's greedy token for the prompt plus the tokens before it (the tokens ``cpkv run``
     gives), and the logits agree within the CPU tolerance."""
     prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100), _prompt(5, 47)]
-    gens, steps, used = _run(cp, prompts)
+    gens, steps, used, _ = _run(cp, prompts)
     for rid, prompt in enumerate(prompts):
         seq = gens[rid]
         assert len(seq) == len(prompt) + 1 + NEW
@@ -112,17 +115,33 @@ def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)
 
 
+def test_steps_through_the_layer_graphs_buffers_decode_the_same_tokens(reference):
+    """graph_tokens on (on the CPU: the graphs' fixed buffers and padding, run eagerly): every step's token-only
+    pieces run as their bucket's 16 rows, and the tokens are still the reference's greedy ones."""
+    prompts = [_prompt(6, 70), _prompt(7, 30)]
+    gens, steps, _, graphed = _run(2, prompts, graph_tokens=64)
+    assert graphed == NEW  # rank 0 runs both generations' steps here (their tail pages' owner), all through them
+    for rid, prompt in enumerate(prompts):
+        seq = gens[rid]
+        for s, got in enumerate(steps):
+            n = len(prompt) + 1 + s
+            want = reference.reference_prefill(seq[:n])
+            assert int(want.argmax()) == seq[n], (rid, s)
+            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= 0.01 + 0.01 * float(want.abs().max())
+
+
 @pytest.mark.cuda
 @pytest.mark.triton
 @pytest.mark.parametrize("cp", [1, 2])
 def test_gpu_decode_steps_sync_free_and_close_to_the_reference_run_token_by_token(cp):
-    """CUDA (fp8 rows, the Triton kernels; at cp 2 both ranks on one GPU): each step's plan and forward run without a
-    device->host sync, its logits are within the GPU tolerance of the reference run with a cut at every decoded
+    """CUDA (fp8 rows, the Triton kernels, the layers' captured pieces; at cp 2 both ranks on one GPU): each step's
+    plan and forward run without a device->host sync, its logits are within the GPU tolerance of the reference run with a cut at every decoded
     token, and its token is that reference's greedy one wherever the reference's top two differ by more than it."""
     from cpkv.model import load_model
 
     prompts = [_prompt(2, 20), _prompt(4, 100), _prompt(1, 93)]
-    gens, steps, _ = _run(cp, prompts, device="cuda")
+    gens, steps, _, graphed = _run(cp, prompts, device="cuda", graph_tokens=64)
+    assert graphed == NEW or cp > 1  # at cp 1 every step replays the captured pieces
     model = load_model("tiny", seed=0, device="cuda")
     for rid, prompt in enumerate(prompts):
         seq = gens[rid]

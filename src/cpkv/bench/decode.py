@@ -81,7 +81,7 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int)
 
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
-    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank)
+    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs)
     rate = copy_gbs(device=cfg.device) * 1e9 / 2  # bytes read per second (copy_gbs counts read + write)
     out = []
     try:

@@ -25,7 +25,7 @@ kernel are to read the rows in place).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from cpkv.model.layer import AttnPlan, DSALayer, Projected
 from cpkv.model.model import DSAModel
 from cpkv.scheduler.decode import DecodeStep
 from cpkv.upload import upload_arrays
+
+if TYPE_CHECKING:
+    from cpkv.engine.graphs import LayerGraphs
 
 
 def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -132,22 +135,35 @@ class PagedViews:
         return self.rt.pool.rows(layer, kind)
 
 
-def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan) -> dict[Hashable, torch.Tensor]:
-    """-> {rid: float32 [vocab]} next-token logits of the rank's entries (module docstring)."""
+def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
+               graphs: "LayerGraphs | None" = None) -> dict[Hashable, torch.Tensor]:
+    """-> {rid: float32 [vocab]} next-token logits of the rank's entries (module docstring). ``graphs``: the model's
+    ``LayerGraphs``: a step whose token count is in its buckets runs each layer's token-only pieces (A: project, C:
+    finish) through them, as a prefill batch does (``engine.forward.run_batch``); the paged attention between stays
+    eager."""
+    t = plan.num_tokens
+    g = graphs if graphs is not None and graphs.bucket(t) is not None else None
     h, delta, topk = model.embed(plan.ids), None, None
     rot = model.rotary(plan.positions)
+    if g is not None:
+        g.begin(h, rot)
     for n, layer in enumerate(model.layers):
-        if not plan.num_tokens:
+        if not t:
             if plan.ep is not None and layer.is_moe:
                 layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
             continue
-        p = layer.project(h, rot, delta)
+        p = g.project(n, layer) if g is not None else layer.project(h, rot, delta)
         for kind in model.cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, plan.write_rows, getattr(p, kind))
         latent, topk = paged_attention(layer, p, views, plan, topk)
-        h, delta = layer.finish(p.h, latent, plan.ep)
-    if not plan.num_tokens:
+        if g is not None:
+            g.finish(n, layer, latent, plan.ep)
+        else:
+            h, delta = layer.finish(p.h, latent, plan.ep)
+    if not t:
         return {}
+    if g is not None:
+        h, delta = g.result()
     logits = model.logits(h, delta)
     return {rid: logits[i] for i, rid in enumerate(plan.rids)}
 
@@ -179,10 +195,11 @@ def paged_attention(layer: DSALayer, p: Projected, views: PagedViews, plan: Deco
 
 class DecodeRunner:
     """The paged decode step on one rank: ``run(step)`` -> {rid: float32 [vocab]} logits of its entries. Holds the
-    pool views (made once) beside the executor's compose runtime and expert exchange."""
+    pool views (made once) and the page table beside the executor's compose runtime, expert exchange and layer
+    graphs (the prefill's buckets serve the step's token-only pieces)."""
 
-    def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int) -> None:
-        self.model, self.ep, self.rank = model, ep, rank
+    def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None) -> None:
+        self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
         self.views = PagedViews(rt)
         self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
         self.steps = 0
@@ -190,6 +207,6 @@ class DecodeRunner:
     def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
         self.table.apply(step)  # every rank: any rank may compute a generation's later steps
         plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
-        out = run_decode(self.model, self.views, plan)
+        out = run_decode(self.model, self.views, plan, self.graphs)
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}
