@@ -4,6 +4,8 @@ leaves its full pages cached and frees its tail; exact page ids."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cpkv.config import PRESETS, AdmissionCaps, CPConfig
 from cpkv.kvcache import KVCacheManager, PageAllocator
@@ -128,3 +130,60 @@ def test_starting_twice_or_with_a_wrong_length_is_refused():
     dec.start("a", list(range(7)), req.prefix, req.tail)
     with pytest.raises(ValueError, match="already decoding"):
         dec.start("a", list(range(7)), req.prefix, req.tail)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cp=st.integers(1, 3), pages=st.integers(4, 14),
+       ops=st.lists(st.tuples(st.sampled_from(["start", "step", "step", "step", "finish"]), st.integers(0, 50)),
+                    max_size=60))
+def test_random_generations_keep_the_pages_and_the_table_consistent(cp, pages, ops):
+    """Over random starts, steps (with pool pressure) and finishes: the table written only from the steps' changes
+    is every generation's page table; a step's token page is its owner's; every device page is cached, a tail, or
+    free, never two of them; once all finish, no page is held and no tail is left."""
+    sched, kv, allocs, dec = make(cp=cp, pages=pages)
+    table: dict[int, dict[int, tuple[int, int]]] = {}
+    n = 0
+    for op, x in ops:
+        if op == "start":
+            toks = [n * 1000 + x + i for i in range(x % 9 + 1)]
+            req = Request(n, toks, len(toks))
+            req.keep = True
+            if sched.add(req) is not None:
+                continue
+            batch = sched.next_batch()
+            if batch is None:
+                sched.cancel(req)
+                continue
+            sched.postprocess(batch)
+            dec.start(n, toks + [x], req.prefix, req.tail)
+            n += 1
+        elif op == "step":
+            step, failed = dec.plan()
+            for e in step.entries if step is not None else ():
+                row = table.setdefault(e.slot, {})
+                row.update({i: (o, p) for i, o, p in e.changes})
+                seq = dec.seqs[e.rid]
+                assert [row[i] for i in range(len(seq.pages))] == list(seq.pages)
+                assert (e.owner, e.page) == seq.pages[e.position // P] == seq.tail
+                seq.tokens.append(x)
+                dec.advance(e.rid)
+        elif dec.seqs:
+            dec.finish(sorted(dec.seqs)[x % len(dec.seqs)])
+        tails = [s.tail for s in dec.seqs.values() if s.tail is not None]
+        assert len(set(tails)) == len(tails)
+        cached = {(nd.owner, nd.page_id) for nd in _nodes(kv.tree) if nd.page_id >= 1}
+        assert not cached & set(tails)
+        assert sum(a.num_used for a in allocs) == len(cached) + len(tails)
+    for rid in list(dec.seqs):
+        dec.finish(rid)
+    assert all(nd.lock == 0 for nd in _nodes(kv.tree))
+    assert sum(a.num_used for a in allocs) == len([nd for nd in _nodes(kv.tree) if nd.page_id >= 1])
+
+
+def _nodes(tree):
+    out, todo = [], list(tree.root.children.values())
+    while todo:
+        nd = todo.pop()
+        out.append(nd)
+        todo.extend(nd.children.values())
+    return out
