@@ -75,17 +75,23 @@ def reference():
     return load_model("tiny", seed=0)
 
 
-def _run(cp: int, prompts: list[list[int]], new: int = NEW, device: str = "cpu", graph_tokens: int = 0):
+def _run(cp: int, prompts: list[list[int]], new: int = NEW, device: str = "cpu", graph_tokens: int = 0,
+         precision: str = "fp8"):
     cfg = EngineConfig(cp=cp, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device=device,
-                       graph_tokens=graph_tokens)
+                       graph_tokens=graph_tokens, precision=precision)
     return launch(_decode_ranks, cp, args=(cfg, prompts, new), device=device, timeout_s=600)[0]
 
 
-def test_one_generation_at_cp1_is_the_reference_run_token_by_token_bit_for_bit(reference):
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_one_generation_at_cp1_is_the_reference_run_token_by_token_bit_for_bit(precision):
     """cp 1, one generation: each step's logits equal the reference run as one-token chunks after the prompt
-    (the same ops at the same row counts) exactly; its tokens are the reference's greedy ones."""
+    (the same ops at the same row counts) exactly, fp8 rows or exact ones; its tokens are the reference's greedy
+    ones."""
+    from cpkv.model import load_model
+
+    reference = load_model("tiny", seed=0, precision=precision)
     prompt = _prompt(1, 93)  # 93 > top-k 64: the indexer selects; the steps cross the page boundary at 96
-    gens, steps, _, _ = _run(1, [prompt])
+    gens, steps, _, _ = _run(1, [prompt], precision=precision)
     seq = gens[0]
     for s, got in enumerate(steps):
         n = len(prompt) + 1 + s  # tokens in the context of step s's logits

@@ -122,6 +122,23 @@ def test_concurrent_generations_spread_over_ranks_and_a_short_pool_fails_only_it
     assert [a.num_used for a in allocs] == [2, 1]
 
 
+def test_a_full_context_fails_only_its_generation():
+    sched, kv, allocs, dec = make()
+    dec.max_context = 7
+    for rid, n in (("a", 6), ("b", 3)):
+        toks = [ord(rid) * 10 + i for i in range(n)]
+        req, _ = prefill(sched, rid, toks)
+        dec.start(rid, toks + [0], req.prefix, req.tail)
+    step, failed = dec.plan()  # a: its token at position 6, the context's last
+    assert [e.rid for e in step.entries] == ["a", "b"] and not failed
+    for e in step.entries:
+        dec.seqs[e.rid].tokens.append(1)
+        dec.advance(e.rid)
+    step, failed = dec.plan()
+    assert [e.rid for e in step.entries] == ["b"] and failed == [("a", "max_context: the model's context of 7 "
+                                                                 "tokens is full")]
+
+
 def test_starting_twice_or_with_a_wrong_length_is_refused():
     sched, kv, _, dec = make()
     req, _ = prefill(sched, "a", range(6))

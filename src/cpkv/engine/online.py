@@ -76,7 +76,7 @@ class OnlineLoop:
         self._stopping = False       # a Stop came during a look-ahead: stop once the running batch is done
         # the paged decode path: every rank's pool must be readable (peer memory; agreed by the group)
         paged = cfg.decode == "paged" and (cfg.cp == 1 or self.ex.rt.mem.available)
-        self.decoder = Decoder(self.kv, cfg.cp, cfg.page_size) if paged else None
+        self.decoder = Decoder(self.kv, cfg.cp, cfg.page_size, model.cfg.max_context) if paged else None
         self.runner = DecodeRunner(model, self.ex.rt, self.ex.ep, self.rank, self.ex.graphs) if paged else None
 
     def serve(self) -> dict[str, Any]:

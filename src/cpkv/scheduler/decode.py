@@ -111,10 +111,10 @@ class DecodeStep:
 class Decoder:
     """The running generations of the paged decode path and their pages (module docstring)."""
 
-    def __init__(self, kv: KVCacheManager, cp: int, page_size: int) -> None:
+    def __init__(self, kv: KVCacheManager, cp: int, page_size: int, max_context: int | None = None) -> None:
         if kv.page_size != page_size:
             raise ValueError(f"the decoder needs a token-keyed cache (page size {page_size}), got {kv.page_size}")
-        self.kv, self.cp, self.page_size = kv, cp, page_size
+        self.kv, self.cp, self.page_size, self.max_context = kv, cp, page_size, max_context
         self.seqs: dict[Hashable, DecodeSeq] = {}
         self._free: list[int] = []  # slots given back (a heap: the lowest is reused first)
         self.slots = 0              # slots ever used: the page table's rows
@@ -142,8 +142,9 @@ class Decoder:
         ((rid, reason): finished and gone from the decoder)."""
         entries, failed = [], []
         for seq in list(self.seqs.values()):
-            if seq.length % self.page_size == 0 and not self._grow(seq):
-                failed.append((seq.rid, f"pages: no free page on rank {self._owner(seq)} for the next token"))
+            why = self._blocked(seq)
+            if why is not None:
+                failed.append((seq.rid, why))
                 self.finish(seq.rid)
                 continue
             entries.append(DecodeEntry(seq.rid, seq.tokens[seq.length], seq.length, seq.tail[0], seq.tail[1],
@@ -152,6 +153,14 @@ class Decoder:
             return None, failed
         self.steps += 1
         return DecodeStep(self.steps - 1, tuple(entries), self.page_size, self.cp), failed
+
+    def _blocked(self, seq: DecodeSeq) -> str | None:
+        """Why ``seq``'s next token cannot run (None: it can; a fresh tail page taken when it needs one)."""
+        if self.max_context is not None and seq.length >= self.max_context:
+            return f"max_context: the model's context of {self.max_context} tokens is full"
+        if seq.length % self.page_size == 0 and not self._grow(seq):
+            return f"pages: no free page on rank {self._owner(seq)} for the next token"
+        return None
 
     def _owner(self, seq: DecodeSeq) -> int:
         return (seq.spread + seq.length // self.page_size) % self.cp
