@@ -80,7 +80,7 @@ class OnlineLoop:
         self.runner = DecodeRunner(model, self.ex.rt, self.ex.ep, self.rank, self.ex.graphs) if paged else None
 
     def serve(self) -> dict[str, Any]:
-        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n}."""
+        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n, "decode_steps": n (paged)}."""
         self.ctx.barrier()
         if self.rank == 0:
             self.ctx.report(Ready())
