@@ -1,8 +1,10 @@
 """The online engine through its client (rank processes, no HTTP): a long prefill stalls a running decode by at
-most one chunk, and the decoded tokens are the single-rank reference's greedy continuation."""
+most one chunk, and the decoded tokens are the single-rank reference's greedy continuation, on both decode paths
+(paged: one batched step over the KV where it lies after every batch; extend: a one-token prefill per step)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +17,8 @@ pytestmark = pytest.mark.slow
 CFG = EngineConfig(page_size=16, pages_per_rank=128, chunk_size=64, max_requests=4)
 
 
-def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
+@pytest.mark.parametrize("decode", ["paged", "extend"])
+def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk(decode):
     steps, events, done = [], {}, threading.Event()
 
     def on_event(ev) -> None:
@@ -23,7 +26,7 @@ def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
         if isinstance(ev, Finished) and len([r for r in events.values() if isinstance(r[-1], Finished)]) == 2:
             done.set()
 
-    client = EngineClient(CFG, timeout_s=120, on_step=steps.append)
+    client = EngineClient(replace(CFG, decode=decode), timeout_s=120, on_step=steps.append)
     client.start(ready_timeout_s=300)
     try:
         first = threading.Event()
@@ -39,9 +42,12 @@ def test_a_long_prefill_stalls_a_decode_by_at_most_one_chunk():
     during = steps[start:]
     b_first = next(i for i, s in enumerate(during) if any(e.rid == b and isinstance(e, Token) for e in s.events))
     a_in = [any(e.rid == a and isinstance(e, Token) for e in s.events) for s in during[:b_first]]
-    assert a_in.count(False) >= 9  # B's chunks ran meanwhile ...
     gaps = "".join("a" if x else "." for x in a_in)
-    assert ".." not in gaps, gaps  # ... and A got a token after every one of them
+    if decode == "extend":
+        assert a_in.count(False) >= 9  # B's chunks ran meanwhile ...
+        assert ".." not in gaps, gaps  # ... and A got a token after every one of them
+    else:
+        assert len(a_in) >= 9 and all(a_in), gaps  # each of B's chunks ran in a step with A's decode step after it
 
     from cpkv.model import load_model
 
@@ -79,3 +85,120 @@ def test_a_long_prompt_alone_runs_its_chunks_planned_ahead():
     for t in got:
         assert int(model.reference_prefill(seq).argmax()) == t
         seq.append(t)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_paged_decode_gives_the_reference_greedy_tokens_past_the_top_k(cp):
+    """Generations side by side on the paged decode path, with contexts short of, at and past the tiny model's top-k
+    (64: the indexer selects) and steps crossing page boundaries: every token is the single-rank reference's
+    greedy token for the prompt plus the tokens before it (``cpkv run``'s), and the steps ran paged."""
+    prompts = [[(17 * i + 5 * k) % 500 + 4 for i in range(n)] for k, n in enumerate((30, 63, 100))]
+    events, done, lock = {}, threading.Event(), threading.Lock()
+
+    def on_event(ev) -> None:
+        with lock:
+            events.setdefault(ev.rid, []).append(ev)
+            if sum(isinstance(v[-1], Finished) for v in events.values()) == len(prompts):
+                done.set()
+
+    client = EngineClient(replace(CFG, cp=cp), timeout_s=120)
+    client.start(ready_timeout_s=300)
+    try:
+        rids = [client.submit(p, 8, on_event) for p in prompts]
+        assert done.wait(300), events
+    finally:
+        client.close(60)
+    assert all(r["decode_steps"] >= 7 for r in client.results), client.results
+
+    from cpkv.model import load_model
+
+    model = load_model("tiny", seed=0)
+    for rid, prompt in zip(rids, prompts):
+        got = [e.token for e in events[rid] if isinstance(e, Token)]
+        assert len(got) == 8 and events[rid][-1].reason == "length"
+        seq = list(prompt)
+        for t in got:
+            assert int(model.reference_prefill(seq).argmax()) == t, (len(prompt), len(seq))
+            seq.append(t)
+
+
+@pytest.mark.parametrize("decode", ["paged", "extend"])
+def test_cancelled_and_finished_generations_leave_no_page_held(decode):
+    """A generation cancelled mid-decode and one that ran to its length leave every page unheld: a flush afterwards
+    empties every pool (a held prefix or a kept tail page would stay)."""
+    steps, events, lock = [], {}, threading.Lock()
+    tok, fin = threading.Event(), threading.Event()
+
+    def on_event(ev) -> None:
+        with lock:
+            events.setdefault(ev.rid, []).append(ev)
+            if sum(isinstance(e, Token) for e in events[ev.rid]) >= 5:
+                tok.set()
+            if isinstance(ev, Finished) and ev.reason == "length":
+                fin.set()
+
+    client = EngineClient(replace(CFG, cp=2, decode=decode), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    try:
+        long = client.submit([(3 * i) % 500 + 1 for i in range(75)], 400, on_event)
+        short = client.submit([(5 * i) % 500 + 2 for i in range(90)], 12, on_event)
+        assert tok.wait(120) and fin.wait(120), events
+        client.cancel(long)
+        flushed = threading.Event()
+        while not flushed.is_set():  # refused (-1) while the cancel is not yet applied
+            answer = []
+            client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
+            for _ in range(100):
+                if answer:
+                    break
+                threading.Event().wait(0.05)
+    finally:
+        client.close(60)
+    assert events[long][-1].reason == "cancelled" and events[short][-1].reason == "length"
+    assert steps[-1].pages_used == (0, 0) and steps[-1].live == 0, steps[-1]
+
+
+
+def test_pages_a_paged_decode_filled_spill_to_the_host_tier_and_come_back():
+    """A small pool with a host tier: a generation's pages (its prompt's and those its decode steps filled, on
+    rotating owners) are spilled while other prompts run, and its next turn reloads them: the turn's tokens are
+    the reference's greedy ones for the whole conversation."""
+    first = [(31 * i) % 500 + 8 for i in range(100)]
+    other = [[(37 * i + k) % 500 + 9 for i in range(100)] for k in range(2)]
+    got: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    done = threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Token):
+            got.setdefault(ev.rid, []).append(ev.token)
+            cached.setdefault(ev.rid, ev.cached)
+        if isinstance(ev, Finished):
+            done.set()
+
+    steps = []  # 7 pages a rank: one 120-token conversation (8 pages) with another evicts it
+    client = EngineClient(replace(CFG, cp=2, pages_per_rank=8, host_pages=64), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    rids = []
+    try:
+        for prompt in [first, *other]:
+            done.clear()
+            rids.append(client.submit(prompt, 20, on_event))
+            assert done.wait(120)
+        turn = first + got[rids[0]] + [7, 8, 9]
+        done.clear()
+        rids.append(client.submit(turn, 4, on_event))
+        assert done.wait(120)
+    finally:
+        client.close(60)
+    assert max(max(s.pages_used) for s in steps) <= 7
+    assert cached[rids[-1]] == 112  # the history's 7 full pages (5 of the prompt, 2 its decode steps filled) reloaded
+
+    from cpkv.model import load_model
+
+    model = load_model("tiny", seed=0)
+    for prompt, rid in ((first, rids[0]), (turn, rids[-1])):
+        seq = list(prompt)
+        for t in got[rid]:
+            assert int(model.reference_prefill(seq).argmax()) == t, (rid, len(seq))
+            seq.append(t)

@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "indexer": ("cpkv.bench.indexer", "indexer logits and top-k against an fp8 GEMM and torch.topk"),
     "attention": ("cpkv.bench.attention", "sparse MLA attention against a bf16 GEMM"),
     "engine": ("cpkv.bench.engine", "the CP engine's prefill per part"),
+    "decode": ("cpkv.bench.decode", "the paged decode step per batch and context against the bytes it must read"),
     "serve": ("cpkv.bench.serve_cmd", "HTTP load generator for cpkv serve: TTFT percentiles, replay prediction"),
     "moe": ("cpkv.bench.moe", "routed-expert GEMMs: grouped fp8 against the dense block-scaled GEMM and bf16"),
 }

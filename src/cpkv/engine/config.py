@@ -15,6 +15,7 @@ MODES = tuple(COMPOSE_MODES)
 PRECISIONS = ("fp8", "exact")
 REFERENCES = ("parent", "rank")  # cpkv.engine.verify: where the verification's reference model runs
 WEIGHTS = ("auto", "fp8", "bf16")  # auto: fp8 when the checkpoint ships fp8 block-scaled weights (CUDA, fp8 precision)
+DECODES = ("paged", "extend")  # how the online engine advances a generation (docs/design.md §11)
 GRAPH_TOKENS = 1024  # the commands' graph_tokens on CUDA unless told (cpkv.engine.graphs; BENCHMARKS.md)
 
 
@@ -71,6 +72,8 @@ class EngineConfig:
     chain: bool = True       # launch a batch planned ahead without waiting for the one before (engine.executor)
     reference: str = "parent"  # where verification's reference runs (REFERENCES): a second model in the parent
     #                            process, or (cp 1) rank 0's own model after its run, sharing the engine's weights
+    decode: str = "paged"    # the online engine's decode steps: "paged" (one batched step of every generation over
+    #                          the KV where it lies, cpkv.engine.decode) or "extend" (a one-token prefill per step)
 
     def __post_init__(self) -> None:
         """Validate every field before any rank process starts (ranks only ever see valid configs)."""
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.decode not in DECODES:
+            raise ConfigError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.reference not in REFERENCES:

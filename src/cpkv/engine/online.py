@@ -12,14 +12,19 @@ engine).
                forms the next batch and builds its plan while the GPU runs it (the executor's look-ahead): the
                chunks run back to back. A batch that finishes a request does not: its tokens decide the next
                decode steps. Messages that arrive after that point wait for the step after.
-    continue   a generation's next step is a new scheduler request: prompt + tokens so far, queued as a decode
-               step. Its cached prefix (page-aligned full pages) comes from the prefix cache, so a step recomputes
-               the tail partial page and the new token -- the tokens ``cpkv run`` gives for that sequence
+    decode     with ``cfg.decode`` "paged" (peer memory at cp > 1): a prompt's last chunk keeps its pages and the
+               generation joins the ``Decoder``; after each batch, one paged decode step advances every running
+               generation by a token over the KV where it lies (``cpkv.engine.decode``; docs/design.md §11)
+    continue   otherwise ("extend", or a prefix the chunk could not keep) a generation's next step is a new
+               scheduler request: prompt + tokens so far, queued as a decode step. Its cached prefix (page-aligned
+               full pages) comes from the prefix cache, so a step recomputes the tail partial page and the new
+               token -- the tokens ``cpkv run`` gives for that sequence
     report     rank 0 sends the parent one ``Step`` per loop step with news (tokens, finishes, pages used)
 
 A finished or cancelled generation holds nothing: its full pages stay in the prefix cache (the next turn of a
-conversation hits them), unheld, evictable. Decode steps queue before new prompts and get a turn between
-the chunks of a long prompt (``Scheduler``), so a long prefill stalls them by at most one chunk.
+conversation hits them), unheld, evictable. Decode steps run after every batch (paged) or queue before new
+prompts and get a turn between the chunks of a long prompt (extend, ``Scheduler``), so a long prefill stalls
+them by at most one chunk.
 """
 from __future__ import annotations
 
@@ -32,11 +37,13 @@ import torch
 from cpkv.dist import RankContext
 from cpkv.engine import sampling
 from cpkv.engine.config import EngineConfig
+from cpkv.engine.decode import DecodeRunner
 from cpkv.engine.executor import Ahead, BatchExecutor
 from cpkv.engine.instruments import NoInstruments
 from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, Step, Stop, Submit, Token
 from cpkv.engine.rank import rank_model, share_cores
 from cpkv.scheduler import Batch, Request
+from cpkv.scheduler.decode import Decoder
 
 IDLE_S = 0.2  # rank 0's longest wait on an empty inbox before the (empty) step's broadcast: idle ranks stay in
 #               step with it, far inside the collective timeout
@@ -67,9 +74,13 @@ class OnlineLoop:
         self.live: dict[int, Generation] = {}
         self._ahead_news: list = []  # news of the messages taken during a look-ahead, reported with that step
         self._stopping = False       # a Stop came during a look-ahead: stop once the running batch is done
+        # the paged decode path: every rank's pool must be readable (peer memory; agreed by the group)
+        paged = cfg.decode == "paged" and (cfg.cp == 1 or self.ex.rt.mem.available)
+        self.decoder = Decoder(self.kv, cfg.cp, cfg.page_size, model.cfg.max_context) if paged else None
+        self.runner = DecodeRunner(model, self.ex.rt, self.ex.ep, self.rank, self.ex.graphs) if paged else None
 
     def serve(self) -> dict[str, Any]:
-        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n}."""
+        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n, "decode_steps": n (paged)}."""
         self.ctx.barrier()
         if self.rank == 0:
             self.ctx.report(Ready())
@@ -83,10 +94,18 @@ class OnlineLoop:
                 step_news, ahead = self._step(batch, ahead)
                 news += step_news + self._ahead_news
                 self._ahead_news = []
+            if self._decoding and not self._stopping:
+                news += self._decode()
             if self.rank == 0 and (news or batch is not None):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
         self.ex.drain()
-        return {"batches": self.ex.batches, "planned_ahead": self.ex.planned_ahead}
+        return {"batches": self.ex.batches, "planned_ahead": self.ex.planned_ahead,
+                "decode_steps": self.runner.steps if self.runner is not None else 0}
+
+    @property
+    def _decoding(self) -> bool:
+        """Generations run on the paged decode path (the same answer on every rank)."""
+        return self.decoder is not None and len(self.decoder) > 0
 
     def _schedule(self) -> tuple[Batch | None, list]:
         """This step's messages applied, host-tier pages reloaded, the next batch formed -> (batch, news); a Stop
@@ -105,7 +124,7 @@ class OnlineLoop:
         """This step's messages, the same list on every rank (rank 0's inbox, broadcast)."""
         msgs: list = []
         if self.rank == 0:
-            if not self.sched.has_work:
+            if not (self.sched.has_work or self._decoding):
                 try:
                     msgs.append(self.ctx.inbox.get(timeout=IDLE_S))
                 except queue.Empty:
@@ -126,7 +145,9 @@ class OnlineLoop:
             gen = self.live.pop(msg.rid, None)
             if gen is None:
                 return []
-            if gen.step is not None:
+            if self.decoder is not None and msg.rid in self.decoder.seqs:
+                self.decoder.finish(msg.rid)
+            elif gen.step is not None:
                 self.sched.cancel(gen.step)
             return [Finished(msg.rid, "cancelled")]
         if isinstance(msg, Flush):  # every rank applies it at the same step: the trees stay alike
@@ -137,6 +158,7 @@ class OnlineLoop:
     def _queue(self, gen: Generation) -> list:
         """Queue the generation's next step: prompt + tokens so far (a decode step after the first token)."""
         gen.step = Request((gen.rid, gen.made), list(gen.tokens), len(gen.tokens))
+        gen.step.keep = self.decoder is not None  # its last chunk keeps its pages for the paged decode path
         why = self.sched.add(gen.step, decode=gen.made > 0)
         if why is None:
             return []
@@ -159,26 +181,52 @@ class OnlineLoop:
         """Run the batch (``ahead``: with its plan built during the batch before); each finished step's token
         (agreed by every rank) extends its generation -> (news, the next batch built ahead or None)."""
         res = self.ex.run(batch, ahead, then=self._next_ahead if self._may_look_ahead(batch) else None)
-        finished, logits = res.finished, res.logits
-        mine = [self._pick(logits[r.rid], self.live[r.rid[0]]) if r.rid in logits else -1 for r in finished]
-        tokens = self.ctx.all_reduce_max_list(mine)
-        probs = self._logprobs(finished, logits, tokens)
+        tokens, probs = self._agree([(r.rid, self.live[r.rid[0]]) for r in res.finished], res.logits)
         out: list = []
-        for req, tok in zip(finished, tokens):
-            out += self._advance(self.live[req.rid[0]], req, tok, probs.get(req.rid))
+        for req, tok in zip(res.finished, tokens):
+            gen = self.live[req.rid[0]]
+            news, done = self._take(gen, tok, probs.get(req.rid), req.cached)
+            out += news + self._carry(gen, req, done)
         return out, res.ahead
+
+    def _decode(self) -> list:
+        """One paged decode step of every running generation -> news (tokens, finishes, generations that found
+        no page for their next token)."""
+        step, failed = self.decoder.plan()
+        out: list = []
+        for rid, reason in failed:
+            del self.live[rid]
+            out.append(Finished(rid, "rejected", reason))
+        if step is None:
+            return out
+        logits = self.runner.run(step)
+        tokens, probs = self._agree([(e.rid, self.live[e.rid]) for e in step.entries], logits)
+        for e, tok in zip(step.entries, tokens):
+            self.decoder.advance(e.rid)  # the token's KV rows are in its page
+            news, done = self._take(self.live[e.rid], tok, probs.get(e.rid))
+            out += news
+            if done:
+                self.decoder.finish(e.rid)
+        return out
+
+    def _agree(self, steps: list[tuple[Any, Generation]], logits: dict) -> tuple[list[int], dict]:
+        """Each step's next token, picked by the rank holding its logits, agreed by every rank (an all-reduce, max
+        over -1), and the log-probabilities asked for -> (tokens, {step key: (log p, top)})."""
+        mine = [self._pick(logits[k], gen) if k in logits else -1 for k, gen in steps]
+        tokens = self.ctx.all_reduce_max_list(mine)
+        return tokens, self._logprobs(steps, logits, tokens)
 
     def _pick(self, row: torch.Tensor, gen: Generation) -> int:
         return sampling.pick(row, gen.sub.sampling, gen.tokens, len(gen.sub.tokens), gen.made)
 
-    def _logprobs(self, finished: list[Request], logits: dict, tokens: list[int]) -> dict:
-        """{step id: (log p(token), top)} for the finished steps whose generation asks for log-probabilities, from
-        the rank holding each one's logits (one all-gather; none when no request asks: the same on every rank)."""
-        want = {r.rid: self.live[r.rid[0]].sub.sampling.logprobs for r in finished}
+    def _logprobs(self, steps: list[tuple[Any, Generation]], logits: dict, tokens: list[int]) -> dict:
+        """{step key: (log p(token), top)} for the steps whose generation asks for log-probabilities, from the rank
+        holding each one's logits (one all-gather; none when no request asks: the same on every rank)."""
+        want = {k: gen.sub.sampling.logprobs for k, gen in steps}
         if all(n is None for n in want.values()):
             return {}
-        mine = {r.rid: sampling.logprobs(logits[r.rid], tok, want[r.rid]) for r, tok in zip(finished, tokens)
-                if r.rid in logits and want[r.rid] is not None}
+        mine = {k: sampling.logprobs(logits[k], tok, want[k]) for (k, _), tok in zip(steps, tokens)
+                if k in logits and want[k] is not None}
         return {k: v for part in self.ctx.all_gather_object(mine) for k, v in part.items()}
 
     def _may_look_ahead(self, batch: Batch) -> bool:
@@ -197,18 +245,31 @@ class OnlineLoop:
         self._ahead_news += self._rejections()
         return batch
 
-    def _advance(self, gen: Generation, req: Request, tok: int, probs: tuple | None = None) -> list:
-        assert tok >= 0, f"no rank held the last token of step {req.rid!r}"
+    def _take(self, gen: Generation, tok: int, probs: tuple | None = None, cached: int = -1) -> tuple[list, bool]:
+        """``tok`` extends ``gen`` -> (news, done: it stopped and left ``live``). ``cached``: the prefix its prompt
+        found cached (reported with the first token)."""
+        assert tok >= 0, f"no rank held the last token of generation {gen.rid!r}"
         lp, top = probs if probs is not None else (None, ())
         first = gen.made == 0
-        out: list = [Token(gen.rid, tok, gen.made, req.cached if first else -1, lp, top,
+        out: list = [Token(gen.rid, tok, gen.made, cached if first else -1, lp, top,
                            len(gen.sub.tokens) if first else 0)]
         gen.tokens.append(tok)
         gen.made += 1
         if tok in gen.sub.stop_ids or gen.made >= gen.sub.max_new_tokens:
             del self.live[gen.rid]
-            return out + [Finished(gen.rid, "stop" if tok in gen.sub.stop_ids else "length")]
-        return out + self._queue(gen)
+            return out + [Finished(gen.rid, "stop" if tok in gen.sub.stop_ids else "length")], True
+        return out, False
+
+    def _carry(self, gen: Generation, req: Request, done: bool) -> list:
+        """After a batch finished ``gen``'s step ``req``: a chunk that kept its pages hands them to the decoder (or
+        lets them go when ``gen`` is done); otherwise a running generation's next step is queued (extend)."""
+        if req.keep:
+            if done:
+                self.decoder.discard(req.prefix, req.tail)
+            else:
+                self.decoder.start(gen.rid, gen.tokens, req.prefix, req.tail)
+            return []
+        return [] if done else self._queue(gen)
 
 
 def online_main(ctx: RankContext, cfg: EngineConfig) -> dict[str, Any]:

@@ -60,6 +60,10 @@ class Prefix:
         """The first ``n`` pages."""
         return Prefix(self._nodes[:n])
 
+    def pages_from(self, start: int) -> tuple[Page, ...]:
+        """``pages[start:]`` without building the others (a long decode's table changes only at its end)."""
+        return tuple((n.owner, n.page_id) for n in self._nodes[start:])
+
 
 EMPTY = Prefix()
 

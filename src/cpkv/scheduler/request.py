@@ -47,6 +47,9 @@ class Request:
     chunks: int = 0                # chunks finished
     prefix: Prefix = EMPTY         # the carried prefix's cached pages, held in the KV-cache manager
     reason: str = ""               # why it was rejected
+    keep: bool = False             # a generation decoding on (cpkv.scheduler.decode): its last chunk keeps its
+    #                                full pages held (``prefix``) and its partial tail page (``tail``)
+    tail: tuple = ()               # with ``keep``, once finished: (owner, page id) of the partial tail page, if any
     meta: dict = field(default_factory=dict)
 
     @property

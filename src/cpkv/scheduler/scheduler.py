@@ -6,6 +6,7 @@
         batch = sched.next_batch()          # entries: (request, prefix_len, extend_len, pages, ...)
         ...run the forward, writing each entry's KV into entry.pages...
         done = sched.postprocess(batch)          # commits full pages to the KV cache, releases the rest, requeues
+                                            #   (a ``keep`` request's last chunk keeps them: cpkv.scheduler.decode)
 
 One batch is in flight at a time. Order: the request whose earlier chunks ran goes first, then the decode
 steps of running generations (``add(req, decode=True)``, the online engine), then the waiting queue in
@@ -168,8 +169,14 @@ class Scheduler:
         req, P = e.request, self.adm.page_size
         end = e.seq_len
         keep = (end // P - e.prefix_len // P) if e.prefix_len % P == 0 else 0
-        held = self.kv.commit(self._keys(req, end // P * P), req.prefix, e.pages[:keep], hold=not e.last_chunk)
-        self.kv.release(e.pages[keep:])
+        stays = e.last_chunk and req.keep and e.prefix_len % P == 0  # a generation decoding on keeps its pages
+        held = self.kv.commit(self._keys(req, end // P * P), req.prefix, e.pages[:keep],
+                              hold=not e.last_chunk or stays)
+        if stays:
+            req.tail = tuple(e.pages[keep:])
+        else:
+            req.keep = req.keep and not e.last_chunk  # an unaligned prefix (full_hit token) keeps nothing
+            self.kv.release(e.pages[keep:])
         req.chunks += 1
         req.prefix = held
         if e.last_chunk:

@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a rank's batches (prefill chunks and decode steps) of up to N tokens run each layer's "
                         "token-only pieces as CUDA graphs, captured at start (default: 1024 with --device cuda at "
                         "fp8 precision, else 0: off)")
+    p.add_argument("--decode", choices=("paged", "extend"), default=None,
+                   help="decode steps: paged (every running generation advances in one batched step that reads the "
+                        "KV where it lies; the default on CPU) or extend (each token a one-token prefill over the "
+                        "cached prefix; the default on CUDA until the paged step has run on a GPU)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="run one chunked prompt and two decode steps before listening (default: on with --device "
                         "cuda, so that kernel JIT and autotuning stay out of the first requests' TTFT)")
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--mem-fraction-static sizes the pool that --pages-per-rank gives: drop one of them")
     fraction, args.pages_per_rank = args.mem_fraction_static, args.pages_per_rank or SIZES["toy"].pages_per_rank
     with as_flags(flags_of(FLAGS)):
-        cfg = engine_config(args, args.cp)
+        cfg = replace(engine_config(args, args.cp), decode=args.decode or default_decode(args.device))
         if fraction is not None:
             cfg = replace(cfg, pages_per_rank=pool_for_fraction(cfg, fraction))
             args.pages_per_rank = cfg.pages_per_rank
@@ -309,7 +313,7 @@ def server_info(args: argparse.Namespace, cfg) -> dict:
             "pages_per_rank": cfg.pages_per_rank, "host_pages": cfg.host_pages, "max_running_requests":
             cfg.max_requests, "max_queued_requests": args.max_waiting, "schedule_policy": cfg.policy,
             "strategy": cfg.strategy, "precision": cfg.precision, "weights": cfg.weights_dtype,
-            "graph_tokens": cfg.graph_tokens, "mem_fraction_static": args.mem_fraction_static,
+            "graph_tokens": cfg.graph_tokens, "decode": cfg.decode, "mem_fraction_static": args.mem_fraction_static,
             "context_length": args.context_length, "chat_template": args.chat_template,
             "api_key_required": bool(args.api_key), "log_level": args.log_level, "log_requests": args.log_requests}
 
@@ -410,3 +414,9 @@ def _make_server(config, fe, drain_s: float):
             self.should_exit = True
 
     return _Server(config, fe, drain_s)
+
+
+def default_decode(device: str) -> str:
+    """``paged`` where it is tested (CPU: bit for bit against the reference at cp 1, greedy tokens at cp 2 and 4);
+    ``extend`` on CUDA, whose paged step (pure-torch reads of every pool) has not yet run on a GPU."""
+    return "extend" if device == "cuda" else "paged"

@@ -34,3 +34,29 @@ def short_rows_topk(n: torch.Tensor, k: int) -> torch.Tensor:
     """n: [T] int valid-key counts, each <= k -> int32 [T, k]: [0, ..., n-1, -1, ...] per row."""
     rel = torch.arange(k, device=n.device, dtype=torch.int32)
     return torch.where(rel[None, :] < n[:, None], rel[None, :], -1).to(torch.int32)
+
+
+def merge_topk_ref(positions: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Candidates of R parts of each row's keys -> the row's top-k under the contract above (docs/design.md §11, the
+    split decode: each rank picks the top-k of the keys it holds, the owner merges them).
+
+    positions: int [R, T, k] each part's picked key positions (-1: none), logits: float [R, T, k] their logits ->
+    int32 [T, k]: the k positions of the largest logits over the union, equal logits toward the lower position,
+    ascending, -1 padding (all valid positions, ascending, when the union holds no more than k). Equal to
+    ``topk_ref`` over the whole row when each part's candidates are its own top-k under the same contract: the
+    row's top-k lies in the union."""
+    r, t, w = positions.shape
+    pos = positions.permute(1, 0, 2).reshape(t, r * w).long()
+    val = logits.permute(1, 0, 2).reshape(t, r * w).float() + 0.0  # +0.0 folds -0.0 into +0.0
+    valid = pos >= 0
+    val = val.masked_fill(~valid, float("-inf"))
+    big = torch.iinfo(torch.int64).max
+    order = torch.sort(torch.where(valid, pos, big), dim=1, stable=True).indices  # by position first ...
+    pos, val, valid = pos.gather(1, order), val.gather(1, order), valid.gather(1, order)
+    best = torch.sort(val, dim=1, descending=True, stable=True).indices[:, :k]  # ... then by logit, ties kept
+    picked = torch.where(valid.gather(1, best), pos.gather(1, best), big)
+    picked = torch.sort(picked, dim=1).values
+    out = torch.full((t, k), -1, dtype=torch.int32, device=positions.device)
+    m = min(k, picked.shape[1])
+    out[:, :m] = torch.where(picked[:, :m] == big, -1, picked[:, :m]).to(torch.int32)
+    return out

@@ -1,0 +1,212 @@
+"""One rank's paged decode step: every running generation advances by one token, its KV read where it lies
+(docs/design.md §11).
+
+    DecodeStep (cpkv.scheduler.decode, the same on every rank): per generation its input token, position, owner,
+    tail page, page-table slot and the table entries that changed since its last step
+    DecodeTable (every rank, the same): owner and page id of every page of every running generation, int64
+    [slots, max pages] on the device, written only where a step says it changed (a page per P tokens)
+    DecodePlan (``decode_plan``, once per step, every layer reuses it): the rank's own entries' token ids,
+    positions, the pool rows their KV goes to (O(B) host work, one asynchronous upload: no host sync), and the
+    context map made on the
+    device from the table: (owner, row) of every key of every own entry, entry by entry -- the S rows the indexer
+    scores, whose positions the top-k indexes
+    per layer      project the new tokens -> write their token / index rows into this rank's pool (the tail
+                   page of each entry is this rank's) -> indexer over the context's index rows read through the
+                   map (every rank's pool through peer memory) -> top-k -> sparse MLA over the selected token rows
+                   only, read the same way -> W_UV, o_proj, MLP / MoE (the expert exchange, every rank)
+    logits         the LM head over the new tokens only
+
+Nothing is composed: no dense buffer of the whole context, no barrier round (a step reads only rows written
+before it: every context row but the token's own was stored by an earlier batch or step, and the token's own row
+is written by this rank). A rank with no entry still takes part in every expert exchange. The reads go through
+``paged_rows`` (its pure-torch reference here; on the GPU a paged indexer kernel and a paged sparse decode
+kernel are to read the rows in place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Hashable
+
+import numpy as np
+import torch
+
+from cpkv.kernels.paged_rows.ref import paged_rows_ref
+from cpkv.model.layer import AttnPlan, DSALayer, Projected
+from cpkv.model.model import DSAModel
+from cpkv.scheduler.decode import DecodeStep
+from cpkv.upload import upload_arrays
+
+if TYPE_CHECKING:
+    from cpkv.engine.graphs import LayerGraphs
+
+
+def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, row_bytes]: row ``row[i]`` of rank ``owner[i]``'s pool (``kernels.paged_rows``); zeros where < 0."""
+    return paged_rows_ref(pools, owner, row)
+
+
+@dataclass
+class DecodePlan:
+    """One step's plan on one rank (module docstring). B: the rank's entries; S: their context keys in all."""
+
+    rids: tuple[Hashable, ...]
+    ids: torch.Tensor        # int64 [B]
+    positions: torch.Tensor  # int64 [B]
+    write_rows: torch.Tensor  # int64 [B]: each token's row in this rank's pool (page * P + offset)
+    ctx_owner: torch.Tensor  # int64 [S]
+    ctx_row: torch.Tensor    # int64 [S]
+    attn: AttnPlan           # query b's keys are the map's [ks[b], ke[b]); dense when each sees <= top-k keys
+    ep: Any = None           # the step's expert exchange (cpkv.compose.dispatch.EPBatch), or None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.rids)
+
+
+class DecodeTable:
+    """Every running generation's page table on the device: ``owner`` / ``page`` int64 [slots, max pages] (rows
+    grow by doubling as generations start; a slot's row is valid up to its generation's pages)."""
+
+    def __init__(self, max_pages: int, device: torch.device) -> None:
+        self.max_pages, self.device = max_pages, device
+        self.owner = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
+        self.page = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
+
+    def apply(self, step: DecodeStep) -> None:
+        """Write the step's changed entries (one upload, one scatter; nothing when none changed)."""
+        at = [(e.slot, i, o, p) for e in step.entries for i, o, p in e.changes]
+        if not at:
+            return
+        rows = max(a[0] for a in at) + 1
+        if rows > self.owner.shape[0]:
+            self._grow(rows)
+        slot, idx, owner, page = upload_arrays([np.asarray(at, dtype=np.int64)], self.device)[0].unbind(1)
+        self.owner[slot, idx] = owner
+        self.page[slot, idx] = page
+
+    def _grow(self, rows: int) -> None:
+        n = max(rows, 2 * self.owner.shape[0], 8)
+        for name in ("owner", "page"):
+            old = getattr(self, name)
+            new = torch.zeros((n, self.max_pages), dtype=torch.int64, device=self.device)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+
+def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None) -> DecodePlan:
+    """Rank ``rank``'s plan of ``step`` (module docstring) over ``table`` (the step's changes applied); ``ep``: the
+    rank's ExpertExchange, prepared with every rank's token count. Host work O(own entries)."""
+    mine, P, dev = step.on(rank), step.page_size, model.device
+    ke = np.cumsum([e.context for e in mine], dtype=np.int64)
+    ks = ke - [e.context for e in mine]
+    host = [[e.token for e in mine], [e.position for e in mine], [e.page * P + e.position % P for e in mine],
+            [e.slot for e in mine], [e.context for e in mine], ks.tolist()]
+    ids, pos, write, slot, ctx, start = upload_arrays([np.asarray(host, np.int64).reshape(6, -1)], dev)[0].unbind(0)
+    s = int(ke[-1]) if len(mine) else 0
+    seq = torch.repeat_interleave(torch.arange(len(mine), device=dev), ctx, output_size=s)  # each key's entry
+    at = torch.arange(s, device=dev) - start[seq]                                           # its position
+    row, col = slot[seq], at // P
+    attn = AttnPlan.build(ks.tolist(), ke.tolist(), model.cfg.index_topk, dev)
+    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write, table.owner[row, col],
+                      table.page[row, col] * P + at % P, attn,
+                      ep.plan_batch(step.counts()) if ep is not None else None)
+
+
+class PagedViews:
+    """Every rank's pool rows per (layer, kind), as the compose runtime's peer memory maps them (views made once:
+    the pools never move). ``own``: this rank's, where its tokens' rows are written."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def rows(self, layer: int, kind: str) -> list[torch.Tensor]:
+        """Per rank: uint8 [num_pages * page_size, row_bytes] of ``layer``'s ``kind`` rows."""
+        got = self._views.get((layer, kind))
+        if got is None:
+            pool = self.rt.pool
+            slot, shape = pool.slot(layer, kind), (pool.num_pages * pool.page_size, pool.row_bytes(kind))
+            got = self._views[(layer, kind)] = [p[slot].view(shape) for p in self.rt.pools[kind]]
+            if len(got) != self.rt.cp:
+                raise ValueError(f"paged decode reads every rank's pool: peer memory maps {len(got)} of {self.rt.cp}")
+        return got
+
+    def own(self, layer: int, kind: str) -> torch.Tensor:
+        return self.rt.pool.rows(layer, kind)
+
+
+def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
+               graphs: "LayerGraphs | None" = None) -> dict[Hashable, torch.Tensor]:
+    """-> {rid: float32 [vocab]} next-token logits of the rank's entries (module docstring). ``graphs``: the model's
+    ``LayerGraphs``: a step whose token count is in its buckets runs each layer's token-only pieces (A: project, C:
+    finish) through them, as a prefill batch does (``engine.forward.run_batch``); the paged attention between stays
+    eager."""
+    t = plan.num_tokens
+    g = graphs if graphs is not None and graphs.bucket(t) is not None else None
+    h, delta, topk = model.embed(plan.ids), None, None
+    rot = model.rotary(plan.positions)
+    if g is not None:
+        g.begin(h, rot)
+    for n, layer in enumerate(model.layers):
+        if not t:
+            if plan.ep is not None and layer.is_moe:
+                layer.mlp(h, plan.ep)  # no tokens here: still serves its experts in the layer's exchange
+            continue
+        p = g.project(n, layer) if g is not None else layer.project(h, rot, delta)
+        for kind in model.cfg.kinds_at(n):
+            views.own(n, kind).index_copy_(0, plan.write_rows, getattr(p, kind))
+        latent, topk = paged_attention(layer, p, views, plan, topk)
+        if g is not None:
+            g.finish(n, layer, latent, plan.ep)
+        else:
+            h, delta = layer.finish(p.h, latent, plan.ep)
+    if not t:
+        return {}
+    if g is not None:
+        h, delta = g.result()
+    logits = model.logits(h, delta)
+    return {rid: logits[i] for i, rid in enumerate(plan.rids)}
+
+
+def paged_attention(layer: DSALayer, p: Projected, views: PagedViews, plan: DecodePlan,
+                    topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``DSALayer.attention`` over paged rows -> (latent [B, H, kv_lora], topk int32 [B, k]: the selected keys as
+    rows of the plan's context map, -1 none). A step whose every query sees <= top-k keys reads them all (the
+    dense path, as a prefill batch does); else a full layer selects and a shared layer reuses the selection."""
+    prec, attn, kr, n = layer.precision, plan.attn, layer.cfg.kv_lora_rank, layer.n
+    token = views.rows(n, "token")
+    if attn.dense:
+        layer.stats["dense"] += 1
+        kv = prec.dense_kv(paged_rows(token, plan.ctx_owner, plan.ctx_row))
+        return prec.dense_mla(p.q, kv, attn.ks, attn.ke, layer.sm_scale, kr), topk
+    if layer.full:
+        topk = layer.select(p, paged_rows(views.rows(n, "index"), plan.ctx_owner, plan.ctx_row), attn)
+    if topk is None:
+        raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
+    layer.stats["sparse"] += 1
+    sel = topk.long()
+    valid = sel >= 0
+    at = sel.clamp(min=0).reshape(-1)
+    rows = torch.where(valid.reshape(-1), plan.ctx_row[at], torch.full_like(at, -1))
+    kv = prec.dense_kv(paged_rows(token, plan.ctx_owner[at], rows))  # [B * k, d]: the selected rows only
+    ind = torch.arange(at.shape[0], dtype=torch.int32, device=at.device).view(sel.shape)
+    return prec.sparse_mla(p.q, kv, torch.where(valid, ind, -1), layer.sm_scale, kr), topk
+
+
+class DecodeRunner:
+    """The paged decode step on one rank: ``run(step)`` -> {rid: float32 [vocab]} logits of its entries. Holds the
+    pool views (made once) and the page table beside the executor's compose runtime, expert exchange and layer
+    graphs (the prefill's buckets serve the step's token-only pieces)."""
+
+    def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None) -> None:
+        self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
+        self.views = PagedViews(rt)
+        self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
+        self.steps = 0
+
+    def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
+        self.table.apply(step)  # every rank: any rank may compute a generation's later steps
+        plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
+        out = run_decode(self.model, self.views, plan, self.graphs)
+        self.steps += 1
+        return {rid: v.detach().float() for rid, v in out.items()}
