@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_serve ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -124,15 +124,26 @@ if want fp8_engine; then  # GLM-5 shapes, 4 layers: fp8 vs bf16 weights in one r
 fi
 # issue 42: GLM-5 at its full 78 layers on one H200, one cp-8 rank's share of the experts (--experts 32), cp 1.
 DEPTH="--model glm5 --experts 32 --weights fp8"
-if want depth; then  # the run verified at depth (reference on rank 0's own model: --reference auto at cp 1 on CUDA),
-    # its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in the run's JSON), then TTFT
-    # measured at depth beside the 4-layer extrapolation in the same rank processes (one timed run: time is short)
+if want depth || want depth_run; then  # the run verified at depth (reference on rank 0's own model: --reference
+    # auto at cp 1 on CUDA), its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in its JSON)
     step depth_run ${DEPTH_RUN_S:-220} python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
         --page-size 64 --pages-per-rank 2048 --json
     step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
     python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
+fi
+if want depth || want depth_bench; then  # TTFT measured at depth beside the 4-layer extrapolation in the same rank
+    # processes (one timed run: time is short)
     step depth_bench ${DEPTH_BENCH_S:-330} python3 -m cpkv bench engine $DEPTH --layers 78 --extrapolate-from 4 \
         --runs 1 --no-profile --json
+fi
+if want decode; then  # issue 45: the paged decode step's GPU tests, then its time against its floor (GLM-5 shapes, 4
+    # layers, cp 1 then cp 2), each case's last step profiled on rank 0 (tables under $OUT/decode_prof)
+    step decode_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_decode.py -m cuda
+    for cp in ${DECODE_CP:-1 2}; do
+        step decode_cp$cp ${DECODE_LIMIT:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp $cp \
+            --device cuda --keys ${DECODE_KEYS:-1024,32768} --batches ${DECODE_BATCHES:-1,32} --steps 5 \
+            --profile "$OUT/decode_prof" --json
+    done
 fi
 if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loop on the seed-shaped trace scaled to its
     # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix

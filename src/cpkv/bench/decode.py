@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per case (default 5)")
     p.add_argument("--chunk-size", type=positive_int, default=None,
                    help="prefill chunk (default: the toy or model size preset's)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after each case's timed steps, one more step under torch's profiler on rank 0: its kernel "
+                        "and host-op table (top 40 by device time, then by host time) written to DIR")
     p.add_argument("--json", action="store_true")
 
 
@@ -63,14 +66,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, num_layers=args.num_layers, cp=args.cp, device=args.device, page_size=P,
                        pages_per_rank=-(-need // args.cp) + 8, chunk_size=chunk, max_requests=1,
                        look_ahead=False)
-    rows = launch(decode_bench_rank, args.cp, args=(cfg, keys, batches, args.steps), device=args.device,
+    rows = launch(decode_bench_rank, args.cp, args=(cfg, keys, batches, args.steps, args.profile), device=args.device,
                   timeout_s=3600)[0]
     report = {"model": args.model, "cp": args.cp, "device": args.device, "cases": rows}
     _print(report, args.json)
     return 0
 
 
-def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int) -> list[dict]:
+def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
+                      profile: str | None = None) -> list[dict]:
     """Every (keys, batch) case on this rank -> rank 0's rows (module docstring)."""
     from cpkv.bench.timing import copy_gbs
     from cpkv.engine.decode import DecodeRunner
@@ -92,6 +96,8 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int)
                 for g in range(b):
                     _clone(ex, dec, source, g, model.cfg.vocab_size)
                 times, floor = _time_steps(ex, ctx, dec, runner, model, steps)
+                if profile:
+                    _profile_step(ex, ctx, dec, runner, model, f"{profile}/decode_k{n}_b{b}_r{ctx.rank}.txt")
                 for rid in list(dec.seqs):
                     dec.finish(rid)
                 out.append({"keys": n, "batch": b, "step_ms": times * 1e3, "floor_ms": floor / rate * 1e3,
@@ -137,20 +143,51 @@ def _clone(ex, dec, source, g: int, vocab: int) -> None:
     dec.start(("gen", g), keys + [keys[-1]], held, got[full:])
 
 
+def _step(ctx, dec, runner):
+    """One decode step of every generation in ``dec``, greedy, its tokens agreed between the ranks -> the step."""
+    import torch
+
+    step, failed = dec.plan()
+    assert step is not None and not failed
+    logits = runner.run(step)
+    mine = [e.rid for e in step.entries if e.rid in logits]
+    top = torch.stack([logits[r] for r in mine]).argmax(-1).tolist() if mine else []  # one sync
+    got = dict(zip(mine, top))
+    tokens = ctx.all_reduce_max_list([got.get(e.rid, -1) for e in step.entries])
+    for e, t in zip(step.entries, tokens):
+        dec.seqs[e.rid].tokens.append(t)
+        dec.advance(e.rid)
+    return step
+
+
+def _profile_step(ex, ctx, dec, runner, model, path: str) -> None:
+    """One more step under torch's profiler; rank 0 writes its tables to ``path``."""
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    ex.sync_time()
+    with profile(activities=acts) as prof:
+        _step(ctx, dec, runner)
+        ex.sync_time()
+    if ctx.rank == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        ka = prof.key_averages()
+        by_dev = "cuda_time_total" if model.device.type == "cuda" else "cpu_time_total"
+        with open(path, "w") as f:
+            f.write(ka.table(sort_by=by_dev, row_limit=40) + "\n\n")
+            f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+
+
 def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float]:
     """(median seconds per step, floor bytes of the busiest rank's step) over two untimed and ``steps`` timed steps."""
     times, floor = [], 0.0
     for s in range(steps + 2):
         t0 = ex.sync_time()
-        step, failed = dec.plan()
-        assert step is not None and not failed
-        logits = runner.run(step)
-        mine = [int(logits[e.rid].argmax()) if e.rid in logits else -1 for e in step.entries]
-        tokens = ctx.all_reduce_max_list(mine)
+        step = _step(ctx, dec, runner)
         t1 = ex.sync_time()
-        for e, t in zip(step.entries, tokens):
-            dec.seqs[e.rid].tokens.append(t)
-            dec.advance(e.rid)
         if s >= 2:
             times.append(t1 - t0)
             kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
