@@ -23,6 +23,30 @@ def test_cases_report_step_time_floor_and_ratio(capsys):
     # the floor grows with the generations and the context a step reads
     by = {(c["keys"], c["batch"]): c["floor_bytes"] for c in cases}
     assert by[(48, 3)] > by[(48, 1)] and by[(100, 1)] > by[(48, 1)]
+    # the routed experts the step served, counted from the routing: 3 generations with their own next tokens reach
+    # more (layer, expert) pairs than 1, and never more than the MoE layers' experts
+    from cpkv.model.config import load_model_config
+
+    m = load_model_config("tiny")
+    moe = m.mlp_layer_types.count("sparse")
+    per = {(c["keys"], c["batch"]): c["experts_read"] for c in cases}
+    for (k, b), got in per.items():
+        assert moe * min(m.num_experts_per_tok, m.n_routed_experts) <= got <= moe * m.n_routed_experts
+    assert per[(48, 3)] > per[(48, 1)]
+    assert all(c["weights"] == "bf16" for c in cases)  # auto on the CPU
+
+
+def test_floor_counts_the_experts_read_not_the_most_reachable():
+    from cpkv.bench.decode import step_floor
+    from cpkv.memplan import weight_bytes
+    from cpkv.model.config import load_model_config
+    from cpkv.scheduler.decode import DecodeStep
+
+    m = load_model_config("tiny")
+    step = DecodeStep(index=0, entries=(), page_size=16, cp=1)
+    wb = weight_bytes(m, "bf16", "float32")
+    base = step_floor(step, m, 0, "bf16", "float32", experts_read=0)
+    assert step_floor(step, m, 0, "bf16", "float32", experts_read=5) - base == 5 * wb.expert
 
 
 def test_bad_lists_are_one_line_naming_the_flag(capsys):

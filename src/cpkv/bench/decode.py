@@ -6,10 +6,14 @@ holds its own copy of the KV under its own keys, so a step reads B contexts as B
 top-k selections alike). Then ``--steps`` decode steps of all B are timed (each to its end: the device
 synchronised, the tokens agreed between the ranks), after two untimed ones.
 
-The floor is the bytes the busiest rank's step must read, at the copy rate measured in the same run: the
-weights it keeps (the embedding table's B rows only, and W_UK / W_UV in place of kv_b_proj), the routed experts
-its tokens can reach (min(local experts, B x top-k) per MoE layer), the context's index rows on the full layers
-and top-k token rows per layer of the generations it runs. ``ratio_to_floor`` = step time / floor time.
+Each clone decodes its own next token, so the B generations route as B real ones would, not alike.
+
+The floor is the bytes the busiest rank's step must read, at the copy rate measured in the same run (``copy_``'s
+bytes read + written per second: the rate of a memory stream): the weights it keeps (the embedding table's B rows
+only, and W_UK / W_UV in place of kv_b_proj), the routed experts its step served (the union over the ranks of each
+MoE layer's routed experts, among those it holds: counted after the step, outside the timing), the context's index
+rows on the full layers and top-k token rows per layer of the generations it runs. ``ratio_to_floor`` = step time
+/ floor time. ``--weights fp8,bf16`` runs each mode in its own rank processes.
 
     cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda --keys 1024,32768,131072 --batches 1,8,32
 """
@@ -33,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", default="256,1024", help="comma-separated context lengths (default 256,1024)")
     p.add_argument("--batches", default="1,4", help="comma-separated generations per step (default 1,4)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per case (default 5)")
+    p.add_argument("--weights", default="auto",
+                   help="comma-separated weights modes, each run in its own rank processes: auto, fp8, bf16 "
+                        "(default auto: fp8 on CUDA)")
+    p.add_argument("--graph-tokens", type=int, default=None,
+                   help="steps of up to this many generations per rank run each layer's token-only pieces as CUDA "
+                        "graphs (default: the engine's, 1024 on CUDA; 0 = eager)")
     p.add_argument("--chunk-size", type=positive_int, default=None,
                    help="prefill chunk (default: the toy or model size preset's)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -56,21 +66,37 @@ def _ints(text: str, flag: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from cpkv.config import SIZES
     from cpkv.dist import launch
-    from cpkv.engine.config import EngineConfig
+    from cpkv.engine.config import EngineConfig, default_graph_tokens
 
     keys, batches = _ints(args.keys, "--keys"), _ints(args.batches, "--batches")
     P = args.page_size
     sizes = SIZES["model" if args.device == "cuda" else "toy"]
     chunk = args.chunk_size or max(P, sizes.chunk_size // P * P)
     need = max(batches) * (max(keys) // P + 2 + args.steps // P + 2) + max(keys) // P + 4  # clones + the source
-    cfg = EngineConfig(model=args.model, num_layers=args.num_layers, cp=args.cp, device=args.device, page_size=P,
-                       pages_per_rank=-(-need // args.cp) + 8, chunk_size=chunk, max_requests=1,
-                       look_ahead=False)
-    rows = launch(decode_bench_rank, args.cp, args=(cfg, keys, batches, args.steps, args.profile), device=args.device,
-                  timeout_s=3600)[0]
-    report = {"model": args.model, "cp": args.cp, "device": args.device, "cases": rows}
+    rows = []
+    for weights in weights_list(args.weights):
+        cfg = EngineConfig(model=args.model, num_layers=args.num_layers, cp=args.cp, device=args.device,
+                           page_size=P, pages_per_rank=-(-need // args.cp) + 8, chunk_size=chunk, max_requests=1,
+                           look_ahead=False, weights=weights,
+                           graph_tokens=default_graph_tokens(args.device, args.graph_tokens))
+        got = launch(decode_bench_rank, args.cp, args=(cfg, keys, batches, args.steps, args.profile),
+                     device=args.device, timeout_s=3600)[0]
+        rows += [{"weights": cfg.weights_dtype, **r} for r in got]
+    report = {"model": args.model, "cp": args.cp, "device": args.device, "graph_tokens": cfg.graph_tokens,
+              "cases": rows}
     _print(report, args.json)
     return 0
+
+
+def weights_list(spec: str) -> list[str]:
+    """``--weights`` -> distinct modes in order (ConfigError naming the flag on a bad value)."""
+    from cpkv.engine.config import WEIGHTS
+    from cpkv.errors import ConfigError
+
+    out = [w for w in spec.split(",") if w]
+    if not out or any(w not in WEIGHTS for w in out) or len(set(out)) != len(out):
+        raise ConfigError(f"--weights: expected distinct values of {', '.join(WEIGHTS)}, comma-separated; got {spec!r}")
+    return out
 
 
 def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
@@ -86,7 +112,7 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
     runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs)
-    rate = copy_gbs(device=cfg.device) * 1e9 / 2  # bytes read per second (copy_gbs counts read + write)
+    rate = copy_gbs(device=cfg.device) * 1e9  # the copy rate (read + written bytes per second): a memory stream's
     out = []
     try:
         for n in keys:
@@ -95,13 +121,14 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
                 dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
                 for g in range(b):
                     _clone(ex, dec, source, g, model.cfg.vocab_size)
-                times, floor = _time_steps(ex, ctx, dec, runner, model, steps)
+                times, floor, experts = _time_steps(ex, ctx, dec, runner, model, steps)
                 if profile:
                     _profile_step(ex, ctx, dec, runner, model, f"{profile}/decode_k{n}_b{b}_r{ctx.rank}.txt")
                 for rid in list(dec.seqs):
                     dec.finish(rid)
                 out.append({"keys": n, "batch": b, "step_ms": times * 1e3, "floor_ms": floor / rate * 1e3,
-                            "floor_bytes": floor, "read_gbs": rate / 1e9, "ratio_to_floor": times * rate / floor})
+                            "floor_bytes": floor, "copy_gbs": rate / 1e9, "ratio_to_floor": times * rate / floor,
+                            "experts_read": experts})
             ex.kv.drop(source[1])
             ex.kv.release(source[2])
     finally:
@@ -140,7 +167,9 @@ def _clone(ex, dec, source, g: int, vocab: int) -> None:
     keys = [(g + 1 + i) % vocab if i == 0 else t for i, t in enumerate(tokens)]
     full = len(prefix)
     held = ex.kv.commit(keys[: full * pool.page_size], ex.kv.match([]), got[:full], hold=True)
-    dec.start(("gen", g), keys + [keys[-1]], held, got[full:])
+    # each generation decodes its own next token (the source's last one, shifted by g): their hidden states, and so
+    # their routings, differ as real generations' do (identical clones would route alike and read few experts)
+    dec.start(("gen", g), keys + [(keys[-1] + g) % vocab], held, got[full:])
 
 
 def _step(ctx, dec, runner):
@@ -181,24 +210,48 @@ def _profile_step(ex, ctx, dec, runner, model, path: str) -> None:
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
-def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float]:
-    """(median seconds per step, floor bytes of the busiest rank's step) over two untimed and ``steps`` timed steps."""
-    times, floor = [], 0.0
+def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, int]:
+    """(median seconds per step, floor bytes of the busiest rank's step, the routed experts it read) over two
+    untimed and ``steps`` timed steps."""
+    times, floor, experts = [], 0.0, 0
+    kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
     for s in range(steps + 2):
         t0 = ex.sync_time()
         step = _step(ctx, dec, runner)
         t1 = ex.sync_time()
         if s >= 2:
             times.append(t1 - t0)
-            kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
-            floor = max(floor, max(step_floor(step, model.cfg, r, *kept) for r in range(step.cp)))
+            read = routed_experts_read(ctx, model, len(step.on(ctx.rank)))
+            f = max(step_floor(step, model.cfg, r, *kept, experts_read=read) for r in range(step.cp))
+            if f > floor:
+                floor, experts = f, read
     times.sort()
-    return times[len(times) // 2], floor
+    return times[len(times) // 2], floor, experts
 
 
-def step_floor(step, m, rank: int, weights: str, compute: str) -> float:
+def routed_experts_read(ctx, model, own: int) -> int:
+    """(MoE layer, routed expert) pairs the busiest rank's experts served in the last step: the union over the ranks
+    of the experts their tokens were routed to (each MoE layer's ``routed``, this rank's ``own`` tokens' rows),
+    counted among the experts each rank holds; the maximum over the ranks. Syncs: call outside the timing."""
+    import torch
+
+    moe = [layer for layer in model.layers if layer.is_moe]
+    if not moe:
+        return 0
+    n = model.cfg.n_routed_experts
+    mask = torch.zeros((len(moe), n), dtype=torch.int64)
+    for i, layer in enumerate(moe):
+        if own and layer.routed is not None:
+            mask[i, layer.routed[:own].reshape(-1).long().cpu()] = 1
+    union = torch.tensor(ctx.all_reduce_max_list(mask.reshape(-1).tolist())).view(len(moe), n)
+    mine = sum(int(union[i, list(layer.experts)].sum()) for i, layer in enumerate(moe))
+    return max(ctx.all_reduce_max_list([mine]))
+
+
+def step_floor(step, m, rank: int, weights: str, compute: str, experts_read: int | None = None) -> float:
     """Bytes ``rank``'s share of ``step`` must read (module docstring); ``weights``: "fp8" or "bf16" (the compute
-    dtype), ``compute``: "bfloat16" or "float32"."""
+    dtype), ``compute``: "bfloat16" or "float32"; ``experts_read``: the (MoE layer, routed expert) pairs its step
+    read (``routed_experts_read``), else the most its tokens can reach, min(local experts, B x top-k) per layer."""
     from cpkv.memplan import DTYPE_BYTES, weight_bytes
 
     wb = weight_bytes(m, weights, compute)
@@ -207,7 +260,8 @@ def step_floor(step, m, rank: int, weights: str, compute: str) -> float:
     kv_b = m.num_layers * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank * el
     weights_read = wb.replicated - m.vocab_size * m.hidden_size * el - kv_b + b * m.hidden_size * el
     local = math.ceil(m.n_routed_experts / step.cp)
-    experts = min(local, b * m.num_experts_per_tok) * wb.expert * wb.moe_layers
+    pairs = experts_read if experts_read is not None else min(local, b * m.num_experts_per_tok) * wb.moe_layers
+    experts = pairs * wb.expert
     full = m.indexer_types.count("full")
     mine = step.on(rank)
     kv = sum(e.context * m.row_bytes("index") * full + min(e.context, m.index_topk) * m.row_bytes("token") *
@@ -221,8 +275,8 @@ def _print(rep: dict, as_json: bool) -> None:
     if as_json:
         emit_json(rep)
         return
-    table(("keys", "batch", "step ms", "floor ms", "floor MB", "ratio to floor"),
-          [(r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}", f"{r['floor_bytes'] / 1e6:.1f}",
-            f"{r['ratio_to_floor']:.2f}") for r in rep["cases"]])
+    table(("weights", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor"),
+          [(r["weights"], r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
+            f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}") for r in rep["cases"]])
     print(f"\n{rep['model']} at cp {rep['cp']} on {rep['device']}: median time of a paged decode step of every "
           f"generation (synchronised, tokens agreed); floor: the busiest rank's bytes at the copy rate of this run")

@@ -125,6 +125,7 @@ class DSALayer:
         shared = sparse and cfg.n_shared_experts
         self.shared_mlp = _stacked_mlp(w, weights, pre, "mlp.shared_experts.", self.backends) if shared else None
         self.stats = {"dense": 0, "sparse": 0}
+        self.routed: torch.Tensor | None = None  # a MoE layer's last routing, int [T, top-k] (``_route``)
         # the layer's discrete decisions go through ``tap`` when set (cpkv.engine.taps: recorded by a verified run,
         # forced on the reference that checks it, a planted fault in tests); None: decided here
         self.tap: Any = None
@@ -300,6 +301,8 @@ class DSALayer:
             idx, weights = self.tap.route(self, x)
         else:
             idx, weights = self.precision.route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"])
+        self.routed = idx  # the last batch's choices, kept by reference (no copy, no sync; under a CUDA graph the
+        # graph's own buffer, current after each replay): what a benchmark's floor counts after its step
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         mark(f"L{self.n} route+shared")
         return idx, weights, shared
