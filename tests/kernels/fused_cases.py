@@ -155,7 +155,7 @@ def case_head_weights() -> None:
     from cpkv.kernels.index_rows import triton as kern
     from cpkv.kernels.index_rows.ref import head_weights_ref
 
-    for t, k, n in [(37, 300, 32), (1, 256, 4), (70, 128, 20)]:
+    for t, k, n in [(37, 300, 32), (1, 256, 4), (70, 128, 20), (3, 2100, 32)]:  # 2100: K in 7 slices
         gen = _gen(t + k)
         x = torch.randn(t, k + 2, generator=gen).bfloat16()[:, 2:]  # a wider row stride
         w = torch.randn(n, k, generator=gen) / k ** 0.5
@@ -165,6 +165,13 @@ def case_head_weights() -> None:
         bound = (x.float().abs() @ w.abs().t()) * 0.125 * 2.0 ** -20  # float32 sums in another order
         assert bool(((out - want).abs() <= bound).all()), f"head weights at {(t, k, n)}"
     kern.head_weights(torch.zeros(0, 64), torch.zeros(8, 64), 1.0, torch.zeros(0, 8))  # T = 0
+    # a row's value does not depend on the rows beside it (a decode step's row equals its prefill row)
+    gen = _gen(9)
+    x, w = torch.randn(70, 2100, generator=gen).bfloat16(), torch.randn(32, 2100, generator=gen) / 50
+    every, one = torch.empty(70, 32), torch.empty(1, 32)
+    kern.head_weights(x, w, 0.5, every)
+    kern.head_weights(x[66:67], w, 0.5, one)
+    assert torch.equal(every[66:67], one)
 
 
 def case_rope() -> None:

@@ -40,9 +40,23 @@ if TYPE_CHECKING:
     from cpkv.engine.graphs import LayerGraphs
 
 
-def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, row_bytes]: row ``row[i]`` of rank ``owner[i]``'s pool (``kernels.paged_rows``); zeros where < 0."""
-    return paged_rows_ref(pools, owner, row)
+def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor,
+               bases: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [n, row_bytes]: row ``row[i]`` of rank ``owner[i]``'s pool (``kernels.paged_rows``); zeros where < 0.
+
+    ``bases`` (int64 [cp] on the device: each pool's byte address, ``PagedViews.bases``): the rows are read in place
+    by the page gather kernel (``kernels.page_gather``, a row taken as its page: one launch, each row read once);
+    else by the reference (every pool read at every position)."""
+    if bases is None:
+        return paged_rows_ref(pools, owner, row)
+    from cpkv.kernels.page_gather.triton import page_gather_triton
+
+    n, width = row.shape[0], pools[0].shape[-1]
+    out = torch.empty((n, width), dtype=torch.uint8, device=row.device)
+    dest = torch.arange(n, device=row.device)
+    page_gather_triton(out, bases, dest, torch.where(row >= 0, owner, -1), row.clamp(min=0),
+                       aligned16=all(p.data_ptr() % 16 == 0 for p in pools))
+    return out
 
 
 @dataclass
@@ -116,9 +130,26 @@ class PagedViews:
     """Every rank's pool rows per (layer, kind), as the compose runtime's peer memory maps them (views made once:
     the pools never move). ``own``: this rank's, where its tokens' rows are written."""
 
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, rt: Any, triton: bool = False) -> None:
+        self.rt, self.triton = rt, triton
         self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._bases: dict[tuple[int, str], torch.Tensor] = {}
+
+    def bases(self, layer: int, kind: str) -> torch.Tensor | None:
+        """int64 [cp] on the device: the byte address of each rank's ``rows(layer, kind)`` (made once), for the
+        gather kernel; None where the kernels do not run (the reference reads the views)."""
+        if not self.triton:
+            return None
+        got = self._bases.get((layer, kind))
+        if got is None:
+            views = self.rows(layer, kind)
+            got = self._bases[(layer, kind)] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64,
+                                                            device=views[0].device)
+        return got
+
+    def read(self, layer: int, kind: str, owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """``paged_rows`` of ``layer``'s ``kind`` rows across the group."""
+        return paged_rows(self.rows(layer, kind), owner, row, self.bases(layer, kind))
 
     def rows(self, layer: int, kind: str) -> list[torch.Tensor]:
         """Per rank: uint8 [num_pages * page_size, row_bytes] of ``layer``'s ``kind`` rows."""
@@ -174,13 +205,12 @@ def paged_attention(layer: DSALayer, p: Projected, views: PagedViews, plan: Deco
     rows of the plan's context map, -1 none). A step whose every query sees <= top-k keys reads them all (the
     dense path, as a prefill batch does); else a full layer selects and a shared layer reuses the selection."""
     prec, attn, kr, n = layer.precision, plan.attn, layer.cfg.kv_lora_rank, layer.n
-    token = views.rows(n, "token")
     if attn.dense:
         layer.stats["dense"] += 1
-        kv = prec.dense_kv(paged_rows(token, plan.ctx_owner, plan.ctx_row))
+        kv = prec.dense_kv(views.read(n, "token", plan.ctx_owner, plan.ctx_row))
         return prec.dense_mla(p.q, kv, attn.ks, attn.ke, layer.sm_scale, kr), topk
     if layer.full:
-        topk = layer.select(p, paged_rows(views.rows(n, "index"), plan.ctx_owner, plan.ctx_row), attn)
+        topk = layer.select(p, views.read(n, "index", plan.ctx_owner, plan.ctx_row), attn)
     if topk is None:
         raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
     layer.stats["sparse"] += 1
@@ -188,7 +218,7 @@ def paged_attention(layer: DSALayer, p: Projected, views: PagedViews, plan: Deco
     valid = sel >= 0
     at = sel.clamp(min=0).reshape(-1)
     rows = torch.where(valid.reshape(-1), plan.ctx_row[at], torch.full_like(at, -1))
-    kv = prec.dense_kv(paged_rows(token, plan.ctx_owner[at], rows))  # [B * k, d]: the selected rows only
+    kv = prec.dense_kv(views.read(n, "token", plan.ctx_owner[at], rows))  # [B * k, d]: the selected rows only
     ind = torch.arange(at.shape[0], dtype=torch.int32, device=at.device).view(sel.shape)
     return prec.sparse_mla(p.q, kv, torch.where(valid, ind, -1), layer.sm_scale, kr), topk
 
@@ -200,7 +230,7 @@ class DecodeRunner:
 
     def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None) -> None:
         self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
-        self.views = PagedViews(rt)
+        self.views = PagedViews(rt, model.backends.triton)
         self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
         self.steps = 0
 

@@ -19,7 +19,8 @@ BLOCK rows per program, each row held by one thread (token = row // heads):
     head_weights(x [T, K] bf16/f32, w float32 [N, K], scale, out float32 [T, N])
         out = (float32(x) @ w^T) * scale: the indexer's head weights (``weights_proj`` kept in float32) without
         a float32 copy of x; ``tl.dot`` in DOT_PRECISION (tf32x3 on the tensor cores: float32-level accuracy;
-        ieee float32 on the FMA units ran at a sixth of the bandwidth of x), BLOCK_M rows per program
+        ieee float32 on the FMA units ran at a sixth of the bandwidth of x), BLOCK_M rows and one of up to
+        HEAD_SPLIT slices of K per program, the slices summed in order by a second kernel
 
 One row per thread with the Hadamard rotation as an in-register butterfly: the other forms (tensor-core
 Hadamard dots, FWHT across lanes, other block / warp / persistent shapes) were slower (BENCHMARKS.md).
@@ -152,36 +153,72 @@ def index_rows(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor
 
 
 HEAD_BLOCKS = (64, 64)  # head_weights: (rows, K) per tile (155 registers at tf32x3; 128 rows: 255)
+HEAD_SPLIT = 8  # head_weights: K in up to this many slices, one program each (a decode step's few rows took one
+#                 program walking all of K: 84 us for one row at K 6144 on an H200; sliced, every row count fills more
+#                 of the GPU), summed in slice order by a second kernel: a row's value does not depend on T
+
+
+def head_split(k: int) -> tuple[int, int]:
+    """(slices, K per slice: a multiple of the K tile) for ``head_weights`` at K = ``k``; slices of at least four
+    K tiles."""
+    bk = HEAD_BLOCKS[1]
+    split = max(1, min(HEAD_SPLIT, k // (4 * bk)))
+    per = cdiv(cdiv(k, split), bk) * bk
+    return cdiv(k, per), per
 
 
 @_jit
-def _head_weights(X, W, OUT, T, N, scale, stride_x, stride_w, stride_o, K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _head_weights(X, W, WS, T, N, stride_x, stride_w, K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # program (row block, slice): the slice's partial products of the block's rows, float32, into WS [slices, T, N]
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < T
     r64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     ks = tl.arange(0, BLOCK_K)
+    k_lo = tl.program_id(1) * KS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K a compile-time constant (the model's hidden size)
-        kmask = k0 + ks < K
-        a = tl.load(X + r64[:, None] * stride_x + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :],
+    for k0 in range(0, KS, BLOCK_K):  # KS and K compile-time constants (the model's hidden size)
+        kk = k_lo + k0 + ks
+        kmask = kk < K
+        a = tl.load(X + r64[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
-        b = tl.load(W + cols[None, :].to(tl.int64) * stride_w + (k0 + ks)[:, None],
+        b = tl.load(W + cols[None, :].to(tl.int64) * stride_w + kk[:, None],
                     mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(OUT + r64[:, None] * stride_o + cols[None, :], acc * scale, mask=rmask[:, None] & cmask[None, :])
+    at = (tl.program_id(1) * T + r64)[:, None] * N + cols[None, :]
+    tl.store(WS + at, acc, mask=rmask[:, None] & cmask[None, :])
+
+
+@_jit
+def _head_weights_sum(WS, OUT, T, N, scale, stride_o, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    # out = (the slices' partials summed in slice order) * scale
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < T)[:, None] & (cols < N)[None, :]
+    acc = tl.load(WS + r64[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(WS + (s * T + r64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + r64[:, None] * stride_o + cols[None, :], acc * scale, mask=mask)
 
 
 def head_weights(x: torch.Tensor, w: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Writes out [T, N] = (float32(x) @ w^T) * scale (module docstring); unit column strides."""
+    """Writes out [T, N] = (float32(x) @ w^T) * scale (module docstring); unit column strides. K in ``head_split``
+    slices (a float32 workspace [slices, T, N]), summed in order: a row's value is the same at any T."""
     t, k = x.shape
     n = w.shape[0]
     if t == 0:
         return
     bm, bk = HEAD_BLOCKS
-    _head_weights[check_grid((cdiv(t, bm),))](
-        x, w, out, t, n, float(scale), x.stride(0), w.stride(0), out.stride(0), K=k, BLOCK_M=bm,
-        BLOCK_N=max(16, 1 << (n - 1).bit_length()), BLOCK_K=bk, PRECISION=DOT_PRECISION, num_warps=4,
-        num_stages=3, enable_fp_fusion=False)
+    split, per = head_split(k)
+    bn = max(16, 1 << (n - 1).bit_length())
+    ws = torch.empty((split, t, n), dtype=torch.float32, device=x.device)
+    _head_weights[check_grid((cdiv(t, bm), split))](
+        x, w, ws, t, n, x.stride(0), w.stride(0), K=k, KS=per, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PRECISION=DOT_PRECISION, num_warps=4, num_stages=3, enable_fp_fusion=False)
+    _head_weights_sum[check_grid((cdiv(t, bm),))](
+        ws, out, t, n, float(scale), out.stride(0), SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        enable_fp_fusion=False)
