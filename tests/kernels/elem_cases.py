@@ -95,7 +95,8 @@ def case_router_scores() -> None:
     from cpkv.kernels.router.ref import router_scores_ref
 
     for t, k, n, gdtype in [(37, 300, 20, torch.bfloat16), (37, 300, 20, torch.float32), (1, 256, 4, torch.float32),
-                            (70, 128, 160, torch.bfloat16)]:
+                            (70, 128, 160, torch.bfloat16),
+                            (5, 2100, 40, torch.float32), (5, 2100, 40, torch.bfloat16)]:  # K in 8 slices
         gen = _gen(t + k + n)
         x = (torch.randn(t, k + 2, generator=gen) * 3).bfloat16()[:, 2:]  # a wider row stride
         gate = (torch.randn(n, k, generator=gen) / k ** 0.5).to(gdtype)

@@ -59,7 +59,7 @@ def compile_router(float32_gate: bool = False):
     gate = torch.empty(n, k, dtype=torch.float32 if float32_gate else torch.bfloat16)
     out = torch.empty(t, n)
     args = (x, gate, out, t, n, k, k, k, n)
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": float32_gate}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": float32_gate, "KS": k, "PARTIAL": False}
     return compile_sm90(kern._router_gemm, args, consts, num_warps=warps, num_stages=stages)
 
 
