@@ -126,15 +126,17 @@ fi
 DEPTH="--model glm5 --experts 32 --weights fp8"
 if want depth || want depth_run; then  # the run verified at depth (reference on rank 0's own model: --reference
     # auto at cp 1 on CUDA), its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in its JSON)
+    # (--long 4096: a two-turn conversation past GLM-5's index top-k, so the 40 full indexer layers select sparsely)
     step depth_run ${DEPTH_RUN_S:-220} python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
-        --page-size 64 --pages-per-rank 2048 --json
+        --page-size 64 --pages-per-rank 2048 --long 4096 --json
     step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
     python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
 fi
 if want depth || want depth_bench; then  # TTFT measured at depth beside the 4-layer extrapolation in the same rank
     # processes (one timed run: time is short)
+    # chunk 16384 (the model size preset's): a 32K chunk's workspace beside ~114 GB of weights outran the GPU
     step depth_bench ${DEPTH_BENCH_S:-330} python3 -m cpkv bench engine $DEPTH --layers 78 --extrapolate-from 4 \
-        --runs 1 --no-profile --json
+        --chunk-size ${DEPTH_CHUNK:-16384} --runs 1 --no-profile --json
 fi
 if want decode; then  # issue 45: the paged decode step's GPU tests, then its time against its floor (GLM-5 shapes, 4
     # layers, cp 1 then cp 2), each case's last step profiled on rank 0 (tables under $OUT/decode_prof)

@@ -61,3 +61,18 @@ def test_requests_rejected_by_the_ranks_fail_the_run(capsys, tmp_path, monkeypat
     assert err[-1].startswith("cpkv run: error: 1 of 2 requests were rejected (request 'a': pool_pages")
     assert "raise --pages-per-rank (now 2)" in err[-1] and "--allow-rejected" in err[-1]
     assert err[0] == "cpkv run: 0/2 (starting 2 rank processes, 0 s)" and any("batch 1" in x for x in err), err
+
+
+def test_long_conversation_runs_sparse_selection_and_verifies(capsys):
+    """``--long N``: the built-in trace gains a two-turn conversation past the model's index top-k (tiny: 64), so the
+    run selects sparsely and the verification covers the indexer's decisions."""
+    assert main(["run", "--requests", "2", "--long", "200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and [r["id"] for r in out["requests"]][-2:] == ["long.t0", "long.t1"]
+    assert out["summary"]["attention_calls"]["sparse"] > 0
+
+
+def test_long_with_a_trace_file_is_one_line(capsys, tmp_path):
+    assert main(["run", "--long", "10", "--trace", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--long" in err and len(err.splitlines()) == 1

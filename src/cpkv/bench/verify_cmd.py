@@ -91,14 +91,10 @@ def engine_config(case: Case, num_layers: int, device: str, pages: int = 256):
 
 def make_trace(requests: int, long: int = 0) -> list:
     """The built-in trace of ``requests`` requests, plus a two-turn conversation of ``long`` and ``long`` + 512
-    tokens when ``long`` > 0."""
+    tokens when ``long`` > 0 (``cpkv.cli.traces.default_trace``)."""
     from cpkv.cli.traces import default_trace
-    from cpkv.scheduler.trace import TraceRequest
 
-    trace = default_trace(requests)
-    if long:
-        trace += [TraceRequest("long.t0", 0.0, long), TraceRequest("long.t1", 0.0, long + 512, parent="long.t0")]
-    return trace
+    return default_trace(requests, long=long)
 
 
 def run_matrix(cases: Sequence[Case], *, num_layers: int = 4, requests: int = 12, device: str = "cpu",

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compose mode, listed below (default CPKV_COMPOSE_MODE, symm)")
     p.add_argument("--trace", help="replay-format JSONL trace (default: a built-in multi-turn trace)")
     p.add_argument("--requests", type=a.trace_requests, default=12, help="requests of the built-in trace (default 12)")
+    p.add_argument("--long", type=a.bounded_int(0, 1 << 20), default=0, metavar="N",
+                   help="add to the built-in trace a two-turn conversation of N and N + 512 tokens (its second turn "
+                        "hits the first's pages): prompts past the model's index top-k run sparse selection (GLM-5's "
+                        "top-k is 2048; default 0: none)")
     p.add_argument("--model", default="tiny",
                    help="preset:NAME (preset:tiny, preset:glm5, preset:deepseek-v32) or a checkpoint directory; a "
                         "plain preset name is accepted while no directory of that name exists (default tiny)")
@@ -132,7 +136,9 @@ def load_requests(args: argparse.Namespace, vocab_size: int):
     from cpkv.scheduler.trace import check_vocab, load_trace
 
     if args.trace is None:
-        return default_trace(args.requests)
+        return default_trace(args.requests, long=args.long)
+    if args.long:
+        raise ConfigError("--long adds to the built-in trace: leave it out with --trace")
     trace = load_trace(args.trace)
     check_vocab(trace, vocab_size, f"--trace {args.trace}", args.model)
     return trace

@@ -14,5 +14,10 @@ SHAPE = BuiltinShape(rate=1.5, fresh_share=0.06, fresh_len=(16384, 131072), root
 SCALE = 1 / 128
 
 
-def default_trace(n: int = 12, seed: int = 0) -> list[TraceRequest]:
-    return builtin_trace(n, seed=seed, scale=SCALE, shape=SHAPE)
+def default_trace(n: int = 12, seed: int = 0, long: int = 0) -> list[TraceRequest]:
+    """The built-in trace of ``n`` requests, plus a two-turn conversation of ``long`` and ``long`` + 512 tokens when
+    ``long`` > 0 (its second turn hits the first's pages; past the model's index top-k it runs sparse selection)."""
+    trace = builtin_trace(n, seed=seed, scale=SCALE, shape=SHAPE)
+    if long:
+        trace += [TraceRequest("long.t0", 0.0, long), TraceRequest("long.t1", 0.0, long + 512, parent="long.t0")]
+    return trace
