@@ -64,28 +64,39 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    keys, batches = _ints(args.keys, "--keys"), _ints(args.batches, "--batches")
+    rows, graph_tokens = decode_cases(args.model, args.num_layers, None, args.cp, args.device, args.page_size, keys,
+                                      batches, args.steps, weights_list(args.weights), args.graph_tokens,
+                                      args.chunk_size, args.profile)
+    report = {"model": args.model, "cp": args.cp, "device": args.device, "graph_tokens": graph_tokens,
+              "cases": rows}
+    _print(report, args.json)
+    return 0
+
+
+def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: int, device: str, page_size: int,
+                 keys: list[int], batches: list[int], steps: int, weights: list[str], graph_tokens: int | None = None,
+                 chunk_size: int | None = None, profile: str | None = None) -> tuple[list[dict], int]:
+    """Every (weights, keys, batch) case in fresh rank processes per weights mode -> (rank 0's rows, each with its
+    ``weights``; the graph tokens they ran with). ``cpkv bench decode``'s cases, and ``cpkv bench engine
+    --decode``'s."""
     from cpkv.config import SIZES
     from cpkv.dist import launch
     from cpkv.engine.config import EngineConfig, default_graph_tokens
 
-    keys, batches = _ints(args.keys, "--keys"), _ints(args.batches, "--batches")
-    P = args.page_size
-    sizes = SIZES["model" if args.device == "cuda" else "toy"]
-    chunk = args.chunk_size or max(P, sizes.chunk_size // P * P)
-    need = max(batches) * (max(keys) // P + 2 + args.steps // P + 2) + max(keys) // P + 4  # clones + the source
-    rows = []
-    for weights in weights_list(args.weights):
-        cfg = EngineConfig(model=args.model, num_layers=args.num_layers, cp=args.cp, device=args.device,
-                           page_size=P, pages_per_rank=-(-need // args.cp) + 8, chunk_size=chunk, max_requests=1,
-                           look_ahead=False, weights=weights,
-                           graph_tokens=default_graph_tokens(args.device, args.graph_tokens))
-        got = launch(decode_bench_rank, args.cp, args=(cfg, keys, batches, args.steps, args.profile),
-                     device=args.device, timeout_s=3600)[0]
+    P = page_size
+    sizes = SIZES["model" if device == "cuda" else "toy"]
+    chunk = chunk_size or max(P, sizes.chunk_size // P * P)
+    need = max(batches) * (max(keys) // P + 2 + steps // P + 2) + max(keys) // P + 4  # clones + the source
+    rows, tokens = [], default_graph_tokens(device, graph_tokens)
+    for w in weights:
+        cfg = EngineConfig(model=model, num_layers=num_layers, experts=experts, cp=cp, device=device, page_size=P,
+                           pages_per_rank=-(-need // cp) + 8, chunk_size=chunk, max_requests=1, look_ahead=False,
+                           weights=w, graph_tokens=tokens)
+        got = launch(decode_bench_rank, cp, args=(cfg, keys, batches, steps, profile), device=device,
+                     timeout_s=3600)[0]
         rows += [{"weights": cfg.weights_dtype, **r} for r in got]
-    report = {"model": args.model, "cp": args.cp, "device": args.device, "graph_tokens": cfg.graph_tokens,
-              "cases": rows}
-    _print(report, args.json)
-    return 0
+    return rows, tokens
 
 
 def weights_list(spec: str) -> list[str]:
@@ -270,13 +281,20 @@ def step_floor(step, m, rank: int, weights: str, compute: str, experts_read: int
 
 
 def _print(rep: dict, as_json: bool) -> None:
-    from cpkv.cli.fmt import emit_json, table
+    from cpkv.cli.fmt import emit_json
 
     if as_json:
         emit_json(rep)
         return
-    table(("weights", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor"),
-          [(r["weights"], r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
-            f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}") for r in rep["cases"]])
+    print_cases(rep["cases"])
     print(f"\n{rep['model']} at cp {rep['cp']} on {rep['device']}: median time of a paged decode step of every "
           f"generation (synchronised, tokens agreed); floor: the busiest rank's bytes at the copy rate of this run")
+
+
+def print_cases(cases: list[dict]) -> None:
+    """The decode cases' table."""
+    from cpkv.cli.fmt import table
+
+    table(("weights", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor"),
+          [(r["weights"], r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
+            f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}") for r in cases])

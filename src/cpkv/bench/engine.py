@@ -78,6 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="in the same rank processes, also measure the first K layers and extrapolate them to --layers "
                         "as a K-layer run does: each TTFT measured at depth beside that extrapolation, the difference "
                         "between them (e.g. --layers 78 --extrapolate-from 4)")
+    p.add_argument("--decode", action="store_true",
+                   help="then the paged decode step's cases (cpkv bench decode) per weights mode, in fresh rank "
+                        "processes: each batch of --decode-batches generations at each --decode-keys context, "
+                        "against its floor")
+    p.add_argument("--decode-keys", default="1024,32768,131072", metavar="L[,L]",
+                   help="--decode's context lengths (default 1024,32768,131072)")
+    p.add_argument("--decode-batches", default="1,8,32", metavar="B[,B]",
+                   help="--decode's generations per step (default 1,8,32)")
     p.add_argument("--json", action="store_true")
 
 
@@ -90,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     modes = weights_modes(args.weights)
     check_diagnostics(args)
     check_extrapolation(args)
+    if getattr(args, "decode", False):
+        decode_lists(args)  # a bad list is refused before anything runs
     require_cuda(args.device, "cpkv bench engine")
     ceiling = gemm_tflops(args.device)
     copy = round(timing.copy_gbs(device=args.device), 1)  # the ceiling of this run's byte rates
@@ -134,8 +144,20 @@ def run(args: argparse.Namespace) -> int:
         report["speedup"] = speedups(reports)
     if args.host_load:
         report["host_load"] = _loaded(args, _replace(cfg, weights=modes[0]), cfg_m, trace, ceiling, report)
+    if getattr(args, "decode", False):
+        from cpkv.bench.decode import decode_cases
+
+        report["decode"] = decode_cases(args.model, args.layers, args.experts, args.cp, args.device, args.page_size,
+                                        *decode_lists(args), 5, modes, getattr(args, "graph_tokens", None))[0]
     _print(report, args.json)
     return 0
+
+
+def decode_lists(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """``--decode-keys`` and ``--decode-batches`` (ConfigError naming the flag on a bad list)."""
+    from cpkv.bench.decode import _ints
+
+    return _ints(args.decode_keys, "--decode-keys"), _ints(args.decode_batches, "--decode-batches")
 
 
 def check_diagnostics(args: argparse.Namespace) -> None:
@@ -598,6 +620,11 @@ def _print(rep: dict, as_json: bool) -> None:
         print(f"TTFT at {rep['layers']} layers measured / extrapolated from {ex['from_layers']} layers: " + ", ".join(
             f"{k} tokens {v['measured_s']} s / {v['extrapolated_s']} s ({v['difference']:+.1%})"
             for k, v in ex.items() if k.isdigit() and v["difference"] is not None))
+    if rep.get("decode"):
+        from cpkv.bench.decode import print_cases
+
+        print("\npaged decode steps (cpkv bench decode's cases; floor: the busiest rank's bytes at the copy rate):")
+        print_cases(rep["decode"])
     gr = rep.get("graphs")
     if gr:
         print(f"CUDA graphs up to {gr['max_tokens']} tokens: {gr['batches']} batches of the timed run through them, "
