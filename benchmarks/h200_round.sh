@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode_serve ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -146,6 +146,16 @@ if want decode; then  # issue 45: the paged decode step's GPU tests, then its ti
             --device cuda --keys ${DECODE_KEYS:-1024,32768} --batches ${DECODE_BATCHES:-1,32} --steps 5 \
             --profile "$OUT/decode_prof" --json
     done
+fi
+if want decode_serve; then  # issue 45: `cpkv serve` on the GPU (GLM-5 shapes, 4 layers, cp 2 as the issue measured),
+    # 32 new tokens per request: TPOT with the paged decode step against the one-token-extend path
+    python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    PYTHONPATH=src:/tmp/site step decode_serve ${DECODE_SERVE_S:-300} env CPKV="python3 -m cpkv" BOOT_S=150 WARMUP=2 \
+        TRACE="--requests 12 --scale 0.25" LOAD_EXTRA="--max-tokens 32" \
+        GEOM="--model glm5 --cp 2 --chunk-size 16384 --page-size 64 --pages-per-rank 4096 --max-requests 16" \
+        SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/decode_serve" \
+        "paged=--decode paged" "extend=--decode extend"
 fi
 if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loop on the seed-shaped trace scaled to its
     # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix

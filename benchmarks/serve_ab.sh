@@ -6,7 +6,8 @@
 #
 # Environment (defaults: the CPU tiny model): GEOM (options of both the server and the load generator: the batch
 # geometry), SERVE_EXTRA (options of every server), TRACE (`cpkv bench serve --make-trace` options), WARMUP (unrecorded
-# requests first, default 4), CPKV (the cpkv command), PORT (30000), BOOT_S (seconds to wait for /health, 600).
+# requests first, default 4), CPKV (the cpkv command), PORT (30000), BOOT_S (seconds to wait for /health, 600),
+# LOAD_EXTRA (options of the load generator only, e.g. --max-tokens 32 for TPOT).
 # A server that exits or never answers ends the script with status 1 and the tail of its log.
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR NAME=OPTIONS ...}; shift
@@ -22,7 +23,7 @@ for spec in "$@"; do
     # shellcheck disable=SC2086
     start_server "$name" $opts
     # shellcheck disable=SC2086
-    $cpkv bench serve --url "$url" --trace "$out/trace.jsonl" $GEOM --warmup "$WARMUP" --closed-loop \
+    $cpkv bench serve --url "$url" --trace "$out/trace.jsonl" $GEOM ${LOAD_EXTRA:-} --warmup "$WARMUP" --closed-loop \
         --out-jsonl "$out/$name.jsonl" --json >"$out/$name.json"
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
         "$url/metrics" >"$out/metrics_$name.txt"
