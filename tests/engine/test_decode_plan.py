@@ -36,10 +36,10 @@ def test_the_context_map_follows_each_entrys_page_table_and_its_changes():
     assert plan.ids.tolist() == [102, 105] and plan.positions.tolist() == [9, 0]
     assert plan.write_rows.tolist() == [9 * P + 1, 3 * P]
     assert plan.attn.ks.tolist() == [0, 10] and plan.attn.ke.tolist() == [10, 11] and plan.attn.dense is False
-    got = list(zip(plan.ctx_owner.tolist(), plan.ctx_row.tolist()))
+    got = list(zip(plan.ctx.owner.tolist(), plan.ctx.row.tolist()))
     assert got == _want(a, 10) + _want(c, 1)
     one = decode_plan(step, 1, MODEL, table)
-    assert one.rids == ("b",) and list(zip(one.ctx_owner.tolist(), one.ctx_row.tolist())) == _want(b, 5)
+    assert one.rids == ("b",) and list(zip(one.ctx.owner.tolist(), one.ctx.row.tolist())) == _want(b, 5)
     assert one.attn.dense is True  # 5 keys <= top-k 6
     # the next step: a's generation moved on a page (one change), c's unchanged (none)
     a2 = a + [(1, 4)]
@@ -47,7 +47,7 @@ def test_the_context_map_follows_each_entrys_page_table_and_its_changes():
     table.apply(step2)
     assert decode_plan(step2, 1, MODEL, table).rids == ("a",)
     plan2 = decode_plan(step2, 1, MODEL, table)
-    assert list(zip(plan2.ctx_owner.tolist(), plan2.ctx_row.tolist())) == _want(a2, 13)
+    assert list(zip(plan2.ctx.owner.tolist(), plan2.ctx.row.tolist())) == _want(a2, 13)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -56,4 +56,4 @@ def test_a_rank_without_entries_plans_nothing(rank):
     step = DecodeStep(0, (_entry("x", 0, [(1 - rank, 1)], 2),), P, 2)
     table.apply(step)
     plan = decode_plan(step, rank, MODEL, table)
-    assert plan.num_tokens == 0 and plan.ctx_row.numel() == 0 and plan.ids.numel() == 0
+    assert plan.num_tokens == 0 and plan.ctx.row.numel() == 0 and plan.ids.numel() == 0

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("width", [656, 132])
 @pytest.mark.parametrize("n", [0, 1, 2048, 70001])
 def test_paged_rows_kernel_equals_the_reference(width: int, n: int) -> None:
-    from cpkv.engine.decode import paged_rows
+    from cpkv.engine.decode import RowMap, paged_rows
     from cpkv.kernels.paged_rows.ref import paged_rows_ref
 
     g = torch.Generator(device="cuda").manual_seed(n + width)
@@ -20,10 +20,10 @@ def test_paged_rows_kernel_equals_the_reference(width: int, n: int) -> None:
     owner = torch.randint(0, 2, (n,), device="cuda", generator=g)
     row = torch.randint(-1, 5000, (n,), device="cuda", generator=g)
     bases = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64, device="cuda")
-    got = paged_rows(pools, owner, row, bases)
+    got = paged_rows(pools, RowMap(owner, row), bases)
     want = paged_rows_ref(pools, owner, row)
     assert got.shape == (n, width) and torch.equal(got, want)
     if n:
         # a planted fault: one row read from the other pool differs
-        bad = paged_rows(pools, 1 - owner[:1], row[:1].clamp(min=0), bases)
+        bad = paged_rows(pools, RowMap(1 - owner[:1], row[:1].clamp(min=0)), bases)
         assert not torch.equal(bad, paged_rows_ref(pools, owner[:1], row[:1].clamp(min=0)))

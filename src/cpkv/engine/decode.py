@@ -40,22 +40,34 @@ if TYPE_CHECKING:
     from cpkv.engine.graphs import LayerGraphs
 
 
-def paged_rows(pools: list[torch.Tensor], owner: torch.Tensor, row: torch.Tensor,
-               bases: torch.Tensor | None = None) -> torch.Tensor:
+class RowMap:
+    """Rows wanted across the group: ``owner`` / ``row`` int64 [n] (row -1: none, read as zeros), with the gather
+    kernel's arguments (destination, source, page) made on first use and kept: a step reads its context map on
+    every full layer and a selection on every layer until the next full layer, each made once."""
+
+    def __init__(self, owner: torch.Tensor, row: torch.Tensor) -> None:
+        self.owner, self.row = owner, row
+        self._gather: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def gather_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._gather is None:
+            self._gather = (torch.arange(self.row.shape[0], device=self.row.device),
+                            torch.where(self.row >= 0, self.owner, -1), self.row.clamp(min=0))
+        return self._gather
+
+
+def paged_rows(pools: list[torch.Tensor], rows: RowMap, bases: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [n, row_bytes]: row ``row[i]`` of rank ``owner[i]``'s pool (``kernels.paged_rows``); zeros where < 0.
 
     ``bases`` (int64 [cp] on the device: each pool's byte address, ``PagedViews.bases``): the rows are read in place
     by the page gather kernel (``kernels.page_gather``, a row taken as its page: one launch, each row read once);
     else by the reference (every pool read at every position)."""
     if bases is None:
-        return paged_rows_ref(pools, owner, row)
+        return paged_rows_ref(pools, rows.owner, rows.row)
     from cpkv.kernels.page_gather.triton import page_gather_triton
 
-    n, width = row.shape[0], pools[0].shape[-1]
-    out = torch.empty((n, width), dtype=torch.uint8, device=row.device)
-    dest = torch.arange(n, device=row.device)
-    page_gather_triton(out, bases, dest, torch.where(row >= 0, owner, -1), row.clamp(min=0),
-                       aligned16=all(p.data_ptr() % 16 == 0 for p in pools))
+    out = torch.empty((rows.row.shape[0], pools[0].shape[-1]), dtype=torch.uint8, device=rows.row.device)
+    page_gather_triton(out, bases, *rows.gather_args(), aligned16=all(p.data_ptr() % 16 == 0 for p in pools))
     return out
 
 
@@ -67,8 +79,7 @@ class DecodePlan:
     ids: torch.Tensor        # int64 [B]
     positions: torch.Tensor  # int64 [B]
     write_rows: torch.Tensor  # int64 [B]: each token's row in this rank's pool (page * P + offset)
-    ctx_owner: torch.Tensor  # int64 [S]
-    ctx_row: torch.Tensor    # int64 [S]
+    ctx: RowMap              # (owner, row) int64 [S] of every key of every entry, entry by entry
     attn: AttnPlan           # query b's keys are the map's [ks[b], ke[b]); dense when each sees <= top-k keys
     ep: Any = None           # the step's expert exchange (cpkv.compose.dispatch.EPBatch), or None
 
@@ -121,8 +132,8 @@ def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable
     at = torch.arange(s, device=dev) - start[seq]                                           # its position
     row, col = slot[seq], at // P
     attn = AttnPlan.build(ks.tolist(), ke.tolist(), model.cfg.index_topk, dev)
-    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write, table.owner[row, col],
-                      table.page[row, col] * P + at % P, attn,
+    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write,
+                      RowMap(table.owner[row, col], table.page[row, col] * P + at % P), attn,
                       ep.plan_batch(step.counts()) if ep is not None else None)
 
 
@@ -147,9 +158,9 @@ class PagedViews:
                                                             device=views[0].device)
         return got
 
-    def read(self, layer: int, kind: str, owner: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    def read(self, layer: int, kind: str, rows: RowMap) -> torch.Tensor:
         """``paged_rows`` of ``layer``'s ``kind`` rows across the group."""
-        return paged_rows(self.rows(layer, kind), owner, row, self.bases(layer, kind))
+        return paged_rows(self.rows(layer, kind), rows, self.bases(layer, kind))
 
     def rows(self, layer: int, kind: str) -> list[torch.Tensor]:
         """Per rank: uint8 [num_pages * page_size, row_bytes] of ``layer``'s ``kind`` rows."""
@@ -174,7 +185,7 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
     eager."""
     t = plan.num_tokens
     g = graphs if graphs is not None and graphs.bucket(t) is not None else None
-    h, delta, topk = model.embed(plan.ids), None, None
+    h, delta, sel = model.embed(plan.ids), None, None
     rot = model.rotary(plan.positions)
     if g is not None:
         g.begin(h, rot)
@@ -186,7 +197,7 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
         p = g.project(n, layer) if g is not None else layer.project(h, rot, delta)
         for kind in model.cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, plan.write_rows, getattr(p, kind))
-        latent, topk = paged_attention(layer, p, views, plan, topk)
+        latent, sel = paged_attention(layer, p, views, plan, sel)
         if g is not None:
             g.finish(n, layer, latent, plan.ep)
         else:
@@ -200,27 +211,36 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
 
 
 def paged_attention(layer: DSALayer, p: Projected, views: PagedViews, plan: DecodePlan,
-                    topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``DSALayer.attention`` over paged rows -> (latent [B, H, kv_lora], topk int32 [B, k]: the selected keys as
-    rows of the plan's context map, -1 none). A step whose every query sees <= top-k keys reads them all (the
-    dense path, as a prefill batch does); else a full layer selects and a shared layer reuses the selection."""
+                    sel: "Selection | None") -> tuple[torch.Tensor, "Selection | None"]:
+    """``DSALayer.attention`` over paged rows -> (latent [B, H, kv_lora], the selection it read: None on the dense
+    path). A step whose every query sees <= top-k keys reads them all (the dense path, as a prefill batch does);
+    else a full layer selects and a shared layer reuses the selection (its rows' map made once)."""
     prec, attn, kr, n = layer.precision, plan.attn, layer.cfg.kv_lora_rank, layer.n
     if attn.dense:
         layer.stats["dense"] += 1
-        kv = prec.dense_kv(views.read(n, "token", plan.ctx_owner, plan.ctx_row))
-        return prec.dense_mla(p.q, kv, attn.ks, attn.ke, layer.sm_scale, kr), topk
+        kv = prec.dense_kv(views.read(n, "token", plan.ctx))
+        return prec.dense_mla(p.q, kv, attn.ks, attn.ke, layer.sm_scale, kr), sel
     if layer.full:
-        topk = layer.select(p, views.read(n, "index", plan.ctx_owner, plan.ctx_row), attn)
-    if topk is None:
+        sel = Selection(layer.select(p, views.read(n, "index", plan.ctx), attn), plan.ctx)
+    if sel is None:
         raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
     layer.stats["sparse"] += 1
-    sel = topk.long()
-    valid = sel >= 0
-    at = sel.clamp(min=0).reshape(-1)
-    rows = torch.where(valid.reshape(-1), plan.ctx_row[at], torch.full_like(at, -1))
-    kv = prec.dense_kv(views.read(n, "token", plan.ctx_owner[at], rows))  # [B * k, d]: the selected rows only
-    ind = torch.arange(at.shape[0], dtype=torch.int32, device=at.device).view(sel.shape)
-    return prec.sparse_mla(p.q, kv, torch.where(valid, ind, -1), layer.sm_scale, kr), topk
+    kv = prec.dense_kv(views.read(n, "token", sel.rows))  # [B * k, d]: the selected rows only
+    return prec.sparse_mla(p.q, kv, sel.ind, layer.sm_scale, kr), sel
+
+
+class Selection:
+    """A full layer's top-k (int32 [B, k]: rows of the step's context map, -1 none) as the rows it names across the
+    group (``rows``: B * k of them, -1 where none) and their indices into those rows in order (``ind``, -1 none)."""
+
+    def __init__(self, topk: torch.Tensor, ctx: RowMap) -> None:
+        self.topk = topk
+        sel = topk.long()
+        valid = sel >= 0
+        at = sel.clamp(min=0).reshape(-1)
+        self.rows = RowMap(ctx.owner[at], torch.where(valid.reshape(-1), ctx.row[at], -1))
+        ind = torch.arange(at.shape[0], dtype=torch.int32, device=at.device).view(sel.shape)
+        self.ind = torch.where(valid, ind, -1)
 
 
 class DecodeRunner:
