@@ -113,6 +113,15 @@ def _sparse_backend(raw: str) -> str:
     return raw
 
 
+DECODE_STEPS = ("auto", "graphs", "static", "gather")
+
+
+def _decode_step(raw: str) -> str:
+    if raw not in DECODE_STEPS:
+        raise ValueError(f"one of {', '.join(DECODE_STEPS)}")
+    return raw
+
+
 def _log_level(raw: str) -> str:
     level = raw.strip().upper()
     if level not in LOG_LEVELS:
@@ -135,6 +144,11 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_GROUPED_MM_TORCH", False, _bool,
            "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare; "
            "read once, when a model loads)."),
+    EnvVar("CPKV_DECODE_STEP", "auto", _decode_step,
+           "The paged decode step's form: auto (graphs where the step has no expert exchange on CUDA with cpkv's "
+           "kernels, else static where the kernels run, else gather), graphs (CUDA graphs per batch and context "
+           "bucket), static (the same fixed-shape step, eager), gather (the rows gathered, then the prefill's "
+           "kernels); read when a decode runner starts."),
     EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
     EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
     EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,

@@ -18,10 +18,11 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 37 + 11 * i) % 500 + 3 for i in range(n)]
 
 
-def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
+def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int, form: str = "gather"):
     """Prefill every prompt (kept for decoding), then ``new`` paged decode steps of all of them together ->
     (tokens per generation, per step {rid: logits} of the generations that ran, gathered on every rank). On CUDA
-    each step's plan and forward run under torch's sync debug mode set to error: no device->host sync."""
+    each step's plan and forward after the first (which may capture the step's graphs) run under torch's sync
+    debug mode set to error: no device->host sync. ``form``: the DecodeRunner's."""
     import contextlib
 
     from cpkv.engine.instruments import sync_debug_error
@@ -35,7 +36,7 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
     dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
-    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs)
+    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form=form)
     gens = {i: list(p) for i, p in enumerate(prompts)}
     for i, p in enumerate(prompts):
         req = Request(i, list(p), len(p))
@@ -50,10 +51,10 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
             dec.start(r.rid, gens[r.rid], r.prefix, r.tail)
     steps = []
     before = ex.graphs.counts()["batches"] if ex.graphs is not None else 0
-    for _ in range(new):
+    for i in range(new):
         step, failed = dec.plan()
         assert not failed
-        with sync_debug_error() if ctx.device.type == "cuda" else contextlib.nullcontext():
+        with sync_debug_error() if ctx.device.type == "cuda" and i else contextlib.nullcontext():
             logits = runner.run(step)
         toks = ctx.all_reduce_max_list([int(logits[e.rid].argmax()) if e.rid in logits else -1
                                         for e in step.entries])
@@ -66,6 +67,8 @@ def _decode_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], new: int):
         dec.finish(rid)
     ex.close()
     graphed = ex.graphs.counts()["batches"] - before if ex.graphs is not None else 0  # steps through the buffers
+    if runner.step_graphs is not None:
+        graphed = runner.step_graphs.replays
     return gens, steps, ex.kv.pages_used(), graphed
 
 
@@ -76,10 +79,10 @@ def reference():
 
 
 def _run(cp: int, prompts: list[list[int]], new: int = NEW, device: str = "cpu", graph_tokens: int = 0,
-         precision: str = "fp8"):
+         precision: str = "fp8", form: str = "gather"):
     cfg = EngineConfig(cp=cp, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device=device,
                        graph_tokens=graph_tokens, precision=precision)
-    return launch(_decode_ranks, cp, args=(cfg, prompts, new), device=device, timeout_s=600)[0]
+    return launch(_decode_ranks, cp, args=(cfg, prompts, new, form), device=device, timeout_s=600)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp8", "exact"])
@@ -121,6 +124,26 @@ def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)
 
 
+@pytest.mark.parametrize("cp,form", [(1, "static"), (2, "static"), (1, "graphs")])
+def test_static_step_decodes_the_reference_greedy_tokens(reference, cp, form):
+    """The fixed-shape step (``engine.decode_graph.step_forward``, eager here: the paged references read the rows
+    in place through the table; contexts below, at and past the top-k in one step, so short ones select every key)
+    gives each generation the reference's greedy tokens, its logits within the CPU tolerance. "graphs" on the CPU:
+    three generations padded to the bucket of 4 (the fourth a copy of the first, writing the same rows), run
+    eagerly."""
+    prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100)]
+    gens, steps, _, graphed = _run(cp, prompts, form=form)
+    assert graphed == (NEW if form == "graphs" else 0)
+    for rid, prompt in enumerate(prompts):
+        seq = gens[rid]
+        assert len(seq) == len(prompt) + 1 + NEW
+        for s, got in enumerate(steps):
+            n = len(prompt) + 1 + s
+            want = reference.reference_prefill(seq[:n])
+            assert int(want.argmax()) == seq[n], (rid, s)
+            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= 0.01 + 0.01 * float(want.abs().max())
+
+
 def test_steps_through_the_layer_graphs_buffers_decode_the_same_tokens(reference):
     """graph_tokens on (on the CPU: the graphs' fixed buffers and padding, run eagerly): every step's token-only
     pieces run as their bucket's 16 rows, and the tokens are still the reference's greedy ones."""
@@ -138,16 +161,16 @@ def test_steps_through_the_layer_graphs_buffers_decode_the_same_tokens(reference
 
 @pytest.mark.cuda
 @pytest.mark.triton
-@pytest.mark.parametrize("cp", [1, 2])
-def test_gpu_decode_steps_sync_free_and_close_to_the_reference_run_token_by_token(cp):
+@pytest.mark.parametrize("cp,form", [(1, "gather"), (2, "gather"), (1, "graphs"), (2, "static")])
+def test_gpu_decode_steps_sync_free_and_close_to_the_reference_run_token_by_token(cp, form):
     """CUDA (fp8 rows, the Triton kernels, the layers' captured pieces; at cp 2 both ranks on one GPU): each step's
     plan and forward run without a device->host sync, its logits are within the GPU tolerance of the reference run with a cut at every decoded
     token, and its token is that reference's greedy one wherever the reference's top two differ by more than it."""
     from cpkv.model import load_model
 
     prompts = [_prompt(2, 20), _prompt(4, 100), _prompt(1, 93)]
-    gens, steps, _, graphed = _run(cp, prompts, device="cuda", graph_tokens=64)
-    assert graphed == NEW or cp > 1  # at cp 1 every step replays the captured pieces
+    gens, steps, _, graphed = _run(cp, prompts, device="cuda", graph_tokens=64, form=form)
+    assert graphed == NEW or cp > 1  # at cp 1 every step replays the captured pieces, or the whole step's graph
     model = load_model("tiny", seed=0, device="cuda")
     for rid, prompt in enumerate(prompts):
         seq = gens[rid]

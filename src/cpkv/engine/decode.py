@@ -94,6 +94,7 @@ class DecodeTable:
 
     def __init__(self, max_pages: int, device: torch.device) -> None:
         self.max_pages, self.device = max_pages, device
+        self.version = 0  # bumped when the rows grow (new tensors: graphs captured over the old ones are stale)
         self.owner = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
         self.page = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
 
@@ -111,6 +112,7 @@ class DecodeTable:
 
     def _grow(self, rows: int) -> None:
         n = max(rows, 2 * self.owner.shape[0], 8)
+        self.version += 1
         for name in ("owner", "page"):
             old = getattr(self, name)
             new = torch.zeros((n, self.max_pages), dtype=torch.int64, device=self.device)
@@ -142,7 +144,7 @@ class PagedViews:
     the pools never move). ``own``: this rank's, where its tokens' rows are written."""
 
     def __init__(self, rt: Any, triton: bool = False) -> None:
-        self.rt, self.triton = rt, triton
+        self.rt, self.triton, self.page_size = rt, triton, rt.page_size
         self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._bases: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -246,19 +248,70 @@ class Selection:
 class DecodeRunner:
     """The paged decode step on one rank: ``run(step)`` -> {rid: float32 [vocab]} logits of its entries. Holds the
     pool views (made once) and the page table beside the executor's compose runtime, expert exchange and layer
-    graphs (the prefill's buckets serve the step's token-only pieces)."""
+    graphs (the prefill's buckets serve the gather step's token-only pieces).
 
-    def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None) -> None:
+    ``form`` (default CPKV_DECODE_STEP): "gather" (``run_decode``: the rows gathered, the prefill's kernels),
+    "static" (``engine.decode_graph.step_forward`` eagerly over the step's rows: the paged kernels read the rows in
+    place), "graphs" (the static step as CUDA graphs per bucket; a step with an expert exchange, or with no entry
+    here, runs static), "auto": graphs on CUDA where cpkv's kernels run at fp8 precision with no expert exchange,
+    static where they run with one, else gather."""
+
+    def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None,
+                 form: str | None = None, max_batch: int = 256) -> None:
+        from cpkv import envs
+
         self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
         self.views = PagedViews(rt, model.backends.triton)
         self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
         self.steps = 0
+        self.form = resolve_form(form or envs.get("CPKV_DECODE_STEP"), model, ep)
+        self.static = self.step_graphs = None
+        if self.form in ("static", "graphs"):
+            from cpkv.engine.decode_graph import StepGraphs, StepKernels
+
+            self.static = StepKernels(model, self.views)
+            if self.form == "graphs":
+                self.step_graphs = StepGraphs(model, self.static, self.table, max_batch,
+                                              lambda a: upload_arrays([a], model.device)[0])
 
     def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
+        mine = step.on(self.rank)
         # the step's uploads from a reused pinned buffer (pinning per call cost ~40 us each on the H200's host)
         with staging(self.model.device):
             self.table.apply(step)  # every rank: any rank may compute a generation's later steps
-            plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
-        out = run_decode(self.model, self.views, plan, self.graphs)
+            if self.static is not None and mine:
+                out = self._static(step, mine)
+            else:
+                plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
+        if self.static is None or not mine:
+            out = run_decode(self.model, self.views, plan, self.graphs)
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}
+
+    def _static(self, step: DecodeStep, mine) -> dict[Hashable, torch.Tensor]:
+        from cpkv.engine.decode_graph import StepInputs, bucket, step_forward
+
+        P = step.page_size
+        host = np.asarray([[e.token for e in mine], [e.position for e in mine],
+                           [e.page * P + e.position % P for e in mine], [e.slot for e in mine],
+                           [e.context for e in mine]], dtype=np.int64)
+        L = bucket(int(host[4].max()), least=self.model.cfg.index_topk)
+        if self.step_graphs is not None and self.ep is None and self.step_graphs.fits(len(mine)):
+            logits = self.step_graphs.run(host, len(mine), L)
+        else:
+            ep = self.ep.plan_batch(step.counts()) if self.ep is not None else None
+            logits = step_forward(self.model, self.static, self.table,
+                                  StepInputs(upload_arrays([host], self.model.device)[0], L), ep)
+        return {e.rid: logits[i] for i, e in enumerate(mine)}
+
+
+def resolve_form(form: str, model: DSAModel, ep: Any) -> str:
+    """CPKV_DECODE_STEP's "auto" made concrete for this model and exchange (``DecodeRunner``)."""
+    if form != "auto":
+        return form
+    from cpkv.model.precision import FP8Precision
+
+    fast = model.backends.triton and isinstance(model.layers[0].precision, FP8Precision) if model.layers else False
+    if not fast:
+        return "gather"
+    return "graphs" if model.device.type == "cuda" and ep is None else "static"

@@ -1,0 +1,184 @@
+"""The paged decode step with every shape fixed by (batch bucket B, context bucket L): captured once per bucket as a
+CUDA graph and replayed (docs/design.md §11, *The step as one graph*).
+
+    StepInputs   int64 [5, B] on the device: token ids, positions, the pool rows their KV goes to, page-table slots,
+                 context lengths (keys each query sees, its own token included). Entries past the step's own are
+                 copies of its first: they compute what it computes and write the same bytes to the same rows
+    step_forward per layer: project -> write the token / index rows -> (full layers) the indexer's logits over the
+                 context read in place through the page table (``kernels.mqa_logits.paged``: [B, L], -inf past
+                 each context) -> top-k over [0, context) -> the selected positions as (owner, row) through the
+                 table -> sparse decode MLA over those rows in place (``kernels.sparse_mla.decode``; shared layers
+                 reuse the selection) -> finish (o_proj, MLP / MoE) -> the LM head over the B rows
+    StepGraphs   the graphs, captured on first use per (B, L), sharing one memory pool; the inputs uploaded into
+                 the captured buffers (one copy), the table written in place (``DecodeTable``: a grown table drops
+                 the graphs made over the old one)
+
+A context of at most top-k keys selects all of them (the top-k of n <= k keys is every key), so one form serves the
+dense and the sparse step. Nothing reads a length on the host: the kernels take the contexts on the device, so a
+replay with other contexts in the same bucket is the same launches. Graphs run where the step has no expert
+exchange (cp 1, or experts all local) on CUDA with cpkv's kernels; elsewhere ``step_forward`` runs eagerly over
+the step's own B rows (the exchange between the ranks as in a prefill batch), or the gather path
+(``engine.decode.run_decode``) does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from cpkv.engine.decode import DecodeTable, PagedViews
+from cpkv.model.model import DSAModel
+
+FIELDS = ("ids", "positions", "write_rows", "slot", "ctx")
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two >= max(n, least)."""
+    return 1 << (max(n, least) - 1).bit_length()
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device (module docstring): ``all`` int64 [5, B], one row per FIELDS name; ``L``
+    the context bucket (columns of the indexer's logits)."""
+
+    all: torch.Tensor
+    L: int
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in FIELDS:
+            return self.all[FIELDS.index(name)]
+        raise AttributeError(name)
+
+    @property
+    def B(self) -> int:
+        return self.all.shape[1]
+
+
+class StepKernels:
+    """The paged reads a static step makes, chosen once: cpkv's kernels where the backends run Triton, else their
+    references (the CPU path and the tests' oracle)."""
+
+    def __init__(self, model: DSAModel, views: PagedViews) -> None:
+        self.model, self.views = model, views
+        self.triton = model.backends.triton
+
+    def logits(self, layer: int, q: torch.Tensor, w: torch.Tensor, table: DecodeTable, s: StepInputs) -> torch.Tensor:
+        """float32 [B, L]: the indexer's logits of each entry's context keys, -inf past its context."""
+        from cpkv.indexer.quant import dequantize_index_rows
+        from cpkv.kernels.mqa_logits.ref import mqa_logits_ref
+        from cpkv.kernels.paged_rows.ref import paged_rows_ref
+
+        P, B, L = self.views.page_size, s.B, s.L
+        pos = torch.arange(L, device=q.device)
+        page = (pos // P)[None, :].expand(B, L)
+        rows = s.slot[:, None]
+        owner = table.owner[rows, page]
+        row = torch.where(pos[None, :] < s.ctx[:, None], table.page[rows, page] * P + pos % P, -1)
+        keys = paged_rows_ref(self.views.rows(layer, "index"), owner.reshape(-1), row.reshape(-1))
+        k, k_scale = dequantize_index_rows(keys)
+        out = torch.empty((B, L), dtype=torch.float32, device=q.device)
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+        for b in range(B):
+            span = slice(b * L, (b + 1) * L)
+            out[b] = mqa_logits_ref(q[b:b + 1], k[span], k_scale[span], w[b:b + 1], zero, s.ctx[b:b + 1].int())[0]
+        return out
+
+    def attend(self, layer: int, q: torch.Tensor, owner: torch.Tensor, row: torch.Tensor, sm_scale: float,
+               d_v: int) -> torch.Tensor:
+        """bf16 [B, H, d_v]: sparse MLA of each entry over its selected token rows, read in place."""
+        from cpkv.kernels.paged_rows.ref import paged_rows_ref
+
+        prec = self.model.layers[layer].precision
+        B, k = row.shape
+        kv = prec.dense_kv(paged_rows_ref(self.views.rows(layer, "token"), owner.reshape(-1), row.reshape(-1)))
+        ind = torch.arange(B * k, dtype=torch.int32, device=row.device).view(B, k)
+        return prec.sparse_mla(q, kv, torch.where(row >= 0, ind, -1), sm_scale, d_v)
+
+
+def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
+                 ep: Any = None) -> torch.Tensor:
+    """float32 [B, vocab]: the next-token logits of the step's B entries (module docstring). ``ep``: the step's
+    expert exchange (eager only: it synchronises with the other ranks)."""
+    cfg, views, P = model.cfg, kern.views, kern.views.page_size
+    k = cfg.index_topk
+    h, delta, sel = model.embed(s.ids), None, None
+    rot = model.rotary(s.positions)
+    lo = torch.zeros(s.B, dtype=torch.int32, device=s.all.device)
+    hi = s.ctx.to(torch.int32)
+    rows_of = s.slot[:, None]
+    for n, layer in enumerate(model.layers):
+        p = layer.project(h, rot, delta)
+        for kind in cfg.kinds_at(n):
+            views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
+        if layer.full:
+            from cpkv.indexer.topk import topk_into
+
+            logits = kern.logits(n, p.iq, p.iw, table, s)
+            top = topk_into(logits, lo, hi, k, torch.empty((s.B, k), dtype=torch.int32, device=lo.device),
+                            backends=model.backends).long()
+            at = top.clamp(min=0)
+            page = at // P
+            sel = (table.owner[rows_of, page], torch.where(top >= 0, table.page[rows_of, page] * P + at % P, -1))
+        if sel is None:
+            raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
+        layer.stats["sparse"] += 1
+        latent = kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, cfg.kv_lora_rank)
+        h, delta = layer.finish(p.h, latent, ep)
+    return model.logits(h, delta)
+
+
+class StepGraphs:
+    """The static step as CUDA graphs per (B, L) bucket (module docstring). ``run(host, t, L)``: ``host`` int64
+    [5, t] (numpy, FIELDS order) -> float32 [t, vocab] logits (a copy: the graph's buffer is reused)."""
+
+    def __init__(self, model: DSAModel, kern: StepKernels, table: DecodeTable, max_batch: int,
+                 upload: Callable[[Any], torch.Tensor]) -> None:
+        self.model, self.kern, self.table, self.max_batch = model, kern, table, max_batch
+        self.upload = upload
+        self.capture = model.device.type == "cuda"  # elsewhere the padded step runs eagerly (its tests' form)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
+        self.captured, self.capture_s, self.replays = 0, 0.0, 0
+
+    def fits(self, t: int) -> bool:
+        return 0 < t <= self.max_batch
+
+    def run(self, host, t: int, L: int) -> torch.Tensor:
+        import numpy as np
+        import time
+
+        B = bucket(t)
+        padded = np.concatenate([host, np.repeat(host[:, :1], B - t, axis=1)], axis=1) if B > t else host
+        if not self.capture:
+            self.replays += 1
+            return step_forward(self.model, self.kern, self.table, StepInputs(self.upload(padded), L))[:t].clone()
+        key = (B, L, self.table.version)
+        got = self.graphs.get(key)
+        if got is None:
+            for old in [k for k in self.graphs if k[2] != self.table.version]:
+                del self.graphs[old]  # made over a table since grown
+            t0 = time.perf_counter()
+            got = self.graphs[key] = self._capture(padded, B, L)
+            self.captured += 1
+            self.capture_s += time.perf_counter() - t0
+        graph, inputs, out = got
+        inputs.all.copy_(self.upload(padded), non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return out[:t].clone()
+
+    def _capture(self, padded, B: int, L: int):
+        inputs = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64, device=self.model.device), L)
+        inputs.all.copy_(self.upload(padded))
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):  # compile and warm every kernel before the capture (the same bytes written)
+            for _ in range(2):
+                step_forward(self.model, self.kern, self.table, inputs)
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step_forward(self.model, self.kern, self.table, inputs)
+        return graph, inputs, out
