@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto",
                    help="comma-separated weights modes, each run in its own rank processes: auto, fp8, bf16 "
                         "(default auto: fp8 on CUDA)")
+    p.add_argument("--form", default="auto",
+                   help="comma-separated decode step forms to time in the same rank processes: auto, graphs, static, "
+                        "gather (CPKV_DECODE_STEP; default auto)")
     p.add_argument("--graph-tokens", type=int, default=None,
                    help="steps of up to this many generations per rank run each layer's token-only pieces as CUDA "
                         "graphs (default: the engine's, 1024 on CUDA; 0 = eager)")
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     keys, batches = _ints(args.keys, "--keys"), _ints(args.batches, "--batches")
     rows, graph_tokens = decode_cases(args.model, args.num_layers, None, args.cp, args.device, args.page_size, keys,
                                       batches, args.steps, weights_list(args.weights), args.graph_tokens,
-                                      args.chunk_size, args.profile)
+                                      args.chunk_size, args.profile, forms_list(args.form))
     report = {"model": args.model, "cp": args.cp, "device": args.device, "graph_tokens": graph_tokens,
               "cases": rows}
     _print(report, args.json)
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
 def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: int, device: str, page_size: int,
                  keys: list[int], batches: list[int], steps: int, weights: list[str], graph_tokens: int | None = None,
-                 chunk_size: int | None = None, profile: str | None = None) -> tuple[list[dict], int]:
+                 chunk_size: int | None = None, profile: str | None = None,
+                 forms: list[str] | None = None) -> tuple[list[dict], int]:
     """Every (weights, keys, batch) case in fresh rank processes per weights mode -> (rank 0's rows, each with its
     ``weights``; the graph tokens they ran with). ``cpkv bench decode``'s cases, and ``cpkv bench engine
     --decode``'s."""
@@ -93,8 +97,8 @@ def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: in
         cfg = EngineConfig(model=model, num_layers=num_layers, experts=experts, cp=cp, device=device, page_size=P,
                            pages_per_rank=-(-need // cp) + 8, chunk_size=chunk, max_requests=1, look_ahead=False,
                            weights=w, graph_tokens=tokens)
-        got = launch(decode_bench_rank, cp, args=(cfg, keys, batches, steps, profile), device=device,
-                     timeout_s=3600)[0]
+        got = launch(decode_bench_rank, cp, args=(cfg, keys, batches, steps, profile, forms or ["auto"]),
+                     device=device, timeout_s=3600)[0]
         rows += [{"weights": cfg.weights_dtype, **r} for r in got]
     return rows, tokens
 
@@ -110,8 +114,20 @@ def weights_list(spec: str) -> list[str]:
     return out
 
 
+def forms_list(spec: str) -> list[str]:
+    """``--form`` -> distinct forms in order (ConfigError naming the flag on a bad value)."""
+    from cpkv.envs import DECODE_STEPS
+    from cpkv.errors import ConfigError
+
+    out = [f for f in spec.split(",") if f]
+    if not out or any(f not in DECODE_STEPS for f in out) or len(set(out)) != len(out):
+        raise ConfigError(f"--form: expected distinct values of {', '.join(DECODE_STEPS)}, comma-separated; "
+                          f"got {spec!r}")
+    return out
+
+
 def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
-                      profile: str | None = None) -> list[dict]:
+                      profile: str | None = None, forms: tuple[str, ...] = ("auto",)) -> list[dict]:
     """Every (keys, batch) case on this rank -> rank 0's rows (module docstring)."""
     from cpkv.bench.timing import copy_gbs
     from cpkv.engine.decode import DecodeRunner
@@ -122,29 +138,44 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
 
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
-    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs)
+    runners = {f: DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form=f) for f in forms}
     rate = copy_gbs(device=cfg.device) * 1e9  # the copy rate (read + written bytes per second): a memory stream's
+    shared = _ranks_share_gpu(cfg)
     out = []
     try:
         for n in keys:
             source = _prefill(ex, ctx, model, n)
             for b in batches:
-                dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
-                for g in range(b):
-                    _clone(ex, dec, source, g, model.cfg.vocab_size)
-                times, floor, experts = _time_steps(ex, ctx, dec, runner, model, steps)
-                if profile:
-                    _profile_step(ex, ctx, dec, runner, model, f"{profile}/decode_k{n}_b{b}_r{ctx.rank}.txt")
-                for rid in list(dec.seqs):
-                    dec.finish(rid)
-                out.append({"keys": n, "batch": b, "step_ms": times * 1e3, "floor_ms": floor / rate * 1e3,
-                            "floor_bytes": floor, "copy_gbs": rate / 1e9, "ratio_to_floor": times * rate / floor,
-                            "experts_read": experts})
+                for form, runner in runners.items():
+                    dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
+                    for g in range(b):
+                        _clone(ex, dec, source, g, model.cfg.vocab_size)
+                    times, floor, experts, total = _time_steps(ex, ctx, dec, runner, model, steps)
+                    if profile:
+                        _profile_step(ex, ctx, dec, runner, model,
+                                      f"{profile}/decode_{form}_k{n}_b{b}_r{ctx.rank}.txt")
+                    for rid in list(dec.seqs):
+                        dec.finish(rid)
+                    out.append({"keys": n, "batch": b, "form": runner.form, "step_ms": times * 1e3,
+                                "floor_ms": floor / rate * 1e3, "floor_bytes": floor, "copy_gbs": rate / 1e9,
+                                "ratio_to_floor": times * rate / floor, "experts_read": experts,
+                                "ranks_share_gpu": shared})
+                    if shared:  # one memory system serves every rank's bytes (an upper bound on the read: the
+                        # busiest rank's count of experts taken for each rank)
+                        out[-1].update(shared_floor_ms=total / rate * 1e3, ratio_to_shared_floor=times * rate / total)
             ex.kv.drop(source[1])
             ex.kv.release(source[2])
     finally:
         ex.close()
     return out
+
+
+def _ranks_share_gpu(cfg) -> bool:
+    """The ranks run on fewer GPUs than there are ranks (their steps then share one memory system: the floor of
+    the busiest rank's bytes is not the step's, the sum of the ranks' is)."""
+    import torch
+
+    return cfg.device == "cuda" and cfg.cp > torch.cuda.device_count()
 
 
 def _prefill(ex, ctx, model, n: int):
@@ -221,10 +252,10 @@ def _profile_step(ex, ctx, dec, runner, model, path: str) -> None:
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
-def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, int]:
-    """(median seconds per step, floor bytes of the busiest rank's step, the routed experts it read) over two
-    untimed and ``steps`` timed steps."""
-    times, floor, experts = [], 0.0, 0
+def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, int, float]:
+    """(median seconds per step, floor bytes of the busiest rank's step, the routed experts it read, the ranks'
+    floor bytes summed) over two untimed and ``steps`` timed steps."""
+    times, floor, experts, total = [], 0.0, 0, 0.0
     kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
     for s in range(steps + 2):
         t0 = ex.sync_time()
@@ -233,11 +264,11 @@ def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, 
         if s >= 2:
             times.append(t1 - t0)
             read = routed_experts_read(ctx, model, len(step.on(ctx.rank)))
-            f = max(step_floor(step, model.cfg, r, *kept, experts_read=read) for r in range(step.cp))
-            if f > floor:
-                floor, experts = f, read
+            each = [step_floor(step, model.cfg, r, *kept, experts_read=read) for r in range(step.cp)]
+            if max(each) > floor:
+                floor, experts, total = max(each), read, sum(each)
     times.sort()
-    return times[len(times) // 2], floor, experts
+    return times[len(times) // 2], floor, experts, total
 
 
 def routed_experts_read(ctx, model, own: int) -> int:
@@ -295,6 +326,8 @@ def print_cases(cases: list[dict]) -> None:
     """The decode cases' table."""
     from cpkv.cli.fmt import table
 
-    table(("weights", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor"),
-          [(r["weights"], r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
-            f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}") for r in cases])
+    table(("weights", "form", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor",
+           "ratio, GPU shared"),
+          [(r["weights"], r.get("form", ""), r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
+            f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}",
+            f"{r['ratio_to_shared_floor']:.2f}" if "ratio_to_shared_floor" in r else "") for r in cases])
