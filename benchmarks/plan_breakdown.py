@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                   chunk_size=a.chunk_size, max_requests=a.max_requests, pages_per_rank=a.pages)
         planned = plan_parts(c, s.experts_per_rank)
         items = items_at(s, a.pages)
-            kv_scale = c.kv_bytes_per_token() / cfg.kv_bytes_per_token()  # exact: the pool is linear in its layers
+        kv_scale = c.kv_bytes_per_token() / cfg.kv_bytes_per_token()  # exact: the pool is linear in its layers
         # the pool holds every layer's rows; staging and arena one layer's at a time (no depth in them)
         counted.update(kv=int(rt["kv"] * kv_scale), staging=rt["staging"], compose=rt["compose"])
         planned.update(kv=items["kv_bytes"], staging=items["staging_bytes"], compose=items["compose_bytes"])
