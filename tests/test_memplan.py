@@ -19,17 +19,18 @@ DEEP = {"glm5": GLM5, "deepseek-v32": DSV32, "glm5-1024": GLM5.with_layers(1024)
 
 def shape_params(m) -> dict[str, int]:
     """Parameter counts by hand from config.json's fields: {"linear": fp8-able projections (non-expert), "other":
-    embeddings, head, norms, router, biases, "f32": the float32 ones, "expert": one routed expert}."""
+    embeddings, head, norms, router, biases, kv_b_proj (never fp8), "f32": the float32 ones, "expert": one routed
+    expert}."""
     d, h, qr, kr, r = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
-    attn = d * qr + h * (m.qk_nope_head_dim + r) * qr + (kr + r) * d + h * (m.qk_nope_head_dim + m.v_head_dim) * kr \
-        + d * h * m.v_head_dim
+    attn = d * qr + h * (m.qk_nope_head_dim + r) * qr + (kr + r) * d + d * h * m.v_head_dim
+    kv_b = h * (m.qk_nope_head_dim + m.v_head_dim) * kr  # kept in the compute dtype: the layer splits it
     full = len(m.full_layers)
     dense = m.mlp_layer_types.count("dense")
     moe = m.mlp_layer_types.count("sparse")
     linear = m.num_layers * attn + full * (m.index_n_heads * m.index_head_dim * qr + m.index_head_dim * d) \
         + dense * 3 * m.intermediate_size * d + moe * 3 * m.moe_intermediate_size * m.n_shared_experts * d
     f32 = full * m.index_n_heads * d + moe * m.n_routed_experts  # weights_proj, e_score_correction_bias
-    other = 2 * m.vocab_size * d + d + m.num_layers * (2 * d + qr + kr) + full * 2 * m.index_head_dim \
+    other = 2 * m.vocab_size * d + d + m.num_layers * (2 * d + qr + kr + kv_b) + full * 2 * m.index_head_dim \
         + moe * m.n_routed_experts * d
     return {"linear": linear, "other": other, "f32": f32, "expert": 3 * m.moe_intermediate_size * d}
 
@@ -42,7 +43,7 @@ def linear_scales(m) -> int:
     """128 x 128 block scales of every non-expert fp8 projection, by hand."""
     d, h, qr, kr, r = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
     per_layer = blocks(qr, d) + blocks(h * (m.qk_nope_head_dim + r), qr) + blocks(kr + r, d) \
-        + blocks(h * (m.qk_nope_head_dim + m.v_head_dim), kr) + blocks(d, h * m.v_head_dim)
+        + blocks(d, h * m.v_head_dim)
     full = len(m.full_layers)
     idx = blocks(m.index_n_heads * m.index_head_dim, qr) + blocks(m.index_head_dim, d)
     mi, inter = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
@@ -151,7 +152,7 @@ def test_glm5_at_cp8_per_the_issue():
     MLA copies), >= 100K tokens per rank and cp x that for the node."""
     p = plan_memory(Setup(GLM5, 8, budget=141 * GB))
     assert round(p.items["expert_bytes"] / GB, 1) == 90.6
-    assert 20 * GB < p.items["weights_bytes"] < 24 * GB
+    assert 20 * GB < p.items["weights_bytes"] < 25 * GB  # kv_b_proj in bf16 beside its W_UK / W_UV: 1.15 GB of it
     assert p.kv_tokens >= 100_000 and p.to_json("glm5")["node"]["kv_tokens_shared"] == 8 * p.kv_tokens
 
 
@@ -194,9 +195,39 @@ def test_activations_hold_the_moe_dispatch_at_static_capacity():
     s = Setup(GLM5, 8, budget=141 * GB)
     parts = activation_parts(s, rows=2048, keys=0)
     dispatch = 2 * 16384 * 8 * GLM5.hidden_size * 2  # receive + return, chunk x k rows, bf16
-    assert parts["moe"] > dispatch and parts["moe"] >= max(parts["attention"], parts["mlp"])
+    assert parts["moe"] > dispatch and parts["moe"] >= max(parts["attention"], parts["mlp"], parts["project"])
     bigger = activation_parts(dataclasses.replace(s, chunk_size=32768), rows=2048, keys=0)
-    assert bigger["moe"] - parts["moe"] == 16384 * 8 * (2 * GLM5.hidden_size + 3 * 2048) * 2
+    d, mi = GLM5.hidden_size, GLM5.moe_intermediate_size  # a pair: ids, quantised row, weight, [2I], quantised [I],
+    pair = 3 * 8 + (d + 4 * d // 128) + 4 + 2 * mi * 2 + (mi + 4 * mi // 128) + d * 2 + 2 * d * 2  # out, exchange
+    assert bigger["moe"] - parts["moe"] == 16384 * 8 * pair
+
+
+def test_a_dense_mlp_layer_at_32k_holds_its_swiglu():
+    """GLM-5's dense MLP at a 32K chunk on one rank (where the bench ran out of memory): gate_up's [T, 2I] bf16,
+    SwiGLU's quantised [T, I], down's [T, d], x and its quantised rows, the latent kept by the caller."""
+    s = Setup(GLM5, 1, budget=141 * GB, chunk_size=32768)
+    t, d, i = 32768, GLM5.hidden_size, GLM5.intermediate_size
+    parts = activation_parts(s, rows=t, keys=0)
+    assert parts["mlp"] == t * (64 * 512 * 2 + d * 2 + d + 4 * d // 128 + 2 * i * 2 + i + 4 * i // 128 + d * 2)
+    assert parts["persistent"] >= 3 * t * d * 2 + t * 64 * 576 * 2  # h, delta, h + delta; the absorbed query
+
+
+def test_recorded_decisions_are_planned_when_the_run_verifies():
+    s = Setup(GLM5, 1, budget=141 * GB, chunk_size=4096, pages_per_rank=2048)
+    assert items_at(s, 2048)["decision_bytes"] == 0
+    on = items_at(dataclasses.replace(s, record=True), 2048)["decision_bytes"]
+    assert on == 75 * 4096 * 8 * 12 + 40 * 4096 * 2048 * 8  # MoE layers' route buffers, full layers' selections
+
+
+def test_kv_b_proj_is_kept_in_the_compute_dtype_beside_its_split():
+    """The loader's rule (``fp8_kept``): kv_b_proj never fp8; the layer keeps it and W_UK / W_UV, both bf16."""
+    from cpkv.memplan import is_fp8_linear, weight_parts
+
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert not is_fp8_linear(name, (64 * 448, 512)) and is_fp8_linear(name.replace("kv_b", "q_b"), (16384, 2048))
+    parts = weight_parts(GLM5, "fp8", "bfloat16", 32)
+    assert parts["mla_absorbed"] == 2 * absorbed(GLM5, 2)
+    assert sum(v for k, v in parts.items() if k != "experts") == weight_bytes(GLM5, "fp8", "bfloat16").replicated
 
 
 def test_a_pool_that_does_not_fit_names_pages_per_rank():

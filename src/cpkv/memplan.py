@@ -32,7 +32,7 @@ from functools import lru_cache
 from cpkv.config import (DEFAULT_PAGE_SIZE, KINDS, MODEL_SIZES, AdmissionCaps, CPConfig, ModelConfig, check_batch_sizes,
                          pool_caps)
 from cpkv.errors import ConfigError
-from cpkv.model.checkpoint import fp8_scale_shape, layer_kinds, layer_shapes, outer_shapes
+from cpkv.model.checkpoint import fp8_kept, fp8_scale_shape, layer_kinds, layer_shapes, outer_shapes
 from cpkv.scheduler.admission import Admission
 
 MAX_ADVISED_CP = 4096  # the largest --cp an advice names (cpkv plan's bound)
@@ -65,16 +65,17 @@ ITEMS = (
     ("logits_bytes", "indexer logits chunk", "lower CPKV_MQA_LOGITS_CHUNK_MAX_GB or --chunk-size"),
     ("activation_bytes", "activations at the chunk size", "lower --chunk-size"),
     ("graph_bytes", "CUDA graph buffers and pool", "lower --graph-tokens (0: no graphs)"),
+    ("decision_bytes", "recorded decisions (verification)", "lower --chunk-size, or --no-verify"),
     ("workspace_bytes", "other workspace", "a fixed cost per rank: give each rank more memory"),
 )
 
 
 def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
-    """A linear weight that fp8 checkpoints store as float8 + 128 x 128 block scales: every 2-D projection of
-    attention, indexer and MLPs (dense, shared, routed); not embeddings, head, router or indexer head weights."""
-    if len(shape) != 2 or not name.endswith(".weight") or name.endswith(FLOAT32_WEIGHTS):
-        return False
-    return ".self_attn." in name or name.endswith("_proj.weight") and ".mlp." in name
+    """A linear weight the model keeps as float8 + 128 x 128 block scales under fp8 weights: the loader's own rule
+    (``model.checkpoint.fp8_kept``): every 2-D projection of attention, indexer and MLPs (dense, shared, routed) but
+    kv_b_proj (kept in the compute dtype beside its W_UK / W_UV split); not embeddings, head, router or indexer head
+    weights."""
+    return len(shape) == 2 and fp8_kept(name)
 
 
 def tensor_bytes(name: str, shape: tuple[int, ...], weights: str, compute: str) -> int:
@@ -127,6 +128,50 @@ def _layer_bytes(model: ModelConfig, n: int, weights: str, compute: str) -> tupl
     return params, replicated, expert
 
 
+WEIGHT_PARTS = ("embedding", "lm_head", "norms", "attention", "mla_absorbed", "indexer", "router", "dense_mlp",
+                "shared_experts", "experts")
+
+
+def weight_part(name: str) -> str:
+    """The ``WEIGHT_PARTS`` category of a checkpoint tensor (``benchmarks/plan_breakdown.py`` counts the model by them)."""
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if ".mlp.experts." in name:
+        return "experts"
+    if "kv_b_proj" in name:
+        return "mla_absorbed"
+    if ".indexer." in name:
+        return "indexer"
+    if ".self_attn." in name and not name.endswith("layernorm.weight"):
+        return "attention"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".shared_experts." in name:
+        return "shared_experts"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return "norms"
+
+
+def weight_parts(model: ModelConfig, weights: str, compute: str, experts_per_rank: int) -> dict[str, int]:
+    """``weight_bytes`` split by ``WEIGHT_PARTS`` (the routed experts: ``experts_per_rank`` of every MoE layer)."""
+    out = dict.fromkeys(WEIGHT_PARTS, 0)
+    for name, shape in outer_shapes(model).items():
+        out[weight_part(name)] += tensor_bytes(name, shape, weights, compute)
+    for n, layers in layer_kinds(model).items():
+        for key, shape in layer_shapes(model, n).items():
+            name = f"model.layers.{n}.{key}"
+            if ".mlp.experts." in name and not key.startswith("mlp.experts.0."):
+                continue
+            b = tensor_bytes(name, shape, weights, compute) * layers
+            out[weight_part(name)] += b * (experts_per_rank if ".mlp.experts." in name else 1)
+    h, nope, v, kr = model.num_heads, model.qk_nope_head_dim, model.v_head_dim, model.kv_lora_rank
+    out["mla_absorbed"] += model.num_layers * h * (nope + v) * kr * DTYPE_BYTES[compute]
+    return out
+
+
 SHIPPED_FP8 = ("glm5", "deepseek-v32")  # presets whose public checkpoints ship fp8 block-scaled weights
 
 
@@ -164,6 +209,7 @@ class Setup:
     host_pages: int = 0
     logits_budget: int | None = None
     graph_tokens: int = 0  # the engine's graph_tokens (cpkv.engine.graphs): 0, no graphs
+    record: bool = False  # the run records its decisions for verification (EngineConfig.record): decision_bytes
 
     def __post_init__(self) -> None:
         CPConfig(self.cp, self.page_size)  # validates
@@ -201,38 +247,79 @@ def busiest_rows(adm: Admission) -> int:
     return min(adm.chunk_tokens, (-(-pages // adm.cp) + 2 * adm.caps.max_requests) * adm.page_size)
 
 
-def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None) -> dict[str, int]:
-    """Bytes of the tensors live at each phase of a layer on a rank with ``rows`` query tokens over ``keys``
-    dense keys (``c``: the compute dtype's bytes): {"persistent", "attention", "mlp", "moe"}; the peak is
-    persistent + the largest phase.
+def _quant_bytes(k: int) -> int:
+    """Bytes per row of an activation quantised per 1 x 128 group (``model.linear.QuantAct``): fp8 values + float32
+    scales."""
+    return k + 4 * -(-k // 128)
 
-    persistent: h and the layer's output [T, d]. attention: x, q_a, kv_a, q_b's output, the absorbed query
-    [T, H, 576] (bf16 under fp8 precision), the latent output [T, H, kv_lora] and o [T, H, v], the indexer's
-    float32 q (twice: rope, Hadamard) and head weights, the top-k [T, topk] int32 (twice: relative and
-    slots), the dense keys dequantised to bf16 [K, 576] (fp8 rows; exact rows are read in place). mlp: the
-    dense SwiGLU's [T, 2I] and [T, I]. moe: float32 router scores [T, E] (three), routing [T, k], dispatch
-    receive and return buffers of static capacity chunk x k rows [., d] each, the grouped SwiGLU's [., 2I]
-    and [., I] over them, the combine's [T k, d], and the shared experts' [T, 3 I_shared]. ``capacity``: those
-    buffers' rows instead (``graph_bytes``).
+
+def activation_parts(s: Setup, rows: int, keys: int, capacity: int | None = None) -> dict[str, int]:
+    """Bytes of the tensors live at each phase of one layer's forward (``model.layer.DSALayer``) on a rank with
+    ``rows`` query tokens T over ``keys`` dense keys K (``c``: the compute dtype's bytes; fp8 quantised rows
+    ``_quant_bytes``) -> {"persistent", "project", "attention", "finish", "mlp", "moe"}; the peak is persistent + the
+    largest phase. Estimated from the code, not measured one by one.
+
+    persistent: the caller's h and delta and the layer's h + delta [T, d] (3), and the Projected the attention reads:
+    the absorbed query [T, H, kv_lora + rope] (bf16 under fp8 precision), token and index rows, the indexer's q
+    (fp8 [T, Hi, Di]) and head weights (float32 [T, Hi]). project: x and its quantised rows [T, d], the query latent
+    normed and quantised [T, q_lora] (both kept: the QuantAct holds x), and q_b's output [T, H (nope + rope)] while the
+    absorbed query is written. attention: the dense keys dequantised to bf16 [K, kv_lora + rope] (fp8 rows), the top-k
+    [T, topk] int32, the latent output [T, H, kv_lora] and its lse float32 [T, H]; the indexer's logits chunk is its
+    own item (``logits_bytes``). finish: the latent, W_UV's o [T, H, v], o_proj's output [T, d], the new x and its
+    quantised rows. mlp (dense SwiGLU): the latent (the caller's), x and its rows, gate_up's [T, 2I], SwiGLU's
+    quantised [T, I], down's [T, d]. moe: the latent, x and its rows, float32 router scores [T, E] (three), the
+    routing [T, k]; the shared experts' [T, 2 I_s], [T, I_s] quantised, [T, d]; the pairs (``capacity`` rows: T k at
+    cp 1, chunk x k of static capacity under expert parallelism, where receive and return buffers [., d] come too):
+    their ids (three int64), quantised rows, weights, gate_up's [., 2 I_moe], SwiGLU's quantised [., I_moe], the
+    outputs [., d]; the combine's [T, d].
     """
     m, t, c = s.model, rows, DTYPE_BYTES[s.compute]
     d, h, kr = m.hidden_size, m.num_heads, m.kv_lora_rank
     fp8 = m.kv_dtype == "fp8"
     q_bytes = 2 if fp8 else DTYPE_BYTES[m.kv_dtype]
-    attention = t * c * (d + m.q_lora_rank + kr + m.qk_rope_head_dim + h * (m.qk_nope_head_dim + m.qk_rope_head_dim))
-    attention += t * h * m.d_qk * q_bytes + t * h * (kr + m.v_head_dim) * c
-    attention += t * m.index_n_heads * (2 * m.index_head_dim + 1) * 4 + 2 * t * m.index_topk * 4
-    attention += keys * (m.d_qk * 2 + 4) if fp8 else 0
-    parts = {"persistent": 2 * t * d * c, "attention": attention, "mlp": 0, "moe": 0}
+    iq_bytes = 1 if fp8 else DTYPE_BYTES[m.kv_dtype]
+    full = "full" in m.indexer_types
+    x = t * (d * c + _quant_bytes(d))  # a norm's output and its quantised rows
+    projected = t * (h * m.d_qk * q_bytes + sum(m.row_bytes(k) for k in KINDS))
+    projected += t * m.index_n_heads * (m.index_head_dim * iq_bytes + 4) if full else 0
+    parts = {"persistent": 3 * t * d * c + projected}
+    parts["project"] = x + t * (m.q_lora_rank * c + _quant_bytes(m.q_lora_rank))
+    parts["project"] += t * h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * c
+    latent = t * h * kr * c
+    parts["attention"] = (keys * m.d_qk * 2 if fp8 else 0) + t * m.index_topk * 4 + latent + t * h * 4
+    parts["finish"] = latent + t * h * m.v_head_dim * c + t * d * c + x
+    parts["mlp"] = parts["moe"] = 0
     if "dense" in m.mlp_layer_types:
-        parts["mlp"] = 3 * t * m.intermediate_size * c
+        i = m.intermediate_size
+        parts["mlp"] = latent + x + t * (2 * i * c + _quant_bytes(i) + d * c)
     if "sparse" in m.mlp_layer_types:
-        k, mi = m.num_experts_per_tok, m.moe_intermediate_size
-        if capacity is None:
-            capacity = s.caps(2).chunk_tokens(s.page_size) * k  # static: every token of the chunk, k times
-        parts["moe"] = 3 * t * m.n_routed_experts * 4 + t * k * 12 + capacity * (2 * d + 3 * mi) * c
-        parts["moe"] += t * k * d * c + 3 * t * mi * m.n_shared_experts * c
+        k, mi, si = m.num_experts_per_tok, m.moe_intermediate_size, m.moe_intermediate_size * m.n_shared_experts
+        ep = s.expert_shards > 1
+        if capacity is None:  # static under expert parallelism: every token of the chunk, k times
+            capacity = s.caps(2).chunk_tokens(s.page_size) * k if ep else t * k
+        pairs = capacity * (3 * 8 + _quant_bytes(d) + 4 + 2 * mi * c + _quant_bytes(mi) + d * c)
+        pairs += capacity * 2 * d * c if ep else 0  # the exchange's receive and return buffers
+        parts["moe"] = latent + x + 3 * t * m.n_routed_experts * 4 + t * k * 12
+        parts["moe"] += t * (2 * si * c + _quant_bytes(si) + d * c) + pairs + t * d * c
     return parts
+
+
+def activation_bytes(s: Setup, rows: int, keys: int, capacity: int | None = None) -> int:
+    """The peak of ``activation_parts``: persistent + the largest phase."""
+    parts = activation_parts(s, rows, keys, capacity)
+    return parts["persistent"] + max(v for k, v in parts.items() if k != "persistent")
+
+
+def decision_bytes(s: Setup, rows: int) -> int:
+    """``cpkv.engine.taps.Recorder``'s device tensors when the run records its decisions (``Setup.record``: cpkv run
+    verifies): every MoE layer's route and choice buffers (int64 + float32 [chunk, k], fixed) and, within a batch,
+    every full layer's selection and its scores (int32 + float32 [T, topk]) until the batch's host copies."""
+    if not s.record:
+        return 0
+    m = s.model
+    chunk = s.caps(2).chunk_tokens(s.page_size)
+    routes = m.mlp_layer_types.count("sparse") * chunk * m.num_experts_per_tok * 12
+    return routes + m.indexer_types.count("full") * rows * m.index_topk * 8
 
 
 def graph_bytes(s: Setup) -> int:
@@ -254,8 +341,8 @@ def graph_bytes(s: Setup) -> int:
     ep = s.expert_shards > 1 and "sparse" in m.mlp_layer_types
     if ep:  # the R pieces' results: x and the shared experts' output [T, d], expert ids and weights [T, k]
         fixed += t * (2 * m.hidden_size * c + m.num_experts_per_tok * 12)
-    parts = activation_parts(s, t, 0, capacity=0 if ep else t * m.num_experts_per_tok)
-    return fixed + parts["persistent"] + max(parts["attention"], parts["mlp"], parts["moe"]) + GRAPH_SEGMENT_SLACK
+    acts = activation_bytes(s, t, 0, capacity=0 if ep else t * m.num_experts_per_tok)
+    return fixed + acts + GRAPH_SEGMENT_SLACK
 
 
 def items_at(s: Setup, pages: int) -> dict[str, int]:
@@ -264,8 +351,7 @@ def items_at(s: Setup, pages: int) -> dict[str, int]:
     adm = s.admission(pages)
     slots = adm.caps.max_slots(s.page_size)  # the largest batch: every cached page + request slack + a chunk
     rows, keys = busiest_rows(adm), slots * s.page_size
-    acts = activation_parts(s, rows, keys)
-    activations = acts["persistent"] + max(acts["attention"], acts["mlp"], acts["moe"])
+    activations = activation_bytes(s, rows, keys)
     logits = min(adm.logits_bytes(keys, rows), adm.logits_budget)
     fixed, share = WORKSPACE[s.device]
     kv_page = s.page_size * s.model.kv_bytes_per_token()
@@ -278,6 +364,7 @@ def items_at(s: Setup, pages: int) -> dict[str, int]:
         "logits_bytes": logits,
         "activation_bytes": activations,
         "graph_bytes": graph_bytes(s),
+        "decision_bytes": decision_bytes(s, rows),
         "workspace_bytes": fixed + int(share * (activations + logits)),
     }
 

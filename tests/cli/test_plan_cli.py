@@ -18,7 +18,8 @@ from cpkv.model.model import default_dtype, load_model, precision_config
 from cpkv.model.weights import random_weights, save_checkpoint
 
 PER_RANK = {"weights_bytes", "expert_bytes", "kv_bytes", "kv_tokens", "kv_pages", "staging_bytes", "compose_bytes",
-            "logits_bytes", "activation_bytes", "graph_bytes", "workspace_bytes", "total_bytes", "budget_bytes", "experts"}
+            "logits_bytes", "activation_bytes", "graph_bytes", "decision_bytes", "workspace_bytes", "total_bytes",
+            "budget_bytes", "experts"}
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -171,7 +172,7 @@ def test_run_check_on_gpus(monkeypatch):
     from cpkv.errors import ConfigError
 
     monkeypatch.setattr(plan_cli, "gpu_memory", lambda: 141 * GB)
-    cfg = EngineConfig(model="glm5", cp=8, device="cuda", pages_per_rank=3000, chunk_size=16384, weights="fp8")
+    cfg = EngineConfig(model="glm5", cp=8, device="cuda", pages_per_rank=2800, chunk_size=16384, weights="fp8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     plan_cli.check_run(cfg, cfg.model_config())
     with pytest.raises(ConfigError, match="--verify reruns every request on one GPU, whose whole model needs 7.*: "

@@ -327,3 +327,19 @@ def test_a_model_built_from_a_dict_it_consumes_holds_no_tensor_twice(fp8):
         if la.moe is not None:
             assert torch.equal(la.moe.gate_up, lb.moe.gate_up) and torch.equal(la.moe.down, lb.moe.down)
     assert torch.equal(a.reference_prefill([1, 2, 3, 4]), b.reference_prefill([1, 2, 3, 4]))
+
+
+def test_scaled_mm_out_of_memory_is_raised_not_taken_for_a_refused_layout(monkeypatch):
+    """An OOM in torch._scaled_mm re-raises: the dequantising fallback would allocate more and hide it; the weight
+    shape is not remembered as refused."""
+    import cpkv.model.linear as lin
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+
+    monkeypatch.setattr(torch, "_scaled_mm", oom)
+    w, s = quant_fp8_blocks(torch.randn(256, 512))
+    x = lin.QuantAct(*lin.act_quant_ref(torch.randn(8, 512)), dtype=torch.float32)
+    with pytest.raises(torch.OutOfMemoryError):
+        lin._scaled_mm(x, w, s)
+    assert (256, 512) not in lin._SCALED_MM_FAILED

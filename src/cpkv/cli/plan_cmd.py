@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-tokens", type=a.bounded_int(0, 1 << 16), default=None, metavar="N",
                    help=f"the engine's --graph-tokens: its CUDA graphs' buffers and pool (default {GRAPH_TOKENS} at fp8 "
                         "precision, 0 at exact, as cpkv run on CUDA; 0: none)")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan cpkv run's verification too: the decisions each batch records (cpkv run verifies unless "
+                        "--no-verify; default here: not)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         setup = Setup(model, args.cp, budget, weights=args.weights or default_weights(args.model),
                       page_size=args.page_size, chunk_size=args.chunk_size, max_requests=args.max_requests,
                       pages_per_rank=args.pages_per_rank,
-                      graph_tokens=default_graph_tokens("cuda", args.graph_tokens, args.precision))
+                      graph_tokens=default_graph_tokens("cuda", args.graph_tokens, args.precision),
+                      record=args.verify)
     plan = plan_memory(setup)
     if args.json:
         from cpkv.cli.fmt import emit_json
@@ -118,7 +122,7 @@ def _what(plan, key: str) -> str:
     """The table's note on one item."""
     s, m = plan.setup, plan.setup.model
     if key == "weights_bytes":
-        return "attention, indexer, dense MLPs, shared experts, router, embeddings, head; W_UK/W_UV copies"
+        return "attention, indexer, dense MLPs, shared experts, router, embeddings, head; kv_b_proj and W_UK/W_UV"
     if key == "expert_bytes":
         return f"{s.experts_per_rank} of {m.n_routed_experts} routed experts x {m.mlp_layer_types.count('sparse')} layers"
     if key == "kv_bytes":
@@ -129,6 +133,8 @@ def _what(plan, key: str) -> str:
         return "one chunk, CPKV_MQA_LOGITS_CHUNK_MAX_GB at most"
     if key == "activation_bytes":
         return f"MoE dispatch of chunk x {m.num_experts_per_tok} rows" if m.n_routed_experts else ""
+    if key == "decision_bytes":
+        return "expert ids and indexer selections per batch (--verify)" if s.record else ""
     if key == "workspace_bytes":
         return "CUDA context, libraries, NCCL; allocator slack"
     return ""
@@ -221,4 +227,4 @@ def run_setup(cfg, model, budget: int, pages_per_rank: int | None = -1):
     return Setup(model, cfg.cp, budget, weights=cfg.weights_dtype, compute=COMPUTE_DTYPES[cfg.device],
                  device=cfg.device, page_size=cfg.page_size, chunk_size=cfg.chunk_size,
                  max_requests=cfg.caps().max_requests, pages_per_rank=pages, host_pages=cfg.host_pages,
-                 graph_tokens=cfg.graph_tokens)
+                 graph_tokens=cfg.graph_tokens, record=cfg.record)

@@ -189,6 +189,7 @@ class Recorder:
         scores = {n: _host(buf[:t]) for n, buf in self.score_buf.items()} if t else {}
         select = {n: _host(v) for n, (v, _) in self.selected.items()}
         values = {n: _host(v) for n, (_, v) in self.selected.items()}
+        self.selected = {}  # the device copies go (stream-ordered: the host copies above run first)
         return BatchDecisions(batch, runs, route, select, scores, values)
 
 

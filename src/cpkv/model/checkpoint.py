@@ -154,6 +154,18 @@ def read_headers(path: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
+# the linear weights kept fp8 (those the FP8 releases store fp8, but kv_b_proj: W_UK / W_UV are dense); the one rule
+# the loader (``cpkv.model.weights``) and the memory plan (``cpkv.memplan``) both read
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+               "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def fp8_kept(name: str) -> bool:
+    """True for the linear weights the model can run as block-scaled fp8 GEMMs: every linear weight of a layer but
+    ``kv_b_proj`` (split into W_UK / W_UV, dense), the indexer's ``weights_proj`` and the router."""
+    return name.startswith("model.layers.") and name.endswith(FP8_LINEARS)
+
+
 def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the ``weight_scale_inv`` of an fp8 weight: one scale per 128 x 128 block."""
     return tuple(-(-d // FP8_BLOCK) for d in shape)

@@ -154,6 +154,8 @@ def _scaled_mm(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
     q, s = _padded(x.q, x.s)
     try:
         out = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale.t(), out_dtype=x.dtype)
+    except torch.OutOfMemoryError:
+        raise  # not a refused layout: the dequantising path would allocate more, and hide where memory ran out
     except (RuntimeError, NotImplementedError) as exc:  # a build / GPU without this block layout: remember
         _SCALED_MM_FAILED.add(shape)
         print(f"cpkv: torch._scaled_mm refused the 1x128 / 128x128 block-scaled layout for a weight of shape "

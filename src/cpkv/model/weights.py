@@ -52,14 +52,12 @@ import torch
 
 from cpkv.config import ModelConfig
 from cpkv.errors import CheckpointError
-from cpkv.model.checkpoint import expected_shapes, is_local, layer_shapes  # noqa: F401  (the public names live there)
+from cpkv.model.checkpoint import (FP8_LINEARS, expected_shapes, fp8_kept, is_local,  # noqa: F401  (the public names live there)
+                                   layer_shapes)
 
 Weights = dict[str, torch.Tensor]
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 FP8_BLOCK = 128
-# the linear weights kept fp8 (those the FP8 releases store fp8, but kv_b_proj: W_UK / W_UV are dense)
-FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
-               "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                            "weight_block_size": [128, 128]}  # as GLM-5-FP8 / DeepSeek-V3.2 ship it
 
@@ -153,11 +151,6 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "weights", e
     if problems:
         shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"{source}: {shown}")
-
-
-def fp8_kept(name: str) -> bool:
-    """True for the linear weights the model can run as block-scaled fp8 GEMMs (module docstring)."""
-    return name.startswith("model.layers.") and name.endswith(FP8_LINEARS)
 
 
 def is_fp8(t: torch.Tensor) -> bool:
