@@ -149,6 +149,10 @@ _VARS: tuple[EnvVar, ...] = (
            "kernels, else static where the kernels run, else gather), graphs (CUDA graphs per batch and context "
            "bucket), static (the same fixed-shape step, eager), gather (the rows gathered, then the prefill's "
            "kernels); read when a decode runner starts."),
+    EnvVar("CPKV_MEMORY_SITES", "", str,
+           "A diagnostic: a folder where each CUDA rank writes, when its trace loop is set up (the run's setup_bytes "
+           "mark), its live GPU memory by allocation site (cpkv's innermost frames), as "
+           "memory_sites_r<rank>_<n>.json; allocation history is recorded from the rank's start (slower)."),
     EnvVar("CPKV_MASTER_PORT", 0, _port, "TCP port for the rank processes' rendezvous (0: pick a free one)."),
     EnvVar("CPKV_LOG_LEVEL", "WARNING", _log_level, "Python logging level of cpkv's loggers."),
     EnvVar("CPKV_PROGRESS_S", 5.0, _nonneg_seconds,

@@ -35,6 +35,10 @@ def job_parts(job: Job) -> tuple[EngineConfig, Sequence[TraceRequest], MeasureCo
 def rank_main(ctx: RankContext, jobs: Sequence[Job]) -> list[RankOutput]:
     """Rank entry point (cpkv.dist.launch or torchrun): run each job in order."""
     share_cores(ctx)
+    if ctx.device.type == "cuda":
+        from cpkv.engine import memsites
+
+        memsites.start_if_asked(ctx.rank)
     jobs = [job_parts(j) for j in jobs]
     models: dict[tuple, DSAModel] = {}
     outputs = []

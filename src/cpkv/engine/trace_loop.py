@@ -186,9 +186,13 @@ def experts_held(model: DSAModel) -> int:
 
 
 def gpu_mark(device: torch.device) -> int | None:
-    """CUDA: the bytes allocated now, and the peak counter restarted from here (None elsewhere)."""
+    """CUDA: the bytes allocated now, and the peak counter restarted from here (None elsewhere). With
+    CPKV_MEMORY_SITES set, the live memory by allocation site is written first (``cpkv.engine.memsites``)."""
     if device.type != "cuda":
         return None
+    from cpkv.engine import memsites
+
+    memsites.write_if_asked(device)
     torch.cuda.reset_peak_memory_stats(device)
     return int(torch.cuda.memory_allocated(device))
 
