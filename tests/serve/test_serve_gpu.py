@@ -14,8 +14,9 @@ from test_serve import ENV, OPTS, WAIT_S, Server, generate, httpx, prompt  # noq
 pytestmark = [pytest.mark.cuda, pytest.mark.triton, pytest.mark.slow]
 
 
-def test_serve_on_cuda_equals_cpkv_run(tmp_path):
-    s = Server("tiny", "--device", "cuda")
+@pytest.mark.parametrize("decode", ["extend", "paged"])
+def test_serve_on_cuda_equals_cpkv_run(tmp_path, decode):
+    s = Server("tiny", "--device", "cuda", "--decode", decode)
     try:
         prompts = [prompt(1, 40), prompt(2, 75), prompt(3, 150)]
         outs = [generate(s, p, 4)["output_ids"] for p in prompts]
@@ -41,7 +42,8 @@ def test_serve_on_cuda_equals_cpkv_run(tmp_path):
         assert [first[f"p{i}.{k}"] for k in range(4)] == o
 
 
-def test_serve_generate_equals_cpkv_run_at_glm5_shapes(tmp_path):
+@pytest.mark.parametrize("decode", ["extend", "paged"])
+def test_serve_generate_equals_cpkv_run_at_glm5_shapes(tmp_path, decode):
     """GLM-5's shapes (4 layers, cp 2: expert parallelism over two ranks on the GPU): /generate's greedy tokens equal
     ``cpkv run``'s first tokens for the prompt plus the tokens so far (its verification passing), except where the
     run's own top two logits tie within its verification tolerance (either side may then break the tie: at most
@@ -50,7 +52,7 @@ def test_serve_generate_equals_cpkv_run_at_glm5_shapes(tmp_path):
 
     geo = ["--page-size", "64", "--chunk-size", "512", "--pages-per-rank", "256", "--max-requests", "8",
            "--num-layers", "4", "--cp", "2"]
-    s = Server("glm5", "--device", "cuda", *geo)
+    s = Server("glm5", "--device", "cuda", "--decode", decode, *geo)
     try:
         prompts = [prompt(1, 300), prompt(2, 700)]
         outs = [generate(s, p, 4)["output_ids"] for p in prompts]
