@@ -93,7 +93,8 @@ def _run(t, bases, P, L, config=None, out=None):
 
 
 def _configs():
-    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG, PagedLogitsConfig
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG
 
     # tiles inside a page (16 < P = 32 / 64), a page per tile, tiles over several pages, spans past L
     return [DEFAULT_CONFIG, PagedLogitsConfig(block_s=16, span=1), PagedLogitsConfig(block_s=16, span=3),

@@ -56,9 +56,9 @@ GPU_SHAPES = {"b1_32k": (1, [32768], 32768), "b1_1000": (1, [1000], 1024),
 @pytest.mark.cuda
 @pytest.mark.triton
 @pytest.mark.parametrize("name", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("cfg", [None, dict(block_s=128, span=2, num_warps=8), dict(block_s=32, span=1)])
+@pytest.mark.parametrize("cfg", [None, dict(block_s=128, span=2, num_warps=8), dict(block_s=64, span=1)])
 def test_paged_logits_gpu_glm5(name, cfg):
-    from cpkv.kernels.mqa_logits.paged import PagedLogitsConfig
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
 
     B, ctx, L = GPU_SHAPES[name]
     t, pools, bases = _glm5(B, ctx, L)

@@ -18,7 +18,8 @@ DECODE_KEYS = (1024, 32768, 131072)
 
 def decode_configs() -> dict:
     """Named PagedLogitsConfig variants (the first is the default)."""
-    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG, PagedLogitsConfig as C
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig as C
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG
 
     named = {"s64_x1_w4": C(64, 1, 4, 2), "s64_x8_w4_st3": C(64, 8, 4, 3), "s128_x2_w8": C(128, 2, 8, 2),
              "s128_x4_w4": C(128, 4, 4, 2), "s32_x4_w4": C(32, 4, 4, 2), "s128_x8_w8_st3": C(128, 8, 8, 3)}

@@ -11,6 +11,9 @@ cpkv.kernels.mqa_logits.ref.paged_mqa_logits_ref.
     slot, ctx             int64 [B] on the device           generation b's table row and context length
     out      float32 [B, L]                                 L fixed by the caller (a bucket), L >= max(ctx)
 
+The caller keeps ctx[b] <= min(L, max_pages * P) (positions past L are not computed; table entries past
+ctx[b] are never read, so a slot's row may hold anything there).
+
 Key s of generation b is row ``page_tab[slot[b], s // P] * P + s % P`` of rank ``owner_tab[slot[b], s // P]``'s
 pool: D + 4 bytes at ``bases[owner] + row * (D + 4)``, D fp8 values then one float32 scale (the 132-byte index
 rows of GLM-5 / DeepSeek-V3.2), read in place (peers' pools are mapped into this process).
@@ -27,27 +30,12 @@ Triton is imported here: import this module only where the backends run Triton (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
 from cpkv.kernels.platform import capability
-
-
-@dataclass(frozen=True)
-class PagedLogitsConfig:
-    """BLOCK_S keys per tile (a power of two), SPAN tiles per program, the launch's warps and stages."""
-
-    block_s: int = 64
-    span: int = 4
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        if self.block_s < 16 or self.block_s & (self.block_s - 1) or self.span < 1:
-            raise ValueError(f"paged logits config: block_s a power of two >= 16 and span >= 1, got {self}")
 
 
 DEFAULT_CONFIG = PagedLogitsConfig()
