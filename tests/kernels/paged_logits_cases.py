@@ -1,5 +1,5 @@
 """Cases of the paged indexer logits kernel (cpkv.kernels.mqa_logits.paged), run by Triton's interpreter on CPU
-tensors (not collected by pytest: ``test_paged_logits.py`` runs each case in a subprocess with
+tensors (not collected by pytest: ``test_paged_logits_kernel.py`` runs each case in a subprocess with
 TRITON_INTERPRET=1), and the inputs / comparison the GPU test shares.
 
     python tests/kernels/paged_logits_cases.py <case>      exit 0 when every check holds
