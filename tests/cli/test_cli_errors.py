@@ -170,6 +170,7 @@ NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ch
 
 @NO_CUDA
 @pytest.mark.parametrize("argv", [["bench", t] for t in ("compose", "indexer", "attention", "engine")]
+                         + [["bench", "indexer", "--decode"]]
                          + [["run", "--device", "cuda"], ["check", "compose", "--device", "cuda"]])
 def test_cuda_on_a_cpu_machine_says_so(argv, capsys):
     code, out, err = _call(argv + ["--json"] if argv[0] == "bench" else argv, capsys)

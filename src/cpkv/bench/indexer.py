@@ -8,6 +8,8 @@ time against torch.topk on the same rows; index_topk time at chunk
 budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 rows x 65536 keys.
 --variants also times every named kernel variant (logits_variants / topk_variants) with a check of
 its output against the reference kernel, so the default can be chosen from measurements.
+--decode runs the decode step's paged logits instead (cpkv.bench.indexer_decode: B = 1, 8, 32 generations of
+1K / 32K / 128K keys, device time and GB/s against a copy_ of the same bytes).
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="untimed run of the same work before each logits / GEMM timing window (0: none), "
                         "so each is timed at its own steady clock")
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
+    p.add_argument("--decode", action="store_true",
+                   help="time the decode step's paged logits (B = 1, 8, 32; 1K / 32K / 128K keys) instead")
     p.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
                    help="also time the named logits / top-k kernel variants (comma-separated; alone: all of them) "
                         "in each scenario and the headline")
@@ -120,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not triton_importable():
         raise IndexerError("cpkv bench indexer needs triton, which is not installed")
+    if args.decode:
+        from cpkv.bench.indexer_decode import bench_decode, print_decode
+
+        report = bench_decode()
+        emit_json(report) if args.json else print_decode(report, table)
+        return 0
     report = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
               "fp8_gemm_tflops": fp8_gemm_tflops()}
     chosen = [s for s in SCENARIOS if s.name in names]

@@ -4,6 +4,8 @@
     topk(logits, ks, ke, k=2048)                              -> int32 [T, k] (relative to ks, -1 pad)
     topk_to_slots(idx, ks)                                    -> int32 [T, k] dense-buffer rows
     index_topk(q, k, k_scale, weights, ks, ke, *, topk=2048, chunk_max_bytes=None, plan=None)
+    paged_logits(q, weights, pools, bases, owner_tab, page_tab, slot, ctx, page_size, out) -- decode: one query
+        row per generation over its context's index rows read in place (cpkv.indexer.paged; graph-capturable)
     IndexerPlan.build(requests, device, chunk_max_bytes=None) -- once per batch, reused by every layer
     IndexerPlan.work_items(chunk, shape) -- the logits kernel's non-empty programs (cpkv.kernels.mqa_logits.work)
     quantize_index_keys / dequantize_index_rows / quantize_queries -- the 132-byte index rows
@@ -17,6 +19,7 @@ references beside those kernels (re-exported in cpkv.indexer.ref) run everywhere
 from __future__ import annotations
 
 from cpkv.indexer.logits import mqa_logits
+from cpkv.indexer.paged import paged_logits
 from cpkv.indexer.plan import IndexerChunk, IndexerPlan
 from cpkv.indexer.quant import (dequantize_index_keys, dequantize_index_rows, head_weights, prepare_index_keys,
                                 prepare_index_queries, quantize_index_keys, quantize_queries)
@@ -32,6 +35,7 @@ __all__ = [
     "index_topk",
     "mqa_logits",
     "mqa_logits_ref",
+    "paged_logits",
     "prepare_index_keys",
     "prepare_index_queries",
     "quantize_index_keys",

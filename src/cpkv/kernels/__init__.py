@@ -3,6 +3,7 @@
     op            dispatch point                         reference                          kernels
     page_gather   compose.runtime.ComposeRuntime.gather  page_gather/ref.py                 page_gather/triton.py
     mqa_logits    indexer.logits.logits_into             mqa_logits/ref.py                  mqa_logits/{triton,gluon}.py
+                  indexer.paged.paged_logits (decode)                                       mqa_logits/paged.py
     topk          indexer.topk.topk_into                 topk/ref.py                        topk/triton.py
     sparse_mla    attention.sparse / attention.dense     sparse_mla/ref.py                  sparse_mla/{triton,gluon_ws}.py,
                                                                                             sparse_mla/flashmla.py (FlashMLA)

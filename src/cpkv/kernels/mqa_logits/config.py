@@ -1,4 +1,5 @@
-"""Launch configuration of the indexer logits kernels (shared by the Triton and the Gluon kernel). No Triton import."""
+"""Launch configuration of the indexer logits kernels (shared by the Triton and the Gluon kernel; PagedLogitsConfig:
+the decode kernel over paged rows). No Triton import."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,3 +37,18 @@ class LogitsConfig:
 
     def bq(self, heads: int) -> int:
         return max(self.n_rows // heads, 1)
+
+
+@dataclass(frozen=True)
+class PagedLogitsConfig:
+    """Tile shape of the paged decode kernel (cpkv.kernels.mqa_logits.paged): BLOCK_S keys per tile (a power of
+    two >= 16), SPAN tiles per program, the launch's warps and pipeline stages."""
+
+    block_s: int = 64
+    span: int = 4
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_s < 16 or self.block_s & (self.block_s - 1) or self.span < 1:
+            raise ValueError(f"paged logits config: block_s a power of two >= 16 and span >= 1, got {self}")

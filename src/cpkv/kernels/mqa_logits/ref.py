@@ -3,10 +3,18 @@ edge cases the kernels must match.
 
     logits[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h, :] . k[j, :])   for ks[i] <= j < ke[i]
                  = -inf                                                           elsewhere
+
+``paged_mqa_logits_ref`` is the decode form (docs/design.md §11): one query row per generation, its keys the
+132-byte index rows of its context read where they lie through a page table, each generation's row of logits
+defined by ``mqa_logits_ref`` over those keys with ks = 0, ke = its context.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from cpkv.kernels.paged_rows.ref import paged_rows_ref
 
 REF_BLOCK_BYTES = 1 << 27  # bounds the reference's float64 [rows, H, keys] temporary
 
@@ -58,3 +66,41 @@ def _valid_mask(ks: torch.Tensor, ke: torch.Tensor, col_offset: int, num_cols: i
     """[T, num_cols] bool: key col_offset + c is inside [ks[i], ke[i])."""
     j = torch.arange(num_cols, device=ks.device, dtype=torch.int64)[None, :] + col_offset
     return (j >= ks.long()[:, None]) & (j < ke.long()[:, None])
+
+
+def paged_mqa_logits_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+    owner_tab: torch.Tensor,
+    page_tab: torch.Tensor,
+    slot: torch.Tensor,
+    ctx: torch.Tensor,
+    page_size: int,
+    num_cols: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """q: fp8 e4m3 [B, H, D], weights: float32 [B, H], pools: per rank uint8 [pages * page_size, D + 4] (D fp8
+    values then one float32 scale per row), owner_tab / page_tab: int64 [slots, max_pages], slot / ctx: int64 [B]
+    -> logits [B, num_cols] in ``dtype``.
+
+    Generation b's key s (s < ctx[b]) is row ``page_tab[slot[b], s // P] * P + s % P`` of pool
+    ``owner_tab[slot[b], s // P]``; out[b] = mqa_logits_ref(q[b:b+1], keys, scales, weights[b:b+1], ks=0,
+    ke=ctx[b]): -inf at s >= ctx[b] (all of a row whose ctx is 0). No host synchronisation: every position's row
+    is read (zeros past ctx), so the reference reads B * num_cols rows from each pool (a test oracle)."""
+    B, _, D = q.shape
+    pos = torch.arange(num_cols, dtype=torch.int64, device=q.device)
+    live = pos[None, :] < ctx[:, None]                                    # [B, num_cols]
+    col = (pos // page_size).clamp(max=owner_tab.shape[1] - 1)[None, :].expand(B, -1)
+    owner = torch.where(live, owner_tab[slot[:, None], col], 0)
+    row = torch.where(live, page_tab[slot[:, None], col] * page_size + pos % page_size, -1)
+    rows = paged_rows_ref(pools, owner.reshape(-1), row.reshape(-1))      # [B * num_cols, D + 4]
+    k, k_scale = rows[:, :D].view(torch.float8_e4m3fn), rows[:, D:].view(torch.float32)[:, 0]
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    out = torch.empty(B, num_cols, dtype=dtype, device=q.device)
+    for b in range(B):
+        keys = slice(b * num_cols, (b + 1) * num_cols)
+        out[b] = mqa_logits_ref(q[b:b + 1], k[keys], k_scale[keys], weights[b:b + 1], zero,
+                                ctx[b:b + 1].to(torch.int32), dtype=dtype)[0]
+    return out

@@ -1,0 +1,136 @@
+"""``cpkv bench indexer --decode``: the decode step's indexer logits over paged index rows (GLM-5 shapes: H = 32,
+D = 128, 132-byte rows, P = 64, two pools) on CUDA.
+
+Per case (B generations x ctx keys each, L = ctx, pages spread over the pools as a decode table spreads them):
+device time of ``paged_logits_triton`` (CUDA events behind a spin kernel: no launch cost), the bytes it reads
+(B * ctx * 132 + q + weights) and moves (plus the [B, L] float32 logits it writes), and its rate against a
+``copy_`` of the bytes read measured in the same run (read + written, as ``bench.timing.copy_gbs`` counts). Every
+named kernel config is timed; its output is checked against the default config's (same -inf positions, within
+2e-3 of each row's largest |logit|) and the default's against the reference on the smallest case.
+"""
+from __future__ import annotations
+
+HEADS, DIM, PAGE, CP = 32, 128, 64, 2
+ROW = DIM + 4
+DECODE_BATCHES = (1, 8, 32)
+DECODE_KEYS = (1024, 32768, 131072)
+
+
+def decode_configs() -> dict:
+    """Named PagedLogitsConfig variants (the first is the default)."""
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig as C
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG
+
+    named = {"s64_x1_w4": C(64, 1, 4, 2), "s64_x8_w4_st3": C(64, 8, 4, 3), "s128_x2_w8": C(128, 2, 8, 2),
+             "s128_x4_w4": C(128, 4, 4, 2), "s32_x4_w4": C(32, 4, 4, 2), "s128_x8_w8_st3": C(128, 8, 8, 3)}
+    return {"default": DEFAULT_CONFIG, **{k: v for k, v in named.items() if v != DEFAULT_CONFIG}}
+
+
+def make_case(B: int, ctx: int, seed: int = 0, device: str = "cuda") -> dict:
+    """Pools, table and query of B generations of ctx keys: generation b's page j on rank (b + j) % CP."""
+    import torch
+
+    from cpkv.indexer import quantize_index_keys, quantize_queries
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pages = -(-ctx // PAGE)
+    owner = (torch.arange(B, device=device)[:, None] + torch.arange(pages, device=device)[None, :]) % CP
+    page = torch.empty_like(owner)
+    pools = []
+    for r in range(CP):
+        mine = owner == r
+        n = int(mine.sum())
+        page[mine] = torch.randperm(n, device=device, generator=gen)
+        pools.append(torch.cat([quantize_index_keys(torch.randn(min(1 << 20, n * PAGE - i), DIM, device=device,
+                                                                generator=gen))
+                                for i in range(0, n * PAGE, 1 << 20)]))
+    q, w = quantize_queries(torch.randn(B, HEADS, DIM, device=device, generator=gen),
+                            torch.randn(B, HEADS, device=device, generator=gen) * HEADS ** -0.5)
+    return {"q": q, "weights": w, "pools": pools, "owner_tab": owner, "page_tab": page,
+            "bases": torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64, device=device),
+            "slot": torch.arange(B, device=device), "ctx": torch.full((B,), ctx, device=device),
+            "out": torch.empty(B, ctx, device=device)}
+
+
+def _launch(c: dict, cfg):
+    from cpkv.kernels.mqa_logits.paged import paged_logits_triton
+
+    return lambda: paged_logits_triton(c["q"], c["weights"], c["bases"], c["owner_tab"], c["page_tab"], c["slot"],
+                                       c["ctx"], PAGE, c["out"], config=cfg)
+
+
+def _close(got, want, eps: float = 2e-3) -> bool:
+    import torch
+
+    if not torch.equal(torch.isinf(got), torch.isinf(want)):
+        return False
+    fin = torch.isfinite(want)
+    scale = want.masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp(min=1e-30)
+    return bool((((got.double() - want.double()).abs() / scale).masked_fill(~fin, 0) <= eps).all())
+
+
+def bench_case(B: int, ctx: int, check_ref: bool) -> dict:
+    import torch
+
+    from cpkv.bench.timing import event_median_s
+    from cpkv.kernels.mqa_logits.ref import paged_mqa_logits_ref
+
+    c = make_case(B, ctx)
+    read = B * ctx * ROW + c["q"].numel() + c["weights"].numel() * 4
+    moved = read + c["out"].numel() * 4
+    src = torch.empty(read, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_s = event_median_s(lambda: dst.copy_(src), device_only=True)
+    copy_gbs = 2 * read / copy_s / 1e9
+    del src, dst
+    rows = []
+    want = None
+    for name, cfg in decode_configs().items():
+        try:
+            run = _launch(c, cfg)
+            s = event_median_s(run, device_only=True)
+            c["out"].fill_(7.0)
+            run()
+            if want is None:
+                want = c["out"].clone()
+            row = {"config": name, "us": s * 1e6, "read_gbs": read / s / 1e9, "moved_gbs": moved / s / 1e9,
+                   "ratio_to_copy": moved / s / 1e9 / copy_gbs, "equal_to_default": _close(c["out"], want)}
+        except Exception as exc:  # a config that does not compile is reported, not fatal
+            row = {"config": name, "error": str(exc)[:300]}
+        rows.append(row)
+    res = {"batch": B, "keys": ctx, "bytes_read": read, "bytes_moved": moved, "copy_us": copy_s * 1e6,
+           "copy_gbs": copy_gbs, "configs": rows}
+    if check_ref:
+        ref = paged_mqa_logits_ref(c["q"], c["weights"], c["pools"], c["owner_tab"], c["page_tab"], c["slot"],
+                                   c["ctx"], PAGE, ctx, dtype=torch.float64)
+        res["default_matches_reference"] = _close(want, ref)
+    del c
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_decode(batches=DECODE_BATCHES, keys=DECODE_KEYS) -> dict:
+    import torch
+
+    cases = [bench_case(B, n, check_ref=(B, n) == (min(batches), min(keys))) for n in keys for B in batches]
+    return {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "page_size": PAGE, "pools": CP,
+            "cases": cases}
+
+
+def print_decode(r: dict, table) -> None:
+    print(f"{r['device']}: paged decode logits, H={r['heads']} D={r['dim']} P={r['page_size']} over {r['pools']} "
+          f"pools; device time; GB/s of bytes moved (rows read + logits written) against a copy_ of the bytes read")
+    rows = []
+    for c in r["cases"]:
+        ok = [x for x in c["configs"] if "us" in x]
+        best = min(ok, key=lambda x: x["us"]) if ok else {"config": "-", "us": float("nan"), "ratio_to_copy": 0}
+        d = c["configs"][0]
+        rows.append((c["batch"], c["keys"], c["bytes_read"], d.get("us", "-"), d.get("ratio_to_copy", d.get("error")),
+                     best["config"], best["us"], best["ratio_to_copy"], c["copy_gbs"],
+                     all(x.get("equal_to_default", False) for x in ok)))
+    table(["B", "keys", "bytes read", "default µs", "/copy", "best config", "best µs", "best /copy", "copy GB/s",
+           "configs agree"], rows)
+    for c in r["cases"]:
+        if "default_matches_reference" in c:
+            print(f"B={c['batch']} keys={c['keys']}: default config equals the reference: "
+                  f"{c['default_matches_reference']}")
