@@ -65,25 +65,13 @@ class StepKernels:
         self.triton = model.backends.triton
 
     def logits(self, layer: int, q: torch.Tensor, w: torch.Tensor, table: DecodeTable, s: StepInputs) -> torch.Tensor:
-        """float32 [B, L]: the indexer's logits of each entry's context keys, -inf past its context."""
-        from cpkv.indexer.quant import dequantize_index_rows
-        from cpkv.kernels.mqa_logits.ref import mqa_logits_ref
-        from cpkv.kernels.paged_rows.ref import paged_rows_ref
+        """float32 [B, L]: the indexer's logits of each entry's context keys, -inf past its context
+        (``cpkv.indexer.paged.paged_logits``: the index rows read in place through the table)."""
+        from cpkv.indexer.paged import paged_logits
 
-        P, B, L = self.views.page_size, s.B, s.L
-        pos = torch.arange(L, device=q.device)
-        page = (pos // P)[None, :].expand(B, L)
-        rows = s.slot[:, None]
-        owner = table.owner[rows, page]
-        row = torch.where(pos[None, :] < s.ctx[:, None], table.page[rows, page] * P + pos % P, -1)
-        keys = paged_rows_ref(self.views.rows(layer, "index"), owner.reshape(-1), row.reshape(-1))
-        k, k_scale = dequantize_index_rows(keys)
-        out = torch.empty((B, L), dtype=torch.float32, device=q.device)
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-        for b in range(B):
-            span = slice(b * L, (b + 1) * L)
-            out[b] = mqa_logits_ref(q[b:b + 1], k[span], k_scale[span], w[b:b + 1], zero, s.ctx[b:b + 1].int())[0]
-        return out
+        out = torch.empty((s.B, s.L), dtype=torch.float32, device=q.device)
+        return paged_logits(q, w, self.views.rows(layer, "index"), self.views.bases(layer, "index"), table.owner,
+                            table.page, s.slot, s.ctx, self.views.page_size, out, backends=self.model.backends)
 
     def attend(self, layer: int, q: torch.Tensor, owner: torch.Tensor, row: torch.Tensor, sm_scale: float,
                d_v: int) -> torch.Tensor:
