@@ -213,7 +213,7 @@ def sparse_decode_mla(
         return out, lse
     cfg = config or default_config(h)
     n_hb = cdiv(h, cfg.block_h)
-    sms = _sm_count(q)
+    sms = sm_count_of(q)
     splits, per_split = plan_splits(b, n_hb, k, cfg.block_k, sms) if cfg.splits is None else \
         _fixed_splits(cfg.splits, k, cfg.block_k)
     direct = splits == 1
@@ -247,7 +247,8 @@ def _fixed_splits(splits: int, k: int, block_k: int) -> tuple[int, int]:
     return cdiv(max(k, 1), per_split), per_split
 
 
-def _sm_count(q: torch.Tensor) -> int:
+def sm_count_of(q: torch.Tensor) -> int:
+    """The SM count splits are planned for: the device's (``platform.sm_count``), INTERPRETER_SMS off CUDA."""
     if not q.is_cuda:
         return INTERPRETER_SMS
     from cpkv.kernels.platform import sm_count
