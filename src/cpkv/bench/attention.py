@@ -25,6 +25,7 @@ import argparse
 import math
 from typing import Any
 
+from cpkv.bench.compare import compare_outputs as _compare_outputs
 from cpkv.bench.timing import copy_gbs, do_bench_ms
 from cpkv.scheduler.costs import unit_costs_attention
 
@@ -378,21 +379,6 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
     return {"s_q": s_q, "s_kv": s_kv, "h_q": h, "topk": topk, "cpkv_ms": mo, "cpkv_tflops": flops / mo / 1e9,
             "rounds": rounds, "calls_per_round": reps, "cpkv_ms_rounds": times["cpkv"], **match,
             "peer_ms": mp, "peer_tflops": flops / mp / 1e9, "cpkv_over_peer": mp / mo, "peer_ms_rounds": times["peer"]}
-
-
-def _compare_outputs(theirs: tuple, ours: tuple) -> dict[str, Any]:
-    """FlashMLA's (out, max_logits, lse) against cpkv's (out, lse): cosine difference as FlashMLA's tests
-    define it (1 - 2 x.y / (x.x + y.y)), largest |difference| over largest |out|, lse (natural log) difference."""
-    out_p, _, lse_p = theirs
-    out_o, lse_o = ours
-    x, y = out_p.double(), out_o.double()
-    cos = float(1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp(min=1e-300))
-    rel_max = float((x - y).abs().max() / x.abs().max().clamp(min=1e-300))
-    lp, lo = lse_p.float().reshape(lse_o.shape), lse_o.float()
-    same_inf = bool((lp.isinf() == lo.isinf()).all())
-    fin = lp.isfinite() & lo.isfinite()
-    lse_diff = float((lp[fin] - lo[fin]).abs().max()) if bool(fin.any()) else 0.0
-    return {"out_cos_diff": cos, "out_max_diff_rel": rel_max, "lse_max_diff": lse_diff, "lse_inf_equal": same_inf}
 
 
 def _report(res: dict[str, Any], as_json: bool) -> None:

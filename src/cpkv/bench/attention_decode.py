@@ -181,10 +181,10 @@ def _rel_err(inp: dict[str, Any], out: Any) -> float:
 
 def _compare(theirs: tuple, ours: tuple) -> dict[str, Any]:
     """FlashMLA's (out [B, 1, H, 512], lse [B, H, 1]) against cpkv's, as ``cpkv.bench.attention`` compares them."""
-    from cpkv.bench.attention import _compare_outputs
+    from cpkv.bench.compare import compare_outputs
 
     out_p, lse_p = theirs
-    return _compare_outputs((out_p.reshape(ours[0].shape), None, lse_p.reshape(ours[1].shape)), ours)
+    return compare_outputs((out_p.reshape(ours[0].shape), None, lse_p.reshape(ours[1].shape)), ours)
 
 
 def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str, Any]]:
