@@ -188,16 +188,17 @@ def _compare(theirs: tuple, ours: tuple) -> dict[str, Any]:
 
 
 def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str, Any]]:
-    """Every candidate launch shape on the first batch: keys per tile, split counts, the scale load."""
+    """Candidate launch shapes on the first batch: keys per tile, warps and stages, split counts, the scale load."""
     from cpkv.kernels.sparse_mla import decode as kernel
 
     base = kernel.default_config(inp["q"].shape[1])
     b, k = inp["row"].shape
     moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
     rows = []
-    for cfg in [base] + [kernel.DecodeConfig(base.block_h, bk, w, st, splits=sp, scale_gather=sg)
-                         for bk in (32, 64) for w, st in ((8, 2), (4, 1)) for sp in (None, 8, 16, 64)
-                         for sg in (False, True)]:
+    shapes = [kernel.DecodeConfig(base.block_h, bk, w, st, splits=sp)
+              for bk in (16, 32, 64) for w, st in ((8, 2), (4, 1)) for sp in (None, 16, 64)]
+    gathers = [kernel.DecodeConfig(base.block_h, bk, 8, 2, scale_gather=True) for bk in (32, 64)]
+    for cfg in [base] + shapes + gathers:
         row: dict[str, Any] = {"config": cfg.tag()}
         try:
             call = _ours(inp, cfg)
