@@ -1,7 +1,7 @@
 """The sparse decode MLA kernel (``cpkv.kernels.sparse_mla.decode``) under Triton's interpreter on CPU tensors,
 against ``sparse_decode_mla_ref`` in float64: two pools at different addresses, row formats with 16-byte rows
 (GLM-5's 656 B), 4-byte rows (the tiny model's 196 B) and no rope; one split (the direct write), several (the
-combine), a split with no key, a generation with no key, K = 1 and K not a multiple of the tile, masked keys whose
+combine), a split with no key, a generation with no key, K = 0, K = 1 and K not a multiple of the tile, masked keys whose
 owner is out of range (never read), B = 0, ``out`` given. A subprocess: the interpreter is chosen at import.
 Skipped without Triton.
 
@@ -82,7 +82,7 @@ CONFIGS = [dk.DecodeConfig(16, 16, 4, 1), dk.DecodeConfig(16, 16, 4, 1, splits=1
            dk.DecodeConfig(16, 32, 4, 1, splits=3), dk.DecodeConfig(16, 16, 4, 1, splits=64, scale_gather=True)]
 checked = 0
 for name, (fmt, h) in FORMATS.items():
-    for b, k in ((3, 100), (2, 1), (1, 33)):
+    for b, k in ((3, 100), (2, 1), (1, 33), (2, 0)):
         pools, owner, row, q, scale = case(fmt, h, b, k)
         want = sparse_decode_mla_ref(q, pools, owner, row, scale, fmt.fp8_bytes, fmt, dtype=torch.float64)
         for cfg in CONFIGS:

@@ -27,7 +27,7 @@ vectors. Triton is imported lazily by :func:`load`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -254,8 +254,3 @@ def sm_count_of(q: torch.Tensor) -> int:
     from cpkv.kernels.platform import sm_count
 
     return sm_count(q)
-
-
-def with_splits(config: DecodeConfig, splits: int | None) -> DecodeConfig:
-    """``config`` with another split count (benchmark sweeps)."""
-    return replace(config, splits=splits)
