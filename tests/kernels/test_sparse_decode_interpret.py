@@ -1,8 +1,8 @@
 """The sparse decode MLA kernel (``cpkv.kernels.sparse_mla.decode``) under Triton's interpreter on CPU tensors,
 against ``sparse_decode_mla_ref`` in float64: two pools at different addresses, row formats with 16-byte rows
 (GLM-5's 656 B), 4-byte rows (the tiny model's 196 B) and no rope; one split (the direct write), several (the
-combine), a split with no key, a generation with no key, K = 0, K = 1 and K not a multiple of the tile, masked keys whose
-owner is out of range (never read), B = 0, ``out`` given. A subprocess: the interpreter is chosen at import.
+combine), a split with no key, a generation with no key, K = 0, K = 1 and K not a multiple of the tile, masked
+keys whose owner is out of range (never read), two head blocks, B = 0, ``out`` given. A subprocess: the interpreter is chosen at import.
 Skipped without Triton.
 
 Tolerance (bf16 operands, fp32 accumulation, bf16 P and output, as ``tests/attention/test_attention_gpu.py``):
@@ -77,7 +77,8 @@ def run(pools, owner, row, q, scale, fmt, cfg, out=None):
     return dk.sparse_decode_mla(q, bases, owner, row, scale, fmt.fp8_bytes, fmt, out, config=cfg)
 
 
-FORMATS = {"glm5": (RowFormat(512, 4, 64), 16), "tiny": (RowFormat(128, 1, 32), 4), "norope": (RowFormat(128, 1, 0), 20)}
+FORMATS = {"glm5": (RowFormat(512, 4, 64), 16), "tiny": (RowFormat(128, 1, 32), 4),
+           "norope": (RowFormat(128, 1, 0), 20)}  # 20 heads: two blocks of 16
 CONFIGS = [dk.DecodeConfig(16, 16, 4, 1), dk.DecodeConfig(16, 16, 4, 1, splits=1),
            dk.DecodeConfig(16, 32, 4, 1, splits=3), dk.DecodeConfig(16, 16, 4, 1, splits=64, scale_gather=True)]
 checked = 0
