@@ -2,8 +2,8 @@
 against ``sparse_decode_mla_ref`` in float64: two pools at different addresses, row formats with 16-byte rows
 (GLM-5's 656 B), 4-byte rows (the tiny model's 196 B) and no rope; one split (the direct write), several (the
 combine), a split with no key, a generation with no key, K = 0, K = 1 and K not a multiple of the tile, masked
-keys whose owner is out of range (never read), two head blocks, B = 0, ``out`` given. A subprocess: the interpreter is chosen at import.
-Skipped without Triton.
+keys whose owner is out of range (never read), two head blocks, B = 0, ``out`` given. A subprocess: the
+interpreter is chosen at import. Skipped without Triton.
 
 Tolerance (bf16 operands, fp32 accumulation, bf16 P and output, as ``tests/attention/test_attention_gpu.py``):
 ||out - ref|| / ||ref|| <= 1e-2 and max |out - ref| <= 1e-2 max |ref| per generation; |lse - ref| <= 1e-3 +
