@@ -83,7 +83,7 @@ CONFIGS = [dk.DecodeConfig(16, 16, 4, 1), dk.DecodeConfig(16, 16, 4, 1, splits=1
            dk.DecodeConfig(16, 32, 4, 1, splits=3), dk.DecodeConfig(16, 16, 4, 1, splits=64, scale_gather=True)]
 checked = 0
 for name, (fmt, h) in FORMATS.items():
-    for b, k in ((3, 100), (2, 1), (1, 33), (2, 0)):
+    for b, k in ((3, 100), (2, 1), (1, 33), (2, 0), (2, 300)):  # 300: 19 splits, two combine loads
         pools, owner, row, q, scale = case(fmt, h, b, k)
         want = sparse_decode_mla_ref(q, pools, owner, row, scale, fmt.fp8_bytes, fmt, dtype=torch.float64)
         for cfg in CONFIGS:

@@ -38,6 +38,7 @@ from cpkv.kernels.grid import cdiv, flat_grid
 
 LOG2E = 1.4426950408889634
 INTERPRETER_SMS = 8  # the "SM count" splits are chosen for off CUDA (Triton's interpreter)
+COMBINE_BLOCK = 16  # slices a combine program loads at once ([16, D_L] float32: 64 registers a thread at 4 warps)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,13 @@ def supported(fmt: RowFormat, d_v: int) -> bool:
 
 def plan_splits(b: int, head_blocks: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
     """(splits, keys per split): about ``sms`` programs of B x head blocks x splits, a split at least one key tile
-    and a whole number of them; the last split may be shorter. B = 1, K = 2048, 64-key tiles: 32 splits of 64 keys;
-    B = 32: 5 of 448."""
+    and a whole number of them; the last split may be shorter. B = 1, K = 2048, 64-key tiles: 32 splits of 64 keys
+    (32 of 132 SMs); B = 8: 16 of 128; B = 32: 5 of 448.
+
+    Why B = 1 does not take every SM through smaller slices: a program's fixed traffic, q in (64 heads x 576 bf16,
+    74 KB) and its partial o out (64 x 512 float32, 131 KB, read again by the combine), outweighs its share of
+    rows (64 keys: 42 KB), so 128 slices of 16 keys would move 4x the partials to save a fifth of each program's
+    bytes. ``cpkv bench attention --decode --sweep`` times 16- and 32-key tiles and fixed split counts against it."""
     tiles = cdiv(max(k, 1), block_k)
     want = max(1, min(tiles, cdiv(sms, max(b * head_blocks, 1))))
     per_split = cdiv(tiles, want) * block_k
@@ -172,23 +178,28 @@ def load() -> tuple[Any, Any]:
     def _decode_combine(
         WO, WL, OUT, LSE, H, splits,
         stride_wb, stride_ws, stride_wh, stride_lb, stride_ls, stride_ob, stride_oh, stride_lseb,
-        D_L: tl.constexpr, SPLITS: tl.constexpr,
+        D_L: tl.constexpr, SPLITS: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
     ):
-        # one program per (generation, head): the slices' o weighted by 2^(lse_s - max lse)
+        # one program per (generation, head): the slices' o weighted by 2^(lse_s - max lse), SPLIT_BLOCK slices'
+        # rows a load (all in flight at once, not one latency per slice)
         pid = tl.program_id(0)
         h = pid % H
         b = (pid // H).to(tl.int64)
+        l_row = WL + b * stride_lb + h
         offs_s = tl.arange(0, SPLITS)
-        lse_s = tl.load(WL + b * stride_lb + offs_s * stride_ls + h, mask=offs_s < splits, other=float("-inf"))
+        lse_s = tl.load(l_row + offs_s * stride_ls, mask=offs_s < splits, other=float("-inf"))
         m = tl.max(lse_s, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.exp2(lse_s - m_safe), 0)
         offs_l = tl.arange(0, D_L)
         acc = tl.zeros([D_L], tl.float32)
-        w_row = WO + b * stride_wb + h * stride_wh + offs_l
-        for s in range(0, splits):
-            w = tl.exp2(tl.load(WL + b * stride_lb + s * stride_ls + h) - m_safe)
-            acc += w * tl.load(w_row + s * stride_ws)
+        w_rows = WO + b * stride_wb + h * stride_wh + offs_l[None, :]
+        for s0 in range(0, splits, SPLIT_BLOCK):
+            offs = s0 + tl.arange(0, SPLIT_BLOCK)
+            smask = offs < splits
+            w = tl.exp2(tl.load(l_row + offs * stride_ls, mask=smask, other=float("-inf")) - m_safe)
+            o_s = tl.load(w_rows + offs[:, None] * stride_ws, mask=smask[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o_s, 0)
         empty = total == 0.0
         o = acc / tl.where(empty, 1.0, total)
         tl.store(OUT + b * stride_ob + h * stride_oh + offs_l, o.to(tl.bfloat16))
@@ -236,7 +247,8 @@ def sparse_decode_mla(
         combine_kernel[flat_grid(h, b)](
             wo, wl, out, lse, h, splits,
             wo.stride(0), wo.stride(1), wo.stride(2), wl.stride(0), wl.stride(1), out.stride(0), out.stride(1),
-            lse.stride(0), D_L=d_v, SPLITS=max(2, 1 << (splits - 1).bit_length()), num_warps=4,
+            lse.stride(0), D_L=d_v, SPLITS=max(2, 1 << (splits - 1).bit_length()), SPLIT_BLOCK=COMBINE_BLOCK,
+            num_warps=4,
         )
     return out, lse
 
