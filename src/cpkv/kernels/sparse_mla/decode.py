@@ -21,9 +21,10 @@ result itself. ``splits`` comes from the shapes only (B x head blocks x splits a
 than key tiles), and a masked key is read on the device from ``row < 0``: no host sync, graph-capturable.
 
 Addresses: every pointer is an offset from ``bases``' own storage (typed views of it: fp8, float32, bf16), as
-``page_gather`` does, so the same code runs under Triton's interpreter on CPU tensors. Row offsets are known
-multiples of 16 bytes when the rows and every base are (``aligned16``), so the 512 fp8 values load as 16-byte
-vectors. Triton is imported lazily by :func:`load`.
+``page_gather`` does, so the same code runs under Triton's interpreter on CPU tensors. Every base must be a
+multiple of 4 bytes (the scales are read as float32); row offsets are known multiples of 16 bytes when the rows and
+every base are (``aligned16``), so the 512 fp8 values load as 16-byte vectors. A masked key's owner is never read,
+and a row >= 0 must lie in its pool (the kernel knows no pool's size). Triton is imported lazily by :func:`load`.
 """
 from __future__ import annotations
 
