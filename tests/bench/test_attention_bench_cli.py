@@ -78,3 +78,43 @@ def test_rel_err_sampled_reads_start_middle_and_end_rows() -> None:
         bad = out.clone()
         bad[row] *= 2
         assert (_rel_err_sampled(inp, bad) > 0.1) is hit, row
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--pool-rows", "100"], "--pool-rows 100: expected a multiple of 64"),
+    (["--pool-rows", "64", "--topk", "200"], "expected at most --pools x --pool-rows (128)"),
+    (["--batches", "0"], "--batches: expected comma-separated integers"),
+    (["--pools", "0"], "--pools: expected an integer in 1..64"),
+])
+def test_decode_usage_errors(argv, needle, capsys) -> None:
+    code, err = _call(["bench", "attention", "--decode", *argv], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on CPU machines")
+def test_decode_on_a_cpu_machine_is_one_line(capsys) -> None:
+    code, err = _call(["bench", "attention", "--decode", "--peer", "flashmla", "--json"], capsys)
+    assert code == 2 and "--decode needs a CUDA device" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+def test_decode_inputs_select_distinct_rows_across_the_pools() -> None:
+    from cpkv.attention.ref import GLM5_TOKEN
+    from cpkv.bench.attention_decode import _inputs
+
+    inp = _inputs(3, 4, 40, 2, 64, device="cpu")
+    owner, row, flat = inp["owner"].long(), inp["row"].long(), inp["flat"].long()
+    valid = row >= 0
+    assert torch.equal(flat, torch.where(valid, owner * 64 + row, -1)) and 0 < int(valid.sum()) < 120
+    assert all(len(set(f[f >= 0].tolist())) == int((f >= 0).sum()) for f in flat)
+    assert [p.data_ptr() for p in inp["pools"]] == inp["bases"].tolist() == [
+        inp["buf"].data_ptr(), inp["buf"].data_ptr() + 64 * GLM5_TOKEN.row_bytes]
+
+
+def test_decode_compare_reshapes_the_peers_output() -> None:
+    from cpkv.bench.attention_decode import _compare
+
+    g = torch.Generator().manual_seed(2)
+    out, lse = torch.randn(2, 4, 512, generator=g).to(torch.bfloat16), torch.randn(2, 4, generator=g)
+    same = _compare((out[:, None], lse[:, :, None]), (out, lse))
+    assert same["out_cos_diff"] == 0.0 and same["lse_max_diff"] == 0.0

@@ -14,6 +14,10 @@ rounds of CUDA-event-timed calls, compares their outputs (cosine difference, lar
 reports cpkv / FlashMLA per shape: FlashMLA's benchmark shapes (h 128) and GLM-5's (h 64) by default.
 cpkv's full-size output is also checked against a float64 reference on 12 rows (start, middle and end: the
 persistent kernel reaches the last rows late in its tile loop).
+
+``--decode`` times the sparse decode kernel over paged fp8 rows instead (``cpkv.bench.attention_decode``): B
+generations of one token each (``--batches``), against the paged step's gather + dequant + prefill kernel and,
+with ``--peer flashmla``, FlashMLA's ``flash_mla_with_kvcache`` with indices.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import argparse
 import math
 from typing import Any
 
+from cpkv.bench.compare import compare_outputs as _compare_outputs
 from cpkv.bench.timing import copy_gbs, do_bench_ms
 from cpkv.scheduler.costs import unit_costs_attention
 
@@ -57,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="S_Q:S_KV:H,... shapes of the peer comparison (default: FlashMLA's benchmark shapes "
                              "and GLM-5's h 64)")
     parser.add_argument("--peer-rounds", type=a.bounded_int(1, 10_000), default=7, help="alternating timing rounds per peer shape")
+    parser.add_argument("--decode", action="store_true",
+                        help="time the sparse decode kernel over paged fp8 token rows (cpkv.bench.attention_decode) "
+                             "instead of the prefill kernel; --peer flashmla: FlashMLA's flash_mla_with_kvcache")
+    parser.add_argument("--batches", type=int_list, default="1,8,32",
+                        help="--decode: comma-separated generation counts B (one query token each)")
+    parser.add_argument("--pools", type=a.bounded_int(1, 64), default=2,
+                        help="--decode: pools the selected rows are spread over (CP ranks; default 2)")
+    parser.add_argument("--pool-rows", type=a.bounded_int(64, 1 << 26), default=131072,
+                        help="--decode: 656-byte rows per pool, a multiple of 64 (default 131072)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -82,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     from cpkv.kernels.platform import triton_importable as triton_available
     from cpkv.errors import AttentionError
 
+    if args.decode:
+        return _run_decode(args)
     if args.topk > args.kv_rows:
         raise AttentionError(f"--topk {args.topk}: expected at most --kv-rows ({args.kv_rows}) distinct keys per query")
     small = [sh for sh in (args.peer_shapes or PEER_SHAPES) if sh[1] < args.topk]
@@ -96,6 +112,29 @@ def run(args: argparse.Namespace) -> int:
         result["peer"] = _peer_bench(args, peer)
     _report(result, args.json)
     return 0
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpkv.bench import attention_decode
+    from cpkv.errors import AttentionError
+    from cpkv.kernels.platform import triton_importable
+
+    attention_decode.check_args(args)
+    if not (torch.cuda.is_available() and triton_importable()):
+        raise AttentionError("cpkv bench attention --decode needs a CUDA device and triton")
+    attention_decode.report(attention_decode.run(args, args.peer), args.json)
+    return 0
+
+
+def _cpkv_backends(x: Any) -> Any:
+    """The device's backends with cpkv's own sparse MLA kernel (FlashMLA is timed as the peer, not as cpkv)."""
+    import dataclasses
+
+    from cpkv.kernels.platform import backends_for
+
+    return dataclasses.replace(backends_for(x), sparse_mla="cpkv")
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +197,8 @@ def _case(inp: dict[str, Any], gemm: float, rep_ms: int) -> dict[str, Any]:
     from cpkv.attention import sparse_mla
     from cpkv.kernels.sparse_mla import triton as kernel
 
-    ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"], backend="cpkv"), rep_ms,
+    cpkv = _cpkv_backends(inp["q"])
+    ms = do_bench_ms(lambda: sparse_mla(inp["q"], inp["kv"], inp["idx"], inp["scale"], backends=cpkv), rep_ms,
                      warmup_ms=25)
     tflops = _flops(inp) / ms / 1e9
     from cpkv.kernels.platform import capability
@@ -317,7 +357,8 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
     inp = _inputs(s_q, h, topk, s_kv, pattern)
     q, kv, idx, scale = inp["q"], inp["kv"], inp["idx"], inp["scale"]
     kv3, idx3 = kv[:, None, :], idx[:, None, :]  # FlashMLA: kv [s_kv, h_kv = 1, d_qk], indices [s_q, 1, topk]
-    ours = lambda: sparse_mla(q, kv, idx, scale, backend="cpkv")  # noqa: E731
+    cpkv = _cpkv_backends(q)
+    ours = lambda: sparse_mla(q, kv, idx, scale, backends=cpkv)  # noqa: E731
     theirs = lambda: peer(q, kv3, idx3, scale, 512)  # noqa: E731
     calls = {"peer": theirs, "cpkv": ours}
     got = ours()
@@ -338,21 +379,6 @@ def _peer_case(shape: tuple[int, int, int], topk: int, peer: Any, rounds: int,
     return {"s_q": s_q, "s_kv": s_kv, "h_q": h, "topk": topk, "cpkv_ms": mo, "cpkv_tflops": flops / mo / 1e9,
             "rounds": rounds, "calls_per_round": reps, "cpkv_ms_rounds": times["cpkv"], **match,
             "peer_ms": mp, "peer_tflops": flops / mp / 1e9, "cpkv_over_peer": mp / mo, "peer_ms_rounds": times["peer"]}
-
-
-def _compare_outputs(theirs: tuple, ours: tuple) -> dict[str, Any]:
-    """FlashMLA's (out, max_logits, lse) against cpkv's (out, lse): cosine difference as FlashMLA's tests
-    define it (1 - 2 x.y / (x.x + y.y)), largest |difference| over largest |out|, lse (natural log) difference."""
-    out_p, _, lse_p = theirs
-    out_o, lse_o = ours
-    x, y = out_p.double(), out_o.double()
-    cos = float(1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp(min=1e-300))
-    rel_max = float((x - y).abs().max() / x.abs().max().clamp(min=1e-300))
-    lp, lo = lse_p.float().reshape(lse_o.shape), lse_o.float()
-    same_inf = bool((lp.isinf() == lo.isinf()).all())
-    fin = lp.isfinite() & lo.isfinite()
-    lse_diff = float((lp[fin] - lo[fin]).abs().max()) if bool(fin.any()) else 0.0
-    return {"out_cos_diff": cos, "out_max_diff_rel": rel_max, "lse_max_diff": lse_diff, "lse_inf_equal": same_inf}
 
 
 def _report(res: dict[str, Any], as_json: bool) -> None:

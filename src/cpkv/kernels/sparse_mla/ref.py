@@ -1,11 +1,18 @@
-"""Sparse and dense causal MLA attention, pure torch: the semantics the kernels match, and the CPU path.
+"""Sparse and dense causal MLA attention, and sparse decode MLA over paged fp8 token rows, pure torch: the semantics
+the kernels match, and the CPU path.
 
 Edge cases (as FlashMLA's reference): an index of -1 or >= S (or any negative) selects nothing; a query row
 with no valid index gets out 0 and lse +inf.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from cpkv.config import RowFormat
+from cpkv.kernels.paged_rows.ref import paged_rows_ref
+from cpkv.kernels.token_kv.ref import dequant_token_kv_ref
 
 
 def sparse_mla_ref(
@@ -61,3 +68,20 @@ def dense_causal_mla_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query i attends kv rows [ks[i], ke[i]) (rows outside [0, S) ignored): sparse_mla_ref on those indices."""
     return sparse_mla_ref(q, kv, dense_indices(ks, ke), sm_scale, d_v, dtype=dtype)
+
+
+def sparse_decode_mla_ref(
+    q: torch.Tensor, pools: Sequence[torch.Tensor], owner: torch.Tensor, row: torch.Tensor, sm_scale: float,
+    d_v: int, fmt: RowFormat, dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, d_qk], pools cp x uint8 [rows, row_bytes], owner / row int [B, K] -> (out [B, H, d_v], lse f32 [B, H]).
+
+    Generation b attends the token rows ``pools[owner[b, j]][row[b, j]]`` (``fmt``: fp8 | scales | rope), each
+    dequantised as ``dequant_token_kv_ref`` (bf16(fp32(fp8) * scale) | rope): ``sparse_mla_ref`` over them, a row
+    < 0 selecting nothing (the rest as there: out 0 and lse +inf for a generation with no key). ``out`` in
+    ``dtype`` (float64 for tests)."""
+    b, k = row.shape
+    rows = paged_rows_ref(pools, owner.reshape(-1).long(), row.reshape(-1).long())
+    kv = dequant_token_kv_ref(rows, fmt)  # [B * K, d_qk]: generation b's keys at b * K + j
+    ind = torch.arange(b * k, device=row.device).view(b, k)
+    return sparse_mla_ref(q, kv, torch.where(row >= 0, ind, -1), sm_scale, d_v, dtype=dtype, chunk=8)

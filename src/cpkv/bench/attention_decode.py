@@ -1,0 +1,251 @@
+"""``cpkv bench attention --decode``: the sparse decode MLA kernel over paged fp8 token rows at GLM-5's shapes.
+
+Per batch B (``--batches``): B generations of one query token (``--heads``, 512 + 64 dims), each with ``--topk``
+distinct rows drawn uniformly from ``--pools`` pools of ``--pool-rows`` 656-byte rows (one buffer, standing for
+the CP ranks' pools of one layer), about 1/16 of them -1 (no key). Timed, each in device time per call
+(``do_bench``: the L2 flushed before every call, as a decode layer finds its rows), in alternating rounds:
+
+    cpkv      ``cpkv.kernels.sparse_mla.decode`` (rows read in place, split-K)
+    current   the paged step's path today: gather the rows (``paged_rows_ref``), dequantise (``dequant_token_kv``),
+              the prefill sparse MLA (``sparse_mla``, FlashMLA excluded); also each part alone
+    peer      ``--peer flashmla``: FlashMLA's ``flash_mla_with_kvcache`` with ``indices`` and
+              ``is_fp8_kvcache=True`` over the same bytes (its V3.2 fp8 layout is cpkv's: 512 fp8 | 4 float32
+              scales | 64 bf16 rope; it rounds a scale to bf16, exact only for the power-of-two scales its tests
+              use, so its output differs from cpkv's by rounding)
+
+Bytes read per call: B K 656 (the rows; masked keys counted too, as an upper bound) + q + out (bf16); GB/s over
+the copy rate measured in the same run. cpkv's output is checked against the float64 reference
+(``sparse_decode_mla_ref``) and, with a peer, against the peer's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any, Callable
+
+from cpkv.bench.timing import copy_gbs, do_bench_ms
+
+ROW_BYTES = 656
+DROP = 1 / 16  # the share of selected keys set to -1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """AttentionError (a usage error) for decode options that cannot make a case."""
+    from cpkv.errors import AttentionError
+
+    if args.pool_rows % 64:
+        raise AttentionError(f"--pool-rows {args.pool_rows}: expected a multiple of 64 (whole 64-row pages)")
+    if args.topk > args.pools * args.pool_rows:
+        raise AttentionError(f"--topk {args.topk}: expected at most --pools x --pool-rows "
+                             f"({args.pools * args.pool_rows}) distinct rows per generation")
+
+
+def run(args: argparse.Namespace, peer_name: str | None) -> dict[str, Any]:
+    """The decode cases (inputs checked, CUDA and Triton present): the result dict ``report`` prints."""
+    import torch
+
+    peer = _load_peer(peer_name) if peer_name else None
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs(), "heads": args.heads,
+                           "topk": args.topk, "pools": args.pools, "pool_rows": args.pool_rows,
+                           "peer": peer_name, "cases": [], "sweep": []}
+    for i, b in enumerate(args.batches):
+        inp = _inputs(b, args.heads, args.topk, args.pools, args.pool_rows)
+        res["cases"].append(_case(inp, res["copy_gbs"], args.rep_ms, args.peer_rounds, peer))
+        if args.sweep and i == 0:
+            res["sweep"] = _sweep(inp, res["copy_gbs"], args.rep_ms)
+        del inp
+        torch.cuda.empty_cache()
+    return res
+
+
+def _inputs(b: int, h: int, k: int, cp: int, pool_rows: int, device: str = "cuda") -> dict[str, Any]:
+    import torch
+
+    from cpkv.attention import pool_bases, quant_token_kv
+    from cpkv.attention.ref import GLM5_TOKEN
+
+    gen = torch.Generator(device=device).manual_seed(b)
+    buf = torch.empty(cp * pool_rows, ROW_BYTES, dtype=torch.uint8, device=device)
+    for r0 in range(0, buf.shape[0], 1 << 16):
+        r1 = min(buf.shape[0], r0 + (1 << 16))
+        buf[r0:r1] = quant_token_kv(torch.randn(r1 - r0, 576, device=device, generator=gen), GLM5_TOKEN)
+    pools = list(buf.view(cp, pool_rows, ROW_BYTES).unbind(0))
+    flat = torch.stack([torch.rand(cp * pool_rows, device=device, generator=gen).topk(k).indices for _ in range(b)])
+    drop = torch.rand(b, k, device=device, generator=gen) < DROP
+    owner = (flat // pool_rows).masked_fill(drop, 0).to(torch.int32)
+    row = (flat % pool_rows).masked_fill(drop, -1).to(torch.int32)
+    return {"buf": buf, "pools": pools, "bases": pool_bases(pools, device), "owner": owner, "row": row,
+            "flat": flat.masked_fill(drop, -1).to(torch.int32), "fmt": GLM5_TOKEN, "scale": (192 + 64) ** -0.5,
+            "q": torch.randn(b, h, 576, device=device, generator=gen).to(torch.bfloat16),
+            "out": torch.empty(b, h, 512, dtype=torch.bfloat16, device=device)}
+
+
+def _ours(inp: dict[str, Any], config: Any = None) -> Callable[[], Any]:
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    return lambda: kernel.sparse_decode_mla(inp["q"], inp["bases"], inp["owner"], inp["row"], inp["scale"], 512,
+                                            inp["fmt"], inp["out"], config=config)
+
+
+def _current(inp: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """The paged step's attention today, whole and by part (each part's input made once, outside its timing)."""
+    import dataclasses
+
+    import torch
+
+    from cpkv.attention import dequant_token_kv, sparse_mla
+    from cpkv.kernels.paged_rows.ref import paged_rows_ref
+    from cpkv.kernels.platform import backends_for
+
+    backends = dataclasses.replace(backends_for(inp["q"]), sparse_mla="cpkv")
+    owner, row = inp["owner"].reshape(-1).long(), inp["row"].reshape(-1).long()
+    valid = inp["row"] >= 0
+    ind = torch.arange(row.shape[0], dtype=torch.int32, device=row.device).view(inp["row"].shape)
+    ind = torch.where(valid, ind, -1)
+    gather = lambda: paged_rows_ref(inp["pools"], owner, row)  # noqa: E731
+    dequant = lambda rows: dequant_token_kv(rows, inp["fmt"], backends)  # noqa: E731
+    mla = lambda kv: sparse_mla(inp["q"], kv, ind, inp["scale"], 512, backends)  # noqa: E731
+    rows = gather()
+    kv = dequant(rows)
+    return {"current": lambda: mla(dequant(gather())), "gather": gather, "dequant": lambda: dequant(rows),
+            "mla": lambda: mla(kv)}
+
+
+def _peer(inp: dict[str, Any], peer: Any) -> Callable[[], Any] | None:
+    """FlashMLA's sparse decode over the same rows (its k cache the pools' buffer as 64-row pages), or None where it
+    does not take the head count (64 or 128)."""
+    import torch
+
+    if inp["q"].shape[1] not in (64, 128):
+        return None
+    with_kvcache, get_mla_metadata = peer
+    cache = inp["buf"].view(torch.float8_e4m3fn).view(-1, 64, 1, ROW_BYTES)
+    q4, idx = inp["q"][:, None].contiguous(), inp["flat"][:, None, :].contiguous()
+    meta = get_mla_metadata()[0]  # filled on the first call, reused (same shapes)
+    return lambda: with_kvcache(q4, cache, None, None, 512, meta, None, inp["scale"], False, True, indices=idx)
+
+
+def _case(inp: dict[str, Any], copy_rate: float, rep_ms: int, rounds: int, peer: Any) -> dict[str, Any]:
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    b, h, _ = inp["q"].shape
+    k = inp["row"].shape[1]
+    calls = {"cpkv": _ours(inp), **_current(inp)}
+    theirs = _peer(inp, peer) if peer is not None else None
+    if theirs is not None:
+        calls["peer"] = theirs
+    ours = calls["cpkv"]()
+    case: dict[str, Any] = {"batch": b, "heads": h, "topk": k, "rel_err": _rel_err(inp, ours[0]),
+                            "config": kernel.default_config(h).tag(), "splits": _splits(inp)}
+    if theirs is not None:
+        case.update(_compare(theirs(), ours))
+    ms = _timed(calls, rep_ms, rounds)
+    moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
+    case.update({f"{name}_ms": t for name, t in ms.items()})
+    case.update(bytes=moved, gbs=moved / ms["cpkv"] / 1e6, ratio_to_copy=moved / ms["cpkv"] / 1e6 / copy_rate,
+                current_over_cpkv=ms["current"] / ms["cpkv"])
+    if "peer" in ms:
+        case.update(peer_gbs=moved / ms["peer"] / 1e6, cpkv_over_peer=ms["peer"] / ms["cpkv"])
+    return case
+
+
+def _timed(calls: dict[str, Callable[[], Any]], rep_ms: int, rounds: int) -> dict[str, float]:
+    """Median over ``rounds`` alternating rounds of each call's do_bench median (ms)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(do_bench_ms(fn, max(10, rep_ms // rounds), warmup_ms=5))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _splits(inp: dict[str, Any]) -> int:
+    from cpkv.kernels.grid import cdiv
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    b, h, _ = inp["q"].shape
+    cfg = kernel.default_config(h)
+    sms = kernel.sm_count_of(inp["q"])
+    return kernel.plan_splits(b, cdiv(h, cfg.block_h), inp["row"].shape[1], cfg.block_k, sms)[0]
+
+
+def _rel_err(inp: dict[str, Any], out: Any) -> float:
+    """||out - ref|| / ||ref|| over every generation, the reference in float64 on the device."""
+    import torch
+
+    from cpkv.attention.ref import sparse_decode_mla_ref
+
+    ref, _ = sparse_decode_mla_ref(inp["q"], inp["pools"], inp["owner"], inp["row"], inp["scale"], 512, inp["fmt"],
+                                   dtype=torch.float64)
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _compare(theirs: tuple, ours: tuple) -> dict[str, Any]:
+    """FlashMLA's (out [B, 1, H, 512], lse [B, H, 1]) against cpkv's, as ``cpkv.bench.attention`` compares them."""
+    from cpkv.bench.compare import compare_outputs
+
+    out_p, lse_p = theirs
+    return compare_outputs((out_p.reshape(ours[0].shape), None, lse_p.reshape(ours[1].shape)), ours)
+
+
+def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str, Any]]:
+    """Candidate launch shapes on the first batch: keys per tile, warps and stages, split counts, the scale load."""
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    base = kernel.default_config(inp["q"].shape[1])
+    b, k = inp["row"].shape
+    moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
+    rows = []
+    shapes = [kernel.DecodeConfig(base.block_h, bk, w, st, splits=sp)
+              for bk in (16, 32, 64) for w, st in ((8, 2), (4, 1)) for sp in (None, 16, 64)]
+    gathers = [kernel.DecodeConfig(base.block_h, bk, 8, 2, scale_gather=True) for bk in (32, 64)]
+    for cfg in [base] + shapes + gathers:
+        row: dict[str, Any] = {"config": cfg.tag()}
+        try:
+            call = _ours(inp, cfg)
+            out = call()[0]
+            ms = do_bench_ms(call, rep_ms, warmup_ms=10)
+            row.update(ms=ms, gbs=moved / ms / 1e6, ratio_to_copy=moved / ms / 1e6 / copy_rate,
+                       rel_err=_rel_err(inp, out))
+        except Exception as exc:  # a shape that does not compile or fit is reported, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(row)
+    return rows
+
+
+def _load_peer(name: str) -> tuple[Any, Any]:
+    """FlashMLA's (flash_mla_with_kvcache, get_mla_metadata); AttentionError (one line) when it does not import."""
+    from cpkv.errors import AttentionError
+
+    try:
+        from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    except Exception as exc:  # ImportError, or a build that fails to load its CUDA library
+        raise AttentionError(f"--peer {name}: expected the flash_mla package (FlashMLA built from source) on "
+                             f"PYTHONPATH, got {type(exc).__name__}: {str(exc)[:200]}") from None
+    return flash_mla_with_kvcache, get_mla_metadata
+
+
+def report(res: dict[str, Any], as_json: bool) -> None:
+    from cpkv.cli.fmt import emit_json, table
+
+    if as_json:
+        emit_json(res)
+        return
+    print(f"{res['device']}: copy {res['copy_gbs']:.0f} GB/s; sparse decode MLA H={res['heads']} topk={res['topk']} "
+          f"over {res['pools']} pools of {res['pool_rows']} 656-byte rows (device time per call, L2 flushed)")
+    if res["sweep"]:
+        keys = ["config", "ms", "gbs", "ratio_to_copy", "rel_err", "error"]
+        table(keys, [[r.get(k, "") for k in keys] for r in res["sweep"]])
+    peer = res["peer"]
+    head = ["B", "splits", "cpkv ms", "GB/s", "of copy", "rel err", "current ms", "current / cpkv", "gather ms",
+            "dequant ms", "mla ms"]
+    if peer:
+        head += [f"{peer} ms", f"cpkv / {peer}", "out cos diff", "lse max diff"]
+    rows = []
+    for c in res["cases"]:
+        row = [c["batch"], c["splits"], c["cpkv_ms"], c["gbs"], c["ratio_to_copy"], c["rel_err"], c["current_ms"],
+               c["current_over_cpkv"], c["gather_ms"], c["dequant_ms"], c["mla_ms"]]
+        if peer:
+            row += [c.get("peer_ms", "n/a"), c.get("cpkv_over_peer", ""), c.get("out_cos_diff", ""),
+                    c.get("lse_max_diff", "")]
+        rows.append(row)
+    table(head, rows)
