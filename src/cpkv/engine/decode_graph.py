@@ -75,14 +75,13 @@ class StepKernels:
 
     def attend(self, layer: int, q: torch.Tensor, owner: torch.Tensor, row: torch.Tensor, sm_scale: float,
                d_v: int) -> torch.Tensor:
-        """bf16 [B, H, d_v]: sparse MLA of each entry over its selected token rows, read in place."""
-        from cpkv.kernels.paged_rows.ref import paged_rows_ref
+        """bf16 [B, H, d_v]: sparse MLA of each entry over its selected token rows, read in place and dequantised in
+        the kernel (``cpkv.attention.sparse_decode``)."""
+        from cpkv.attention.sparse_decode import sparse_decode_mla
 
-        prec = self.model.layers[layer].precision
-        B, k = row.shape
-        kv = prec.dense_kv(paged_rows_ref(self.views.rows(layer, "token"), owner.reshape(-1), row.reshape(-1)))
-        ind = torch.arange(B * k, dtype=torch.int32, device=row.device).view(B, k)
-        return prec.sparse_mla(q, kv, torch.where(row >= 0, ind, -1), sm_scale, d_v)
+        return sparse_decode_mla(q, self.views.rows(layer, "token"), owner, row, sm_scale, d_v,
+                                 self.model.cfg.token_format, bases=self.views.bases(layer, "token"),
+                                 backends=self.model.backends)[0]
 
 
 def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
