@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode_serve ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode_kernels|decode_serve ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -139,14 +139,28 @@ if want depth || want depth_bench; then  # TTFT measured at depth beside the 4-l
     step depth_bench ${DEPTH_BENCH_S:-330} python3 -m cpkv bench engine $DEPTH --layers 78 --extrapolate-from 4 \
         --chunk-size ${DEPTH_CHUNK:-16384} --runs 1 --no-profile --json
 fi
-if want decode; then  # issue 45: the paged decode step's GPU tests, then its time against its floor (GLM-5 shapes, 4
-    # layers, cp 1 then cp 2), each case's last step profiled on rank 0 (tables under $OUT/decode_prof)
-    step decode_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_decode.py -m cuda
-    for cp in ${DECODE_CP:-1 2}; do
-        step decode_cp$cp ${DECODE_LIMIT:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp $cp \
-            --device cuda --keys ${DECODE_KEYS:-1024,32768} --batches ${DECODE_BATCHES:-1,32} --steps 5 \
-            --profile "$OUT/decode_prof" --json
-    done
+if want decode; then  # issue 45: the paged decode step's GPU tests (its kernels, the step's forms, the sliced head
+    # weights and router), then its time against its floor (GLM-5 shapes, 4 layers): cp 1 with both weights and the
+    # forms auto (graphs) and gather in the same ranks, cp 2 (two ranks on the GPU; auto = static); each case's last
+    # step profiled on rank 0 (tables under $OUT/decode_prof); then the paged kernels against their references / peers
+    step decode_tests ${DECODE_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
+        tests/kernels/test_paged_rows_gpu.py tests/kernels/test_paged_logits_kernel.py tests/indexer/test_paged_logits.py \
+        tests/attention/test_sparse_decode_gpu.py
+    step decode_kern_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
+        tests/kernels/test_elem_gpu.py -k "head_weights or router"
+    step decode_cp1 ${DECODE_LIMIT:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+        --weights fp8,bf16 --form auto,gather --keys ${DECODE_KEYS:-1024,32768,131072} \
+        --batches ${DECODE_BATCHES:-1,8,32} --steps 5 --profile "$OUT/decode_prof" --json
+    step decode_cp2 ${DECODE_LIMIT:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
+        --weights fp8 --form auto,gather --keys 1024,32768 --batches 1,32 --steps 5 --json
+fi
+if want decode_kernels; then  # the paged kernels alone: sparse decode MLA (FlashMLA's sparse decode beside it where
+    # it builds), the indexer's paged logits
+    peer=()
+    if flashmla; then export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla); fi
+    step attention_decode 200 python3 -m cpkv bench attention --decode "${peer[@]}" --json
+    step attention_decode_sweep 150 python3 -m cpkv bench attention --decode --sweep --batches 1,32 --json
+    step indexer_decode 150 python3 -m cpkv bench indexer --decode --json
 fi
 if want decode_serve; then  # issue 45: `cpkv serve` on the GPU (GLM-5 shapes, 4 layers, cp 2 as the issue measured),
     # 32 new tokens per request: TPOT with the paged decode step against the one-token-extend path

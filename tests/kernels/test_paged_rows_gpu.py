@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("width", [656, 132])
 @pytest.mark.parametrize("n", [0, 1, 2048, 70001])
 def test_paged_rows_kernel_equals_the_reference(width: int, n: int) -> None:
-    from cpkv.engine.decode import RowMap, paged_rows
+    from cpkv.engine.paged import RowMap, paged_rows
     from cpkv.kernels.paged_rows.ref import paged_rows_ref
 
     g = torch.Generator(device="cuda").manual_seed(n + width)

@@ -27,7 +27,7 @@ HELP = "The paged decode step per batch and context, against the bytes it must r
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cpkv.cli.args import positive_int
+    from cpkv.cli.args import bounded_int, positive_int
 
     p.add_argument("--model", default="tiny", help="preset or checkpoint dir (default tiny)")
     p.add_argument("--num-layers", type=positive_int, default=None, help="override the model's depth")
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--form", default="auto",
                    help="comma-separated decode step forms to time in the same rank processes: auto, graphs, static, "
                         "gather (CPKV_DECODE_STEP; default auto)")
-    p.add_argument("--graph-tokens", type=int, default=None,
+    p.add_argument("--graph-tokens", type=bounded_int(0, 1 << 16), default=None, metavar="N",
                    help="steps of up to this many generations per rank run each layer's token-only pieces as CUDA "
                         "graphs (default: the engine's, 1024 on CUDA; 0 = eager)")
     p.add_argument("--chunk-size", type=positive_int, default=None,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from cpkv.engine.decode import DecodeTable, PagedViews
+from cpkv.engine.paged import DecodeTable, PagedViews
 from cpkv.model.model import DSAModel
 
 FIELDS = ("ids", "positions", "write_rows", "slot", "ctx")

@@ -20,7 +20,7 @@
     router        model.moe.router_scores (route)        router/ref.py                      router/triton.py
     rope          model.ops.Rotary.interleaved_into      rope/ref.py                        rope/triton.py
     barrier       compose.barrier.make_barrier           compose.barrier.CountingBarrier    barrier/triton.py
-    paged_rows    engine.decode.paged_rows               paged_rows/ref.py                  (none yet: docs/design.md §11)
+    paged_rows    engine.paged.paged_rows                paged_rows/ref.py                  page_gather/triton.py (a row as its page)
 
 This package imports nothing above it (tests/test_architecture.py): attention, indexer and model import the
 references from here and re-export the ones their users know. ``platform`` answers every platform question
