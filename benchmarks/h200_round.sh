@@ -149,17 +149,20 @@ if want decode; then  # issue 45: the paged decode step's GPU tests (its kernels
     step decode_kern_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
         tests/kernels/test_elem_gpu.py -k "head_weights or router"
     step decode_cp1 ${DECODE_LIMIT:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
-        --weights fp8,bf16 --form auto,gather --keys ${DECODE_KEYS:-1024,32768,131072} \
-        --batches ${DECODE_BATCHES:-1,8,32} --steps 5 --profile "$OUT/decode_prof" --json
+        --weights fp8,bf16 --keys ${DECODE_KEYS:-1024,32768,131072} --batches ${DECODE_BATCHES:-1,8,32} --steps 5 \
+        --profile "$OUT/decode_prof" --json
+    step decode_ab ${DECODE_LIMIT:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+        --weights fp8 --form gather,static,graphs --keys 32768 --batches 1,32 --steps 5 --json
     step decode_cp2 ${DECODE_LIMIT:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
-        --weights fp8 --form auto,gather --keys 1024,32768 --batches 1,32 --steps 5 --json
+        --weights fp8 --form auto,gather --keys 1024,32768,131072 --batches 1,32 --steps 5 --json
 fi
 if want decode_kernels; then  # the paged kernels alone: sparse decode MLA (FlashMLA's sparse decode beside it where
     # it builds), the indexer's paged logits
     peer=()
     if flashmla; then export PYTHONPATH=src:/tmp/peers/FlashMLA; peer=(--peer flashmla); fi
     step attention_decode 200 python3 -m cpkv bench attention --decode "${peer[@]}" --json
-    step attention_decode_sweep 150 python3 -m cpkv bench attention --decode --sweep --batches 1,32 --json
+    [ -n "${DECODE_SWEEP:-}" ] && step attention_decode_sweep 150 python3 -m cpkv bench attention --decode --sweep \
+        --batches 1,32 --json
     step indexer_decode 150 python3 -m cpkv bench indexer --decode --json
 fi
 if want decode_serve; then  # issue 45: `cpkv serve` on the GPU (GLM-5 shapes, 4 layers, cp 2 as the issue measured),
