@@ -20,7 +20,9 @@ rows on the full layers and top-k token rows per layer of the generations it run
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 import time
 
 HELP = "The paged decode step per batch and context, against the bytes it must read at the copy rate."
@@ -163,6 +165,9 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
                     if shared:  # one memory system serves every rank's bytes (an upper bound on the read: the
                         # busiest rank's count of experts taken for each rank)
                         out[-1].update(shared_floor_ms=total / rate * 1e3, ratio_to_shared_floor=times * rate / total)
+                    if ctx.rank == 0:  # each case as it ends: a run stopped early keeps what it measured
+                        print("case " + json.dumps({"weights": cfg.weights_dtype, **out[-1]}), file=sys.stderr,
+                              flush=True)
             ex.kv.drop(source[1])
             ex.kv.release(source[2])
     finally:
