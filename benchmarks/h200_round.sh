@@ -146,14 +146,14 @@ if want decode; then  # issue 45: the paged decode step's GPU tests (its kernels
     step decode_tests ${DECODE_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
         tests/kernels/test_paged_rows_gpu.py tests/kernels/test_paged_logits_kernel.py tests/indexer/test_paged_logits.py \
         tests/attention/test_sparse_decode_gpu.py
-    step decode_kern_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
+    step decode_kern_tests ${DECODE_KERN_S:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
         tests/kernels/test_elem_gpu.py -k "head_weights or router"
-    step decode_cp1 ${DECODE_LIMIT:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+    step decode_cp1 ${DECODE_CP1_S:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
         --weights fp8,bf16 --keys ${DECODE_KEYS:-1024,32768,131072} --batches ${DECODE_BATCHES:-1,8,32} --steps 5 \
         --profile "$OUT/decode_prof" --json
-    step decode_ab ${DECODE_LIMIT:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+    step decode_ab ${DECODE_AB_S:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
         --weights fp8 --form gather,static,graphs --keys 32768 --batches 1,32 --steps 5 --json
-    step decode_cp2 ${DECODE_LIMIT:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
+    step decode_cp2 ${DECODE_CP2_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
         --weights fp8 --form auto,gather --keys 1024,32768,131072 --batches 1,32 --steps 5 --json
 fi
 if want decode_kernels; then  # the paged kernels alone: sparse decode MLA (FlashMLA's sparse decode beside it where
