@@ -104,6 +104,19 @@ def test_one_generation_at_cp1_is_the_reference_run_token_by_token_bit_for_bit(p
         assert int(want.argmax()) == seq[n]
 
 
+def _assert_reference_greedy(reference, prompts, gens, steps) -> None:
+    """Every generation ran every step; each token is the reference prefill's greedy token for the prompt plus the
+    tokens before it, each step's logits within the CPU tolerance (0.01 + 1 % of the largest |logit|)."""
+    for rid, prompt in enumerate(prompts):
+        seq = gens[rid]
+        assert len(seq) == len(prompt) + 1 + len(steps)
+        for s, got in enumerate(steps):
+            n = len(prompt) + 1 + s
+            want = reference.reference_prefill(seq[:n])
+            assert int(want.argmax()) == seq[n], (rid, s)
+            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= 0.01 + 0.01 * float(want.abs().max())
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     """Several generations (short, at the top-k, past it; over page boundaries) advance together; each token is
@@ -111,15 +124,8 @@ def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     gives), and the logits agree within the CPU tolerance."""
     prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100), _prompt(5, 47)]
     gens, steps, used, _ = _run(cp, prompts)
-    for rid, prompt in enumerate(prompts):
-        seq = gens[rid]
-        assert len(seq) == len(prompt) + 1 + NEW
-        for s, got in enumerate(steps):
-            n = len(prompt) + 1 + s
-            want = reference.reference_prefill(seq[:n])
-            assert int(want.argmax()) == seq[n], (rid, s)
-            tol = 0.01 + 0.01 * float(want.abs().max())
-            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= tol, (rid, s)
+    assert len(steps) == NEW
+    _assert_reference_greedy(reference, prompts, gens, steps)
     # finished: every full page stays cached (its owner's), every tail page went back
     assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)
 
@@ -133,15 +139,8 @@ def test_static_step_decodes_the_reference_greedy_tokens(reference, cp, form):
     eagerly."""
     prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100)]
     gens, steps, _, graphed = _run(cp, prompts, form=form)
-    assert graphed == (NEW if form == "graphs" else 0)
-    for rid, prompt in enumerate(prompts):
-        seq = gens[rid]
-        assert len(seq) == len(prompt) + 1 + NEW
-        for s, got in enumerate(steps):
-            n = len(prompt) + 1 + s
-            want = reference.reference_prefill(seq[:n])
-            assert int(want.argmax()) == seq[n], (rid, s)
-            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= 0.01 + 0.01 * float(want.abs().max())
+    assert graphed == (NEW if form == "graphs" else 0) and len(steps) == NEW
+    _assert_reference_greedy(reference, prompts, gens, steps)
 
 
 def test_steps_through_the_layer_graphs_buffers_decode_the_same_tokens(reference):
@@ -150,13 +149,7 @@ def test_steps_through_the_layer_graphs_buffers_decode_the_same_tokens(reference
     prompts = [_prompt(6, 70), _prompt(7, 30)]
     gens, steps, _, graphed = _run(2, prompts, graph_tokens=64)
     assert graphed == NEW  # rank 0 runs both generations' steps here (their tail pages' owner), all through them
-    for rid, prompt in enumerate(prompts):
-        seq = gens[rid]
-        for s, got in enumerate(steps):
-            n = len(prompt) + 1 + s
-            want = reference.reference_prefill(seq[:n])
-            assert int(want.argmax()) == seq[n], (rid, s)
-            assert float((torch.from_numpy(got[rid]) - want).abs().max()) <= 0.01 + 0.01 * float(want.abs().max())
+    _assert_reference_greedy(reference, prompts, gens, steps)
 
 
 @pytest.mark.cuda

@@ -107,25 +107,18 @@ def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: in
 
 def weights_list(spec: str) -> list[str]:
     """``--weights`` -> distinct modes in order (ConfigError naming the flag on a bad value)."""
-    from cpkv.engine.config import WEIGHTS
-    from cpkv.errors import ConfigError
+    from cpkv.cli.args import choice_list
+    from cpkv.model.config import WEIGHTS_MODES
 
-    out = [w for w in spec.split(",") if w]
-    if not out or any(w not in WEIGHTS for w in out) or len(set(out)) != len(out):
-        raise ConfigError(f"--weights: expected distinct values of {', '.join(WEIGHTS)}, comma-separated; got {spec!r}")
-    return out
+    return choice_list(spec, "--weights", WEIGHTS_MODES)
 
 
 def forms_list(spec: str) -> list[str]:
     """``--form`` -> distinct forms in order (ConfigError naming the flag on a bad value)."""
+    from cpkv.cli.args import choice_list
     from cpkv.envs import DECODE_STEPS
-    from cpkv.errors import ConfigError
 
-    out = [f for f in spec.split(",") if f]
-    if not out or any(f not in DECODE_STEPS for f in out) or len(set(out)) != len(out):
-        raise ConfigError(f"--form: expected distinct values of {', '.join(DECODE_STEPS)}, comma-separated; "
-                          f"got {spec!r}")
-    return out
+    return choice_list(spec, "--form", DECODE_STEPS)
 
 
 def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,

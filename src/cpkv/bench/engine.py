@@ -250,14 +250,9 @@ def release_parent_cache(device: str) -> None:
 
 def weights_modes(spec: str) -> list[str]:
     """``--weights`` -> the modes to run, in order (ConfigError naming the flag on a bad value)."""
-    from cpkv.errors import ConfigError
-    from cpkv.model.config import WEIGHTS_MODES
+    from cpkv.bench.decode import weights_list
 
-    modes = [m for m in spec.split(",") if m]
-    if not modes or any(m not in WEIGHTS_MODES for m in modes) or len(set(modes)) != len(modes):
-        raise ConfigError(f"--weights: expected distinct values of {', '.join(WEIGHTS_MODES)}, comma-separated; "
-                          f"got {spec!r}")
-    return modes
+    return weights_list(spec)
 
 
 def dense_split(cfg_m) -> int | None:

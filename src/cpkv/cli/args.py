@@ -184,3 +184,11 @@ def require_cuda(device: str, command: str) -> None:
     if not torch.cuda.is_available():
         raise ConfigError(f"{command} runs on --device cuda (the default), but torch sees no CUDA device on this "
                           "machine; --device cpu runs it on the CPU")
+
+
+def choice_list(spec: str, flag: str, choices) -> list[str]:
+    """A comma-separated list of distinct values of ``choices``, in order (ConfigError naming ``flag`` otherwise)."""
+    out = [v for v in spec.split(",") if v]
+    if not out or any(v not in choices for v in out) or len(set(out)) != len(out):
+        raise ConfigError(f"{flag}: expected distinct values of {', '.join(choices)}, comma-separated; got {spec!r}")
+    return out
