@@ -127,8 +127,10 @@ DEPTH="--model glm5 --experts 32 --weights fp8"
 if want depth || want depth_run; then  # the run verified at depth (reference on rank 0's own model: --reference
     # auto at cp 1 on CUDA), its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in its JSON)
     # (--long 4096: a two-turn conversation past GLM-5's index top-k, so the 40 full indexer layers select sparsely)
-    # (CPKV_MEMORY_SITES: the rank's live memory by allocation site at each set-up mark, for the plan's residual)
-    CPKV_MEMORY_SITES="$OUT/memsites" step depth_run ${DEPTH_RUN_S:-220} python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
+    # (DEPTH_SITES=1: CPKV_MEMORY_SITES, the rank's live memory by allocation site at each set-up mark, for the
+    # plan's residual; it records every allocation's stack: the run takes minutes longer)
+    sites=(); [ -n "${DEPTH_SITES:-}" ] && sites=(CPKV_MEMORY_SITES="$OUT/memsites")
+    step depth_run ${DEPTH_RUN_S:-220} env "${sites[@]}" python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
         --page-size 64 --pages-per-rank 2048 --long 4096 --json
     step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
     python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
@@ -146,12 +148,12 @@ if want decode; then  # issue 45: the paged decode step's GPU tests (its kernels
     step decode_tests ${DECODE_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
         tests/kernels/test_paged_rows_gpu.py tests/kernels/test_paged_logits_kernel.py tests/indexer/test_paged_logits.py \
         tests/attention/test_sparse_decode_gpu.py
-    step decode_kern_tests ${DECODE_KERN_S:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
+    [ -z "${DECODE_SKIP_KERN:-}" ] && step decode_kern_tests ${DECODE_KERN_S:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_gpu.py \
         tests/kernels/test_elem_gpu.py -k "head_weights or router"
     step decode_cp1 ${DECODE_CP1_S:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
         --weights fp8,bf16 --keys ${DECODE_KEYS:-1024,32768,131072} --batches ${DECODE_BATCHES:-1,8,32} --steps 5 \
         --profile "$OUT/decode_prof" --json
-    step decode_ab ${DECODE_AB_S:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+    [ -z "${DECODE_SKIP_AB:-}" ] && step decode_ab ${DECODE_AB_S:-300} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
         --weights fp8 --form gather,static,graphs --keys 32768 --batches 1,32 --steps 5 --json
     step decode_cp2 ${DECODE_CP2_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
         --weights fp8 --form auto,gather --keys 1024,32768,131072 --batches 1,32 --steps 5 --json

@@ -130,16 +130,18 @@ def test_batched_generations_decode_the_reference_greedy_tokens(reference, cp):
     assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)
 
 
-@pytest.mark.parametrize("cp,form", [(1, "static"), (2, "static"), (1, "graphs")])
-def test_static_step_decodes_the_reference_greedy_tokens(reference, cp, form):
-    """The fixed-shape step (``engine.decode_graph.step_forward``, eager here: the paged references read the rows
-    in place through the table; contexts below, at and past the top-k in one step, so short ones select every key)
-    gives each generation the reference's greedy tokens, its logits within the CPU tolerance. "graphs" on the CPU:
-    three generations padded to the bucket of 4 (the fourth a copy of the first, writing the same rows), run
-    eagerly."""
+@pytest.mark.parametrize("cp,form,graph_tokens", [(1, "static", 0), (2, "static", 0), (2, "static", 64),
+                                                    (1, "graphs", 0)])
+def test_static_step_decodes_the_reference_greedy_tokens(reference, cp, form, graph_tokens):
+    """The attention read in place ("static": the gather step's structure, the layers' token-only pieces through the
+    layer graphs' buffers with graph_tokens; the paged references read the rows through the table; contexts below,
+    at and past the top-k in one step, so short ones select every key) gives each generation the reference's greedy
+    tokens, its logits within the CPU tolerance. "graphs" on the CPU: the fixed-shape step
+    (``engine.decode_graph.step_forward``), three generations padded to the bucket of 4 (the fourth a copy of the
+    first, writing the same rows), run eagerly."""
     prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100)]
-    gens, steps, _, graphed = _run(cp, prompts, form=form)
-    assert graphed == (NEW if form == "graphs" else 0) and len(steps) == NEW
+    gens, steps, _, graphed = _run(cp, prompts, form=form, graph_tokens=graph_tokens)
+    assert graphed == (NEW if form == "graphs" or graph_tokens else 0) and len(steps) == NEW
     _assert_reference_greedy(reference, prompts, gens, steps)
 
 

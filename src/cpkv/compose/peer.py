@@ -117,6 +117,11 @@ class PeerMemory:
         elif self.ctx.device.type == "cpu":
             t, path = self._shm(shape, name, dtype)
             self._handles[name] = ("shm", path, tuple(shape), dtype)
+        elif self.ctx.world_size == 1:  # no peer to map it: no CUDA IPC export (an exported buffer that no process
+            # ever maps stays held by torch's sent-data limbo after its tensor is gone: a run's pool outlived its
+            # loop, 7.4 GB at GLM-5's 78 layers, cpkv.engine.memsites)
+            t = torch.zeros(shape, dtype=dtype, device=self.ctx.device)
+            self._handles[name] = ("own",)
         else:
             t = torch.zeros(shape, dtype=dtype, device=self.ctx.device)
             from torch.multiprocessing.reductions import reduce_tensor

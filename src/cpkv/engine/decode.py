@@ -48,40 +48,52 @@ class DecodePlan:
     ids: torch.Tensor        # int64 [B]
     positions: torch.Tensor  # int64 [B]
     write_rows: torch.Tensor  # int64 [B]: each token's row in this rank's pool (page * P + offset)
-    ctx: RowMap              # (owner, row) int64 [S] of every key of every entry, entry by entry
-    attn: AttnPlan           # query b's keys are the map's [ks[b], ke[b]); dense when each sees <= top-k keys
+    ctx: RowMap | None       # (owner, row) int64 [S] of every key of every entry, entry by entry (None in place)
+    attn: AttnPlan | None    # query b's keys are the map's [ks[b], ke[b]); dense when each sees <= top-k keys
     ep: Any = None           # the step's expert exchange (cpkv.compose.dispatch.EPBatch), or None
+    inputs: Any = None       # in place: the entries' StepInputs (engine.decode_graph: ids ... ctx on the device, L)
 
     @property
     def num_tokens(self) -> int:
         return len(self.rids)
 
 
-def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None) -> DecodePlan:
+def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None,
+                in_place: bool = False) -> DecodePlan:
     """Rank ``rank``'s plan of ``step`` (module docstring) over ``table`` (the step's changes applied); ``ep``: the
-    rank's ExpertExchange, prepared with every rank's token count. Host work O(own entries)."""
+    rank's ExpertExchange, prepared with every rank's token count. Host work O(own entries). ``in_place``: the
+    attention reads the rows in place (``engine.decode_graph.attend_in_place``): no context map, no AttnPlan, the
+    entries' StepInputs instead."""
     mine, P, dev = step.on(rank), step.page_size, model.device
     ke = np.cumsum([e.context for e in mine], dtype=np.int64)
     ks = ke - [e.context for e in mine]
     host = [[e.token for e in mine], [e.position for e in mine], [e.page * P + e.position % P for e in mine],
             [e.slot for e in mine], [e.context for e in mine], ks.tolist()]
-    ids, pos, write, slot, ctx, start = upload_arrays([np.asarray(host, np.int64).reshape(6, -1)], dev)[0].unbind(0)
+    up = upload_arrays([np.asarray(host, np.int64).reshape(6, -1)], dev)[0]
+    ids, pos, write, slot, ctx, start = up.unbind(0)
+    exchange = ep.plan_batch(step.counts()) if ep is not None else None
+    rids = tuple(e.rid for e in mine)
+    if in_place:
+        from cpkv.engine.decode_graph import StepInputs, context_bucket
+
+        L = context_bucket(max((e.context for e in mine), default=1), model.cfg.index_topk)
+        return DecodePlan(rids, ids, pos, write, None, None, exchange, StepInputs(up[:5], L))
     s = int(ke[-1]) if len(mine) else 0
     seq = torch.repeat_interleave(torch.arange(len(mine), device=dev), ctx, output_size=s)  # each key's entry
     at = torch.arange(s, device=dev) - start[seq]                                           # its position
     row, col = slot[seq], at // P
     attn = AttnPlan.build(ks.tolist(), ke.tolist(), model.cfg.index_topk, dev)
-    return DecodePlan(tuple(e.rid for e in mine), ids, pos, write,
-                      RowMap(table.owner[row, col], table.page[row, col] * P + at % P), attn,
-                      ep.plan_batch(step.counts()) if ep is not None else None)
+    return DecodePlan(rids, ids, pos, write, RowMap(table.owner[row, col], table.page[row, col] * P + at % P), attn,
+                      exchange)
 
 
-def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
-               graphs: "LayerGraphs | None" = None) -> dict[Hashable, torch.Tensor]:
+def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan, graphs: "LayerGraphs | None" = None,
+               in_place: Any = None, table: DecodeTable | None = None) -> dict[Hashable, torch.Tensor]:
     """-> {rid: float32 [vocab]} next-token logits of the rank's entries (module docstring). ``graphs``: the model's
     ``LayerGraphs``: a step whose token count is in its buckets runs each layer's token-only pieces (A: project, C:
     finish) through them, as a prefill batch does (``engine.forward.run_batch``); the paged attention between stays
-    eager."""
+    eager: over gathered rows, or in place through ``table`` with ``in_place`` (the step's StepKernels; the plan made
+    ``in_place``)."""
     t = plan.num_tokens
     g = graphs if graphs is not None and graphs.bucket(t) is not None else None
     h, delta, sel = model.embed(plan.ids), None, None
@@ -96,7 +108,12 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan,
         p = g.project(n, layer) if g is not None else layer.project(h, rot, delta)
         for kind in model.cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, plan.write_rows, getattr(p, kind))
-        latent, sel = paged_attention(layer, p, views, plan, sel)
+        if in_place is not None:
+            from cpkv.engine.decode_graph import attend_in_place
+
+            latent, sel = attend_in_place(model, n, layer, p, in_place, table, plan.inputs, sel)
+        else:
+            latent, sel = paged_attention(layer, p, views, plan, sel)
         if g is not None:
             g.finish(n, layer, latent, plan.ep)
         else:
@@ -159,7 +176,9 @@ class DecodeRunner:
 
         self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
         self.views = PagedViews(rt, model.backends.triton)
-        self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device)
+        # rows for 64 generations at once from the start (50 KB each at GLM-5's context): a table that grows
+        # drops the step's graphs made over it
+        self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device, slots=64)
         self.steps = 0
         self.form = resolve_form(form or envs.get("CPKV_DECODE_STEP"), model, ep)
         self.static = self.step_graphs = None
@@ -172,33 +191,27 @@ class DecodeRunner:
                                               lambda a: upload_arrays([a], model.device)[0])
 
     def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
-        mine = step.on(self.rank)
+        mine, out = step.on(self.rank), None
         # the step's uploads from a reused pinned buffer (pinning per call cost ~40 us each on the H200's host)
         with staging(self.model.device):
             self.table.apply(step)  # every rank: any rank may compute a generation's later steps
-            if self.static is not None and mine:
-                out = self._static(step, mine)
+            if self.step_graphs is not None and self.ep is None and self.step_graphs.fits(len(mine)):
+                out = self._graphed(step, mine)
             else:
-                plan = decode_plan(step, self.rank, self.model, self.table, self.ep)
-        if self.static is None or not mine:
-            out = run_decode(self.model, self.views, plan, self.graphs)
+                plan = decode_plan(step, self.rank, self.model, self.table, self.ep, in_place=self.static is not None)
+        if out is None:
+            out = run_decode(self.model, self.views, plan, self.graphs, self.static, self.table)
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}
 
-    def _static(self, step: DecodeStep, mine) -> dict[Hashable, torch.Tensor]:
-        from cpkv.engine.decode_graph import StepInputs, bucket, step_forward
+    def _graphed(self, step: DecodeStep, mine) -> dict[Hashable, torch.Tensor]:
+        from cpkv.engine.decode_graph import context_bucket
 
         P = step.page_size
         host = np.asarray([[e.token for e in mine], [e.position for e in mine],
                            [e.page * P + e.position % P for e in mine], [e.slot for e in mine],
                            [e.context for e in mine]], dtype=np.int64)
-        L = bucket(int(host[4].max()), least=self.model.cfg.index_topk)
-        if self.step_graphs is not None and self.ep is None and self.step_graphs.fits(len(mine)):
-            logits = self.step_graphs.run(host, len(mine), L)
-        else:
-            ep = self.ep.plan_batch(step.counts()) if self.ep is not None else None
-            logits = step_forward(self.model, self.static, self.table,
-                                  StepInputs(upload_arrays([host], self.model.device)[0], L), ep)
+        logits = self.step_graphs.run(host, len(mine), context_bucket(int(host[4].max()), self.model.cfg.index_topk))
         return {e.rid: logits[i] for i, e in enumerate(mine)}
 
 

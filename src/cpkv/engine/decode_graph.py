@@ -38,6 +38,12 @@ def bucket(n: int, least: int = 1) -> int:
     return 1 << (max(n, least) - 1).bit_length()
 
 
+def context_bucket(longest: int, topk: int) -> int:
+    """L, the indexer logits' columns for a step whose longest context is ``longest``: its power of two, at least
+    top-k (every shorter context shares one bucket)."""
+    return bucket(longest, least=topk)
+
+
 @dataclass
 class StepInputs:
     """One step's inputs on the device (module docstring): ``all`` int64 [5, B], one row per FIELDS name; ``L``
@@ -84,34 +90,39 @@ class StepKernels:
                                  backends=self.model.backends)[0]
 
 
+def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKernels, table: DecodeTable,
+                    s: StepInputs, sel: tuple[torch.Tensor, torch.Tensor] | None):
+    """Layer ``n``'s attention for the step's entries, every read in place -> (latent [B, H, kv_lora], the selection
+    as (owner, row) [B, k]: a full layer's own, a shared layer's the last full layer's)."""
+    if layer.full:
+        from cpkv.indexer.topk import topk_into
+
+        P, k = kern.views.page_size, model.cfg.index_topk
+        lo = torch.zeros(s.B, dtype=torch.int32, device=s.all.device)
+        logits = kern.logits(n, p.iq, p.iw, table, s)
+        top = topk_into(logits, lo, s.ctx.to(torch.int32), k,
+                        torch.empty((s.B, k), dtype=torch.int32, device=lo.device), backends=model.backends).long()
+        at = top.clamp(min=0)
+        page, rows_of = at // P, s.slot[:, None]
+        sel = (table.owner[rows_of, page], torch.where(top >= 0, table.page[rows_of, page] * P + at % P, -1))
+    if sel is None:
+        raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
+    layer.stats["sparse"] += 1
+    return kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, model.cfg.kv_lora_rank), sel
+
+
 def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
                  ep: Any = None) -> torch.Tensor:
     """float32 [B, vocab]: the next-token logits of the step's B entries (module docstring). ``ep``: the step's
     expert exchange (eager only: it synchronises with the other ranks)."""
-    cfg, views, P = model.cfg, kern.views, kern.views.page_size
-    k = cfg.index_topk
+    cfg, views = model.cfg, kern.views
     h, delta, sel = model.embed(s.ids), None, None
     rot = model.rotary(s.positions)
-    lo = torch.zeros(s.B, dtype=torch.int32, device=s.all.device)
-    hi = s.ctx.to(torch.int32)
-    rows_of = s.slot[:, None]
     for n, layer in enumerate(model.layers):
         p = layer.project(h, rot, delta)
         for kind in cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
-        if layer.full:
-            from cpkv.indexer.topk import topk_into
-
-            logits = kern.logits(n, p.iq, p.iw, table, s)
-            top = topk_into(logits, lo, hi, k, torch.empty((s.B, k), dtype=torch.int32, device=lo.device),
-                            backends=model.backends).long()
-            at = top.clamp(min=0)
-            page = at // P
-            sel = (table.owner[rows_of, page], torch.where(top >= 0, table.page[rows_of, page] * P + at % P, -1))
-        if sel is None:
-            raise ValueError(f"layer {n} is a shared indexer layer with no earlier full layer's top-k")
-        layer.stats["sparse"] += 1
-        latent = kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, cfg.kv_lora_rank)
+        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, sel)
         h, delta = layer.finish(p.h, latent, ep)
     return model.logits(h, delta)
 
@@ -144,8 +155,11 @@ class StepGraphs:
         key = (B, L, self.table.version)
         got = self.graphs.get(key)
         if got is None:
-            for old in [k for k in self.graphs if k[2] != self.table.version]:
-                del self.graphs[old]  # made over a table since grown
+            stale = [k for k in self.graphs if k[2] != self.table.version]
+            if stale:  # made over a table since grown: dropped, with their pool (a pool whose graphs are all gone
+                for old in stale:  # cannot take a new capture: a fresh one)
+                    del self.graphs[old]
+                self.pool = torch.cuda.graph_pool_handle()
             t0 = time.perf_counter()
             got = self.graphs[key] = self._capture(padded, B, L)
             self.captured += 1

@@ -85,6 +85,7 @@ class LayerGraphs:
         self.q = z(max_tokens, cfg.num_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=q_dtype)
         self.out: dict[str, torch.Tensor] = {}  # A's other results, allocated at a piece's first (eager) run
         self.graphs: dict[tuple[int, str, int], Any] = {}
+        self._routed: dict[tuple[int, str, int], torch.Tensor] = {}  # a MoE piece's routing (layer.routed after it)
         self.eager_runs = 0  # pieces run eagerly (each once, at its first use: a capture follows it)
         self.batches = 0     # batches run through the buffers
         self.warm_s = 0.0    # seconds ``warm`` took
@@ -171,6 +172,8 @@ class LayerGraphs:
             g.replay()
         else:
             self._run(key, make(layer, tb))
+        if key in self._routed:  # the routing this piece wrote (its captured buffer: current after the replay)
+            layer.routed = self._routed[key]
         if key[1] == "R":
             out = self.out
             layer.finish_experts(out["x"][:t], out["idx"][:t], out["rw"][:t],
@@ -181,11 +184,14 @@ class LayerGraphs:
             h, out = layer.finish(self.out["h"][:rows], self.latent[:rows])
             self.h[:rows].copy_(h)
             self.delta[:rows].copy_(out)
+            if layer.is_moe:
+                self._routed[(layer.n, "C", rows)] = layer.routed
         return piece
 
     def _routed_piece(self, layer: Any, rows: int):
         def piece() -> None:
             h, x, idx, rw, shared = layer.finish_routed(self.out["h"][:rows], self.latent[:rows])
+            self._routed[(layer.n, "R", rows)] = layer.routed
             self.h[:rows].copy_(h)
             for name, value in (("x", x), ("idx", idx), ("rw", rw), ("shared", shared)):
                 if value is not None:

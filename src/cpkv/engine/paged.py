@@ -54,11 +54,11 @@ class DecodeTable:
     """Every running generation's page table on the device: ``owner`` / ``page`` int64 [slots, max pages] (rows
     grow by doubling as generations start; a slot's row is valid up to its generation's pages)."""
 
-    def __init__(self, max_pages: int, device: torch.device) -> None:
+    def __init__(self, max_pages: int, device: torch.device, slots: int = 0) -> None:
         self.max_pages, self.device = max_pages, device
         self.version = 0  # bumped when the rows grow (new tensors: graphs captured over the old ones are stale)
-        self.owner = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
-        self.page = torch.zeros((0, max_pages), dtype=torch.int64, device=device)
+        self.owner = torch.zeros((slots, max_pages), dtype=torch.int64, device=device)
+        self.page = torch.zeros((slots, max_pages), dtype=torch.int64, device=device)
 
     def apply(self, step: DecodeStep) -> None:
         """Write the step's changed entries (one upload, one scatter; nothing when none changed)."""
