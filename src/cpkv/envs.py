@@ -146,9 +146,9 @@ _VARS: tuple[EnvVar, ...] = (
            "read once, when a model loads)."),
     EnvVar("CPKV_DECODE_STEP", "auto", _decode_step,
            "The paged decode step's form: auto (graphs where the step has no expert exchange on CUDA with cpkv's "
-           "kernels, else static where the kernels run, else gather), graphs (CUDA graphs per batch and context "
-           "bucket), static (the same fixed-shape step, eager), gather (the rows gathered, then the prefill's "
-           "kernels); read when a decode runner starts."),
+           "kernels, else static where the kernels run, else gather), graphs (the whole step as CUDA graphs per batch "
+           "and context bucket), static (the attention read in place by the paged kernels, the rest as gather), "
+           "gather (the rows gathered, then the prefill's kernels); read when a decode runner starts."),
     EnvVar("CPKV_MEMORY_SITES", "", str,
            "A diagnostic: a folder where each CUDA rank writes, when its trace loop is set up (the run's setup_bytes "
            "mark), its live GPU memory by allocation site (cpkv's innermost frames), as "

@@ -165,10 +165,11 @@ class DecodeRunner:
     graphs (the prefill's buckets serve the gather step's token-only pieces).
 
     ``form`` (default CPKV_DECODE_STEP): "gather" (``run_decode``: the rows gathered, the prefill's kernels),
-    "static" (``engine.decode_graph.step_forward`` eagerly over the step's rows: the paged kernels read the rows in
-    place), "graphs" (the static step as CUDA graphs per bucket; a step with an expert exchange, or with no entry
-    here, runs static), "auto": graphs on CUDA where cpkv's kernels run at fp8 precision with no expert exchange,
-    static where they run with one, else gather."""
+    "static" (``run_decode`` with the attention read in place by the paged kernels, ``engine.decode_graph``; the
+    token-only pieces through the layer graphs as in "gather"), "graphs" (every layer of the step in one CUDA graph
+    per (batch, context) bucket; a step with an expert exchange runs static), "auto": graphs on CUDA where cpkv's
+    kernels run at fp8 precision with no expert exchange, static where they run with one, else gather
+    (docs/design.md §11, measured in BENCHMARKS.md)."""
 
     def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None,
                  form: str | None = None, max_batch: int = 256) -> None:

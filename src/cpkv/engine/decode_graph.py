@@ -4,11 +4,12 @@ CUDA graph and replayed (docs/design.md §11, *The step as one graph*).
     StepInputs   int64 [5, B] on the device: token ids, positions, the pool rows their KV goes to, page-table slots,
                  context lengths (keys each query sees, its own token included). Entries past the step's own are
                  copies of its first: they compute what it computes and write the same bytes to the same rows
-    step_forward per layer: project -> write the token / index rows -> (full layers) the indexer's logits over the
-                 context read in place through the page table (``kernels.mqa_logits.paged``: [B, L], -inf past
-                 each context) -> top-k over [0, context) -> the selected positions as (owner, row) through the
-                 table -> sparse decode MLA over those rows in place (``kernels.sparse_mla.decode``; shared layers
-                 reuse the selection) -> finish (o_proj, MLP / MoE) -> the LM head over the B rows
+    step_forward per layer: project -> write the token / index rows -> ``attend_in_place``: (full layers) the
+                 indexer's logits over the context read in place through the page table
+                 (``kernels.mqa_logits.paged``: [B, L], -inf past each context) -> top-k over [0, context) -> the
+                 selected positions as (owner, row) through the table -> sparse decode MLA over those rows in place
+                 (``kernels.sparse_mla.decode``; shared layers reuse the selection) -> finish (o_proj, MLP / MoE)
+                 -> the LM head over the B rows
     StepGraphs   the graphs, captured on first use per (B, L), sharing one memory pool; the inputs uploaded into
                  the captured buffers (one copy), the table written in place (``DecodeTable``: a grown table drops
                  the graphs made over the old one)
@@ -16,9 +17,8 @@ CUDA graph and replayed (docs/design.md §11, *The step as one graph*).
 A context of at most top-k keys selects all of them (the top-k of n <= k keys is every key), so one form serves the
 dense and the sparse step. Nothing reads a length on the host: the kernels take the contexts on the device, so a
 replay with other contexts in the same bucket is the same launches. Graphs run where the step has no expert
-exchange (cp 1, or experts all local) on CUDA with cpkv's kernels; elsewhere ``step_forward`` runs eagerly over
-the step's own B rows (the exchange between the ranks as in a prefill batch), or the gather path
-(``engine.decode.run_decode``) does.
+exchange (cp 1) on CUDA with cpkv's kernels; with an exchange, ``attend_in_place`` serves the eager step
+(``engine.decode.run_decode``'s "static" form: the layer graphs' token-only pieces, the exchange between them).
 """
 from __future__ import annotations
 
