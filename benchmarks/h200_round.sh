@@ -126,11 +126,12 @@ fi
 DEPTH="--model glm5 --experts 32 --weights fp8"
 if want depth || want depth_run; then  # the run verified at depth (reference on rank 0's own model: --reference
     # auto at cp 1 on CUDA), its plan (JSON) and the plan against the run's measured peaks (plan_vs_peak in its JSON)
-    # (--long 4096: a two-turn conversation past GLM-5's index top-k, so the 40 full indexer layers select sparsely)
+    # (--long 4096: a two-turn conversation past GLM-5's index top-k, so the 40 full indexer layers select sparsely;
+    # its run and verification outran 150 s and 170 s limits on 2026-12-04: give it a call of its own)
     # (DEPTH_SITES=1: CPKV_MEMORY_SITES, the rank's live memory by allocation site at each set-up mark, for the
     # plan's residual; it records every allocation's stack: the run takes minutes longer)
     sites=(); [ -n "${DEPTH_SITES:-}" ] && sites=(CPKV_MEMORY_SITES="$OUT/memsites")
-    step depth_run ${DEPTH_RUN_S:-220} env "${sites[@]}" python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
+    step depth_run ${DEPTH_RUN_S:-420} env "${sites[@]}" python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
         --page-size 64 --pages-per-rank 2048 --long 4096 --json
     step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
     python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
