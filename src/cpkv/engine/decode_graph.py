@@ -68,7 +68,6 @@ class StepKernels:
 
     def __init__(self, model: DSAModel, views: PagedViews) -> None:
         self.model, self.views = model, views
-        self.triton = model.backends.triton
 
     def logits(self, layer: int, q: torch.Tensor, w: torch.Tensor, table: DecodeTable, s: StepInputs) -> torch.Tensor:
         """float32 [B, L]: the indexer's logits of each entry's context keys, -inf past its context
