@@ -177,3 +177,18 @@ def test_gpu_decode_steps_sync_free_and_close_to_the_reference_run_token_by_toke
             top2 = torch.topk(want, 2).values
             if float(top2[0] - top2[1]) > tol:
                 assert int(want.argmax()) == seq[n], (rid, s)
+
+
+def test_decode_forms_resolve_and_refuse_exact_rows_in_place():
+    """"auto" is gather on the CPU (no kernels); an in-place form over exact rows is a ConfigError naming the
+    variable, before any step runs."""
+    from cpkv.engine.decode import resolve_form
+    from cpkv.errors import ConfigError
+    from cpkv.model import load_model
+
+    fp8, exact = load_model("tiny", seed=0), load_model("tiny", seed=0, precision="exact")
+    assert resolve_form("auto", fp8, None) == "gather" and resolve_form("static", fp8, None) == "static"
+    assert resolve_form("auto", exact, None) == "gather" and resolve_form("gather", exact, None) == "gather"
+    for form in ("static", "graphs"):
+        with pytest.raises(ConfigError, match="CPKV_DECODE_STEP"):
+            resolve_form(form, exact, None)

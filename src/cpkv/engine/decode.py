@@ -58,6 +58,15 @@ class DecodePlan:
         return len(self.rids)
 
 
+def entry_rows(mine, page_size: int) -> np.ndarray:
+    """int64 [5, B]: the entries' token ids, positions, the pool rows their KV goes to, page-table slots and
+    contexts (``engine.decode_graph.FIELDS``' order)."""
+    P = page_size
+    return np.asarray([[e.token for e in mine], [e.position for e in mine],
+                       [e.page * P + e.position % P for e in mine], [e.slot for e in mine],
+                       [e.context for e in mine]], dtype=np.int64).reshape(5, -1)
+
+
 def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None,
                 in_place: bool = False) -> DecodePlan:
     """Rank ``rank``'s plan of ``step`` (module docstring) over ``table`` (the step's changes applied); ``ep``: the
@@ -65,11 +74,9 @@ def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable
     attention reads the rows in place (``engine.decode_graph.attend_in_place``): no context map, no AttnPlan, the
     entries' StepInputs instead."""
     mine, P, dev = step.on(rank), step.page_size, model.device
-    ke = np.cumsum([e.context for e in mine], dtype=np.int64)
-    ks = ke - [e.context for e in mine]
-    host = [[e.token for e in mine], [e.position for e in mine], [e.page * P + e.position % P for e in mine],
-            [e.slot for e in mine], [e.context for e in mine], ks.tolist()]
-    up = upload_arrays([np.asarray(host, np.int64).reshape(6, -1)], dev)[0]
+    entries = entry_rows(mine, P)
+    ke = np.cumsum(entries[4], dtype=np.int64)
+    up = upload_arrays([np.concatenate([entries, (ke - entries[4])[None]])], dev)[0]
     ids, pos, write, slot, ctx, start = up.unbind(0)
     exchange = ep.plan_batch(step.counts()) if ep is not None else None
     rids = tuple(e.rid for e in mine)
@@ -78,7 +85,7 @@ def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable
 
         L = context_bucket(max((e.context for e in mine), default=1), model.cfg.index_topk)
         return DecodePlan(rids, ids, pos, write, None, None, exchange, StepInputs(up[:5], L))
-    s = int(ke[-1]) if len(mine) else 0
+    s, ks = (int(ke[-1]) if len(mine) else 0), ke - entries[4]
     seq = torch.repeat_interleave(torch.arange(len(mine), device=dev), ctx, output_size=s)  # each key's entry
     at = torch.arange(s, device=dev) - start[seq]                                           # its position
     row, col = slot[seq], at // P
@@ -208,21 +215,23 @@ class DecodeRunner:
     def _graphed(self, step: DecodeStep, mine) -> dict[Hashable, torch.Tensor]:
         from cpkv.engine.decode_graph import context_bucket
 
-        P = step.page_size
-        host = np.asarray([[e.token for e in mine], [e.position for e in mine],
-                           [e.page * P + e.position % P for e in mine], [e.slot for e in mine],
-                           [e.context for e in mine]], dtype=np.int64)
+        host = entry_rows(mine, step.page_size)
         logits = self.step_graphs.run(host, len(mine), context_bucket(int(host[4].max()), self.model.cfg.index_topk))
         return {e.rid: logits[i] for i, e in enumerate(mine)}
 
 
 def resolve_form(form: str, model: DSAModel, ep: Any) -> str:
-    """CPKV_DECODE_STEP's "auto" made concrete for this model and exchange (``DecodeRunner``)."""
-    if form != "auto":
-        return form
+    """CPKV_DECODE_STEP's "auto" made concrete for this model and exchange (``DecodeRunner``); ConfigError for an
+    in-place form ("static", "graphs") on a model whose KV rows are not fp8 (``--precision exact``)."""
+    from cpkv.errors import ConfigError
     from cpkv.model.precision import FP8Precision
 
-    fast = model.backends.triton and isinstance(model.layers[0].precision, FP8Precision) if model.layers else False
-    if not fast:
+    fp8 = bool(model.layers) and isinstance(model.layers[0].precision, FP8Precision)
+    if form in ("static", "graphs") and not fp8:
+        raise ConfigError(f"decode step {form!r} (CPKV_DECODE_STEP) reads fp8 KV rows in place; this model keeps "
+                          "exact rows (--precision exact): use gather or auto")
+    if form != "auto":
+        return form
+    if not (fp8 and model.backends.triton):
         return "gather"
     return "graphs" if model.device.type == "cuda" and ep is None else "static"

@@ -22,12 +22,18 @@ exchange (cp 1) on CUDA with cpkv's kernels; with an exchange, ``attend_in_place
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
+from cpkv.attention.sparse_decode import sparse_decode_mla
 from cpkv.engine.paged import DecodeTable, PagedViews
+from cpkv.indexer.paged import paged_logits
+from cpkv.indexer.topk import topk_into
 from cpkv.model.model import DSAModel
 
 FIELDS = ("ids", "positions", "write_rows", "slot", "ctx")
@@ -61,6 +67,11 @@ class StepInputs:
     def B(self) -> int:
         return self.all.shape[1]
 
+    @cached_property
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [B] each: every entry's top-k range over its logits' columns, [0, ctx) (made once per step)."""
+        return torch.zeros(self.B, dtype=torch.int32, device=self.all.device), self.ctx.to(torch.int32)
+
 
 class StepKernels:
     """The paged reads a static step makes, chosen once: cpkv's kernels where the backends run Triton, else their
@@ -72,8 +83,6 @@ class StepKernels:
     def logits(self, layer: int, q: torch.Tensor, w: torch.Tensor, table: DecodeTable, s: StepInputs) -> torch.Tensor:
         """float32 [B, L]: the indexer's logits of each entry's context keys, -inf past its context
         (``cpkv.indexer.paged.paged_logits``: the index rows read in place through the table)."""
-        from cpkv.indexer.paged import paged_logits
-
         out = torch.empty((s.B, s.L), dtype=torch.float32, device=q.device)
         return paged_logits(q, w, self.views.rows(layer, "index"), self.views.bases(layer, "index"), table.owner,
                             table.page, s.slot, s.ctx, self.views.page_size, out, backends=self.model.backends)
@@ -82,8 +91,6 @@ class StepKernels:
                d_v: int) -> torch.Tensor:
         """bf16 [B, H, d_v]: sparse MLA of each entry over its selected token rows, read in place and dequantised in
         the kernel (``cpkv.attention.sparse_decode``)."""
-        from cpkv.attention.sparse_decode import sparse_decode_mla
-
         return sparse_decode_mla(q, self.views.rows(layer, "token"), owner, row, sm_scale, d_v,
                                  self.model.cfg.token_format, bases=self.views.bases(layer, "token"),
                                  backends=self.model.backends)[0]
@@ -94,13 +101,11 @@ def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKerne
     """Layer ``n``'s attention for the step's entries, every read in place -> (latent [B, H, kv_lora], the selection
     as (owner, row) [B, k]: a full layer's own, a shared layer's the last full layer's)."""
     if layer.full:
-        from cpkv.indexer.topk import topk_into
-
         P, k = kern.views.page_size, model.cfg.index_topk
-        lo = torch.zeros(s.B, dtype=torch.int32, device=s.all.device)
+        lo, hi = s.bounds
         logits = kern.logits(n, p.iq, p.iw, table, s)
-        top = topk_into(logits, lo, s.ctx.to(torch.int32), k,
-                        torch.empty((s.B, k), dtype=torch.int32, device=lo.device), backends=model.backends).long()
+        top = topk_into(logits, lo, hi, k, torch.empty((s.B, k), dtype=torch.int32, device=lo.device),
+                        backends=model.backends).long()
         at = top.clamp(min=0)
         page, rows_of = at // P, s.slot[:, None]
         sel = (table.owner[rows_of, page], torch.where(top >= 0, table.page[rows_of, page] * P + at % P, -1))
@@ -110,10 +115,9 @@ def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKerne
     return kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, model.cfg.kv_lora_rank), sel
 
 
-def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
-                 ep: Any = None) -> torch.Tensor:
-    """float32 [B, vocab]: the next-token logits of the step's B entries (module docstring). ``ep``: the step's
-    expert exchange (eager only: it synchronises with the other ranks)."""
+def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs) -> torch.Tensor:
+    """float32 [B, vocab]: the next-token logits of the step's B entries (module docstring); no expert exchange
+    (a step with one runs ``engine.decode.run_decode`` in place)."""
     cfg, views = model.cfg, kern.views
     h, delta, sel = model.embed(s.ids), None, None
     rot = model.rotary(s.positions)
@@ -122,7 +126,7 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: Step
         for kind in cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
         latent, sel = attend_in_place(model, n, layer, p, kern, table, s, sel)
-        h, delta = layer.finish(p.h, latent, ep)
+        h, delta = layer.finish(p.h, latent)
     return model.logits(h, delta)
 
 
@@ -143,9 +147,6 @@ class StepGraphs:
         return 0 < t <= self.max_batch
 
     def run(self, host, t: int, L: int) -> torch.Tensor:
-        import numpy as np
-        import time
-
         B = bucket(t)
         padded = np.concatenate([host, np.repeat(host[:, :1], B - t, axis=1)], axis=1) if B > t else host
         if not self.capture:
