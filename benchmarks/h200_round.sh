@@ -181,8 +181,8 @@ fi
 if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loop on the seed-shaped trace scaled to its
     # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix
     python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
-        python3 -m pip install -q --no-index --no-deps out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
-    step depth_serve 560 env CPKV="python3 -m cpkv" BOOT_S=${DEPTH_BOOT_S:-240} WARMUP=2 \
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    PYTHONPATH=src:/tmp/site step depth_serve ${DEPTH_SERVE_S:-560} env CPKV="python3 -m cpkv" BOOT_S=${DEPTH_BOOT_S:-240} WARMUP=2 \
         TRACE="${DEPTH_TRACE:---requests 16 --scale 0.25}" \
         GEOM="--model glm5 --cp 1 --chunk-size 8192 --page-size 64 --pages-per-rank 2048 --max-requests 8" \
         SERVE_EXTRA="--experts 32 --weights fp8 --device cuda" bash benchmarks/serve_ab.sh "$OUT/depth_serve" \

@@ -52,3 +52,16 @@ def test_floor_counts_the_experts_read_not_the_most_reachable():
 def test_bad_lists_are_one_line_naming_the_flag(capsys):
     assert main(["bench", "decode", "--keys", "12,x"]) == 2
     assert "--keys" in capsys.readouterr().err
+
+
+def test_the_graphs_form_at_cp1_reports_its_pipelined_loop_beside_the_synchronised_step(capsys):
+    """cp 1, the graphs form (on the CPU: the fixed-shape step run eagerly): step_ms is the pipelined loop's time per
+    step, sync_step_ms the synchronised step's, both timed; the gather form beside it does not pipeline."""
+    rc = main(["bench", "decode", "--device", "cpu", "--cp", "1", "--page-size", "16", "--keys", "48",
+               "--batches", "2", "--steps", "2", "--form", "graphs,gather", "--json"])
+    assert rc == 0
+    cases = json.loads(capsys.readouterr().out)["cases"]
+    assert [(c["form"], c["pipelined"]) for c in cases] == [("graphs", True), ("gather", False)]
+    for c in cases:
+        assert c["step_ms"] > 0 and c["sync_step_ms"] > 0
+    assert cases[1]["step_ms"] == cases[1]["sync_step_ms"]

@@ -192,3 +192,94 @@ def test_decode_forms_resolve_and_refuse_exact_rows_in_place():
     for form in ("static", "graphs"):
         with pytest.raises(ConfigError, match="CPKV_DECODE_STEP"):
             resolve_form(form, exact, None)
+
+
+def _pipelined_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], budgets: list[int], late: int,
+                     pipelined: bool = True):
+    """Prefill every prompt (kept), then decode them greedily with the graphs form: generation i makes
+    ``budgets[i]`` tokens after its first and stops, the last one starts ``late`` steps after the others.
+    ``pipelined``: each step is launched before the previous one's tokens are read (``DecodeRunner.launch``: its
+    input tokens pending on the device); else each step runs and is read in turn. -> (tokens per generation,
+    launched steps, pages used at the end)."""
+    from cpkv.engine.decode import DecodeRunner
+    from cpkv.engine.executor import BatchExecutor
+    from cpkv.engine.instruments import NoInstruments
+    from cpkv.engine.rank import rank_model
+    from cpkv.scheduler import Request
+    from cpkv.scheduler.decode import Decoder
+
+    model = rank_model(ctx, cfg)
+    ex = BatchExecutor(ctx, cfg, model, NoInstruments())
+    dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
+    runner = DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form="graphs")
+    assert runner.pipelined
+    gens, kept = {i: list(p) for i, p in enumerate(prompts)}, {}
+    for i, p in enumerate(prompts):
+        req = Request(i, list(p), len(p))
+        req.keep = True
+        ex.sched.add(req)
+    while ex.sched.has_work:
+        res = ex.run(ex.sched.next_batch())
+        for r in res.finished:
+            gens[r.rid].append(int(res.logits[r.rid].argmax()))
+            kept[r.rid] = r
+    waiting = len(prompts) - 1
+    for rid in range(waiting):
+        dec.start(rid, gens[rid], kept[rid].prefix, kept[rid].tail)
+    made = {rid: 0 for rid in gens}
+    pending, launched = None, 0
+
+    def read(got) -> None:  # a step's tokens reach the host: appended, and a generation at its budget stops
+        for rid, tok in got.tokens().items():
+            if rid not in dec.seqs:
+                continue  # stopped at the step before: this step ran past its end, its token is dropped
+            gens[rid].append(tok)
+            made[rid] += 1
+            if made[rid] >= budgets[rid]:
+                dec.finish(rid)
+
+    while len(dec) or pending is not None or waiting < len(prompts):
+        if launched == late and waiting < len(prompts):
+            dec.start(waiting, gens[waiting], kept[waiting].prefix, kept[waiting].tail)
+            waiting += 1
+        step, failed = dec.plan()
+        assert not failed
+        got = runner.launch(step) if step is not None else None
+        launched += step is not None
+        if not pipelined and got is not None:  # each step read before the next is planned
+            for e in step.entries:
+                dec.advance(e.rid)
+            read(got)
+            continue
+        if pending is not None:
+            read(pending)
+        if step is not None:
+            for e in step.entries:
+                if e.rid in dec.seqs:
+                    dec.advance(e.rid)
+        pending = got
+    ex.close()
+    return gens, launched, ex.kv.pages_used()
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_pipelined_steps_decode_the_reference_greedy_tokens(reference, pipelined):
+    """The graphs form's greedy tokens picked on the device (CPU: the fixed-shape step run eagerly): launched one
+    step ahead of the host, each step's inputs pending on the device, generations stopping at different steps and
+    one joining late, every token is the reference prefill's greedy token for the prompt plus the tokens before
+    it, every generation makes exactly its budget, and the finished generations hold no tail page."""
+    prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100), _prompt(5, 45)]
+    budgets = [3, 6, 1, 4]
+    cfg = EngineConfig(cp=1, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4)
+    gens, launched, used = launch(_pipelined_ranks, 1, args=(cfg, prompts, budgets, 2, pipelined), device="cpu",
+                                  timeout_s=600)[0]
+    for rid, prompt in enumerate(prompts):
+        seq = gens[rid]
+        assert len(seq) == len(prompt) + 1 + budgets[rid], rid
+        for n in range(len(prompt) + 1, len(seq)):
+            assert int(reference.reference_prefill(seq[:n]).argmax()) == seq[n], (rid, n)
+    # the steps: 6 for the longest budget, the late one's 4 from step 2 on, pipelined one step past each stop
+    assert launched == (7 if pipelined else 6)
+    # every stored token's full pages stay cached (a stopped generation's last token has its KV stored, a step run
+    # past its stop does not count), every tail page went back
+    assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)

@@ -4,7 +4,12 @@ Per context length L (``--keys``) one prompt of L tokens is prefilled once (its 
 keeps a generation's) and cloned page for page, on the same owners, into B generations (``--batches``): each clone
 holds its own copy of the KV under its own keys, so a step reads B contexts as B real generations would (their
 top-k selections alike). Then ``--steps`` decode steps of all B are timed (each to its end: the device
-synchronised, the tokens agreed between the ranks), after two untimed ones.
+synchronised, the tokens agreed between the ranks), after two untimed ones: ``sync_step_ms``, their median. Where the
+runner pipelines (the graphs form at cp 1: ``DecodeRunner.launch``), ``4 x --steps`` more run as a serving loop
+would: each step launched before the last one's tokens are read, its input tokens taken on the device;
+``pipelined_ms`` is the time between consecutive steps' tokens reaching the host in that loop (the steady state,
+after two), the time per output token a greedy generation sees. ``step_ms`` is the pipelined time where it runs,
+else the synchronised one.
 
 Each clone decodes its own next token, so the B generations route as B real ones would, not alike.
 
@@ -146,12 +151,16 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
                     for g in range(b):
                         _clone(ex, dec, source, g, model.cfg.vocab_size)
                     times, floor, experts, total = _time_steps(ex, ctx, dec, runner, model, steps)
+                    synced = times
+                    if runner.pipelined:
+                        times = _time_pipelined(ex, dec, runner, 4 * steps)
                     if profile:
                         _profile_step(ex, ctx, dec, runner, model,
                                       f"{profile}/decode_{form}_k{n}_b{b}_r{ctx.rank}.txt")
                     for rid in list(dec.seqs):
                         dec.finish(rid)
                     out.append({"keys": n, "batch": b, "form": runner.form, "step_ms": times * 1e3,
+                                "sync_step_ms": synced * 1e3, "pipelined": runner.pipelined,
                                 "floor_ms": floor / rate * 1e3, "floor_bytes": floor, "copy_gbs": rate / 1e9,
                                 "ratio_to_floor": times * rate / floor, "experts_read": experts,
                                 "ranks_share_gpu": shared})
@@ -227,6 +236,31 @@ def _step(ctx, dec, runner):
         dec.seqs[e.rid].tokens.append(t)
         dec.advance(e.rid)
     return step
+
+
+def _time_pipelined(ex, dec, runner, steps: int) -> float:
+    """Seconds between consecutive steps' tokens reaching the host when each step is launched before the last one's
+    tokens are read (module docstring), over ``steps`` after two; greedy, cp 1."""
+    ex.sync_time()
+    pending, marks = None, []
+
+    def read(got) -> None:
+        for rid, tok in got.tokens().items():
+            dec.seqs[rid].tokens.append(tok)
+        marks.append(time.perf_counter())
+
+    for _ in range(steps + 3):
+        step, failed = dec.plan()
+        assert step is not None and not failed
+        got = runner.launch(step)
+        if pending is not None:
+            read(pending)
+        for e in step.entries:
+            dec.advance(e.rid)
+        pending = got
+    read(pending)
+    ex.sync_time()
+    return (marks[-1] - marks[2]) / (len(marks) - 3)
 
 
 def _profile_step(ex, ctx, dec, runner, model, path: str) -> None:
@@ -316,16 +350,18 @@ def _print(rep: dict, as_json: bool) -> None:
         emit_json(rep)
         return
     print_cases(rep["cases"])
-    print(f"\n{rep['model']} at cp {rep['cp']} on {rep['device']}: median time of a paged decode step of every "
-          f"generation (synchronised, tokens agreed); floor: the busiest rank's bytes at the copy rate of this run")
+    print(f"\n{rep['model']} at cp {rep['cp']} on {rep['device']}: time per paged decode step of every "
+          f"generation (pipelined: launched before the last step's tokens are read; synced: each to its end, tokens "
+          f"agreed); floor: the busiest rank's bytes at the copy rate of this run")
 
 
 def print_cases(cases: list[dict]) -> None:
     """The decode cases' table."""
     from cpkv.cli.fmt import table
 
-    table(("weights", "form", "keys", "batch", "step ms", "floor ms", "floor MB", "experts read", "ratio to floor",
-           "ratio, GPU shared"),
-          [(r["weights"], r.get("form", ""), r["keys"], r["batch"], f"{r['step_ms']:.3f}", f"{r['floor_ms']:.3f}",
+    table(("weights", "form", "keys", "batch", "step ms", "synced ms", "floor ms", "floor MB", "experts read",
+           "ratio to floor", "ratio, GPU shared"),
+          [(r["weights"], r.get("form", "") + (" pipelined" if r.get("pipelined") else ""), r["keys"], r["batch"],
+            f"{r['step_ms']:.3f}", f"{r.get('sync_step_ms', r['step_ms']):.3f}", f"{r['floor_ms']:.3f}",
             f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}",
             f"{r['ratio_to_shared_floor']:.2f}" if "ratio_to_shared_floor" in r else "") for r in cases])

@@ -166,6 +166,22 @@ class Selection:
         self.ind = torch.where(valid, ind, -1)
 
 
+class Launched:
+    """A pipelined step in flight (``DecodeRunner.launch``): its entries and their greedy tokens on their way to
+    the host. ``tokens()`` waits for them (that step's end) -> {rid: token}."""
+
+    def __init__(self, rids: tuple[Hashable, ...], host: torch.Tensor, done: "torch.cuda.Event | None") -> None:
+        self.rids, self.host, self.done = rids, host, done
+        self._tokens: dict[Hashable, int] | None = None
+
+    def tokens(self) -> dict[Hashable, int]:
+        if self._tokens is None:
+            if self.done is not None:
+                self.done.synchronize()
+            self._tokens = dict(zip(self.rids, self.host[: len(self.rids)].tolist()))
+        return self._tokens
+
+
 class DecodeRunner:
     """The paged decode step on one rank: ``run(step)`` -> {rid: float32 [vocab]} logits of its entries. Holds the
     pool views (made once) and the page table beside the executor's compose runtime, expert exchange and layer
@@ -176,13 +192,18 @@ class DecodeRunner:
     token-only pieces through the layer graphs as in "gather"), "graphs" (every layer of the step in one CUDA graph
     per (batch, context) bucket; a step with an expert exchange runs static), "auto": graphs on CUDA where cpkv's
     kernels run at fp8 precision with no expert exchange, static where they run with one, else gather
-    (docs/design.md §11, measured in BENCHMARKS.md)."""
+    (docs/design.md §11, measured in BENCHMARKS.md).
+
+    ``launch(step)`` (where ``pipelined``: the graphs form at cp 1) enqueues the step and returns at once with its
+    greedy tokens on their way to the host (``Launched``): the next step is planned and launched while this one
+    runs, its pending input tokens read on the device (``scheduler.decode``'s pipelined loop). At most two launched
+    steps are unread at a time."""
 
     def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None,
                  form: str | None = None, max_batch: int = 256) -> None:
         from cpkv import envs
 
-        self.model, self.ep, self.rank, self.graphs = model, ep, rank, graphs
+        self.model, self.ep, self.rank, self.graphs, self.cp = model, ep, rank, graphs, rt.cp
         self.views = PagedViews(rt, model.backends.triton)
         # rows for 64 generations at once from the start (50 KB each at GLM-5's context): a table that grows
         # drops the step's graphs made over it
@@ -197,14 +218,28 @@ class DecodeRunner:
             if self.form == "graphs":
                 self.step_graphs = StepGraphs(model, self.static, self.table, max_batch,
                                               lambda a: upload_arrays([a], model.device)[0])
+        pin = model.device.type == "cuda"
+        self._host = [torch.empty(max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._unread: list[Launched] = []
+
+    @property
+    def pipelined(self) -> bool:
+        """``launch`` runs here: the graphs form with no expert exchange at cp 1 (a generation's next step may run
+        on another rank at cp > 1, which would need its token on the host first)."""
+        return self.step_graphs is not None and self.ep is None and self.cp == 1
 
     def run(self, step: DecodeStep) -> dict[Hashable, torch.Tensor]:
         mine, out = step.on(self.rank), None
+        graphed = self.step_graphs is not None and self.ep is None and self.step_graphs.fits(len(mine))
+        if not graphed and any(e.token < 0 for e in mine):
+            raise ValueError(f"decode step {step.index}: an input token is pending on the device; only the graphs "
+                             f"form reads it there (this runner: {self.form})")
         # the step's uploads from a reused pinned buffer (pinning per call cost ~40 us each on the H200's host)
-        with staging(self.model.device):
+        with staging(self.model.device, self.steps % 2):
             self.table.apply(step)  # every rank: any rank may compute a generation's later steps
-            if self.step_graphs is not None and self.ep is None and self.step_graphs.fits(len(mine)):
-                out = self._graphed(step, mine)
+            if graphed:
+                logits = self.step_graphs.replay(*self._rows(mine, step.page_size))[0][: len(mine)].clone()
+                out = {e.rid: logits[i] for i, e in enumerate(mine)}
             else:
                 plan = decode_plan(step, self.rank, self.model, self.table, self.ep, in_place=self.static is not None)
         if out is None:
@@ -212,12 +247,35 @@ class DecodeRunner:
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}
 
-    def _graphed(self, step: DecodeStep, mine) -> dict[Hashable, torch.Tensor]:
+    def launch(self, step: DecodeStep) -> Launched:
+        """Enqueue ``step`` (the pipelined loop: class docstring) -> its tokens in flight; no host sync."""
+        mine = step.on(self.rank)
+        if not (self.pipelined and step.cp == 1 and self.step_graphs.fits(len(mine))):
+            raise ValueError(f"decode step {step.index} cannot be launched pipelined (form {self.form}, cp {step.cp}, "
+                             f"{len(mine)} generations of at most {self.step_graphs.max_batch if self.step_graphs else 0})")
+        self._unread = [x for x in self._unread if x._tokens is None]
+        if len(self._unread) >= 2:
+            raise RuntimeError("two launched decode steps are unread: read the older one's tokens first")
+        buf = self._host[self.steps % 2]
+        with staging(self.model.device, self.steps % 2):
+            self.table.apply(step)
+            tokens = self.step_graphs.replay(*self._rows(mine, step.page_size))[1]
+            buf[: len(mine)].copy_(tokens[: len(mine)], non_blocking=True)
+            done = None
+            if self.model.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.model.device))
+        self.steps += 1
+        got = Launched(tuple(e.rid for e in mine), buf, done)
+        self._unread.append(got)
+        return got
+
+    def _rows(self, mine, page_size: int) -> tuple[np.ndarray, int, int]:
+        """The graphed step's arguments: (entry rows, entries, context bucket)."""
         from cpkv.engine.decode_graph import context_bucket
 
-        host = entry_rows(mine, step.page_size)
-        logits = self.step_graphs.run(host, len(mine), context_bucket(int(host[4].max()), self.model.cfg.index_topk))
-        return {e.rid: logits[i] for i, e in enumerate(mine)}
+        host = entry_rows(mine, page_size)
+        return host, len(mine), context_bucket(int(host[4].max()), self.model.cfg.index_topk)
 
 
 def resolve_form(form: str, model: DSAModel, ep: Any) -> str:

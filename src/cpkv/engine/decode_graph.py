@@ -3,16 +3,19 @@ CUDA graph and replayed (docs/design.md §11, *The step as one graph*).
 
     StepInputs   int64 [5, B] on the device: token ids, positions, the pool rows their KV goes to, page-table slots,
                  context lengths (keys each query sees, its own token included). Entries past the step's own are
-                 copies of its first: they compute what it computes and write the same bytes to the same rows
-    step_forward per layer: project -> write the token / index rows -> ``attend_in_place``: (full layers) the
+                 copies of its first: they compute what it computes and write the same bytes to the same rows.
+                 A token id < 0 is pending on the host: the entry reads its slot's ``DecodeTable.last``, the token
+                 its previous step picked on the device
+    step_forward the input tokens (pending ones from ``last``) -> per layer: project -> write the token / index rows -> ``attend_in_place``: (full layers) the
                  indexer's logits over the context read in place through the page table
                  (``kernels.mqa_logits.paged``: [B, L], -inf past each context) -> top-k over [0, context) -> the
                  selected positions as (owner, row) through the table -> sparse decode MLA over those rows in place
                  (``kernels.sparse_mla.decode``; shared layers reuse the selection) -> finish (o_proj, MLP / MoE)
-                 -> the LM head over the B rows
+                 -> the LM head over the B rows -> each entry's greedy token (argmax), written to its slot's ``last``
     StepGraphs   the graphs, captured on first use per (B, L), sharing one memory pool; the inputs uploaded into
                  the captured buffers (one copy), the table written in place (``DecodeTable``: a grown table drops
-                 the graphs made over the old one)
+                 the graphs made over the old one). ``run``: the logits (copied out); ``replay``: the step launched,
+                 its logits and tokens left in the graph's buffers (the pipelined loop, ``DecodeRunner.launch``)
 
 A context of at most top-k keys selects all of them (the top-k of n <= k keys is every key), so one form serves the
 dense and the sparse step. Nothing reads a length on the host: the kernels take the contexts on the device, so a
@@ -115,11 +118,13 @@ def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKerne
     return kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, model.cfg.kv_lora_rank), sel
 
 
-def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs) -> torch.Tensor:
-    """float32 [B, vocab]: the next-token logits of the step's B entries (module docstring); no expert exchange
-    (a step with one runs ``engine.decode.run_decode`` in place)."""
+def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable,
+                 s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [B, vocab] next-token logits, int64 [B] their greedy tokens) of the step's B entries (module
+    docstring); no expert exchange (a step with one runs ``engine.decode.run_decode`` in place)."""
     cfg, views = model.cfg, kern.views
-    h, delta, sel = model.embed(s.ids), None, None
+    ids = torch.where(s.ids >= 0, s.ids, table.last[s.slot])
+    h, delta, sel = model.embed(ids), None, None
     rot = model.rotary(s.positions)
     for n, layer in enumerate(model.layers):
         p = layer.project(h, rot, delta)
@@ -127,12 +132,17 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: Step
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
         latent, sel = attend_in_place(model, n, layer, p, kern, table, s, sel)
         h, delta = layer.finish(p.h, latent)
-    return model.logits(h, delta)
+    logits = model.logits(h, delta)
+    tokens = logits.argmax(-1)
+    table.last.index_copy_(0, s.slot, tokens)  # padding entries repeat entry 0's slot and token
+    return logits, tokens
 
 
 class StepGraphs:
     """The static step as CUDA graphs per (B, L) bucket (module docstring). ``run(host, t, L)``: ``host`` int64
-    [5, t] (numpy, FIELDS order) -> float32 [t, vocab] logits (a copy: the graph's buffer is reused)."""
+    [5, t] (numpy, FIELDS order) -> float32 [t, vocab] logits (a copy: the graph's buffer is reused);
+    ``replay(host, t, L)`` -> (logits [B, vocab], tokens [B]): the graph's own buffers, valid until the next
+    replay is enqueued (stream order)."""
 
     def __init__(self, model: DSAModel, kern: StepKernels, table: DecodeTable, max_batch: int,
                  upload: Callable[[Any], torch.Tensor]) -> None:
@@ -147,17 +157,21 @@ class StepGraphs:
         return 0 < t <= self.max_batch
 
     def run(self, host, t: int, L: int) -> torch.Tensor:
+        return self.replay(host, t, L)[0][:t].clone()
+
+    def replay(self, host, t: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         B = bucket(t)
         padded = np.concatenate([host, np.repeat(host[:, :1], B - t, axis=1)], axis=1) if B > t else host
+        self.replays += 1
         if not self.capture:
-            self.replays += 1
-            return step_forward(self.model, self.kern, self.table, StepInputs(self.upload(padded), L))[:t].clone()
+            return step_forward(self.model, self.kern, self.table, StepInputs(self.upload(padded), L))
         key = (B, L, self.table.version)
         got = self.graphs.get(key)
         if got is None:
             stale = [k for k in self.graphs if k[2] != self.table.version]
             if stale:  # made over a table since grown: dropped, with their pool (a pool whose graphs are all gone
-                for old in stale:  # cannot take a new capture: a fresh one)
+                torch.cuda.current_stream(self.model.device).synchronize()  # cannot take a new capture: a fresh
+                for old in stale:  # one); none may still run (a pipelined step's replay can be in flight)
                     del self.graphs[old]
                 self.pool = torch.cuda.graph_pool_handle()
             t0 = time.perf_counter()
@@ -167,18 +181,19 @@ class StepGraphs:
         graph, inputs, out = got
         inputs.all.copy_(self.upload(padded), non_blocking=True)
         graph.replay()
-        self.replays += 1
-        return out[:t].clone()
+        return out
 
     def _capture(self, padded, B: int, L: int):
         inputs = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64, device=self.model.device), L)
         inputs.all.copy_(self.upload(padded))
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
+        last = self.table.last.clone()  # the warm-up steps pick tokens too: a pending input must read these
         with torch.cuda.stream(side):  # compile and warm every kernel before the capture (the same bytes written)
             for _ in range(2):
                 step_forward(self.model, self.kern, self.table, inputs)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
+        self.table.last.copy_(last)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step_forward(self.model, self.kern, self.table, inputs)

@@ -52,13 +52,16 @@ def paged_rows(pools: list[torch.Tensor], rows: RowMap, bases: torch.Tensor | No
 
 class DecodeTable:
     """Every running generation's page table on the device: ``owner`` / ``page`` int64 [slots, max pages] (rows
-    grow by doubling as generations start; a slot's row is valid up to its generation's pages)."""
+    grow by doubling as generations start; a slot's row is valid up to its generation's pages), and ``last`` int64
+    [slots]: the token each slot's latest step picked greedily, on the device (a step whose input token is still
+    pending on the host reads it there: ``engine.decode_graph``)."""
 
     def __init__(self, max_pages: int, device: torch.device, slots: int = 0) -> None:
         self.max_pages, self.device = max_pages, device
         self.version = 0  # bumped when the rows grow (new tensors: graphs captured over the old ones are stale)
         self.owner = torch.zeros((slots, max_pages), dtype=torch.int64, device=device)
         self.page = torch.zeros((slots, max_pages), dtype=torch.int64, device=device)
+        self.last = torch.zeros((slots,), dtype=torch.int64, device=device)
 
     def apply(self, step: DecodeStep) -> None:
         """Write the step's changed entries (one upload, one scatter; nothing when none changed)."""
@@ -75,9 +78,9 @@ class DecodeTable:
     def _grow(self, rows: int) -> None:
         n = max(rows, 2 * self.owner.shape[0], 8)
         self.version += 1
-        for name in ("owner", "page"):
+        for name in ("owner", "page", "last"):
             old = getattr(self, name)
-            new = torch.zeros((n, self.max_pages), dtype=torch.int64, device=self.device)
+            new = torch.zeros((n,) + tuple(old.shape[1:]), dtype=torch.int64, device=self.device)
             new[: old.shape[0]] = old
             setattr(self, name, new)
 

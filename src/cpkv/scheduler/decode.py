@@ -18,6 +18,11 @@ advances every running generation by one token per step::
                                            #   enters the prefix cache, held
     dec.finish(rid)                        # the prefix dropped (its pages stay cached), the tail page released
 
+Pipelined (the step's greedy token stays on the device, ``engine.decode.DecodeRunner.launch``): step n + 1 is planned
+and launched before step n's tokens reach the host. A generation whose next input token is not in ``tokens`` yet
+gets ``PENDING`` as its entry's token (the device supplies it); the loop is plan(n + 1) -> launch(n + 1) -> step n's
+tokens appended -> advance(n + 1's entries) (advance reads the tokens up to the one it stores).
+
 Each generation holds a slot (the lowest free) of the engine's page table; a step carries only the table entries
 that changed (a fresh tail page; a filled page the cache swapped for its twin; every page at a generation's first
 step), so a step's host work does not grow with the context.
@@ -65,11 +70,13 @@ class DecodeSeq:
 
 
 NONE = 1 << 62  # DecodeSeq.fresh when no page changed
+PENDING = -1    # DecodeEntry.token when the generation's input token is still on the device (module docstring)
 
 
 @dataclass(frozen=True)
 class DecodeEntry:
-    """One generation in a step: its input ``token`` at ``position`` (= the tokens already in KV), the ``owner``
+    """One generation in a step: its input ``token`` (``PENDING``: its previous step's, on the device) at
+    ``position`` (= the tokens already in KV), the ``owner``
     rank computing it (its tail page's), ``page``: that tail page's id (the token's KV goes there), ``slot``: its row of
     the page table, ``changes``: the table entries to write first ((page index, owner, page id))."""
 
@@ -147,8 +154,9 @@ class Decoder:
                 failed.append((seq.rid, why))
                 self.finish(seq.rid)
                 continue
-            entries.append(DecodeEntry(seq.rid, seq.tokens[seq.length], seq.length, seq.tail[0], seq.tail[1],
-                                       seq.slot, seq.changes()))
+            token = seq.tokens[seq.length] if seq.length < len(seq.tokens) else PENDING
+            entries.append(DecodeEntry(seq.rid, token, seq.length, seq.tail[0], seq.tail[1], seq.slot,
+                                       seq.changes()))
         if not entries:
             return None, failed
         self.steps += 1
@@ -177,6 +185,8 @@ class Decoder:
     def advance(self, rid: Hashable) -> None:
         """The step's token of ``rid`` has its KV stored; a tail page it filled enters the prefix cache (held)."""
         seq = self.seqs[rid]
+        if seq.length >= len(seq.tokens):
+            raise ValueError(f"generation {rid!r}: advance before its input token {seq.length} reached the host")
         seq.length += 1
         if seq.length % self.page_size == 0:
             keys = seq.tokens[: seq.length]
