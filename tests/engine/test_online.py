@@ -158,6 +158,62 @@ def test_cancelled_and_finished_generations_leave_no_page_held(decode):
     assert steps[-1].pages_used == (0, 0) and steps[-1].live == 0, steps[-1]
 
 
+def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_its_pages(monkeypatch):
+    """cp 1 with the graphs form (CPKV_DECODE_STEP=graphs; on the CPU its fixed-shape step runs eagerly): greedy
+    generations decode pipelined (each step launched before the last one's tokens are read), stopping at different
+    steps, one on a stop id, while a sampled one joins and leaves (the loop reads each step in turn meanwhile).
+    Every greedy token is the reference's; each stops where it should; afterwards no page is held."""
+    from cpkv.engine.protocol import SamplingParams
+    from cpkv.model import load_model
+
+    monkeypatch.setenv("CPKV_DECODE_STEP", "graphs")
+    model = load_model("tiny", seed=0)
+    prompts = [[(13 * i + 7 * k) % 500 + 4 for i in range(n)] for k, n in enumerate((30, 63, 100, 41))]
+    budgets = [9, 3, 6]
+    seq = list(prompts[2])  # a stop id: generation 2's fourth token
+    for _ in range(4):
+        seq.append(int(model.reference_prefill(seq).argmax()))
+    stop = seq[-1]
+    events, done, lock, steps = {}, threading.Event(), threading.Lock(), []
+
+    def on_event(ev) -> None:
+        with lock:
+            events.setdefault(ev.rid, []).append(ev)
+            if sum(isinstance(v[-1], Finished) for v in events.values()) == len(prompts):
+                done.set()
+
+    client = EngineClient(replace(CFG, cp=1), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    try:
+        rids = [client.submit(p, b, on_event, stop_ids=frozenset({stop}) if i == 2 else frozenset())
+                for i, (p, b) in enumerate(zip(prompts, budgets))]
+        sampled = client.submit(prompts[3], 4, on_event, sampling=SamplingParams(temperature=0.8, seed=5))
+        assert done.wait(300), events
+        flushed = threading.Event()
+        while not flushed.is_set():  # refused (-1) until every generation has let its pages go
+            answer = []
+            client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
+            for _ in range(100):
+                if answer:
+                    break
+                threading.Event().wait(0.05)
+    finally:
+        client.close(60)
+    res = client.results[0]
+    assert res["decode_steps"] >= 8 and 0 < res["decode_pipelined"] < res["decode_steps"], res
+    for rid, prompt, budget in zip(rids, prompts, budgets):
+        got = [e.token for e in events[rid] if isinstance(e, Token)]
+        seq = list(prompt)
+        for t in got:
+            assert int(model.reference_prefill(seq).argmax()) == t, (len(prompt), len(seq))
+            seq.append(t)
+        if rid == rids[2]:
+            assert got[-1] == stop and len(got) <= 4 and events[rid][-1].reason == "stop"
+        else:
+            assert len(got) == budget and events[rid][-1].reason == "length"
+    assert len([e for e in events[sampled] if isinstance(e, Token)]) == 4
+    assert steps[-1].pages_used == (0,) and steps[-1].live == 0, steps[-1]  # nothing held: the flush emptied it
+
 
 def test_pages_a_paged_decode_filled_spill_to_the_host_tier_and_come_back():
     """A small pool with a host tier: a generation's pages (its prompt's and those its decode steps filled, on

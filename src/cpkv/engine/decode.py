@@ -208,7 +208,7 @@ class DecodeRunner:
         # rows for 64 generations at once from the start (50 KB each at GLM-5's context): a table that grows
         # drops the step's graphs made over it
         self.table = DecodeTable(-(-model.cfg.max_context // rt.page_size), model.device, slots=64)
-        self.steps = 0
+        self.steps = self.launched = 0  # steps run; of them launched pipelined
         self.form = resolve_form(form or envs.get("CPKV_DECODE_STEP"), model, ep)
         self.static = self.step_graphs = None
         if self.form in ("static", "graphs"):
@@ -266,6 +266,7 @@ class DecodeRunner:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.model.device))
         self.steps += 1
+        self.launched += 1
         got = Launched(tuple(e.rid for e in mine), buf, done)
         self._unread.append(got)
         return got

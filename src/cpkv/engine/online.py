@@ -14,7 +14,11 @@ engine).
                decode steps. Messages that arrive after that point wait for the step after.
     decode     with ``cfg.decode`` "paged" (peer memory at cp > 1): a prompt's last chunk keeps its pages and the
                generation joins the ``Decoder``; after each batch, one paged decode step advances every running
-               generation by a token over the KV where it lies (``cpkv.engine.decode``; docs/design.md §11)
+               generation by a token over the KV where it lies (``cpkv.engine.decode``; docs/design.md §11).
+               Pipelined where the runner can (the graphs form at cp 1) and every running generation is greedy
+               with no log-probabilities: step n + 1 is launched before step n's tokens are read, its inputs taken
+               on the device, so the host's planning and reporting overlap the GPU; a generation that stops at
+               step n's token has run one step past it (dropped). Otherwise each step is read before the next
     continue   otherwise ("extend", or a prefix the chunk could not keep) a generation's next step is a new
                scheduler request: prompt + tokens so far, queued as a decode step. Its cached prefix (page-aligned
                full pages) comes from the prefix cache, so a step recomputes the tail partial page and the new
@@ -78,9 +82,11 @@ class OnlineLoop:
         paged = cfg.decode == "paged" and (cfg.cp == 1 or self.ex.rt.mem.available)
         self.decoder = Decoder(self.kv, cfg.cp, cfg.page_size, model.cfg.max_context) if paged else None
         self.runner = DecodeRunner(model, self.ex.rt, self.ex.ep, self.rank, self.ex.graphs) if paged else None
+        self._launched: tuple[Any, Any] | None = None  # the pipelined step in flight: (DecodeStep, Launched)
 
     def serve(self) -> dict[str, Any]:
-        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n, "decode_steps": n (paged)}."""
+        """Loop until a Stop arrives; returns {"batches": n, "planned_ahead": n, "decode_steps": n (paged),
+        "decode_pipelined": n (of them launched ahead of the host)}."""
         self.ctx.barrier()
         if self.rank == 0:
             self.ctx.report(Ready())
@@ -98,14 +104,17 @@ class OnlineLoop:
                 news += self._decode()
             if self.rank == 0 and (news or batch is not None):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
+        self._read_launched()  # a pipelined step still in flight: its tokens are not reported (stopping)
         self.ex.drain()
         return {"batches": self.ex.batches, "planned_ahead": self.ex.planned_ahead,
-                "decode_steps": self.runner.steps if self.runner is not None else 0}
+                "decode_steps": self.runner.steps if self.runner is not None else 0,
+                "decode_pipelined": self.runner.launched if self.runner is not None else 0}
 
     @property
     def _decoding(self) -> bool:
-        """Generations run on the paged decode path (the same answer on every rank)."""
-        return self.decoder is not None and len(self.decoder) > 0
+        """Generations run on the paged decode path, or its pipelined step is still to be read (the same answer
+        on every rank)."""
+        return self.decoder is not None and (len(self.decoder) > 0 or self._launched is not None)
 
     def _schedule(self) -> tuple[Batch | None, list]:
         """This step's messages applied, host-tier pages reloaded, the next batch formed -> (batch, news); a Stop
@@ -192,8 +201,11 @@ class OnlineLoop:
     def _decode(self) -> list:
         """One paged decode step of every running generation -> news (tokens, finishes, generations that found
         no page for their next token)."""
+        if self.runner.pipelined and all(g.sub.sampling.greedy and g.sub.sampling.logprobs is None
+                                         for g in self.live.values()):
+            return self._decode_pipelined()
+        out = self._read_launched()
         step, failed = self.decoder.plan()
-        out: list = []
         for rid, reason in failed:
             del self.live[rid]
             out.append(Finished(rid, "rejected", reason))
@@ -206,6 +218,38 @@ class OnlineLoop:
             news, done = self._take(self.live[e.rid], tok, probs.get(e.rid))
             out += news
             if done:
+                self.decoder.finish(e.rid)
+        return out
+
+    def _decode_pipelined(self) -> list:
+        """Launch the next step, then read the step before it (module docstring: decode; cp 1, greedy) -> news."""
+        step, failed = self.decoder.plan()
+        got = self.runner.launch(step) if step is not None else None
+        out = self._read_launched()
+        for rid, reason in failed:  # its token from the step before is reported first
+            if self.live.pop(rid, None) is not None:
+                out.append(Finished(rid, "rejected", reason))
+        if step is not None:
+            for e in step.entries:
+                if e.rid in self.decoder.seqs:  # not stopped by the step before's token
+                    self.decoder.advance(e.rid)
+            self._launched = (step, got)
+        return out
+
+    def _read_launched(self) -> list:
+        """The pipelined step in flight, read: its tokens extend their generations (those still running) -> news."""
+        if self._launched is None:
+            return []
+        step, got = self._launched
+        self._launched = None
+        out: list = []
+        for e in step.entries:
+            gen = self.live.get(e.rid)
+            if gen is None:
+                continue  # stopped or cancelled since its launch: the step ran past its end
+            news, done = self._take(gen, got.tokens()[e.rid])
+            out += news
+            if done and e.rid in self.decoder.seqs:
                 self.decoder.finish(e.rid)
         return out
 
