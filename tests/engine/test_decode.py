@@ -283,3 +283,19 @@ def test_pipelined_steps_decode_the_reference_greedy_tokens(reference, pipelined
     # every stored token's full pages stay cached (a stopped generation's last token has its KV stored, a step run
     # past its stop does not count), every tail page went back
     assert sum(used) == sum((len(gens[r]) - 1) // PAGE for r in gens)
+
+
+@pytest.mark.cuda
+@pytest.mark.triton
+def test_gpu_pipelined_loop_decodes_the_synchronised_loops_tokens():
+    """CUDA, the step's graphs: the pipelined loop (each step's input tokens pending on the device) decodes exactly
+    the tokens of the loop that reads every step before planning the next (the same graphs, so the same logits),
+    with stops at different steps and a late joiner."""
+    prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100), _prompt(5, 45)]
+    budgets = [3, 6, 1, 4]
+    cfg = EngineConfig(cp=1, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device="cuda",
+                       graph_tokens=64)
+    got = {p: launch(_pipelined_ranks, 1, args=(cfg, prompts, budgets, 2, p), device="cuda", timeout_s=600)[0]
+           for p in (True, False)}
+    assert got[True][0] == got[False][0]
+    assert got[True][1] == 7 and got[False][1] == 6
