@@ -131,8 +131,10 @@ if want depth || want depth_run; then  # the run verified at depth (reference on
     # (DEPTH_SITES=1: CPKV_MEMORY_SITES, the rank's live memory by allocation site at each set-up mark, for the
     # plan's residual; it records every allocation's stack: the run takes minutes longer)
     sites=(); [ -n "${DEPTH_SITES:-}" ] && sites=(CPKV_MEMORY_SITES="$OUT/memsites")
+    # (DEPTH_RUN_ARGS: the trace; 2026-12-04 the 14-request one's verification at depth outran 400 s: 2 + the two
+    # long turns verify in one call)
     step depth_run ${DEPTH_RUN_S:-420} env "${sites[@]}" python3 -m cpkv run $DEPTH --device cuda --cp 1 --chunk-size 4096 \
-        --page-size 64 --pages-per-rank 2048 --long 4096 --json
+        --page-size 64 --pages-per-rank 2048 ${DEPTH_RUN_ARGS:---requests 2 --long 4096} --json
     step depth_plan 30 python3 -m cpkv plan $DEPTH --cp 1 --chunk-size 4096 --page-size 64 --pages-per-rank 2048 --json
     python3 benchmarks/plan_vs_peak.py "$OUT/depth_run.txt" >"$OUT/depth_plan_vs_peak.txt" 2>&1
 fi
