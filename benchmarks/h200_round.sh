@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode_kernels|decode_serve ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode2|decode_kernels|decode_serve ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -160,6 +160,25 @@ if want decode; then  # issue 45: the paged decode step's GPU tests (its kernels
         --weights fp8 --form gather,static,graphs --keys 32768 --batches 1,32 --steps 5 --json
     step decode_cp2 ${DECODE_CP2_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda \
         --weights fp8 --form auto,gather --keys 1024,32768,131072 --batches 1,32 --steps 5 --json
+fi
+if want decode2; then  # issue 45, session 23: the pipelined loop (cp 1) and the few-row kernels (top-k split, fp8 GEMV,
+    # sparse decode tiles, paged logits at B 32): GPU tests, the kernels old vs new, the step with both weights (new
+    # defaults), the old kernels in the same ranks' run for A/B (DECODE2_OLD_ENV), TPOT through `cpkv serve` at cp 1
+    step d2_tests ${D2_TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
+        ${D2_TEST_FILES:-}
+    [ -n "${D2_KERN:-}" ] && step d2_kern ${D2_KERN_S:-150} bash -c "$D2_KERN"
+    step d2_cp1 ${D2_CP1_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+        --weights fp8,bf16 --keys ${DECODE_KEYS:-1024,32768,131072} --batches ${DECODE_BATCHES:-1,8,32} --steps 5 --json
+    [ -n "${D2_OLD_ENV:-}" ] && step d2_old ${D2_OLD_S:-90} env $D2_OLD_ENV python3 -m cpkv bench decode --model glm5 \
+        --num-layers 4 --cp 1 --device cuda --weights fp8 --keys 32768 --batches 1,32 --steps 5 --json
+    if [ -z "${D2_SKIP_SERVE:-}" ]; then
+        python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
+            python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+        PYTHONPATH=src:/tmp/site step d2_serve ${D2_SERVE_S:-150} env CPKV="python3 -m cpkv" BOOT_S=100 WARMUP=2 \
+            TRACE="--requests 8 --scale 0.25" LOAD_EXTRA="--max-tokens 64" \
+            GEOM="--model glm5 --cp 1 --chunk-size 16384 --page-size 64 --pages-per-rank 4096 --max-requests 8" \
+            SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/d2_serve" "paged=--decode paged"
+    fi
 fi
 if want decode_kernels; then  # the paged kernels alone: sparse decode MLA (FlashMLA's sparse decode beside it where
     # it builds), the indexer's paged logits
