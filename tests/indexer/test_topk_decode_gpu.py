@@ -3,8 +3,8 @@ L = 32768 and 131072 logits columns, k = 2048, each row -inf past its context, t
 ``engine.decode_graph`` bounds it. The split path (``kernels.topk.split``, chosen from the shapes) and the stream
 kernel (``TopkConfig(splits=1)``) each equal ``topk_ref`` index for index: random logits, a recency trend (the
 candidates crowd the last segments), quantised logits (ties at the threshold), contexts of k, k + 1 and under k,
-the -inf tail inside the range, ``base`` (absolute rows), and a CUDA graph captured once and replayed over new
-logits and contexts."""
+the -inf tail inside the range, ``base`` (absolute rows), and a CUDA graph captured once (with and without the
+merge as a programmatic dependent launch) and replayed over new logits and contexts."""
 from __future__ import annotations
 
 import pytest
@@ -65,16 +65,18 @@ def test_inf_tail_inside_the_range(B):
     assert torch.equal(topk(x, lo, hi, K), topk_ref(x, lo, hi, K))
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("B,L", [(1, 32768), (8, 131072), (32, 32768)])
-def test_a_captured_graph_replays_over_new_logits_and_contexts(B, L):
+def test_a_captured_graph_replays_over_new_logits_and_contexts(B, L, pdl):
     x, ctx = decode_rows(B, L, seed=0)
     lo = torch.zeros(B, dtype=torch.int32, device="cuda")
     out = torch.empty(B, K, dtype=torch.int32, device="cuda")
-    topk_into(x, lo, ctx, K, out)  # compile outside the capture
+    cfg = TopkConfig(pdl=pdl)
+    topk_into(x, lo, ctx, K, out, config=cfg)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        topk_into(x, lo, ctx, K, out)
+        topk_into(x, lo, ctx, K, out, config=cfg)
     for seed, kind in ((1, "randn"), (2, "recency"), (3, "ties")):
         x2, ctx2 = decode_rows(B, L, seed=seed, kind=kind)
         x.copy_(x2), ctx.copy_(ctx2)

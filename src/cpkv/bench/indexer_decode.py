@@ -10,9 +10,9 @@ named kernel config is timed; its output is checked against the default config's
 
 Then the decode step's top-k (k = 2048) of the default config's logits over [0, ctx), device time of both paths
 in the same run: the stream kernel (one program per row, ``TopkConfig(splits=1)``) and the default (the split path
-where ``kernels.topk.triton.splits_for`` takes it), their ratio, each split count of SPLIT_SWEEP and merge warps of
-MERGE_WARPS_SWEEP beside them, each result checked against ``topk_ref`` index for index; the floor is the logits
-read and the indices written at the copy rate above.
+where ``kernels.topk.triton.splits_for`` takes it), their ratio, beside them each split count of SPLIT_SWEEP, the
+merge launch at MERGE_WARPS_SWEEP warps and as a programmatic dependent launch (pdl); every result is checked
+against ``topk_ref`` index for index. The floor: the logits read and the indices written at the copy rate above.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ DECODE_BATCHES = (1, 8, 32)
 DECODE_KEYS = (1024, 32768, 131072)
 TOPK = 2048
 SPLIT_SWEEP = (4, 8, 16, 32, 64)
-MERGE_WARPS_SWEEP = (4, 16)
+MERGE_WARPS_SWEEP = (4, 8)
 
 
 def decode_configs() -> dict:
@@ -128,7 +128,7 @@ def bench_topk(logits, ctx, copy_gbs: float) -> dict:
     from cpkv.bench.timing import event_median_s
     from cpkv.indexer.topk import topk_into
     from cpkv.kernels.topk.ref import topk_ref
-    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, MIN_SEGMENT, TopkConfig, candidate_slots, splits_for
+    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, TopkConfig, candidate_slots, splits_for
 
     B, L = logits.shape
     lo, hi = torch.zeros(B, dtype=torch.int32, device=logits.device), ctx.to(torch.int32)
@@ -144,9 +144,11 @@ def bench_topk(logits, ctx, copy_gbs: float) -> dict:
 
     floor_us = (logits.numel() + out.numel()) * 4 / (copy_gbs * 1e9) * 1e6
     stream, split = timed(TopkConfig(splits=1)), timed(None)
-    sweep = {f"s{s}": timed(TopkConfig(splits=s)) for s in SPLIT_SWEEP if s * MIN_SEGMENT <= L}
-    if L > candidate_slots(TOPK):
+    sweep = {}
+    if L > candidate_slots(TOPK):  # else every row is within the slots: the stream kernel's one pass is all
+        sweep.update({f"s{s}": timed(TopkConfig(splits=s)) for s in SPLIT_SWEEP})
         sweep.update({f"merge_w{w}": timed(TopkConfig(merge_warps=w)) for w in MERGE_WARPS_SWEEP})
+        sweep["pdl"] = timed(TopkConfig(pdl=True))
     return {"k": TOPK, "splits": splits_for(B, L, TOPK, DEFAULT_CONFIG, logits.device), "floor_us": floor_us,
             "stream": stream, "split": split, "stream_over_split": stream["us"] / split["us"], "sweep": sweep}
 

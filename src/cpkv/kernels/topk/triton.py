@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cpkv.errors import ConfigError
 from cpkv.kernels.platform import sm_count
@@ -319,8 +320,11 @@ def _sample_threshold(base, n, r, SAMPLE: tl.constexpr):
 @triton.jit
 def topk_compact_kernel(x_ptr, lo_ptr, hi_ptr, meta_ptr, scratch_ptr, stride_x4,
                         K: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, S: tl.constexpr, TARGET: tl.constexpr,
-                        BLOCK: tl.constexpr, SAMPLE: tl.constexpr, DEPTH: tl.constexpr):
-    """The split path's compact launch (module docstring), grid (T, S); stride_x4 = x's row stride / 4."""
+                        BLOCK: tl.constexpr, SAMPLE: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr):
+    """The split path's compact launch (module docstring), grid (T, S); stride_x4 = x's row stride / 4. PDL: let
+    the merge launch start now (it waits for this launch's end before reading what it wrote)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     s = tl.program_id(1)
     lo = tl.load(lo_ptr + row)
@@ -364,8 +368,11 @@ def _select_union(slices, excl, m, seg, out, ob, K: tl.constexpr, C: tl.constexp
 def topk_merge_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, meta_ptr, scratch_ptr, stride_x4, stride_out,
                       BASE: tl.constexpr, K: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, S: tl.constexpr,
                       LOG_S: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
-                      KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr, DEPTH: tl.constexpr):
-    """The split path's merge launch (module docstring), grid (T,)."""
+                      KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr, DEPTH: tl.constexpr,
+                      PDL: tl.constexpr):
+    """The split path's merge launch (module docstring), grid (T,). PDL: launched as a programmatic dependent of the
+    compact launch, it waits for that launch's end before reading its counts and slices (its other inputs, and out,
+    were settled before the compact launch started)."""
     row = tl.program_id(0)
     lo = tl.load(lo_ptr + row)
     n = tl.maximum(tl.load(hi_ptr + row) - lo, 0)
@@ -376,6 +383,8 @@ def topk_merge_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, meta_ptr, scratc
     if n <= K:
         _write_short(out, n, ob, K, KBLOCK)
     else:
+        if PDL:
+            gdc_wait()
         meta = meta_ptr + row * (2 * S)
         cnt = tl.load(meta + tl.arange(0, S))
         m = tl.sum(cnt, axis=0)
@@ -396,7 +405,8 @@ class TopkConfig:
     (block), blocks whose loads are in flight while one is scanned (depth), register cap. ``splits``: programs per
     row (None: from the shapes and the SM count, ``splits_for``; 1: the stream kernel, one program per row; a power
     of two up to MAX_SPLITS: ``topk_split``, whose compact launch takes the fields above and whose merge
-    launch runs ``merge_warps`` warps per row)."""
+    launch runs ``merge_warps`` warps per row; ``pdl``: the merge as a programmatic dependent launch (Hopper on, its
+    launch overlapping the compact launch's run)."""
 
     num_warps: int = 4
     programs_per_sm: int = 4
@@ -404,7 +414,8 @@ class TopkConfig:
     maxnreg: int | None = 128
     depth: int = 1
     splits: int | None = None
-    merge_warps: int = 8
+    merge_warps: int = 16
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         s = self.splits
@@ -482,7 +493,7 @@ def split_compact(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, s
     meta = torch.empty(T, 2 * splits, dtype=torch.int32, device=x.device)
     scratch = torch.empty(T, splits, 2 * shape["CAP"], dtype=torch.int32, device=x.device)
     topk_compact_kernel[(T, splits)](x, lo, hi, meta, scratch, x.stride(0) // 4, **shape, BLOCK=cfg.block,
-                                     SAMPLE=SAMPLE, DEPTH=cfg.depth, num_warps=cfg.num_warps,
+                                     SAMPLE=SAMPLE, DEPTH=cfg.depth, PDL=cfg.pdl, num_warps=cfg.num_warps,
                                      **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return meta, scratch
 
@@ -494,6 +505,6 @@ def split_merge(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     topk_merge_kernel[(x.shape[0],)](
         x, lo, hi, lo if base is None else base, out, meta, scratch, x.stride(0) // 4, out.stride(0),
         BASE=base is not None, **_shape(x, k, splits), LOG_S=splits.bit_length() - 1, BLOCK=cfg.block, SAMPLE=SAMPLE,
-        KBLOCK=min(4096, 1 << max(k - 1, 1).bit_length()), CBLOCK=1024, RETRIES=RETRIES, DEPTH=cfg.depth,
-        num_warps=cfg.merge_warps)
+        KBLOCK=min(4096, 1 << max(k - 1, 1).bit_length()), CBLOCK=1024, RETRIES=RETRIES, DEPTH=cfg.depth, PDL=cfg.pdl,
+        num_warps=cfg.merge_warps, **({"launch_pdl": True} if cfg.pdl else {}))
     return out
