@@ -31,7 +31,9 @@ LOGITS_VARIANTS = {"default": None,
                    "lanes_w8_s128": dict(variant="lanes", tma=False),
                    "tma_w8_s128": dict(variant="lanes", tma=True),
                    "tma_w4_s64": dict(variant="lanes", tma=True, block_s=64, num_warps=4, maxnreg=None)}
-TOPK_VARIANTS = {"default": None, "stream_d2": dict(depth=2), "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048)}
+TOPK_VARIANTS = {"default": None, "stream": dict(splits=1), "stream_d2": dict(depth=2, splits=1),
+                 "stream_w8": dict(num_warps=8, programs_per_sm=2, block=2048, splits=1), "split4": dict(splits=4),
+                 "split64": dict(splits=64), "split8_pdl": dict(splits=8, pdl=True)}
 
 
 def _logits_cfg(name):

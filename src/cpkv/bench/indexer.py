@@ -9,7 +9,8 @@ budgets 8, 4, 2, 1, 0.5 GiB relative to 8 GiB. Plus the top-k headline: 4096 row
 --variants also times every named kernel variant (logits_variants / topk_variants) with a check of
 its output against the reference kernel, so the default can be chosen from measurements.
 --decode runs the decode step's paged logits instead (cpkv.bench.indexer_decode: B = 1, 8, 32 generations of
-1K / 32K / 128K keys, device time and GB/s against a copy_ of the same bytes).
+1K / 32K / 128K keys, device time and GB/s against a copy_ of the same bytes), then their top-k: the stream kernel
+beside the split path, with ratios).
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so each is timed at its own steady clock")
     p.add_argument("--no-headline", action="store_true", help="skip the 4096 x 65536 top-k headline")
     p.add_argument("--decode", action="store_true",
-                   help="time the decode step's paged logits (B = 1, 8, 32; 1K / 32K / 128K keys) instead")
+                   help="time the decode step's paged logits (B = 1, 8, 32; 1K / 32K / 128K keys) and their top-k "
+                        "(stream kernel vs split path) instead")
     p.add_argument("--variants", nargs="?", const="all", default=None, metavar="NAMES",
                    help="also time the named logits / top-k kernel variants (comma-separated; alone: all of them) "
                         "in each scenario and the headline")

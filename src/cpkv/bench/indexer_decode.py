@@ -7,6 +7,12 @@ device time of ``paged_logits_triton`` (CUDA events behind a spin kernel: no lau
 ``copy_`` of the bytes read measured in the same run (read + written, as ``bench.timing.copy_gbs`` counts). Every
 named kernel config is timed; its output is checked against the default config's (same -inf positions, within
 2e-3 of each row's largest |logit|) and the default's against the reference on the smallest case.
+
+Then the decode step's top-k (k = 2048) of the default config's logits over [0, ctx), device time of both paths
+in the same run: the stream kernel (one program per row, ``TopkConfig(splits=1)``) and the default (the split path
+where ``kernels.topk.triton.splits_for`` takes it), their ratio, beside them each split count of SPLIT_SWEEP, the
+merge launch at MERGE_WARPS_SWEEP warps and as a programmatic dependent launch (pdl); every result is checked
+against ``topk_ref`` index for index. The floor: the logits read and the indices written at the copy rate above.
 """
 from __future__ import annotations
 
@@ -14,6 +20,9 @@ HEADS, DIM, PAGE, CP = 32, 128, 64, 2
 ROW = DIM + 4
 DECODE_BATCHES = (1, 8, 32)
 DECODE_KEYS = (1024, 32768, 131072)
+TOPK = 2048
+SPLIT_SWEEP = (4, 8, 16, 32, 64)
+MERGE_WARPS_SWEEP = (4, 8)
 
 
 def decode_configs() -> dict:
@@ -100,6 +109,8 @@ def bench_case(B: int, ctx: int, check_ref: bool) -> dict:
         rows.append(row)
     res = {"batch": B, "keys": ctx, "bytes_read": read, "bytes_moved": moved, "copy_us": copy_s * 1e6,
            "copy_gbs": copy_gbs, "configs": rows}
+    if want is not None:
+        res["topk"] = bench_topk(want, c["ctx"], copy_gbs)
     if check_ref:
         ref = paged_mqa_logits_ref(c["q"], c["weights"], c["pools"], c["owner_tab"], c["page_tab"], c["slot"],
                                    c["ctx"], PAGE, ctx, dtype=torch.float64)
@@ -107,6 +118,39 @@ def bench_case(B: int, ctx: int, check_ref: bool) -> dict:
     del c
     torch.cuda.empty_cache()
     return res
+
+
+def bench_topk(logits, ctx, copy_gbs: float) -> dict:
+    """Top-k of logits float32 [B, L] over [0, ctx) (module docstring): the stream kernel, the default and the
+    forced split counts, each timed (device time) and checked against topk_ref."""
+    import torch
+
+    from cpkv.bench.timing import event_median_s
+    from cpkv.indexer.topk import topk_into
+    from cpkv.kernels.topk.ref import topk_ref
+    from cpkv.kernels.topk.triton import DEFAULT_CONFIG, TopkConfig, candidate_slots, splits_for
+
+    B, L = logits.shape
+    lo, hi = torch.zeros(B, dtype=torch.int32, device=logits.device), ctx.to(torch.int32)
+    out = torch.empty(B, TOPK, dtype=torch.int32, device=logits.device)
+    want = topk_ref(logits, lo, hi, TOPK)
+
+    def timed(cfg) -> dict:
+        run = lambda: topk_into(logits, lo, hi, TOPK, out, config=cfg)  # noqa: E731
+        s = event_median_s(run, device_only=True)
+        out.fill_(-2)
+        run()
+        return {"us": s * 1e6, "equal_to_reference": bool(torch.equal(out, want))}
+
+    floor_us = (logits.numel() + out.numel()) * 4 / (copy_gbs * 1e9) * 1e6
+    stream, split = timed(TopkConfig(splits=1)), timed(None)
+    sweep = {}
+    if L > candidate_slots(TOPK):  # else every row is within the slots: the stream kernel's one pass is all
+        sweep.update({f"s{s}": timed(TopkConfig(splits=s)) for s in SPLIT_SWEEP})
+        sweep.update({f"merge_w{w}": timed(TopkConfig(merge_warps=w)) for w in MERGE_WARPS_SWEEP})
+        sweep["pdl"] = timed(TopkConfig(pdl=True))
+    return {"k": TOPK, "splits": splits_for(B, L, TOPK, DEFAULT_CONFIG, logits.device), "floor_us": floor_us,
+            "stream": stream, "split": split, "stream_over_split": stream["us"] / split["us"], "sweep": sweep}
 
 
 def bench_decode(batches=DECODE_BATCHES, keys=DECODE_KEYS) -> dict:
@@ -130,7 +174,23 @@ def print_decode(r: dict, table) -> None:
                      all(x.get("equal_to_default", False) for x in ok)))
     table(["B", "keys", "bytes read", "default µs", "/copy", "best config", "best µs", "best /copy", "copy GB/s",
            "configs agree"], rows)
+    print_topk(r, table)
     for c in r["cases"]:
         if "default_matches_reference" in c:
             print(f"B={c['batch']} keys={c['keys']}: default config equals the reference: "
                   f"{c['default_matches_reference']}")
+
+
+def print_topk(r: dict, table) -> None:
+    print(f"decode top-k (k = {TOPK}) of the default config's logits over [0, ctx): the stream kernel (one program a "
+          f"row) against the default (split from the shapes); device time; floor: logits read + indices written "
+          f"at the copy rate")
+    rows = []
+    for c in (c for c in r["cases"] if "topk" in c):
+        t = c["topk"]
+        best = min(t["sweep"].items(), key=lambda kv: kv[1]["us"], default=(None, {"us": float("nan")}))
+        exact = all(x["equal_to_reference"] for x in (t["stream"], t["split"], *t["sweep"].values()))
+        rows.append((c["batch"], c["keys"], t["stream"]["us"], t["splits"], t["split"]["us"], t["stream_over_split"],
+                     t["split"]["us"] / t["floor_us"], best[0] or "-", best[1]["us"], exact))
+    table(["B", "keys", "stream µs", "splits", "split µs", "stream/split", "split/floor", "best variant", "its µs",
+           "all exact"], rows)
