@@ -23,6 +23,14 @@ STRATEGIES = ("zigzag", "contiguous", "round-robin")
 DEFAULT_PAGE_SIZE = 64  # tokens per KV page, every command's default
 # sparse attention backends (cpkv.attention.sparse, CPKV_SPARSE_MLA; resolved by cpkv.kernels.platform.resolve): FlashMLA where installed (auto), or one
 SPARSE_BACKENDS = ("auto", "cpkv", "flashmla")
+# the fp8 linears' few-row path (cpkv.kernels.fp8_gemm.gemv; CPKV_FP8_GEMV, resolved by cpkv.kernels.platform.resolve):
+# the kernel takes at most FP8_GEMV_MAX_ROWS rows (BM 64); ``auto`` sends it at most FP8_GEMV_AUTO_ROWS: decode's
+# batch buckets 1..32, where the product needs 2 M <= 64 FLOPs per weight byte (H200's fp8 ridge is ~400), so a
+# kernel that streams the weight once at the copy rate is the floor, and cuBLAS's few-row tiles read it at about half
+# that; `cpkv bench gemv` measures where the GEMV stops beating cuBLAS (the threshold to set from it)
+FP8_GEMV_CHOICES = ("auto", "on", "off")
+FP8_GEMV_MAX_ROWS = 64
+FP8_GEMV_AUTO_ROWS = 32
 
 # The compose modes (cpkv.compose.modes runs them): name -> what it does, in one line. All give byte-identical
 # dense buffers; the peer modes fall back to ``batch-reduce`` where peer memory is unavailable.

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
-from cpkv.config import COMPOSE_MODES, SPARSE_BACKENDS, compose_mode
+from cpkv.config import (COMPOSE_MODES, FP8_GEMV_AUTO_ROWS, FP8_GEMV_CHOICES, FP8_GEMV_MAX_ROWS, SPARSE_BACKENDS,
+                         compose_mode)
 from cpkv.errors import ConfigError
 
 T = TypeVar("T")
@@ -113,6 +114,14 @@ def _sparse_backend(raw: str) -> str:
     return raw
 
 
+def _fp8_gemv(raw: str) -> str:
+    """``auto``, ``on``, ``off`` or a row count 0..FP8_GEMV_MAX_ROWS (as text: ``platform.resolve`` maps it)."""
+    low = raw.strip().lower()
+    if low in FP8_GEMV_CHOICES or low.isdigit() and int(low) <= FP8_GEMV_MAX_ROWS:
+        return low
+    raise ValueError(f"one of {', '.join(FP8_GEMV_CHOICES)} or a row count 0..{FP8_GEMV_MAX_ROWS}")
+
+
 DECODE_STEPS = ("auto", "graphs", "static", "gather")
 
 
@@ -144,6 +153,10 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("CPKV_GROUPED_MM_TORCH", False, _bool,
            "bf16 routed experts through torch._grouped_mm even where cpkv's Gluon grouped GEMM applies (to compare; "
            "read once, when a model loads)."),
+    EnvVar("CPKV_FP8_GEMV", "auto", _fp8_gemv,
+           "fp8 linears of few rows (decode) through cpkv's Triton GEMV instead of torch._scaled_mm (cuBLAS): auto "
+           f"(at most {FP8_GEMV_AUTO_ROWS} rows), on (at most {FP8_GEMV_MAX_ROWS}, the kernel's limit), off, or a row "
+           "count N (at most N rows; 0: off); only where the Triton kernels run; read once, when a model loads."),
     EnvVar("CPKV_DECODE_STEP", "auto", _decode_step,
            "The paged decode step's form: auto (graphs where the step has no expert exchange on CUDA with cpkv's "
            "kernels, else static where the kernels run, else gather), graphs (the whole step as CUDA graphs per batch "

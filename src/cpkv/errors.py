@@ -38,6 +38,10 @@ class AttentionError(CpkvError, ValueError):
     """Sparse-attention input of the wrong shape or dtype."""
 
 
+class GemvError(CpkvError, ValueError):
+    """fp8 GEMV operands or launch choices outside the kernel's contract (rows, shapes, dtypes, strides)."""
+
+
 class AdmissionError(CpkvError, ValueError):
     """Scheduler configuration or a request the scheduler can never admit."""
 

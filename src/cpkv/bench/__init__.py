@@ -7,6 +7,7 @@
     engine.py                     ``cpkv bench engine``: prefill tokens/s through the whole CP engine
     serve.py / serve_report.py / serve_cmd.py   ``cpkv bench serve``: HTTP load generator, report, cost calibration
     moe.py                        ``cpkv bench moe``: grouped fp8 expert GEMM vs the dense block-scaled GEMM
+    gemv.py                       ``cpkv bench gemv``: the fp8 linears at decode rows, Triton GEMV vs cuBLAS
     timing.py                     shared timing and ceiling helpers (CUDA-event medians, GEMM rates)
 
 Each command module exposes ``HELP``, ``add_arguments(parser)`` and ``run(args)`` (see ``cpkv.cli``).

@@ -42,6 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decode": ("cpkv.bench.decode", "the paged decode step per batch and context against the bytes it must read"),
     "serve": ("cpkv.bench.serve_cmd", "HTTP load generator for cpkv serve: TTFT percentiles, replay prediction"),
     "moe": ("cpkv.bench.moe", "routed-expert GEMMs: grouped fp8 against the dense block-scaled GEMM and bf16"),
+    "gemv": ("cpkv.bench.gemv", "fp8 linears at decode rows: cpkv's Triton GEMV against cuBLAS, vs the copy rate"),
 }
 GROUPS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "check": ("correctness checks across real rank processes", CHECKS),

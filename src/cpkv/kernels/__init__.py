@@ -8,7 +8,8 @@
     sparse_mla    attention.sparse / attention.dense     sparse_mla/ref.py                  sparse_mla/{triton,gluon_ws}.py,
                                                                                             sparse_mla/flashmla.py (FlashMLA)
     token_kv      attention.quant                        token_kv/ref.py                    token_kv/triton.py
-    fp8_gemm      model.linear.fp8_linear (torch._scaled_mm) fp8_gemm/ref.py                 fp8_gemm/{triton,gluon_ws}.py
+    fp8_gemm      model.linear.fp8_linear (torch._scaled_mm) fp8_gemm/ref.py                 fp8_gemm/{triton,gluon_ws}.py,
+                  (few rows: the GEMV)                                                      fp8_gemm/gemv.py
                   model.experts.grouped_swiglu (grouped)
     add_norm      model.ops.add_rms_norm                 add_norm/ref.py                    add_norm/triton.py
     token_rows    attention.quant.token_rows             token_rows/ref.py                  token_rows/triton.py

@@ -9,7 +9,7 @@
 
 Every dispatch point takes a ``Backends`` from the object that runs it (the model hands its own to its layers,
 linears and experts), so the per-call path reads no environment variable: ``CPKV_DISABLE_TRITON``,
-``CPKV_SPARSE_MLA`` and ``CPKV_GROUPED_MM_TORCH`` are honoured when the backends are resolved.
+``CPKV_SPARSE_MLA``, ``CPKV_GROUPED_MM_TORCH`` and ``CPKV_FP8_GEMV`` are honoured when the backends are resolved.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from cpkv import envs
+from cpkv.config import FP8_GEMV_AUTO_ROWS, FP8_GEMV_MAX_ROWS
 from cpkv.errors import ConfigError
 
 SPARSE_MLA = ("flashmla", "cpkv")  # Backends.sparse_mla: FlashMLA where it takes the call, else cpkv's kernel
@@ -34,13 +35,18 @@ class Backends:
     pure-torch references. ``sparse_mla``: ``flashmla`` (FlashMLA's kernel where it takes the call's shapes, else
     as ``cpkv``) or ``cpkv`` (cpkv's kernel where ``triton``, else the reference). ``grouped_mm``: ``gluon`` (bf16
     routed experts through cpkv's warp-specialised grouped GEMM where it takes the shapes) or ``torch``
-    (``torch._grouped_mm`` where it applies, else one expert at a time)."""
+    (``torch._grouped_mm`` where it applies, else one expert at a time). ``fp8_gemv_rows``: the fp8 linears send
+    products of at most this many rows to cpkv's Triton GEMV (``kernels/fp8_gemm/gemv.py``; 0: never, all go to
+    ``torch._scaled_mm``); taken only with ``triton``."""
 
     triton: bool = False
     sparse_mla: str = "cpkv"
     grouped_mm: str = "torch"
+    fp8_gemv_rows: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.fp8_gemv_rows <= FP8_GEMV_MAX_ROWS:
+            raise ConfigError(f"Backends.fp8_gemv_rows: expected 0..{FP8_GEMV_MAX_ROWS}, got {self.fp8_gemv_rows}")
         for name, value, names in (("sparse_mla", self.sparse_mla, SPARSE_MLA),
                                    ("grouped_mm", self.grouped_mm, GROUPED_MM)):
             if value not in names:
@@ -69,11 +75,11 @@ def gluon_importable() -> bool:
 
 
 def resolve(device: torch.device | str, *, disable_triton: bool | None = None, sparse_mla: str | None = None,
-            grouped_mm_torch: bool | None = None) -> Backends:
+            grouped_mm_torch: bool | None = None, fp8_gemv: str | None = None) -> Backends:
     """The backends of ``device``; each argument left None is read from its ``CPKV_*`` variable (here, once per
     call: call it at start-up). A CPU device gets ``REFERENCE``. ``sparse_mla``: the choice ``auto`` / ``cpkv`` /
     ``flashmla`` (``SPARSE_MLA_CHOICES``); ``flashmla`` where the ``flash_mla`` package does not import is a
-    ConfigError naming why."""
+    ConfigError naming why. ``fp8_gemv``: ``CPKV_FP8_GEMV``'s text (``fp8_gemv_rows``)."""
     device = torch.device(device)
     if device.type != "cuda":
         return REFERENCE
@@ -83,9 +89,24 @@ def resolve(device: torch.device | str, *, disable_triton: bool | None = None, s
         grouped_mm_torch = envs.get("CPKV_GROUPED_MM_TORCH")
     hopper = capability(device)[0] == 9
     gluon = hopper and gluon_importable() and not (grouped_mm_torch or disable_triton)  # Gluon is Triton's
-    return Backends(triton=triton_importable() and not disable_triton,
+    triton = triton_importable() and not disable_triton
+    gemv = fp8_gemv_rows(envs.get("CPKV_FP8_GEMV") if fp8_gemv is None else fp8_gemv)
+    return Backends(triton=triton,
                     sparse_mla=_sparse_mla(envs.get("CPKV_SPARSE_MLA") if sparse_mla is None else sparse_mla, hopper),
-                    grouped_mm="gluon" if gluon else "torch")
+                    grouped_mm="gluon" if gluon else "torch", fp8_gemv_rows=gemv if triton else 0)
+
+
+def fp8_gemv_rows(choice: str) -> int:
+    """The most rows the fp8 GEMV takes under a ``CPKV_FP8_GEMV`` choice: auto, on (the kernel's limit), off (0) or
+    a count (cpkv.config's FP8_GEMV_* constants)."""
+    named = {"auto": FP8_GEMV_AUTO_ROWS, "on": FP8_GEMV_MAX_ROWS, "off": 0}
+    low = choice.strip().lower()
+    if low in named:
+        return named[low]
+    if not low.isdigit() or int(low) > FP8_GEMV_MAX_ROWS:
+        raise ConfigError(f"fp8 GEMV: expected one of auto, on, off or a row count 0..{FP8_GEMV_MAX_ROWS}, "
+                          f"got {choice!r}")
+    return int(low)
 
 
 def _sparse_cpkv(hopper: bool) -> str:

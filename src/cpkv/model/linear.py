@@ -8,7 +8,10 @@
         Linear reading the same input (quantised once)
     fp8_linear(x | QuantAct, w, w_scale) -> [M, N] bf16        (the dispatch point of kernels/fp8_gemm)
 
-Path: ``torch._scaled_mm`` with DeepSeek block scales (1 x 128 activation groups, 128 x 128 weight blocks;
+Path: cpkv's Triton GEMV (``kernels.fp8_gemm.gemv``: the weight streamed once, split over K with a deterministic
+reduction) for a quantised activation of at most ``Backends.fp8_gemv_rows`` rows (``CPKV_FP8_GEMV``: decode's
+few rows, where cuBLAS reads the weight at about half the copy rate) where the backends run Triton; else
+``torch._scaled_mm`` with DeepSeek block scales (1 x 128 activation groups, 128 x 128 weight blocks;
 cuBLAS, sm90+) when the tensors are on CUDA, the output dtype is bfloat16, K is a multiple of 512 (whole
 128-groups, in the multiple of 4 cuBLAS wants for the scale rows) and N of 16. Elsewhere (CPU, other
 shapes, or a weight shape this build's ``_scaled_mm`` refused once: remembered, one line on stderr) the
@@ -19,7 +22,7 @@ with (``cpkv.kernels.platform.Backends``: the model's, or its weight's device's 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,7 @@ from cpkv.kernels.fp8_gemm.ref import BLOCK, act_dequant_ref, act_quant_ref, deq
 from cpkv.kernels.platform import Backends, backends_for
 
 FP8 = torch.float8_e4m3fn
+_GEMV_OUT = (torch.bfloat16, torch.float16, torch.float32)  # the output dtypes the fp8 GEMV writes
 _SCALED_MM_FAILED: set[tuple[int, int]] = set()  # weight shapes (N, K) torch._scaled_mm refused once
 
 
@@ -51,15 +55,22 @@ class QuantAct:
 class Linear:
     """One linear layer's weight [N, K]: the compute dtype (``scale`` None) or float8_e4m3fn with float32
     ``scale`` [ceil(N/128), ceil(K/128)] (the checkpoint's ``weight_scale_inv``); ``backends``: the kernels it
-    runs (None: ``backends_for`` its weight's device, resolved here once)."""
+    runs (None: ``backends_for`` its weight's device, resolved here once); ``tickets``: the fp8 GEMV's split-K
+    counters of this weight (made here, zeroed, where that kernel may run on a CUDA weight; the GEMV leaves them
+    zeroed, so one Linear must not run on two streams at once)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
     backends: Backends | None = None
+    tickets: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backends is None:
             self.backends = backends_for(self.weight.device)
+        if self.tickets is None and self.fp8 and self.backends.fp8_gemv_rows and self.weight.is_cuda:
+            from cpkv.kernels.fp8_gemm import gemv
+
+            self.tickets = gemv.new_tickets(self.weight.shape[0], self.weight.device)
 
     @property
     def fp8(self) -> bool:
@@ -68,7 +79,7 @@ class Linear:
     def __call__(self, x: torch.Tensor | QuantAct) -> torch.Tensor:
         """x [M, K] (or its QuantAct) -> [M, N] in x's dtype."""
         if self.scale is not None:
-            return fp8_linear(x, self.weight, self.scale, self.backends)
+            return fp8_linear(x, self.weight, self.scale, self.backends, self.tickets)
         return F.linear(x.dequant() if isinstance(x, QuantAct) else x, self.weight)
 
     def quantised_input(self, x: torch.Tensor | QuantAct) -> torch.Tensor | QuantAct:
@@ -136,14 +147,32 @@ def _round4(m: int) -> int:
 
 
 def fp8_linear(x: torch.Tensor | QuantAct, w: torch.Tensor, w_scale: torch.Tensor,
-               backends: Backends | None = None) -> torch.Tensor:
+               backends: Backends | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (or its QuantAct), w fp8 [N, K], w_scale float32 [ceil(N/128), ceil(K/128)] -> [M, N] in
-    x's dtype (module docstring: the path; ``backends``: those of ``quant_act``)."""
+    x's dtype (module docstring: the path; ``backends``: those of ``quant_act`` and the GEMV's choice, None:
+    ``backends_for(w)``; ``tickets``: the GEMV's counters for w, ``Linear.tickets``)."""
     if isinstance(x, QuantAct):
-        return _scaled_mm(x, w, w_scale)
+        return _block_scaled(x, w, w_scale, backends, tickets)
     if scaled_mm_ok(x, w):
-        return _scaled_mm(quant_act(x, backends), w, w_scale)
+        return _block_scaled(quant_act(x, backends), w, w_scale, backends, tickets)
     return fp8_linear_ref(x, w, w_scale)
+
+
+def gemv_ok(x: QuantAct, w: torch.Tensor, backends: Backends) -> bool:
+    """True when the Triton fp8 GEMV takes x's product with w: the backends run Triton and send it x's 1 ..
+    ``fp8_gemv_rows`` rows, K a multiple of 128, unit K strides, an output dtype it writes."""
+    m, k = x.q.shape
+    return (backends.triton and 0 < m <= backends.fp8_gemv_rows and k % BLOCK == 0 and w.dtype == FP8
+            and x.q.stride(1) == 1 and w.stride(1) == 1 and x.dtype in _GEMV_OUT)
+
+
+def _block_scaled(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor, backends: Backends | None,
+                  tickets: torch.Tensor | None) -> torch.Tensor:
+    if gemv_ok(x, w, backends or backends_for(w)):
+        from cpkv.kernels.fp8_gemm import gemv
+
+        return gemv.gemv(x.q, x.s, w, w_scale, tickets=tickets, dtype=x.dtype)
+    return _scaled_mm(x, w, w_scale)
 
 
 def _scaled_mm(x: QuantAct, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
