@@ -151,6 +151,7 @@ inp = ad._inputs(2, 16, 40, 2, 64, device="cpu")
 rows = ad._sweep(inp, 1000.0, 1)
 bad = [r for r in rows if "error" in r or r["rel_err"] > 1e-2 or r["first_over"] != 1.0]
 assert len(rows) >= 10 and rows[0]["config"].endswith("chained c512") and not bad, (rows, bad)
+assert [r["role"] for r in rows[:3]] == ["first", "default", ""]
 ad.report({"device": "cpu", "copy_gbs": 1000.0, "heads": 16, "topk": 40, "pools": 2, "pool_rows": 64,
            "peer": None, "sweep": rows, "cases": []}, as_json=False)
 print("ok", len(rows))

@@ -237,8 +237,9 @@ def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str,
     k = inp["row"].shape[1]
     moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
     rows: list[dict[str, Any]] = []
-    for cfg in sweep_configs(b, h, k, kernel.sm_count_of(inp["q"])):
-        row: dict[str, Any] = {"batch": b, "config": cfg.tag(), "splits": _splits(inp, cfg)}
+    for i, cfg in enumerate(sweep_configs(b, h, k, kernel.sm_count_of(inp["q"]))):
+        row: dict[str, Any] = {"batch": b, "role": ("first", "default")[i] if i < 2 else "", "config": cfg.tag(),
+                               "splits": _splits(inp, cfg)}
         try:
             call = _ours(inp, cfg)
             out = call()[0]
@@ -275,7 +276,7 @@ def report(res: dict[str, Any], as_json: bool) -> None:
     print(f"{res['device']}: copy {res['copy_gbs']:.0f} GB/s; sparse decode MLA H={res['heads']} topk={res['topk']} "
           f"over {res['pools']} pools of {res['pool_rows']} 656-byte rows (device time per call, L2 flushed)")
     if res["sweep"]:
-        keys = ["batch", "config", "splits", "ms", "first_over", "gbs", "ratio_to_copy", "rel_err", "error"]
+        keys = ["batch", "role", "config", "splits", "ms", "first_over", "gbs", "ratio_to_copy", "rel_err", "error"]
         table(keys, [[r.get(k, "") for k in keys] for r in res["sweep"]])
     peer = res["peer"]
     head = ["B", "splits", "cpkv ms", "GB/s", "of copy", "rel err", "current ms", "current / cpkv", "gather ms",

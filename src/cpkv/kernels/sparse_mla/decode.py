@@ -32,7 +32,8 @@ chain costs a few DRAM round trips per tile and the SM idles through them. So:
   * a program holds 64 heads and all 512 value dims, so nothing is read, dequantised or multiplied twice: the
     dots are Hopper wgmma (M = 64) with q resident in shared memory, the [64, 512] fp32 accumulator 128 registers
     a thread at 8 warps; 32-key tiles keep it at 150 KB of shared memory and 255 registers without a spill,
-    one program an SM. 17 to 63 heads pad the one 64-head block.
+    one program an SM (64-key tiles, double-buffered, would ask 229 KB). 17 to 63 heads pad the one 64-head
+    block.
 
 Value blocks (``block_v``: each re-reads and re-dequantises its rows and recomputes the scores) and smaller head
 blocks (``block_h`` 16 / 32: mma.sync, whose 512-dim operands sit in registers: 168 to 255 a thread; each block
@@ -67,7 +68,7 @@ from cpkv.kernels.grid import cdiv, flat_grid
 
 LOG2E = 1.4426950408889634
 INTERPRETER_SMS = 8  # the "SM count" splits are chosen for off CUDA (Triton's interpreter)
-MAX_SELECT = 8  # up to this many pools a key's base is picked in registers; more: gathered by its owner
+MAX_SELECT = 8  # up to this many pools a key's base is picked in registers; more: gathered (one more link)
 MIN_SPLIT_KEYS = 64  # a split's least keys (module docstring)
 COMBINE_ELEMS = 16 * 512  # float32 a combine program loads at once (64 registers a thread at 4 warps)
 ANY_B = 1 << 31
@@ -155,20 +156,20 @@ def load() -> tuple[Any, Any]:
 
     @triton.jit
     def _key_offsets(BASES, OWNER, ROW, k0, k_hi, anchor, ROW_BYTES: tl.constexpr, BLOCK_K: tl.constexpr,
-                     CP: tl.constexpr):
+                     CP: tl.constexpr, CHAINED: tl.constexpr):
         # keys k0 .. k0 + BLOCK_K of one generation: (their rows' byte offsets from ``bases``, 0 where masked; mask).
-        # CP > 0: the owner loaded beside the row, the base picked among the CP bases (one dependent round trip
-        # fewer); CP 0: the owner loaded only for a valid row, the base gathered by it (two more)
+        # The owner loads beside the row (CHAINED: only for a valid row, a round trip later); the base is picked
+        # among the CP bases (CP 0: gathered by the owner, another round trip)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        r = tl.load(ROW + offs_k, mask=offs_k < k_hi, other=-1).to(tl.int64)
+        inside = offs_k < k_hi
+        r = tl.load(ROW + offs_k, mask=inside, other=-1).to(tl.int64)
         valid = r >= 0
+        own = tl.load(OWNER + offs_k, mask=valid if CHAINED else inside, other=0)
         if CP > 0:
-            own = tl.load(OWNER + offs_k, mask=offs_k < k_hi, other=0)
             base = tl.zeros([BLOCK_K], tl.int64) + anchor
             for c in tl.static_range(CP):
                 base = tl.where(own == c, tl.load(BASES + c), base)
         else:
-            own = tl.load(OWNER + offs_k, mask=valid, other=0)
             base = tl.load(BASES + own, mask=valid, other=anchor)
         return tl.where(valid, base + r * ROW_BYTES - anchor, 0), valid
 
@@ -201,7 +202,7 @@ def load() -> tuple[Any, Any]:
         stride_ob, stride_oh, stride_lseb,
         G: tl.constexpr, D_R: tl.constexpr, ROW_BYTES: tl.constexpr, ALIGN16: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SCALE_GATHER: tl.constexpr,
-        CP: tl.constexpr, DIRECT: tl.constexpr,
+        CP: tl.constexpr, CHAINED: tl.constexpr, DIRECT: tl.constexpr,
     ):
         D_L: tl.constexpr = G * 128
         GV: tl.constexpr = BLOCK_V // 128  # latent groups per value block
@@ -229,7 +230,7 @@ def load() -> tuple[Any, Any]:
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            d, valid = _key_offsets(BASES, OWNER, ROW, k0, k_hi, anchor, ROW_BYTES, BLOCK_K, CP)
+            d, valid = _key_offsets(BASES, OWNER, ROW, k0, k_hi, anchor, ROW_BYTES, BLOCK_K, CP, CHAINED)
             if ALIGN16:  # in 16-byte units: the compiler then knows every field's alignment
                 u = d // 16
                 d8, d32, d16 = u * 16, u * 4 + SCALE_W, u * 8 + ROPE_H
@@ -366,7 +367,7 @@ def split_launch(
             wl.stride(0), wl.stride(1), out.stride(0), out.stride(1), lse.stride(0))
     consts = dict(G=fmt.scale_count, D_R=fmt.rope_dims, ROW_BYTES=fmt.row_bytes, ALIGN16=align,
                   BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_V=block_v, SCALE_GATHER=cfg.scale_gather,
-                  CP=0 if cfg.chained or cp > MAX_SELECT else cp, DIRECT=splits == 1,
+                  CP=0 if cfg.chained or cp > MAX_SELECT else cp, CHAINED=cfg.chained, DIRECT=splits == 1,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return flat_grid(n_vb * n_hb * splits, b), args, consts
 
