@@ -106,22 +106,46 @@ def test_kernel_supported_formats(fmt, d_v, ok):
     assert kernel.supported(fmt, d_v) is ok
 
 
-@pytest.mark.parametrize("b,want", [(1, (32, 64)), (8, (16, 128)), (32, (5, 448))])
-def test_splits_at_glm5_shapes(b, want):
-    assert kernel.plan_splits(b, 1, 2048, 64, 132) == want
+@pytest.mark.parametrize("b,hb,want", [(1, 1, (32, 64)), (8, 1, (16, 128)), (32, 1, (4, 512)), (1, 2, (32, 64)),
+                                       (32, 2, (2, 1024)), (64, 2, (1, 2048))])
+def test_splits_at_glm5_and_v32_shapes(b, hb, want):
+    assert kernel.plan_splits(b, hb, 2048, 32, 132) == want
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 7, 32, 200])
 @pytest.mark.parametrize("k", [1, 16, 63, 64, 65, 100, 2048, 2049])
-@pytest.mark.parametrize("hb", [1, 2])
-def test_splits_cover_the_keys_in_whole_tiles(b, k, hb):
-    splits, per = kernel.plan_splits(b, hb, k, 64, 132)
-    assert per % 64 == 0 and splits >= 1
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+@pytest.mark.parametrize("block_k", [16, 32, 64])
+def test_splits_cover_the_keys_in_whole_tiles(b, k, blocks, block_k):
+    splits, per = kernel.plan_splits(b, blocks, k, block_k, 132)
+    assert per % block_k == 0 and splits >= 1
     assert (splits - 1) * per < k <= splits * per  # every split has a key position, every key a split
-    assert b * hb * splits <= max(132, b * hb) + b * hb  # about the SM count, never more splits than needed
-    assert splits == 1 or b * hb * (splits - 1) < 132  # not over-split: one split fewer would leave SMs idle
+    assert splits == 1 or b * blocks * splits <= 132  # never a second wave of programs
+    assert splits == 1 or per >= kernel.MIN_SPLIT_KEYS  # no split shorter than 64 keys
+    if b * blocks * 2 <= 132 and k >= 2 * max(kernel.MIN_SPLIT_KEYS, block_k):
+        assert splits >= 2  # SMs to spare and keys for two splits: split
 
 
-def test_default_config_head_blocks():
-    assert kernel.default_config(64).block_h == 64 and kernel.default_config(128).block_h == 64
-    assert kernel.default_config(4).block_h == 16 and kernel.default_config(20).block_h == 32
+@pytest.mark.parametrize("h,b,block_h", [(64, 1, 64), (64, 32, 64), (64, 4096, 64), (128, 1, 64), (20, 8, 64),
+                                         (17, 1, 64), (16, 1, 16), (4, 32, 16)])
+def test_default_config_from_heads_and_generations(h, b, block_h):
+    cfg = kernel.default_config(h, b)
+    assert cfg.block_h == block_h and kernel.check_config(cfg, 512) == 512
+    assert cfg.num_stages == 5  # two pipeline stages a link of the address chain: rows double-buffered
+
+
+@pytest.mark.parametrize("b,h,d", [(1, 64, 128), (8, 64, 256), (32, 64, 512), (1, 128, 128), (4, 4, 128),
+                                   (1, 1, 128)])
+def test_combine_programs_are_about_four_an_sm(b, h, d):
+    assert kernel.combine_block(b, h, 512, 132) == d
+
+
+@pytest.mark.parametrize("change", [dict(block_h=24), dict(block_h=8), dict(block_k=48), dict(block_v=192),
+                                    dict(block_v=1024), dict(block_v=64), dict(combine_d=384), dict(per_sm=0),
+                                    dict(splits=0)])
+def test_a_config_the_format_cannot_take_is_a_named_error(change):
+    import dataclasses
+
+    cfg = dataclasses.replace(kernel.DecodeConfig(), **change)
+    with pytest.raises(AttentionError, match="sparse decode config"):
+        kernel.check_config(cfg, 512)

@@ -118,3 +118,52 @@ def test_decode_compare_reshapes_the_peers_output() -> None:
     out, lse = torch.randn(2, 4, 512, generator=g).to(torch.bfloat16), torch.randn(2, 4, generator=g)
     same = _compare((out[:, None], lse[:, :, None]), (out, lse))
     assert same["out_cos_diff"] == 0.0 and same["lse_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("b,splits", [(1, 32), (8, 16), (32, 5)])
+def test_decode_sweep_starts_with_the_first_kernel_and_the_default(b, splits) -> None:
+    from cpkv.bench.attention_decode import first_kernel, sweep_configs
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    first = first_kernel(b, 64, 2048, 132)
+    assert first.tag() == f"h64 k64 w8 s2 {splits} chained c512"  # its launch and its plan's splits
+    configs = sweep_configs(b, 64, 2048, 132)
+    assert configs[:2] == [first, kernel.default_config(64, b)]
+    assert len({c.tag() for c in configs}) == len(configs) >= 12
+    assert all(kernel.check_config(c, 512) for c in configs)
+    assert all(c.block_h <= 16 for c in sweep_configs(b, 16, 2048, 132)[1:])  # no block above the default's
+
+
+_SWEEP = r'''
+import sys
+
+from elem_cases import patch_interpreter_bf16_dot
+from fused_cases import patch_interpreter_index, patch_interpreter_rounding
+
+patch_interpreter_index()
+patch_interpreter_bf16_dot()
+patch_interpreter_rounding()
+
+from cpkv.bench import attention_decode as ad
+
+ad.do_bench_ms = lambda fn, *a, **k: (fn(), 0.5)[1]  # no CUDA timer here: each call runs once
+inp = ad._inputs(2, 16, 40, 2, 64, device="cpu")
+rows = ad._sweep(inp, 1000.0, 1)
+bad = [r for r in rows if "error" in r or r["rel_err"] > 1e-2 or r["first_over"] != 1.0]
+assert len(rows) >= 10 and rows[0]["config"].endswith("chained c512") and not bad, (rows, bad)
+assert [r["role"] for r in rows[:3]] == ["first", "default", ""]
+ad.report({"device": "cpu", "copy_gbs": 1000.0, "heads": 16, "topk": 40, "pools": 2, "pool_rows": 64,
+           "peer": None, "sweep": rows, "cases": []}, as_json=False)
+print("ok", len(rows))
+'''
+
+
+@pytest.mark.triton
+def test_decode_sweep_runs_every_shape_in_the_interpreter() -> None:
+    import textwrap
+
+    from interpreted import run_interpreted
+
+    res = run_interpreted(["-c", textwrap.dedent(_SWEEP)])
+    assert res.returncode == 0 and "ok" in res.stdout and "first_over" in res.stdout, res.stdout[-3000:] + \
+        res.stderr[-3000:]

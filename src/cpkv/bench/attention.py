@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "topk rows per query, also timed through dense_causal_mla), hot (rows of [0, 2 topk): "
                              "L2-resident, isolates the compute side); the --peer comparison uses them too")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time every candidate kernel config at the first T, and the token-KV launch shapes")
+                        help="also time every candidate kernel config at the first T, and the token-KV launch shapes; "
+                             "--decode: every candidate launch shape at every B, beside the first kernel's")
     parser.add_argument("--kv-quant-rows", type=a.bounded_int(1, 1 << 30), default=1 << 20,
                         help="token-KV rows of the dequant / quant cases (default 1,048,576)")
     parser.add_argument("--peer", choices=PEERS, default=None,

@@ -16,6 +16,10 @@ the CP ranks' pools of one layer), about 1/16 of them -1 (no key). Timed, each i
 Bytes read per call: B K 656 (the rows; masked keys counted too, as an upper bound) + q + out (bf16); GB/s over
 the copy rate measured in the same run. cpkv's output is checked against the float64 reference
 (``sparse_decode_mla_ref``) and, with a peer, against the peer's.
+
+``--sweep``: at every B, the launch shapes of :func:`sweep_configs` side by side (the first kernel's, the default
+of ``decode.DEFAULTS`` and the candidates around it), each with its speed-up over the first kernel's, so that one
+run on a GPU picks the table's rows.
 """
 from __future__ import annotations
 
@@ -48,11 +52,11 @@ def run(args: argparse.Namespace, peer_name: str | None) -> dict[str, Any]:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs(), "heads": args.heads,
                            "topk": args.topk, "pools": args.pools, "pool_rows": args.pool_rows,
                            "peer": peer_name, "cases": [], "sweep": []}
-    for i, b in enumerate(args.batches):
+    for b in args.batches:
         inp = _inputs(b, args.heads, args.topk, args.pools, args.pool_rows)
         res["cases"].append(_case(inp, res["copy_gbs"], args.rep_ms, args.peer_rounds, peer))
-        if args.sweep and i == 0:
-            res["sweep"] = _sweep(inp, res["copy_gbs"], args.rep_ms)
+        if args.sweep:
+            res["sweep"] += _sweep(inp, res["copy_gbs"], args.rep_ms)
         del inp
         torch.cuda.empty_cache()
     return res
@@ -136,7 +140,7 @@ def _case(inp: dict[str, Any], copy_rate: float, rep_ms: int, rounds: int, peer:
         calls["peer"] = theirs
     ours = calls["cpkv"]()
     case: dict[str, Any] = {"batch": b, "heads": h, "topk": k, "rel_err": _rel_err(inp, ours[0]),
-                            "config": kernel.default_config(h).tag(), "splits": _splits(inp)}
+                            "config": kernel.default_config(h, b).tag(), "splits": _splits(inp)}
     if theirs is not None:
         case.update(_compare(theirs(), ours))
     ms = _timed(calls, rep_ms, rounds)
@@ -158,14 +162,13 @@ def _timed(calls: dict[str, Callable[[], Any]], rep_ms: int, rounds: int) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _splits(inp: dict[str, Any]) -> int:
-    from cpkv.kernels.grid import cdiv
+def _splits(inp: dict[str, Any], config: Any = None) -> int:
+    """The split count a launch of ``config`` (None: the default) takes on these inputs."""
     from cpkv.kernels.sparse_mla import decode as kernel
 
     b, h, _ = inp["q"].shape
-    cfg = kernel.default_config(h)
-    sms = kernel.sm_count_of(inp["q"])
-    return kernel.plan_splits(b, cdiv(h, cfg.block_h), inp["row"].shape[1], cfg.block_k, sms)[0]
+    cfg = config or kernel.default_config(h, b)
+    return kernel.split_plan(cfg, b, h, inp["row"].shape[1], 512, kernel.sm_count_of(inp["q"]))[0]
 
 
 def _rel_err(inp: dict[str, Any], out: Any) -> float:
@@ -187,25 +190,65 @@ def _compare(theirs: tuple, ours: tuple) -> dict[str, Any]:
     return compare_outputs((out_p.reshape(ours[0].shape), None, lse_p.reshape(ours[1].shape)), ours)
 
 
-def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str, Any]]:
-    """Candidate launch shapes on the first batch: keys per tile, warps and stages, split counts, the scale load."""
+def first_kernel(b: int, h: int, k: int, sms: int) -> Any:
+    """The first kernel's launch (its default until the tiles of ``decode.DEFAULTS``): all heads up to 64 a
+    program over 64-key tiles, 8 warps, 2 stages, the owner after the row and the base gathered by it, one combine
+    program a head, and its plan's splits (about one program an SM, rounded up: B = 32 takes 5 x 32)."""
+    from cpkv.kernels.grid import cdiv
     from cpkv.kernels.sparse_mla import decode as kernel
 
-    base = kernel.default_config(inp["q"].shape[1])
-    b, k = inp["row"].shape
+    block_h = min(64, max(16, 1 << max(0, (h - 1).bit_length())))
+    tiles = cdiv(max(k, 1), 64)
+    want = max(1, min(tiles, cdiv(sms, b * cdiv(h, block_h))))
+    splits = cdiv(max(k, 1), cdiv(tiles, want) * 64)
+    return kernel.DecodeConfig(block_h, 64, 8 if block_h == 64 else 4, 2, splits=splits, chained=True,
+                               combine_d=512)
+
+
+def sweep_configs(b: int, h: int, k: int, sms: int) -> list[Any]:
+    """The launch shapes ``--sweep`` times at B generations of H heads: the first kernel's, the default, then one
+    change from the default at a time: pipelining depth (3: rows single-buffered, 7: triple), key tile, the first
+    kernel's address chain, value blocks (the rows re-read, the scores recomputed), smaller head blocks (mma.sync,
+    several programs an SM), split counts, the per-value scale load, one combine program a head. Every one fits
+    Hopper's shared memory (``tests/kernels/test_sparse_decode_sm90.py`` compiles them all offline)."""
+    from dataclasses import replace
+
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    base = kernel.default_config(h, b)
+    planned = kernel.split_plan(base, b, h, k, 512, sms)[0]
+    variants = [
+        replace(base, num_stages=3), replace(base, num_stages=7), replace(base, block_k=64, num_stages=3),
+        replace(base, block_k=16), replace(base, chained=True),
+        replace(base, block_v=256), replace(base, block_v=128, num_warps=4),
+        replace(base, block_h=32, block_k=16), replace(base, block_h=16, block_k=16, num_warps=4, per_sm=2),
+        replace(base, per_sm=2), replace(base, splits=max(1, planned // 2)), replace(base, splits=2 * planned),
+        replace(base, block_k=16, scale_gather=True), replace(base, combine_d=512),
+    ]
+    configs = [first_kernel(b, h, k, sms), base]
+    return configs + [v for v in variants if v not in configs and v.block_h <= base.block_h]
+
+
+def _sweep(inp: dict[str, Any], copy_rate: float, rep_ms: int) -> list[dict[str, Any]]:
+    """Every launch shape of :func:`sweep_configs` at this batch: ms, GB/s, the first kernel's ms over its."""
+    from cpkv.kernels.sparse_mla import decode as kernel
+
+    b, h, _ = inp["q"].shape
+    k = inp["row"].shape[1]
     moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
-    rows = []
-    shapes = [kernel.DecodeConfig(base.block_h, bk, w, st, splits=sp)
-              for bk in (16, 32, 64) for w, st in ((8, 2), (4, 1)) for sp in (None, 16, 64)]
-    gathers = [kernel.DecodeConfig(base.block_h, bk, 8, 2, scale_gather=True) for bk in (32, 64)]
-    for cfg in [base] + shapes + gathers:
-        row: dict[str, Any] = {"config": cfg.tag()}
+    rows: list[dict[str, Any]] = []
+    for i, cfg in enumerate(sweep_configs(b, h, k, kernel.sm_count_of(inp["q"]))):
+        row: dict[str, Any] = {"batch": b, "role": ("first", "default")[i] if i < 2 else "", "config": cfg.tag(),
+                               "splits": _splits(inp, cfg)}
         try:
             call = _ours(inp, cfg)
             out = call()[0]
             ms = do_bench_ms(call, rep_ms, warmup_ms=10)
             row.update(ms=ms, gbs=moved / ms / 1e6, ratio_to_copy=moved / ms / 1e6 / copy_rate,
                        rel_err=_rel_err(inp, out))
+            first = rows[0].get("ms") if rows else ms  # the first kernel's row leads
+            if first is not None:
+                row["first_over"] = first / ms
         except Exception as exc:  # a shape that does not compile or fit is reported, not fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         rows.append(row)
@@ -233,7 +276,7 @@ def report(res: dict[str, Any], as_json: bool) -> None:
     print(f"{res['device']}: copy {res['copy_gbs']:.0f} GB/s; sparse decode MLA H={res['heads']} topk={res['topk']} "
           f"over {res['pools']} pools of {res['pool_rows']} 656-byte rows (device time per call, L2 flushed)")
     if res["sweep"]:
-        keys = ["config", "ms", "gbs", "ratio_to_copy", "rel_err", "error"]
+        keys = ["batch", "role", "config", "splits", "ms", "first_over", "gbs", "ratio_to_copy", "rel_err", "error"]
         table(keys, [[r.get(k, "") for k in keys] for r in res["sweep"]])
     peer = res["peer"]
     head = ["B", "splits", "cpkv ms", "GB/s", "of copy", "rel err", "current ms", "current / cpkv", "gather ms",
