@@ -85,6 +85,7 @@ def test_dispatch_names_bad_inputs():
            "slot must be": dict(slot=slot.int()), "ctx must be": dict(ctx=ctx[:2]),
            "owner_tab and page_tab": dict(page_tab=page[:, :3]), "power of two": dict(page_size=6),
            "out must be": dict(out=out.double()), "pool 1 must be": dict(pools=[pools[0], pools[1][:, :20]]),
+           "pool 0 must be uint8 \\[pages": dict(pools=[pools[0][:-1], pools[1]]),
            "none given": dict(pools=[])}
     for message, change in bad.items():
         with pytest.raises(IndexerError, match=message):

@@ -93,12 +93,13 @@ def _run(t, bases, P, L, config=None, out=None):
 
 
 def _configs():
-    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
-    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig as C
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG, KEYS_CONFIG
 
-    # tiles inside a page (16 < P = 32 / 64), a page per tile, tiles over several pages, spans past L
-    return [DEFAULT_CONFIG, PagedLogitsConfig(block_s=16, span=1), PagedLogitsConfig(block_s=16, span=3),
-            PagedLogitsConfig(block_s=32, span=2)]
+    # each variant with tiles inside a page (16 < P = 32 / 64), a page per tile, tiles over several pages, spans
+    # past L; the runs kernel also at 2 stages (its loop pipelined)
+    return [DEFAULT_CONFIG, C(16, 1), C(16, 3), C(32, 2, num_stages=2), C(64, 2),
+            KEYS_CONFIG, C(16, 1, variant="keys"), C(16, 3, variant="keys"), C(32, 2, variant="keys")]
 
 
 SHAPES = [  # (B, H, D, P, ctx, L)
@@ -106,6 +107,14 @@ SHAPES = [  # (B, H, D, P, ctx, L)
     (3, 4, 128, 16, [37, 0, 5], 64),
     (3, 4, 32, 64, [5, 37, 0], 50),   # L not a multiple of any tile; P larger than the tiles
     (2, 8, 64, 32, [64, 33], 64),     # contexts that fill / just pass a page
+]
+
+# the runs kernel's own corners (three pools): pages of 4 keys (32 runs in a 128-key tile), pages larger than the
+# default tile, B and L not multiples of any tile, contexts ending inside a run, at a run's or a tile's edge
+RUN_SHAPES = [  # (B, H, D, P, ctx, L, cp)
+    (5, 4, 32, 4, [0, 1, 130, 300, 61], 300, 3),
+    (5, 8, 64, 256, [300, 255, 256, 129, 0], 300, 3),
+    (3, 32, 128, 64, [200, 64, 127], 200, 3),
 ]
 
 
@@ -124,6 +133,8 @@ def case_matches_reference() -> None:
 
 
 def case_planted_faults_fail() -> None:
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG, KEYS_CONFIG
+
     B, H, D, P, ctx, L = SHAPES[0]
     t, pools, bases = make_inputs(B, H, D, P, ctx, L)
     ref = reference(t, pools, P, L)
@@ -131,30 +142,52 @@ def case_planted_faults_fail() -> None:
     sl = int(t["slot"][2])  # the generation with 37 keys: pages 0..2
     faults = {"page": ("page_tab", (sl, 1), lambda v: (v + 1) % 4),
               "owner": ("owner_tab", (sl, 2), lambda v: 1 - v)}
-    for name, (key, at, change) in faults.items():
-        bad = dict(t, **{key: t[key].clone()})
-        bad[key][at] = change(bad[key][at])
-        assert mismatch(_run(bad, bases, P, L), ref, bound) is not None, f"planted fault {name} passed"
-    short = dict(t, ctx=t["ctx"] - (t["ctx"] > 0).long())  # one key fewer: a -inf too many
-    assert "-inf" in mismatch(_run(short, bases, P, L), ref, bound)
-    swapped = bases.flip(0)  # every owner wrong
-    assert mismatch(_run(t, swapped, P, L), ref, bound) is not None
+    for cfg in (DEFAULT_CONFIG, KEYS_CONFIG):
+        for name, (key, at, change) in faults.items():
+            bad = dict(t, **{key: t[key].clone()})
+            bad[key][at] = change(bad[key][at])
+            assert mismatch(_run(bad, bases, P, L, cfg), ref, bound) is not None, f"{cfg}: planted fault {name} passed"
+        short = dict(t, ctx=t["ctx"] - (t["ctx"] > 0).long())  # one key fewer: a -inf too many
+        assert "-inf" in mismatch(_run(short, bases, P, L, cfg), ref, bound)
+        swapped = bases.flip(0)  # every owner wrong
+        assert mismatch(_run(t, swapped, P, L, cfg), ref, bound) is not None
     print("planted_faults_fail: ok")
+
+
+def case_runs_corners() -> None:
+    from cpkv.kernels.mqa_logits import paged
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig as C
+
+    for B, H, D, P, ctx, L, cp in RUN_SHAPES:
+        t, pools, bases = make_inputs(B, H, D, P, ctx, L, cp=cp, seed=B + P)
+        ref = reference(t, pools, P, L)
+        bound = gamma(D + H + 2) * reference(t, pools, P, L, absolute=True)
+        for cfg in (C(), C(16, 5), C(64, 2), C(256, 1, num_warps=8), C(32, 3, num_stages=2)):
+            got = _run(t, bases, P, L, cfg)
+            err = mismatch(got, ref, bound)
+            assert err is None, f"{(B, H, D, P, ctx, L, cp)} {cfg}: {err}"
+    paged.MAX_GRID_Y = 2  # the last shape's B = 3 in two launches of the generations' axis
+    assert mismatch(_run(t, bases, P, L), ref, bound) is None, "generations split over launches"
+    print("runs_corners: ok")
 
 
 def case_same_launch_other_contexts() -> None:
     """One set of tensors, ctx / slot rewritten in place between launches (as a graph replay sees them): each run
     equals the reference of the values then in the tensors, and every column is written (out starts at 7)."""
+    from cpkv.kernels.mqa_logits.paged import DEFAULT_CONFIG, KEYS_CONFIG
+
     B, H, D, P, ctx, L = SHAPES[0]
     t, pools, bases = make_inputs(B, H, D, P, [37, 37, 37], L)
-    out = torch.full((B, L), 7.0)
-    for new in ([0, 5, 37], [37, 0, 0], [1, 16, 17]):
-        t["ctx"].copy_(torch.tensor(new))
-        t["slot"].copy_(t["slot"].roll(1))
-        got = _run(t, bases, P, L, out=out)
-        assert not bool((got == 7.0).any()), "a column left unwritten"
-        err = mismatch(got, reference(t, pools, P, L), gamma(D + H + 2) * reference(t, pools, P, L, absolute=True))
-        assert err is None, f"ctx {new}: {err}"
+    out = torch.empty(B, L)
+    for cfg in (DEFAULT_CONFIG, KEYS_CONFIG):
+        for new in ([0, 5, 37], [37, 0, 0], [1, 16, 17]):
+            t["ctx"].copy_(torch.tensor(new))
+            t["slot"].copy_(t["slot"].roll(1))
+            got = _run(t, bases, P, L, cfg, out=out.fill_(7.0))
+            assert not bool((got == 7.0).any()), "a column left unwritten"
+            bound = gamma(D + H + 2) * reference(t, pools, P, L, absolute=True)
+            err = mismatch(got, reference(t, pools, P, L), bound)
+            assert err is None, f"{cfg} ctx {new}: {err}"
     print("same_launch_other_contexts: ok")
 
 

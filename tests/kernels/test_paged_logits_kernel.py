@@ -1,11 +1,14 @@
-"""The paged indexer logits kernel (cpkv.kernels.mqa_logits.paged) against paged_mqa_logits_ref.
+"""The paged indexer logits kernels (cpkv.kernels.mqa_logits.paged: runs, the default, and keys) against
+paged_mqa_logits_ref.
 
 Interpreter (CPU, skipped without Triton): the cases of ``paged_logits_cases.py``, each in a TRITON_INTERPRET=1
-subprocess, at small shapes (H 4 / 8, D 32 / 64 / 128, B 2-3, two pools, P 16 / 32 / 64, contexts 0 / 5 / 37, L
-50 / 64), held to the float32 bound derived there; planted faults (a wrong page, a wrong owner, a short context,
-swapped bases) must fail it. GPU (skipped without CUDA and Triton): GLM-5 shapes (H 32, D 128, P 64, two pools,
-B 1 and 32, contexts up to 32768), within 2e-3 of each row's largest |logit| (the existing logits tests' bound),
--inf positions exact; one CUDA graph capture replayed with other contexts and slots.
+subprocess, at small shapes (H 4 / 8 / 32, D 32 / 64 / 128, B 2-5, two or three pools, P 4 / 16 / 32 / 64 / 256,
+contexts from 0 to L ending inside and at the edge of runs and tiles, L 50 / 64 / 200 / 300), both kernels, held
+to the float32 bound derived there; planted faults (a wrong page, a wrong owner, a short context, swapped bases)
+must fail both. GPU (skipped without CUDA and Triton): GLM-5 shapes (H 32, D 128, P 64, two pools; B 1, 8 and 32,
+contexts up to 131072), within 2e-3 of each row's largest |logit| (the existing logits tests' bound), -inf
+positions exact, each kernel and a few runs tile shapes; sync-free; CUDA graph captures (B 8 at 8K, B 32 at 32K)
+replayed with other contexts and slots.
 """
 from __future__ import annotations
 
@@ -50,19 +53,31 @@ def _run(t, pools, bases, L, config=None):
 
 GPU_SHAPES = {"b1_32k": (1, [32768], 32768), "b1_1000": (1, [1000], 1024),
               "b32_mixed": (32, [0, 1, 63, 64, 65, 32768] + [int(x) for x in torch.randint(
-                  0, 32769, (26,), generator=torch.Generator().manual_seed(1))], 32768)}
+                  0, 32769, (26,), generator=torch.Generator().manual_seed(1))], 32768),
+              "b8_128k": (8, [131072, 131071, 100000, 70001, 129, 64, 1, 0], 131072)}
+GPU_CONFIGS = {"default": None, "keys": "KEYS_CONFIG", "runs_s256_w8": dict(block_s=256, num_warps=8),
+               "runs_s64_x4_st3": dict(block_s=64, span=4, num_stages=3, maxnreg=None),
+               "runs_s128_x2_w8": dict(block_s=128, span=2, num_warps=8)}
+
+
+def _config(name):
+    from cpkv.kernels.mqa_logits import paged
+    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
+
+    cfg = GPU_CONFIGS[name]
+    return getattr(paged, cfg) if isinstance(cfg, str) else PagedLogitsConfig(**cfg) if cfg else None
 
 
 @pytest.mark.cuda
 @pytest.mark.triton
 @pytest.mark.parametrize("name", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("cfg", [None, dict(block_s=128, span=2, num_warps=8), dict(block_s=64, span=1)])
+@pytest.mark.parametrize("cfg", sorted(GPU_CONFIGS))
 def test_paged_logits_gpu_glm5(name, cfg):
-    from cpkv.kernels.mqa_logits.config import PagedLogitsConfig
+    from sync_free import twice_sync_free
 
     B, ctx, L = GPU_SHAPES[name]
     t, pools, bases = _glm5(B, ctx, L)
-    got = _run(t, pools, bases, L, PagedLogitsConfig(**cfg) if cfg else None)
+    got = twice_sync_free(lambda: _run(t, pools, bases, L, _config(cfg)))
     err = mismatch(got, reference(t, pools, 64, L), row_eps=GPU_EPS)
     assert err is None, err
 
@@ -77,21 +92,28 @@ def test_paged_logits_gpu_planted_fault_fails():
     assert mismatch(_run(t, pools, bases, 9216), ref, row_eps=GPU_EPS) is not None
 
 
+GRAPH_CASES = {"b8_8k": (8, 8192, [[8192] * 8, [0, 1, 64, 65, 4000, 8191, 100, 7]]),
+               "b32_32k": (32, 32768, [[32768] * 32, [0, 1, 63, 64, 65, 127, 128, 129] + [32768 - 97 * i for i in
+                                                                                            range(24)]])}
+
+
 @pytest.mark.cuda
 @pytest.mark.triton
-def test_paged_logits_gpu_graph_replay():
-    """Captured once at B = 8, L = 8192; replayed after ctx and slot are rewritten in place."""
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("cfg", ["default", "keys"])
+def test_paged_logits_gpu_graph_replay(case, cfg):
+    """Captured once with every context full; replayed after ctx and slot are rewritten in place."""
     from cpkv.indexer.paged import paged_logits
 
-    B, L = 8, 8192
-    t, pools, bases = _glm5(B, [8192] * B, L)
+    B, L, contexts = GRAPH_CASES[case]
+    t, pools, bases = _glm5(B, [L] * B, L)
     out = torch.empty(B, L, device="cuda")
     args = (t["q"], t["weights"], pools, bases, t["owner_tab"], t["page_tab"], t["slot"], t["ctx"], 64, out)
-    paged_logits(*args)  # compiles outside the capture
+    paged_logits(*args, config=_config(cfg))  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_logits(*args)
-    for ctx in ([8192] * B, [0, 1, 64, 65, 4000, 8191, 100, 7]):
+        paged_logits(*args, config=_config(cfg))
+    for ctx in contexts:
         t["ctx"].copy_(torch.tensor(ctx))
         t["slot"].copy_(t["slot"].roll(1))
         out.fill_(7.0)

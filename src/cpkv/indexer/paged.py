@@ -45,13 +45,15 @@ def check_paged_inputs(q, weights, owner_tab, page_tab, slot, ctx, page_size: in
         raise IndexerError(f"all paged logits inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_pools(pools: Sequence[torch.Tensor], dim: int) -> None:
-    """Every pool uint8 [rows, dim + 4] (D fp8 values then a float32 scale), at least one."""
+def check_pools(pools: Sequence[torch.Tensor], dim: int, page_size: int) -> None:
+    """Every pool uint8 [pages * page_size, dim + 4] (D fp8 values then a float32 scale), at least one: whole
+    pages, as the kernel reads a live page's rows past a context's end."""
     if not pools:
         raise IndexerError("paged logits read every rank's pool: none given")
     for r, p in enumerate(pools):
-        if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != dim + 4:
-            raise IndexerError(f"pool {r} must be uint8 [rows, {dim + 4}], got {p.dtype} {tuple(p.shape)}")
+        if p.dtype != torch.uint8 or p.dim() != 2 or p.shape[1] != dim + 4 or p.shape[0] % page_size:
+            raise IndexerError(f"pool {r} must be uint8 [pages * {page_size}, {dim + 4}], got {p.dtype} "
+                               f"{tuple(p.shape)}")
 
 
 def paged_logits(q: torch.Tensor, weights: torch.Tensor, pools: Sequence[torch.Tensor], bases: torch.Tensor | None,
@@ -67,7 +69,7 @@ def paged_logits(q: torch.Tensor, weights: torch.Tensor, pools: Sequence[torch.T
     on B and L, so it can be captured in a CUDA graph; the reference otherwise (it reads every pool at every
     position)."""
     check_paged_inputs(q, weights, owner_tab, page_tab, slot, ctx, page_size, out)
-    check_pools(pools, q.shape[2])
+    check_pools(pools, q.shape[2], page_size)
     if bases is not None and (backends or backends_for(q)).triton:
         from cpkv.kernels.mqa_logits import paged as kern
 

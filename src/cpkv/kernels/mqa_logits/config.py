@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VARIANTS = ("gluon", "lanes")
+PAGED_VARIANTS = ("runs", "keys")
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,20 @@ class LogitsConfig:
 @dataclass(frozen=True)
 class PagedLogitsConfig:
     """Tile shape of the paged decode kernel (cpkv.kernels.mqa_logits.paged): BLOCK_S keys per tile (a power of
-    two >= 16), SPAN tiles per program, the launch's warps and pipeline stages."""
+    two >= 16), SPAN tiles per program, the launch's warps, pipeline stages and register cap (None: ptxas's
+    choice). ``variant``: "runs" (a tile read as runs of keys inside one page: the table read once per run) or
+    "keys" (the table read once per key; ``paged.KEYS_CONFIG`` is its tile shape)."""
 
-    block_s: int = 64
-    span: int = 4
+    block_s: int = 128
+    span: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
+    variant: str = "runs"
+    maxnreg: int | None = 64
 
     def __post_init__(self) -> None:
         if self.block_s < 16 or self.block_s & (self.block_s - 1) or self.span < 1:
             raise ValueError(f"paged logits config: block_s a power of two >= 16 and span >= 1, got {self}")
+        if self.variant not in PAGED_VARIANTS:
+            raise ValueError(f"unknown paged logits variant {self.variant!r}; expected one of "
+                             f"{', '.join(PAGED_VARIANTS)}")
