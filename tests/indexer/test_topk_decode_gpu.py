@@ -12,7 +12,9 @@ import torch
 
 from cpkv.indexer import topk, topk_ref, topk_to_slots
 from cpkv.indexer.topk import topk_into
-from cpkv.kernels.topk.triton import DEFAULT_CONFIG, TopkConfig, splits_for
+
+pytest.importorskip("triton")  # kernels.topk.triton imports it at module level (the markers skip only the tests)
+from cpkv.kernels.topk.triton import DEFAULT_CONFIG, TopkConfig, splits_for  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]  # skipped without them (tests/conftest.py)
 K = 2048

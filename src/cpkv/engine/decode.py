@@ -104,6 +104,7 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan, graphs: "La
     t = plan.num_tokens
     g = graphs if graphs is not None and graphs.bucket(t) is not None else None
     h, delta, sel = model.embed(plan.ids), None, None
+    bounds = plan.inputs.bounds() if in_place is not None and t else None
     rot = model.rotary(plan.positions)
     if g is not None:
         g.begin(h, rot)
@@ -118,7 +119,7 @@ def run_decode(model: DSAModel, views: PagedViews, plan: DecodePlan, graphs: "La
         if in_place is not None:
             from cpkv.engine.decode_graph import attend_in_place
 
-            latent, sel = attend_in_place(model, n, layer, p, in_place, table, plan.inputs, sel)
+            latent, sel = attend_in_place(model, n, layer, p, in_place, table, plan.inputs, bounds, sel)
         else:
             latent, sel = paged_attention(layer, p, views, plan, sel)
         if g is not None:

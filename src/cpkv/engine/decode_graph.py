@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -70,9 +69,10 @@ class StepInputs:
     def B(self) -> int:
         return self.all.shape[1]
 
-    @cached_property
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int32 [B] each: every entry's top-k range over its logits' columns, [0, ctx) (made once per step)."""
+        """int32 [B] each: every entry's top-k range over its logits' columns, [0, ctx), made from the inputs as
+        they are now: a step makes them once and passes them to each layer (never kept on the inputs, whose buffer
+        a captured step reuses with other contexts)."""
         return torch.zeros(self.B, dtype=torch.int32, device=self.all.device), self.ctx.to(torch.int32)
 
 
@@ -100,12 +100,14 @@ class StepKernels:
 
 
 def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKernels, table: DecodeTable,
-                    s: StepInputs, sel: tuple[torch.Tensor, torch.Tensor] | None):
+                    s: StepInputs, bounds: tuple[torch.Tensor, torch.Tensor],
+                    sel: tuple[torch.Tensor, torch.Tensor] | None):
     """Layer ``n``'s attention for the step's entries, every read in place -> (latent [B, H, kv_lora], the selection
-    as (owner, row) [B, k]: a full layer's own, a shared layer's the last full layer's)."""
+    as (owner, row) [B, k]: a full layer's own, a shared layer's the last full layer's). ``bounds``: the step's
+    ``s.bounds()``."""
     if layer.full:
         P, k = kern.views.page_size, model.cfg.index_topk
-        lo, hi = s.bounds
+        lo, hi = bounds
         logits = kern.logits(n, p.iq, p.iw, table, s)
         top = topk_into(logits, lo, hi, k, torch.empty((s.B, k), dtype=torch.int32, device=lo.device),
                         backends=model.backends).long()
@@ -124,13 +126,13 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable,
     docstring); no expert exchange (a step with one runs ``engine.decode.run_decode`` in place)."""
     cfg, views = model.cfg, kern.views
     ids = torch.where(s.ids >= 0, s.ids, table.last[s.slot])
-    h, delta, sel = model.embed(ids), None, None
+    h, delta, sel, bounds = model.embed(ids), None, None, s.bounds()
     rot = model.rotary(s.positions)
     for n, layer in enumerate(model.layers):
         p = layer.project(h, rot, delta)
         for kind in cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
-        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, sel)
+        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, bounds, sel)
         h, delta = layer.finish(p.h, latent)
     logits = model.logits(h, delta)
     tokens = logits.argmax(-1)
@@ -151,6 +153,7 @@ class StepGraphs:
         self.capture = model.device.type == "cuda"  # elsewhere the padded step runs eagerly (its tests' form)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
+        self.eager: dict[tuple[int, int, int], StepInputs] = {}  # without capture: each bucket's inputs buffer
         self.captured, self.capture_s, self.replays = 0, 0.0, 0
 
     def fits(self, t: int) -> bool:
@@ -163,9 +166,14 @@ class StepGraphs:
         B = bucket(t)
         padded = np.concatenate([host, np.repeat(host[:, :1], B - t, axis=1)], axis=1) if B > t else host
         self.replays += 1
-        if not self.capture:
-            return step_forward(self.model, self.kern, self.table, StepInputs(self.upload(padded), L))
         key = (B, L, self.table.version)
+        if not self.capture:  # eagerly, through the bucket's one inputs buffer as a replay reads it
+            inputs = self.eager.get(key)
+            if inputs is None:
+                inputs = self.eager[key] = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64,
+                                                                  device=self.model.device), L)
+            inputs.all.copy_(self.upload(padded))
+            return step_forward(self.model, self.kern, self.table, inputs)
         got = self.graphs.get(key)
         if got is None:
             stale = [k for k in self.graphs if k[2] != self.table.version]
