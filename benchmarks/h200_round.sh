@@ -3,7 +3,7 @@
 # measuring. Every output lands under $OUT (or ./h200_out). Each group fits one device call (at most 10 minutes);
 # run a group twice for the issues' "two runs".
 #
-#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode2|decode_kernels|decode_serve ...
+#     bash benchmarks/h200_round.sh tests|verify|sampling|graphs|serve|host|engine|marks|grouped_bf16|engine_cp2|attention|mla|mla_ncu|gather|elem|compose|fp8|fp8_engine|depth|depth_run|depth_bench|depth_serve|decode|decode2|decode_tpot|decode_kernels|decode_serve ...
 #
 # FlashMLA for `bench attention --peer flashmla`: copy ../shared/peers to .peers or out/peers (ignored folders) and
 # carry it; it is built here first (about 2 minutes). Each step has its own time limit, so one that hangs costs its
@@ -198,6 +198,19 @@ if want decode_serve; then  # issue 45: `cpkv serve` on the GPU (GLM-5 shapes, 4
         GEOM="--model glm5 --cp 2 --chunk-size 16384 --page-size 64 --pages-per-rank 4096 --max-requests 16" \
         SERVE_EXTRA="--num-layers 4 --device cuda" bash benchmarks/serve_ab.sh "$OUT/decode_serve" \
         "paged=--decode paged" "extend=--decode extend"
+fi
+if want decode_tpot; then  # issue 45: TPOT through `cpkv serve` by context (GLM-5 shapes, 4 layers, cp 1, paged decode:
+    # the graphs and the pipelined loop), one generation at a time, 64 tokens each, fresh 1K / 32K / 128K prompts
+    python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    python3 benchmarks/tpot_by_context.py make "$OUT/tpot_trace.jsonl" --lengths ${TPOT_LENGTHS:-1024,32768,131072} \
+        --each ${TPOT_EACH:-3}
+    PYTHONPATH=src:/tmp/site step decode_tpot ${DECODE_TPOT_S:-240} env CPKV="python3 -m cpkv" BOOT_S=100 WARMUP=1 \
+        TRACE_FILE="$OUT/tpot_trace.jsonl" LOAD_EXTRA="--max-tokens ${TPOT_TOKENS:-64}" \
+        GEOM="--model glm5 --cp 1 --chunk-size 16384 --page-size 64 --pages-per-rank 8192 --max-requests 8" \
+        SERVE_EXTRA="--num-layers 4 --device cuda ${TPOT_SERVE_EXTRA:-}" bash benchmarks/serve_ab.sh "$OUT/decode_tpot" \
+        "paged=--decode paged"
+    python3 benchmarks/tpot_by_context.py report "$OUT/decode_tpot/paged.jsonl" >"$OUT/decode_tpot_table.txt" 2>&1
 fi
 if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loop on the seed-shaped trace scaled to its
     # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix

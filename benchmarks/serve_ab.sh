@@ -5,9 +5,10 @@
 #   benchmarks/serve_ab.sh OUT_DIR "NAME=SERVER OPTIONS" ["NAME=SERVER OPTIONS" ...]
 #
 # Environment (defaults: the CPU tiny model): GEOM (options of both the server and the load generator: the batch
-# geometry), SERVE_EXTRA (options of every server), TRACE (`cpkv bench serve --make-trace` options), WARMUP (unrecorded
-# requests first, default 4), CPKV (the cpkv command), PORT (30000), BOOT_S (seconds to wait for /health, 600),
-# LOAD_EXTRA (options of the load generator only, e.g. --max-tokens 32 for TPOT).
+# geometry), SERVE_EXTRA (options of every server), TRACE (`cpkv bench serve --make-trace` options), TRACE_FILE (a
+# trace file to use instead), WARMUP (unrecorded requests first, default 4), CPKV (the cpkv command), PORT (30000),
+# BOOT_S (seconds to wait for /health, 600), LOAD_EXTRA (options of the load generator only, e.g. --max-tokens 32
+# for TPOT).
 # A server that exits or never answers ends the script with status 1 and the tail of its log.
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR NAME=OPTIONS ...}; shift
@@ -16,8 +17,10 @@ mkdir -p "$out"
 TRACE=${TRACE:---requests 40 --scale 0.0078125}
 . "$(dirname "$0")/serve_lib.sh"
 
-# shellcheck disable=SC2086
-$cpkv bench serve --make-trace "$out/trace.jsonl" $TRACE
+if [ -n "${TRACE_FILE:-}" ]; then cp "$TRACE_FILE" "$out/trace.jsonl"; else
+    # shellcheck disable=SC2086
+    $cpkv bench serve --make-trace "$out/trace.jsonl" $TRACE
+fi
 for spec in "$@"; do
     name=${spec%%=*}; opts=${spec#*=}
     # shellcheck disable=SC2086
