@@ -2,7 +2,9 @@
 ``copy_gbs``'s CPU form.
 
 ``event_median_s`` times single calls with CUDA events (for calls short enough that a launch matters);
-``do_bench_ms`` is Triton's ``do_bench`` median (warm-up and repetitions by time budget).
+``do_bench_ms`` is Triton's ``do_bench`` median (warm-up and repetitions by time budget); ``graph_ms`` times
+``calls`` back-to-back calls captured in one CUDA graph (device time per call, no launch cost: a few-microsecond
+kernel as a captured decode step runs it).
 """
 from __future__ import annotations
 
@@ -38,6 +40,28 @@ def do_bench_ms(fn: Callable[[], object], rep_ms: int = 60, warmup_ms: int = 10)
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, rep_ms: int = 60) -> float:
+    """Milliseconds per call of ``fn``: ``calls`` calls captured in one CUDA graph (after two eager warm-up calls
+    on a side stream), the replay timed by ``do_bench_ms`` and divided by ``calls``. ``fn`` must be capturable
+    (no host sync, no allocation that outlives the capture); the graph and its pool go after."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    try:
+        return do_bench_ms(graph.replay, rep_ms, warmup_ms=10) / calls
+    finally:
+        del graph
 
 
 def copy_gbs(nbytes: int | None = None, device: str = "cuda") -> float:
