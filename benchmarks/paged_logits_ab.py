@@ -20,6 +20,8 @@ import argparse
 import json
 import statistics
 
+from cpkv.bench.indexer_decode import rows_close
+
 ROW, PAGE = 132, 64
 TARGETS_US = {(32, 32768): 45.0, (1, 32768): 11.0}
 
@@ -33,16 +35,6 @@ def configs() -> dict:
             "runs_r_auto": C(128, 1, 4, maxnreg=None), "runs_s64": C(64, 1, 4),
             "runs_s128_w8": C(128, 1, 8, maxnreg=None), "runs_s256_w8": C(256, 1, 8, maxnreg=None),
             "runs_s128_x2": C(128, 2, 4), "runs_s64_x4_st3": C(64, 4, 4, 3, maxnreg=None)}
-
-
-def _close(got, want, eps: float = 2e-3) -> bool:
-    import torch
-
-    if not torch.equal(torch.isinf(got), torch.isinf(want)):
-        return False
-    fin = torch.isfinite(want)
-    scale = want.masked_fill(~fin, 0).abs().amax(1, keepdim=True).clamp(min=1e-30)
-    return bool((((got.double() - want.double()).abs() / scale).masked_fill(~fin, 0) <= eps).all())
 
 
 def _launcher(c: dict, cfg):
@@ -74,12 +66,12 @@ def time_case(B: int, L: int, named: dict, rounds: int, reps: int, check_ref: bo
             seconds[name].append(event_median_s(runs[name], reps=reps, device_only=True))
     res = {"batch": B, "keys": L, "bytes_read": B * L * ROW + c["q"].numel() + 4 * c["weights"].numel(),
            "bytes_written": 4 * c["out"].numel(),
-           "configs": {name: {"s": statistics.median(v), "equal_to_keys": _close(outs[name], outs["keys"])}
+           "configs": {name: {"s": statistics.median(v), "equal_to_keys": rows_close(outs[name], outs["keys"])}
                        for name, v in seconds.items()}}
     if check_ref:
         ref = paged_mqa_logits_ref(c["q"], c["weights"], c["pools"], c["owner_tab"], c["page_tab"], c["slot"],
                                    c["ctx"], PAGE, L, dtype=torch.float64)
-        res["runs_matches_reference"] = _close(outs["runs"], ref)
+        res["runs_matches_reference"] = rows_close(outs["runs"], ref)
     del c, outs
     torch.cuda.empty_cache()
     return res

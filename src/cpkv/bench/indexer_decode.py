@@ -68,7 +68,7 @@ def _launch(c: dict, cfg):
                                        c["ctx"], PAGE, c["out"], config=cfg)
 
 
-def _close(got, want, eps: float = 2e-3) -> bool:
+def rows_close(got, want, eps: float = 2e-3) -> bool:
     import torch
 
     if not torch.equal(torch.isinf(got), torch.isinf(want)):
@@ -103,7 +103,7 @@ def bench_case(B: int, ctx: int, check_ref: bool) -> dict:
             if want is None:
                 want = c["out"].clone()
             row = {"config": name, "us": s * 1e6, "read_gbs": read / s / 1e9, "moved_gbs": moved / s / 1e9,
-                   "ratio_to_copy": moved / s / 1e9 / copy_gbs, "equal_to_default": _close(c["out"], want)}
+                   "ratio_to_copy": moved / s / 1e9 / copy_gbs, "equal_to_default": rows_close(c["out"], want)}
         except Exception as exc:  # a config that does not compile is reported, not fatal
             row = {"config": name, "error": str(exc)[:300]}
         rows.append(row)
@@ -114,7 +114,7 @@ def bench_case(B: int, ctx: int, check_ref: bool) -> dict:
     if check_ref:
         ref = paged_mqa_logits_ref(c["q"], c["weights"], c["pools"], c["owner_tab"], c["page_tab"], c["slot"],
                                    c["ctx"], PAGE, ctx, dtype=torch.float64)
-        res["default_matches_reference"] = _close(want, ref)
+        res["default_matches_reference"] = rows_close(want, ref)
     del c
     torch.cuda.empty_cache()
     return res
