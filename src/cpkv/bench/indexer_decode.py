@@ -69,6 +69,7 @@ def _launch(c: dict, cfg):
 
 
 def rows_close(got, want, eps: float = 2e-3) -> bool:
+    """Logits [B, L] alike: infinite at the same places, elsewhere within ``eps`` of each row's largest |want|."""
     import torch
 
     if not torch.equal(torch.isinf(got), torch.isinf(want)):
