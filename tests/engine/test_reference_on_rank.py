@@ -39,9 +39,15 @@ def test_a_reference_on_a_rank_needs_cp_1():
 
 @pytest.mark.slow
 def test_run_says_where_its_reference_ran():
+    import os
+
+    env = {**os.environ, "CPKV_PROGRESS_S": "0"}  # every progress line, the rank's own included
     out = subprocess.run([sys.executable, "-m", "cpkv", "run", "--cp", "1", "--num-layers", "2", "--requests", "3",
-                          "--reference", "rank", "--json"], capture_output=True, text=True, timeout=600)
+                          "--reference", "rank", "--json"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
+    # the verification on rank 0 (invisible to the parent's bar) says how far it is, request by request
+    assert [line for line in out.stderr.splitlines() if "verifying on rank 0" in line][-1].startswith(
+        "cpkv run: verifying on rank 0: 3 of 3 requests"), out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["reference"] == "rank" and report["verify"]["ok"]
     assert report["summary"]["load_s_per_rank"][0] > 0 and report["plan_vs_peak"] is None  # CPU: nothing measured

@@ -95,6 +95,91 @@ def test_route_margin_with_and_without_groups():
     assert route_margin(choice, own, torch.tensor([2, 3]), grouped) == pytest.approx(0.405, abs=1e-6)
 
 
+def _gap_one(values, mine, theirs) -> float:
+    if not bool(mine.any()) or not bool(theirs.any()):
+        return 0.0
+    return max(0.0, float(values[mine].max() - values[theirs].min()))
+
+
+def _route_margin_one(choice, own, run, cfg) -> float:
+    """route_margin row by row, as it was written before the batched form (the test's reference)."""
+    from cpkv.model.moe import group_scores, kept_groups
+
+    margins, e_per = [], cfg.n_routed_experts // cfg.n_group
+    keep = torch.ones_like(choice, dtype=torch.bool)
+    if cfg.topk_group < cfg.n_group:
+        gs, mine = group_scores(choice[None], cfg)[0], kept_groups(choice[None], cfg)[0]
+        theirs = torch.zeros_like(mine).scatter_(0, run // e_per, True)
+        if not torch.equal(mine, theirs):
+            margins.append(_gap_one(gs, mine & ~theirs, theirs & ~mine) / 2)
+        keep = (mine & theirs).repeat_interleave(e_per)
+    o = torch.zeros_like(keep).scatter_(0, own, True)
+    r = torch.zeros_like(keep).scatter_(0, run, True)
+    margins.append(_gap_one(choice, o & ~r & keep, r & ~o & keep))
+    return max(margins)
+
+
+def _index_margin_one(scores, own, run) -> float:
+    o = torch.zeros(scores.shape[0], dtype=torch.bool)
+    r = torch.zeros_like(o)
+    o[own[own >= 0].long()] = True
+    r[run[run >= 0].long()] = True
+    seen = torch.isfinite(scores)
+    scale = float(scores[seen].abs().max()) if bool(seen.any()) else 1.0
+    gap = float("inf") if bool((r & ~seen).any()) else _gap_one(scores, o & ~r, r & ~o)
+    return gap / (scale or 1.0)
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_route_margins_batched_equal_the_row_by_row_margins(groups):
+    """The batched margins the reference computes for every differing token at once are, token by token, exactly
+    the row-by-row formula's: random scores with planted near ties, runs that differ by one expert, by a group,
+    or not at all."""
+    from cpkv.engine.taps import route_margins
+
+    cfg = dataclasses.replace(preset("tiny"), n_routed_experts=16, num_experts_per_tok=4, n_group=groups[0],
+                              topk_group=groups[1])
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    choice = torch.rand(n, 16, generator=g)
+    choice[::5, 1] = choice[::5, 2]  # exact ties
+    own = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(n)])
+    run = own.clone()
+    run[1::3, 0] = (own[1::3, 0] + 1) % 16  # one expert swapped (maybe onto another of own: a repeat)
+    run[2::3] = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(len(run[2::3]))])
+    got = route_margins(choice, own, run, cfg).tolist()
+    want = [_route_margin_one(choice[t], own[t], run[t], cfg) for t in range(n)]
+    assert got == want
+    assert any(w > 0 for w in want) and any(w == 0 for w in want)
+
+
+def test_index_margins_batched_equal_the_row_by_row_margins():
+    """As above for the indexer: -1 entries, keys a query cannot see (-inf: a run that picked one is inf),
+    a query that sees nothing, selections that differ in one key or in many."""
+    from cpkv.engine.taps import index_margins
+
+    g = torch.Generator().manual_seed(5)
+    n, S, k = 48, 40, 8
+    scores = torch.randn(n, S, generator=g)
+    ctx = torch.randint(0, S + 1, (n,), generator=g)
+    ctx[0], ctx[1] = 0, S
+    scores = scores.masked_fill(torch.arange(S)[None] >= ctx[:, None], float("-inf"))
+    own = torch.full((n, k), -1, dtype=torch.int32)
+    run = own.clone()
+    for t in range(n):
+        m = min(k, int(ctx[t]))
+        own[t, :m] = torch.randperm(max(1, int(ctx[t])), generator=g)[:m].int()
+        run[t] = own[t]
+        if t % 3 == 1 and m:
+            run[t, 0] = (own[t, 0] + 1) % S  # may land past the context: inf
+        elif t % 3 == 2 and m:
+            run[t, :m] = torch.randperm(max(1, int(ctx[t])), generator=g)[:m].int()
+    got = index_margins(scores, own, run).tolist()
+    want = [_index_margin_one(scores[t], own[t], run[t]) for t in range(n)]
+    assert got == want
+    assert any(w == float("inf") for w in want) and any(0 < w < float("inf") for w in want)
+
+
 class _Own:
     """A tap that decides as the layer would and keeps what it decided (the reference's own decisions)."""
 

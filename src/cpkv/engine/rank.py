@@ -7,12 +7,14 @@ measures travels beside the engine's config, never in it.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from typing import Sequence, Union
 
 import torch
 
+from cpkv import envs
 from cpkv.dist import RankContext
 from cpkv.engine.config import EngineConfig
 from cpkv.engine.instruments import MeasureConfig
@@ -83,8 +85,18 @@ def _verify_here(cfg: EngineConfig, trace: Sequence[TraceRequest], out: RankOutp
 
         gc.collect()
         torch.cuda.empty_cache()  # the run's pool and graph memory, freed with its loop, back for the reference
-    t0 = time.perf_counter()
-    out.verify = verify_on_rank(cfg, trace, out, model)
+    t0 = last = time.perf_counter()
+    every = envs.get("CPKV_PROGRESS_S")
+
+    def progress(n: int, total: int) -> None:  # the parent cannot see this work: rank 0 says how far it is
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= every or n == total:
+            last = now
+            print(f"cpkv run: verifying on rank 0: {n} of {total} requests ({now - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    out.verify = verify_on_rank(cfg, trace, out, model, on_request=progress)
     out.stats["verify_s"] = round(time.perf_counter() - t0, 3)
 
 

@@ -323,9 +323,11 @@ class Forced:
         moved = (values - choice.gather(1, run)).abs().nan_to_num(0.0)[known]  # NaN: a value not recorded
         noise = float(moved.max()) if moved.numel() else 0.0
         count.noise = max(count.noise, noise)
-        differ = (own.sort(-1).values != run.sort(-1).values).any(-1)
-        for t in differ.nonzero().flatten().tolist():
-            count.add(layer.n, t, route_margin(choice[t], own[t], run[t], cfg), 2 * noise + self.route_tol)
+        differ = (own.sort(-1).values != run.sort(-1).values).any(-1).nonzero().flatten()
+        if differ.numel():  # every differing token's margin in one pass, read once
+            margins = route_margins(choice[differ], own[differ], run[differ], cfg).tolist()
+            for t, m in zip(differ.tolist(), margins):
+                count.add(layer.n, t, m, 2 * noise + self.route_tol)
         return run, route_weights(scores, run, cfg)
 
     def select(self, layer, p, index_dense: torch.Tensor, plan, topk: torch.Tensor) -> torch.Tensor:
@@ -346,10 +348,16 @@ class Forced:
         count.noise = max(count.noise, noise)
         differ = (topk.sort(-1).values != run.sort(-1).values).any(-1)
         diff_rows = differ.nonzero().flatten().tolist()
-        if diff_rows:
-            scores = index_scores(layer, p, index_dense, plan.ks, plan.ke, diff_rows)
-            for i, t in enumerate(diff_rows):
-                count.add(layer.n, t, index_margin(scores[i], topk[t], run[t]), 2 * noise + self.index_tol)
+        if diff_rows:  # every differing query's margin in one pass (per block of rows), read once
+            margins: list[float] = []
+            step = max(1, ROW_BLOCK_BYTES // max(1, 4 * index_dense.shape[0] * max(1, layer.cfg.index_n_heads)))
+            for r0 in range(0, len(diff_rows), step):
+                r = diff_rows[r0:r0 + step]
+                scores = index_scores(layer, p, index_dense, plan.ks, plan.ke, r)
+                at = torch.as_tensor(r, dtype=torch.long, device=topk.device)
+                margins += index_margins(scores, topk[at], run[at]).tolist()
+            for t, m in zip(diff_rows, margins):
+                count.add(layer.n, t, m, 2 * noise + self.index_tol)
         return run
 
     def moe_out(self, layer, y: torch.Tensor) -> torch.Tensor:
@@ -364,21 +372,26 @@ def route_margin(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg
     ``run`` [k] to its own ``own`` [k]: max choice of an expert only it picked - min choice of one only the run
     picked, among the groups both kept; with group-limited routing, the same over the groups' scores when the
     groups differ, halved (a group's score is the sum of two choice values, so rounding moves it twice as far):
-    the margin compares with twice the choice values' noise either way. <= 0: no preference."""
-    margins = []
+    the margin compares with twice the choice values' noise either way. <= 0: no preference (0)."""
+    return float(route_margins(choice[None], own[None], run[None], cfg)[0])
+
+
+def route_margins(choice: torch.Tensor, own: torch.Tensor, run: torch.Tensor, cfg) -> torch.Tensor:
+    """``route_margin`` of n tokens at once: choice float32 [n, E], own / run int64 [n, k] -> float32 [n]."""
+    n = choice.shape[0]
     e_per = cfg.n_routed_experts // cfg.n_group
     keep = torch.ones_like(choice, dtype=torch.bool)
+    group_gap = torch.zeros(n, dtype=choice.dtype, device=choice.device)
     if cfg.topk_group < cfg.n_group:
-        gs = group_scores(choice[None], cfg)[0]
-        mine = kept_groups(choice[None], cfg)[0]
-        theirs = torch.zeros_like(mine).scatter_(0, run // e_per, True)
-        if not torch.equal(mine, theirs):  # a group's score sums two choice values: twice their noise, halved here
-            margins.append(_gap(gs, mine & ~theirs, theirs & ~mine) / 2)
-        keep = (mine & theirs).repeat_interleave(e_per)
-    o = torch.zeros_like(keep).scatter_(0, own, True)
-    r = torch.zeros_like(keep).scatter_(0, run, True)
-    margins.append(_gap(choice, o & ~r & keep, r & ~o & keep))
-    return max(margins)
+        gs = group_scores(choice, cfg)
+        mine = kept_groups(choice, cfg)
+        theirs = torch.zeros_like(mine).scatter_(1, run // e_per, True)
+        differ = (mine != theirs).any(-1)  # a group's score sums two choice values: twice their noise, halved here
+        group_gap = torch.where(differ, gaps(gs, mine & ~theirs, theirs & ~mine) / 2, 0.0)
+        keep = (mine & theirs).repeat_interleave(e_per, dim=1)
+    o = torch.zeros_like(keep).scatter_(1, own, True)
+    r = torch.zeros_like(keep).scatter_(1, run, True)
+    return torch.maximum(group_gap, gaps(choice, o & ~r & keep, r & ~o & keep))
 
 
 def _row_scale(layer, p, index_dense: torch.Tensor, plan, rows: torch.Tensor) -> torch.Tensor:
@@ -394,22 +407,29 @@ def _row_scale(layer, p, index_dense: torch.Tensor, plan, rows: torch.Tensor) ->
     return out
 
 
-def index_margin(scores: torch.Tensor, own: torch.Tensor, run: torch.Tensor) -> float:
-    """The indexer's: the same gap over the reference's scores (float64 [S], -inf where not visible) of the keys
-    only it picked and those only the run picked, relative to the largest |score| visible."""
-    n = scores.shape[0]
-    o = torch.zeros(n, dtype=torch.bool, device=scores.device)
+def index_margins(scores: torch.Tensor, own: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+    """The indexer's margins of n queries at once: scores float32 [n, S] (the reference's, -inf where not
+    visible), own / run int [n, k] (-1: none) -> float64 [n]: the gap of ``gaps`` over the keys only the reference
+    picked and those only the run picked, relative to each query's largest |visible score| (1 where it has none
+    or it is 0); inf where the run picked a key the query cannot see."""
+    n, S = scores.shape
+    o = torch.zeros((n, S + 1), dtype=torch.bool, device=scores.device)  # column S: where the -1 entries go
     r = torch.zeros_like(o)
-    o[own[own >= 0].long()] = True
-    r[run[run >= 0].long()] = True
+    o.scatter_(1, torch.where(own >= 0, own.long(), S), True)
+    r.scatter_(1, torch.where(run >= 0, run.long(), S), True)
+    o, r = o[:, :S], r[:, :S]
     seen = torch.isfinite(scores)
-    scale = float(scores[seen].abs().max()) if bool(seen.any()) else 1.0
-    bad = bool((r & ~seen).any())  # the run picked a key the query cannot see
-    gap = float("inf") if bad else _gap(scores, o & ~r, r & ~o)
-    return gap / (scale or 1.0)
+    scale = torch.where(seen, scores.abs(), 0.0).amax(-1).double()
+    scale = torch.where(scale > 0, scale, 1.0)
+    bad = (r & ~seen).any(-1)  # the run picked a key the query cannot see
+    gap = gaps(scores, o & ~r, r & ~o).double() / scale
+    return torch.where(bad, float("inf"), gap)
 
 
-def _gap(values: torch.Tensor, only_mine: torch.Tensor, only_theirs: torch.Tensor) -> float:
-    if not bool(only_mine.any()) or not bool(only_theirs.any()):
-        return 0.0
-    return max(0.0, float(values[only_mine].max() - values[only_theirs].min()))
+def gaps(values: torch.Tensor, only_mine: torch.Tensor, only_theirs: torch.Tensor) -> torch.Tensor:
+    """Per row of values [n, m]: max over only_mine - min over only_theirs, at least 0; 0 where either is empty
+    (or where the difference is not a number: -inf on both sides)."""
+    hi = torch.where(only_mine, values, float("-inf")).amax(-1)
+    lo = torch.where(only_theirs, values, float("inf")).amin(-1)
+    both = only_mine.any(-1) & only_theirs.any(-1)
+    return torch.where(both, (hi - lo).clamp(min=0.0), 0.0).nan_to_num(0.0, posinf=float("inf"))

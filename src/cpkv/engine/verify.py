@@ -182,14 +182,17 @@ def verify_run(result: RunResult, trace: Sequence[TraceRequest], model=None, on_
     return report
 
 
-def verify_on_rank(cfg: EngineConfig, trace: Sequence[TraceRequest], out, model) -> VerifyReport:
+def verify_on_rank(cfg: EngineConfig, trace: Sequence[TraceRequest], out, model, on_request=None) -> VerifyReport:
     """cp 1 (``cfg.reference == "rank"``): the run of ``out`` (rank 0's RankOutput, every request's logits) verified
     on the rank's own ``model``, the report ``verify_run`` makes in the parent. The model's tap (the run's
-    recorder) is set aside meanwhile: the reference's decisions go through its ``Forced`` tap only."""
+    recorder) is set aside meanwhile: the reference's decisions go through its ``Forced`` tap only.
+    ``on_request(n, total)``: after each request (progress)."""
     kept = model.tap
     model.set_tap(None)
+    result = merge(cfg, trace, [out])
     try:
-        return verify_run(merge(cfg, trace, [out]), trace, model=model)
+        return verify_run(result, trace, model=model, on_request=None if on_request is None else
+                          (lambda n: on_request(n, len(result.requests))))
     finally:
         model.set_tap(kept)
 
