@@ -216,9 +216,11 @@ if want depth_serve; then  # `cpkv serve` at depth on one GPU (cp 1), closed loo
     # KV (about 130K tokens at 2048 pages of 64 beside ~114 GB of weights: `cpkv plan` in group depth), solo then mix
     python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
         python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
+    # (mix first since 2026-12-04: the second server runs over the first's on-disk Triton cache; solo's cached turns
+    # were 1.6-2.2 s where mix's, second, were 0.1 s. DEPTH_LOAD_EXTRA="--max-tokens 16": TPOT at depth too)
     PYTHONPATH=src:/tmp/site step depth_serve ${DEPTH_SERVE_S:-560} env CPKV="python3 -m cpkv" BOOT_S=${DEPTH_BOOT_S:-240} WARMUP=2 \
-        TRACE="${DEPTH_TRACE:---requests 16 --scale 0.25}" \
+        TRACE="${DEPTH_TRACE:---requests 16 --scale 0.25}" LOAD_EXTRA="${DEPTH_LOAD_EXTRA:-}" \
         GEOM="--model glm5 --cp 1 --chunk-size 8192 --page-size 64 --pages-per-rank 2048 --max-requests 8" \
         SERVE_EXTRA="--experts 32 --weights fp8 --device cuda" bash benchmarks/serve_ab.sh "$OUT/depth_serve" \
-        "solo=--policy solo" "mix=--policy mix"
+        "mix=--policy mix" "solo=--policy solo"
 fi
