@@ -164,7 +164,7 @@ fi
 if want decode2; then  # issue 45, session 23: the pipelined loop (cp 1) and the few-row kernels (top-k split, fp8 GEMV,
     # sparse decode tiles, paged logits at B 32): GPU tests, the kernels old vs new, the step with both weights (new
     # defaults), the old kernels in the same ranks' run for A/B (DECODE2_OLD_ENV), TPOT through `cpkv serve` at cp 1
-    step d2_tests ${D2_TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
+    step d2_tests ${D2_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
         ${D2_TEST_FILES:-}
     [ -n "${D2_KERN:-}" ] && step d2_kern ${D2_KERN_S:-150} bash -c "$D2_KERN"
     step d2_cp1 ${D2_CP1_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
