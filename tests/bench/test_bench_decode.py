@@ -34,6 +34,8 @@ def test_cases_report_step_time_floor_and_ratio(capsys):
         assert moe * min(m.num_experts_per_tok, m.n_routed_experts) <= got <= moe * m.n_routed_experts
     assert per[(48, 3)] > per[(48, 1)]
     assert all(c["weights"] == "bf16" for c in cases)  # auto on the CPU
+    # checked by default at cp 2 too: generation 0's logits gathered to rank 0 from the rank that computed them
+    assert all(c["check_ok"] and c["check_steps"] == 2 for c in cases)
 
 
 def test_floor_counts_the_experts_read_not_the_most_reachable():
@@ -65,3 +67,44 @@ def test_the_graphs_form_at_cp1_reports_its_pipelined_loop_beside_the_synchronis
     for c in cases:
         assert c["step_ms"] > 0 and c["sync_step_ms"] > 0
     assert cases[1]["step_ms"] == cases[1]["sync_step_ms"]
+
+
+def test_every_form_checks_its_timed_steps_against_the_reference(capsys):
+    """By default each case checks generation 0's first and last timed steps against the model's reference forward
+    (a context past the tiny model's top-k of 64): within the CPU tolerance, the greedy tokens the reference's,
+    and the pipelined loop's last token too where it runs; --no-check reports none of it."""
+    from cpkv.bench.decode import CHECK_TOL, check_tolerance
+
+    assert check_tolerance("cpu", 2.0) == pytest.approx(CHECK_TOL["cpu"][0] + 2.0 * CHECK_TOL["cpu"][1])
+    rc = main(["bench", "decode", "--device", "cpu", "--cp", "1", "--page-size", "16", "--keys", "100",
+               "--batches", "2", "--steps", "2", "--form", "graphs,static,gather", "--json"])
+    assert rc == 0
+    cases = json.loads(capsys.readouterr().out)["cases"]
+    assert [c["form"] for c in cases] == ["graphs", "static", "gather"]
+    for c in cases:
+        assert c["check_ok"] is True and c["check_greedy"] is True and c["check_steps"] == 2, c
+        assert 0 <= c["check_max_diff"] <= c["check_tol"] and c["check_tol"] >= CHECK_TOL["cpu"][0]
+        assert ("check_pipelined_greedy" in c) == c["pipelined"]
+    assert cases[0]["check_pipelined_greedy"] is True
+    rc = main(["bench", "decode", "--device", "cpu", "--cp", "1", "--page-size", "16", "--keys", "48",
+               "--batches", "1", "--steps", "1", "--form", "gather", "--no-check", "--json"])
+    assert rc == 0
+    assert not any(k.startswith("check") for k in json.loads(capsys.readouterr().out)["cases"][0])
+
+
+def test_stale_top_k_bounds_fail_the_check_and_the_command(capsys):
+    """The planted fault that once went unnoticed (the test hook --plant-fault stale-bounds: the in-place step's
+    top-k bounds kept from its first step, as a replay reading its warm-up's): the graphs form's check fails, its
+    logits off and its greedy tokens too, the gather form beside it (no such bounds) passes, and the command exits
+    1 with one line on stderr naming the failed case."""
+    rc = main(["bench", "decode", "--device", "cpu", "--cp", "1", "--page-size", "16", "--keys", "100",
+               "--batches", "1", "--steps", "2", "--form", "graphs,gather", "--plant-fault", "stale-bounds",
+               "--json"])
+    out = capsys.readouterr()
+    assert rc == 1
+    graphs, gather = json.loads(out.out)["cases"]
+    assert graphs["check_ok"] is False and graphs["check_max_diff"] > graphs["check_tol"]
+    assert graphs["check_greedy"] is False
+    assert gather["check_ok"] is True
+    failed = [line for line in out.err.splitlines() if "check failed" in line]
+    assert len(failed) == 1 and "graphs keys 100 batch 1" in failed[0] and "gather" not in failed[0]

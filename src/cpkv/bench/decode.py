@@ -20,6 +20,23 @@ MoE layer's routed experts, among those it holds: counted after the step, outsid
 rows on the full layers and top-k token rows per layer of the generations it runs. ``ratio_to_floor`` = step time
 / floor time. ``--weights fp8,bf16`` runs each mode in its own rank processes.
 
+Each case checks what it timed (``--no-check`` skips it), outside the timing and without changing the timed
+steps: generation 0's logits of the first and the last timed synchronised step (``runner.run``'s; at cp > 1 they
+live on whichever rank computed them, and are gathered to rank 0) against the model's own single-process reference
+forward over that generation's tokens so far (``DSAModel.reference_prefill``, cut at the prefill's chunks and at
+every decoded token, as the decode tests run it), computed on rank 0 only: at cp 1 by the rank's own model, at
+cp > 1 by a full model (every routed expert) that rank 0 loads once. ``check_max_diff``: the largest |logit
+difference| of the ``check_steps`` checked steps; ``check_tol``: that step's tolerance (``CHECK_TOL``: the decode
+tests' CPU and CUDA tolerances); ``check_greedy``: the greedy token is the reference's wherever the reference's top
+two logits differ by more than the tolerance (a discrete choice may flip on rounding noise elsewhere;
+``check_greedy_compared``: the tokens so compared), the last token the pipelined loop picked on the device included
+where it runs (``check_pipelined_greedy``); ``check_ok``: every checked step within its tolerance, and greedy. A
+token sequence's reference is computed once per rank process (the forms and batches usually decode generation 0
+alike). ``cpkv bench decode`` exits 1 when a case's check fails, one line on stderr naming the failed cases
+(``cpkv bench engine --decode`` does not check). Test hook: ``--plant-fault stale-bounds`` (hidden from
+``--help``) makes the in-place forms' steps reuse the top-k bounds their first step per batch bucket made (the bug
+a graphs step's replays once had), so the check must fail.
+
     cpkv bench decode --model glm5 --num-layers 4 --cp 2 --device cuda --keys 1024,32768,131072 --batches 1,8,32
 """
 from __future__ import annotations
@@ -29,8 +46,20 @@ import json
 import math
 import sys
 import time
+from typing import Any
 
 HELP = "The paged decode step per batch and context, against the bytes it must read at the copy rate."
+
+# The check's tolerance per device, as the decode tests hold the step to its reference (tests/engine/test_decode.py):
+# (absolute, relative to the reference's largest |logit|)
+CHECK_TOL = {"cpu": (0.01, 0.01), "cuda": (0.05, 0.05)}
+FAULTS = ("stale-bounds",)  # ``--plant-fault``: test hooks only (module docstring)
+
+
+def check_tolerance(device: str, largest: float) -> float:
+    """The check's tolerance on ``device`` for a reference whose largest |logit| is ``largest`` (``CHECK_TOL``)."""
+    a, r = CHECK_TOL["cuda" if device.startswith("cuda") else "cpu"]
+    return a + r * largest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after each case's timed steps, one more step under torch's profiler on rank 0: its kernel "
                         "and host-op table (top 40 by device time, then by host time) written to DIR")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip the check of each case's steps against the model's reference forward (module docstring)")
+    p.add_argument("--plant-fault", choices=FAULTS, default=None, help=argparse.SUPPRESS)  # a test hook
     p.add_argument("--json", action="store_true")
 
 
@@ -77,20 +109,30 @@ def run(args: argparse.Namespace) -> int:
     keys, batches = _ints(args.keys, "--keys"), _ints(args.batches, "--batches")
     rows, graph_tokens = decode_cases(args.model, args.num_layers, None, args.cp, args.device, args.page_size, keys,
                                       batches, args.steps, weights_list(args.weights), args.graph_tokens,
-                                      args.chunk_size, args.profile, forms_list(args.form))
+                                      args.chunk_size, args.profile, forms_list(args.form), check=args.check,
+                                      fault=args.plant_fault)
     report = {"model": args.model, "cp": args.cp, "device": args.device, "graph_tokens": graph_tokens,
               "cases": rows}
     _print(report, args.json)
+    failed = [r for r in rows if r.get("check_ok") is False]
+    if failed:
+        print("cpkv bench decode: check failed: " + "; ".join(
+            f"{r['weights']} {r['form']} keys {r['keys']} batch {r['batch']} (max |logit diff| "
+            f"{r['check_max_diff']:.4g}, tol {r['check_tol']:.4g}, greedy {r['check_greedy']})" for r in failed),
+            file=sys.stderr)
+        return 1
     return 0
 
 
 def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: int, device: str, page_size: int,
                  keys: list[int], batches: list[int], steps: int, weights: list[str], graph_tokens: int | None = None,
                  chunk_size: int | None = None, profile: str | None = None,
-                 forms: list[str] | None = None) -> tuple[list[dict], int]:
+                 forms: list[str] | None = None, check: bool = False,
+                 fault: str | None = None) -> tuple[list[dict], int]:
     """Every (weights, keys, batch) case in fresh rank processes per weights mode -> (rank 0's rows, each with its
     ``weights``; the graph tokens they ran with). ``cpkv bench decode``'s cases, and ``cpkv bench engine
-    --decode``'s."""
+    --decode``'s. ``check``: each case checked against the reference (module docstring); ``fault``: a planted
+    fault (tests only)."""
     from cpkv.config import SIZES
     from cpkv.dist import launch
     from cpkv.engine.config import EngineConfig, default_graph_tokens
@@ -104,7 +146,7 @@ def decode_cases(model: str, num_layers: int | None, experts: int | None, cp: in
         cfg = EngineConfig(model=model, num_layers=num_layers, experts=experts, cp=cp, device=device, page_size=P,
                            pages_per_rank=-(-need // cp) + 8, chunk_size=chunk, max_requests=1, look_ahead=False,
                            weights=w, graph_tokens=tokens)
-        got = launch(decode_bench_rank, cp, args=(cfg, keys, batches, steps, profile, forms or ["auto"]),
+        got = launch(decode_bench_rank, cp, args=(cfg, keys, batches, steps, profile, forms or ["auto"], check, fault),
                      device=device, timeout_s=3600)[0]
         rows += [{"weights": cfg.weights_dtype, **r} for r in got]
     return rows, tokens
@@ -127,8 +169,10 @@ def forms_list(spec: str) -> list[str]:
 
 
 def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
-                      profile: str | None = None, forms: tuple[str, ...] = ("auto",)) -> list[dict]:
-    """Every (keys, batch) case on this rank -> rank 0's rows (module docstring)."""
+                      profile: str | None = None, forms: tuple[str, ...] = ("auto",), check: bool = False,
+                      fault: str | None = None) -> list[dict]:
+    """Every (keys, batch) case on this rank -> rank 0's rows (module docstring); ``check``: each checked against
+    the reference on rank 0; ``fault``: a planted fault (``FAULTS``)."""
     from cpkv.bench.timing import copy_gbs
     from cpkv.engine.decode import DecodeRunner
     from cpkv.engine.executor import BatchExecutor
@@ -136,8 +180,10 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
     from cpkv.engine.rank import rank_model
     from cpkv.scheduler.decode import Decoder
 
+    unplant = _plant(fault)
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
+    checker = _Checker(ctx, cfg, model) if check else None
     runners = {f: DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form=f) for f in forms}
     rate = copy_gbs(device=cfg.device) * 1e9  # the copy rate (read + written bytes per second): a memory stream's
     shared = _ranks_share_gpu(cfg)
@@ -150,10 +196,12 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
                     dec = Decoder(ex.kv, cfg.cp, cfg.page_size)
                     for g in range(b):
                         _clone(ex, dec, source, g, model.cfg.vocab_size)
-                    times, floor, experts, total = _time_steps(ex, ctx, dec, runner, model, steps)
+                    watch = GEN0 if checker is not None else None
+                    times, floor, experts, total, seen = _time_steps(ex, ctx, dec, runner, model, steps, watch)
                     synced = times
                     if runner.pipelined:
                         times = _time_pipelined(ex, dec, runner, 4 * steps)
+                    checked = checker.check(source[0], dec.seqs[GEN0].tokens, seen, runner.pipelined) if watch else {}
                     if profile:
                         _profile_step(ex, ctx, dec, runner, model,
                                       f"{profile}/decode_{form}_k{n}_b{b}_r{ctx.rank}.txt")
@@ -163,7 +211,7 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
                                 "sync_step_ms": synced * 1e3, "pipelined": runner.pipelined,
                                 "floor_ms": floor / rate * 1e3, "floor_bytes": floor, "copy_gbs": rate / 1e9,
                                 "ratio_to_floor": times * rate / floor, "experts_read": experts,
-                                "ranks_share_gpu": shared})
+                                "ranks_share_gpu": shared, **checked})
                     if shared:  # one memory system serves every rank's bytes (an upper bound on the read: the
                         # busiest rank's count of experts taken for each rank)
                         out[-1].update(shared_floor_ms=total / rate * 1e3, ratio_to_shared_floor=times * rate / total)
@@ -174,7 +222,126 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
             ex.kv.release(source[2])
     finally:
         ex.close()
+        unplant()
     return out
+
+
+GEN0 = ("gen", 0)  # the generation a case checks
+
+
+def _plant(fault: str | None):
+    """Plant ``fault`` in this rank process (``FAULTS``, module docstring) -> the function that removes it.
+    "stale-bounds": ``StepInputs.bounds`` returns the tensors it made at its first call per batch bucket (the
+    top-k ranges of that step's contexts), as a step reusing state kept from its warm-up would."""
+    if fault is None:
+        return lambda: None
+    from cpkv.engine.decode_graph import StepInputs
+
+    real, first = StepInputs.bounds, {}
+
+    def stale(self):
+        key = (self.B, str(self.all.device))
+        if key not in first:
+            first[key] = real(self)
+        return first[key]
+
+    StepInputs.bounds = stale
+
+    def unplant() -> None:
+        StepInputs.bounds = real
+
+    return unplant
+
+
+class _Checker:
+    """A case's check (module docstring): generation 0's checked steps against the model's reference forward on
+    rank 0. Every rank calls ``check`` (the logits are gathered to rank 0); it syncs, so it runs outside the
+    timing."""
+
+    def __init__(self, ctx, cfg, model) -> None:
+        self.ctx, self.cfg, self.model = ctx, cfg, model
+        self.device = model.device.type
+        self.ref = None
+        self.cache: dict[tuple[int, ...], Any] = {}  # token sequence -> its reference logits (CPU)
+        self.chunk = cfg.chunk_size
+
+    def _reference_model(self):
+        """The rank's own model where it holds every routed expert (cp 1), else a full one loaded once."""
+        if self.ref is None:
+            whole = all(len(layer.experts) == self.model.cfg.n_routed_experts for layer in self.model.layers)
+            if whole:
+                self.ref = self.model
+            else:
+                from cpkv.model import load_model
+
+                cfg = self.cfg
+                self.ref = load_model(cfg.model, seed=cfg.seed, device=self.model.device, num_layers=cfg.num_layers,
+                                      precision=cfg.precision, weights=cfg.weights_dtype, routed_experts=cfg.experts)
+        return self.ref
+
+    def reference(self, tokens: list[int], prompt: int):
+        """float32 [vocab] on the CPU: the reference's logits of ``tokens``' last token, the prompt's ``prompt``
+        tokens cut at the prefill's chunks and every later token its own chunk (as the engine ran them)."""
+        key = tuple(tokens)
+        if key not in self.cache:
+            ref = self._reference_model()
+            kept = [layer.routed for layer in ref.layers]  # the bench's floor reads the step's routing there
+            try:
+                cuts = [*range(self.chunk, prompt, self.chunk), *range(prompt, len(tokens))]
+                self.cache[key] = ref.reference_prefill(tokens, cuts=cuts).float().cpu()
+            finally:
+                for layer, r in zip(ref.layers, kept):
+                    layer.routed = r
+        return self.cache[key]
+
+    def check(self, prompt: list[int], seq: list[int], seen: list, pipelined: bool) -> dict:
+        """``seen``: this rank's (context length, logits or None) per checked step of generation 0, ``seq`` its
+        tokens now (its first one the clone's key, not the source's: the source's ``prompt`` is what its KV
+        holds) -> rank 0's check fields (every other rank: {})."""
+        import torch
+
+        if self.ctx.world_size > 1:
+            parts = self.ctx.all_gather_object([None if v is None else v.numpy() for _, v in seen])
+            seen = [(n, next((torch.from_numpy(p[i]) for p in parts if p[i] is not None), None))
+                    for i, (n, _) in enumerate(seen)]
+        out: dict = {}
+        if self.ctx.rank == 0:
+            tokens = list(prompt) + list(seq[len(prompt):])
+            worst, within, greedy, compared = None, True, True, 0
+            for n, got in seen:
+                want = self.reference(tokens[:n], len(prompt))
+                tol = check_tolerance(self.device, float(want.abs().max()))
+                if got is None:
+                    raise RuntimeError(f"decode check: no rank computed generation 0's logits at context {n}")
+                diff = float((got - want).abs().max())
+                within &= diff <= tol
+                if worst is None or diff > worst[0]:
+                    worst = (diff, tol)
+                ok, agreed = self._greedy(want, tokens[n], tol)
+                compared += ok
+                greedy &= agreed
+            out = {"check_steps": len(seen), "check_max_diff": worst[0],
+                   "check_tol": worst[1]}
+            if pipelined:  # the last token the pipelined loop picked on the device
+                want = self.reference(tokens[:-1], len(prompt))
+                ok, agreed = self._greedy(want, tokens[-1], check_tolerance(self.device, float(want.abs().max())))
+                compared += ok
+                out["check_pipelined_greedy"] = agreed
+                greedy &= agreed
+            out.update(check_greedy=greedy, check_greedy_compared=compared, check_ok=within and greedy)
+        self.ctx.all_reduce_max_list([0])  # the other ranks wait here (a collective), not in the next case's steps
+        return out
+
+    @staticmethod
+    def _greedy(want, token: int, tol: float) -> tuple[bool, bool]:
+        """(compared: the reference's top two differ by more than ``tol``, agreed: not compared or ``token`` is its
+        argmax)."""
+        import torch
+
+        top2 = torch.topk(want, 2).values
+        if float(top2[0] - top2[1]) <= tol:
+            return False, True
+        return True, int(want.argmax()) == token
 
 
 def _ranks_share_gpu(cfg) -> bool:
@@ -222,7 +389,8 @@ def _clone(ex, dec, source, g: int, vocab: int) -> None:
 
 
 def _step(ctx, dec, runner):
-    """One decode step of every generation in ``dec``, greedy, its tokens agreed between the ranks -> the step."""
+    """One decode step of every generation in ``dec``, greedy, its tokens agreed between the ranks -> (the step,
+    this rank's {rid: logits})."""
     import torch
 
     step, failed = dec.plan()
@@ -235,7 +403,7 @@ def _step(ctx, dec, runner):
     for e, t in zip(step.entries, tokens):
         dec.seqs[e.rid].tokens.append(t)
         dec.advance(e.rid)
-    return step
+    return step, logits
 
 
 def _time_pipelined(ex, dec, runner, steps: int) -> float:
@@ -284,15 +452,21 @@ def _profile_step(ex, ctx, dec, runner, model, path: str) -> None:
             f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
-def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, int, float]:
+def _time_steps(ex, ctx, dec, runner, model, steps: int, watch=None) -> tuple[float, float, int, float, list]:
     """(median seconds per step, floor bytes of the busiest rank's step, the routed experts it read, the ranks'
-    floor bytes summed) over two untimed and ``steps`` timed steps."""
-    times, floor, experts, total = [], 0.0, 0, 0.0
+    floor bytes summed, ``watch``'s checked steps) over two untimed and ``steps`` timed steps. ``watch``: a
+    generation whose logits of the first and the last timed step are kept, after the step's timing, as (its
+    context length, float32 [vocab] on the CPU, or None where another rank computed them)."""
+    times, floor, experts, total, seen = [], 0.0, 0, 0.0, []
     kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
     for s in range(steps + 2):
         t0 = ex.sync_time()
-        step = _step(ctx, dec, runner)
+        step, logits = _step(ctx, dec, runner)
         t1 = ex.sync_time()
+        if watch is not None and s in (2, steps + 1):
+            got = logits.get(watch)
+            seen.append((len(dec.seqs[watch].tokens) - 1, None if got is None else got.float().cpu()))
+        logits = None  # not held through the next timed step
         if s >= 2:
             times.append(t1 - t0)
             read = routed_experts_read(ctx, model, len(step.on(ctx.rank)))
@@ -300,7 +474,7 @@ def _time_steps(ex, ctx, dec, runner, model, steps: int) -> tuple[float, float, 
             if max(each) > floor:
                 floor, experts, total = max(each), read, sum(each)
     times.sort()
-    return times[len(times) // 2], floor, experts, total
+    return times[len(times) // 2], floor, experts, total, seen
 
 
 def routed_experts_read(ctx, model, own: int) -> int:
@@ -360,8 +534,17 @@ def print_cases(cases: list[dict]) -> None:
     from cpkv.cli.fmt import table
 
     table(("weights", "form", "keys", "batch", "step ms", "synced ms", "floor ms", "floor MB", "experts read",
-           "ratio to floor", "ratio, GPU shared"),
+           "ratio to floor", "ratio, GPU shared", "check (max diff / tol)"),
           [(r["weights"], r.get("form", "") + (" pipelined" if r.get("pipelined") else ""), r["keys"], r["batch"],
             f"{r['step_ms']:.3f}", f"{r.get('sync_step_ms', r['step_ms']):.3f}", f"{r['floor_ms']:.3f}",
             f"{r['floor_bytes'] / 1e6:.1f}", r["experts_read"], f"{r['ratio_to_floor']:.2f}",
-            f"{r['ratio_to_shared_floor']:.2f}" if "ratio_to_shared_floor" in r else "") for r in cases])
+            f"{r['ratio_to_shared_floor']:.2f}" if "ratio_to_shared_floor" in r else "", _check_cell(r))
+           for r in cases])
+
+
+def _check_cell(r: dict) -> str:
+    """A row's check as its table cell: ok / FAIL, the max |logit diff| / the tolerance ("" unchecked)."""
+    if "check_ok" not in r:
+        return ""
+    greedy = "" if r["check_greedy"] else ", greedy differs"
+    return f"{'ok' if r['check_ok'] else 'FAIL'} {r['check_max_diff']:.3g} / {r['check_tol']:.3g}{greedy}"
