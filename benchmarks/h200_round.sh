@@ -167,7 +167,7 @@ if want decode2; then  # issue 45, session 23: the pipelined loop (cp 1) and the
     step d2_tests ${D2_TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_decode.py \
         ${D2_TEST_FILES:-}
     [ -n "${D2_KERN:-}" ] && step d2_kern ${D2_KERN_S:-150} bash -c "$D2_KERN"
-    step d2_cp1 ${D2_CP1_S:-200} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
+    step d2_cp1 ${D2_CP1_S:-260} python3 -m cpkv bench decode --model glm5 --num-layers 4 --cp 1 --device cuda \
         --weights fp8,bf16 --keys ${DECODE_KEYS:-1024,32768,131072} --batches ${DECODE_BATCHES:-1,8,32} --steps 5 --json
     [ -n "${D2_OLD_ENV:-}" ] && step d2_old ${D2_OLD_S:-90} env $D2_OLD_ENV python3 -m cpkv bench decode --model glm5 \
         --num-layers 4 --cp 1 --device cuda --weights fp8 --keys 32768 --batches 1,32 --steps 5 --json
