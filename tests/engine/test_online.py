@@ -122,6 +122,18 @@ def test_paged_decode_gives_the_reference_greedy_tokens_past_the_top_k(cp):
             seq.append(t)
 
 
+def _flush_until_accepted(client) -> None:
+    """Ask the engine to flush its cache until it accepts (it answers -1 while a generation still holds pages)."""
+    flushed = threading.Event()
+    while not flushed.is_set():
+        answer = []
+        client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
+        for _ in range(100):
+            if answer:
+                break
+            threading.Event().wait(0.05)
+
+
 @pytest.mark.parametrize("decode", ["paged", "extend"])
 def test_cancelled_and_finished_generations_leave_no_page_held(decode):
     """A generation cancelled mid-decode and one that ran to its length leave every page unheld: a flush afterwards
@@ -144,14 +156,7 @@ def test_cancelled_and_finished_generations_leave_no_page_held(decode):
         short = client.submit([(5 * i) % 500 + 2 for i in range(90)], 12, on_event)
         assert tok.wait(120) and fin.wait(120), events
         client.cancel(long)
-        flushed = threading.Event()
-        while not flushed.is_set():  # refused (-1) while the cancel is not yet applied
-            answer = []
-            client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
-            for _ in range(100):
-                if answer:
-                    break
-                threading.Event().wait(0.05)
+        _flush_until_accepted(client)  # refused (-1) while the cancel is not yet applied
     finally:
         client.close(60)
     assert events[long][-1].reason == "cancelled" and events[short][-1].reason == "length"
@@ -189,14 +194,7 @@ def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_i
                 for i, (p, b) in enumerate(zip(prompts, budgets))]
         sampled = client.submit(prompts[3], 4, on_event, sampling=SamplingParams(temperature=0.8, seed=5))
         assert done.wait(300), events
-        flushed = threading.Event()
-        while not flushed.is_set():  # refused (-1) until every generation has let its pages go
-            answer = []
-            client.flush(lambda ev: (answer.append(ev.pages), flushed.set() if ev.pages >= 0 else None))
-            for _ in range(100):
-                if answer:
-                    break
-                threading.Event().wait(0.05)
+        _flush_until_accepted(client)  # refused (-1) until every generation has let its pages go
     finally:
         client.close(60)
     res = client.results[0]
