@@ -242,12 +242,14 @@ class OnlineLoop:
             return []
         step, got = self._launched
         self._launched = None
+        # read even when no entry is live any more: the runner holds at most two unread steps (their host buffers)
+        tokens = got.tokens()
         out: list = []
         for e in step.entries:
             gen = self.live.get(e.rid)
             if gen is None:
                 continue  # stopped or cancelled since its launch: the step ran past its end
-            news, done = self._take(gen, got.tokens()[e.rid])
+            news, done = self._take(gen, tokens[e.rid])
             out += news
             if done and e.rid in self.decoder.seqs:
                 self.decoder.finish(e.rid)
