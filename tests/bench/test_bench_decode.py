@@ -86,6 +86,14 @@ def test_every_form_checks_its_timed_steps_against_the_reference(capsys):
         assert 0 <= c["check_max_diff"] <= c["check_tol"] and c["check_tol"] >= CHECK_TOL["cpu"][0]
         assert ("check_pipelined_greedy" in c) == c["pipelined"]
     assert cases[0]["check_pipelined_greedy"] is True
+    # the graphs form's decisions (each full layer's selection, each MoE layer's experts) forced on its reference,
+    # every one of generation 0's in both checked steps compared: on the CPU they agree, their scores to rounding
+    decided = cases[0]["check_decisions"]
+    assert cases[0]["check_forced"] is True and not cases[1]["check_forced"] and not cases[2]["check_forced"]
+    for kind, per_step in (("route", 2), ("index", 2)):  # the tiny model: MoE layers 1, 2; full layers 0, 2
+        d = decided[kind]
+        assert d["compared"] == 2 * per_step and d["differed"] == d["unexplained"] == 0, (kind, d)
+        assert d["score_noise"] < 1e-4, (kind, d)
     rc = main(["bench", "decode", "--device", "cpu", "--cp", "1", "--page-size", "16", "--keys", "48",
                "--batches", "1", "--steps", "1", "--form", "gather", "--no-check", "--json"])
     assert rc == 0
@@ -103,8 +111,12 @@ def test_stale_top_k_bounds_fail_the_check_and_the_command(capsys):
     out = capsys.readouterr()
     assert rc == 1
     graphs, gather = json.loads(out.out)["cases"]
-    assert graphs["check_ok"] is False and graphs["check_max_diff"] > graphs["check_tol"]
-    assert graphs["check_floor"] is not None  # past the tolerance by more than the reference varies itself
+    # the graphs form's decisions are forced on its reference: its logits then agree, and its stale selections are
+    # what fails, each far from a near-tie in the reference's own scores
+    index = graphs["check_decisions"]["index"]
+    assert graphs["check_ok"] is False and graphs["check_forced"] is True
+    assert index["unexplained"] > 0 and index["max_margin"] > 100 * index["largest_allowed"], index
+    assert gather["check_forced"] is False  # the gather form's selection is not kept: compared unforced
     assert graphs["check_greedy"] is False
     assert gather["check_ok"] is True
     failed = [line for line in out.err.splitlines() if "check failed" in line]
@@ -130,7 +142,7 @@ def test_the_check_allows_a_step_the_references_own_floor_and_no_more():
             self.base = torch.zeros(16)
             self.base[3] = 4.0
 
-        def reference_prefill(self, tokens, cuts=()):
+        def reference_prefill(self, tokens, cuts=(), tap=None):
             engine = [*range(8, 20, 8), *range(20, len(tokens))]
             return self.base + (0.0 if list(cuts) == engine else self.moves)
 
@@ -146,9 +158,9 @@ def test_the_check_allows_a_step_the_references_own_floor_and_no_more():
     tol = check_tolerance("cpu", 4.0)
     for moves, off, ok in ((0.5, 0.3, True), (0.5, 0.7, False), (0.0, 0.3, False), (0.0, tol / 2, True)):
         checker = _Checker(ctx, cfg, Model(moves))
-        got = checker.reference(seq[:22], 20).clone()
+        got = checker.reference(seq[:22], 20)[0].clone()
         got[5] += off
-        out = checker.check(prompt, seq, [(22, got)], pipelined=False)
+        out = checker.check(prompt, seq, [(22, got, None)], pipelined=False)
         assert out["check_ok"] is ok, (moves, off, out)
         assert out["check_max_diff"] == pytest.approx(off)
         if off > tol:

@@ -2,8 +2,11 @@
 
 Per batch B (``--batches``): B generations of one query token (``--heads``, 512 + 64 dims), each with ``--topk``
 distinct rows drawn uniformly from ``--pools`` pools of ``--pool-rows`` 656-byte rows (one buffer, standing for
-the CP ranks' pools of one layer), about 1/16 of them -1 (no key). Timed, each in device time per call
-(``do_bench``: the L2 flushed before every call, as a decode layer finds its rows), in alternating rounds:
+the CP ranks' pools of one layer), about 1/16 of them -1 (no key). Timed in device time per call, in alternating
+rounds: on CUDA as GRAPH_CALLS calls in one CUDA graph, each after an L2 flush whose own time is subtracted
+(``graph_ms(flush=True)``: as the decode step's graph runs a layer, no launch cost, its rows not in L2), ours and
+the peer's alike; a call that cannot be captured call by call (``do_bench``, the L2 flushed); ``timing`` says
+which:
 
     cpkv      ``cpkv.kernels.sparse_mla.decode`` (rows read in place, split-K)
     current   the paged step's path today: gather the rows (``paged_rows_ref``), dequantise (``dequant_token_kv``),
@@ -146,7 +149,8 @@ def _case(inp: dict[str, Any], copy_rate: float, rep_ms: int, rounds: int, peer:
                             "config": kernel.default_config(h, b).tag(), "splits": _splits(inp)}
     if theirs is not None:
         case.update(_compare(theirs(), ours))
-    ms = _timed(calls, rep_ms, rounds)
+    ms, how = _timed(calls, rep_ms, rounds, graphed=inp["q"].is_cuda)
+    case["timing"] = how
     moved = b * k * ROW_BYTES + 2 * inp["q"].numel() + 2 * inp["out"].numel()
     case.update({f"{name}_ms": t for name, t in ms.items()})
     case.update(bytes=moved, gbs=moved / ms["cpkv"] / 1e6, ratio_to_copy=moved / ms["cpkv"] / 1e6 / copy_rate,
@@ -156,13 +160,28 @@ def _case(inp: dict[str, Any], copy_rate: float, rep_ms: int, rounds: int, peer:
     return case
 
 
-def _timed(calls: dict[str, Callable[[], Any]], rep_ms: int, rounds: int) -> dict[str, float]:
-    """Median over ``rounds`` alternating rounds of each call's do_bench median (ms)."""
+def _timed(calls: dict[str, Callable[[], Any]], rep_ms: int, rounds: int, graphed: bool) -> tuple[dict, dict]:
+    """Median over ``rounds`` alternating rounds of each call's time (ms) -> (times, how each was timed).
+    ``graphed`` (CUDA): GRAPH_CALLS calls in one CUDA graph, the L2 flushed before each (``graph_ms``): device time
+    as the decode step's graph runs it, for cpkv's kernel and the peer's alike (timed call by call, a launch's host
+    work counts: cpkv's Python wrapper read 0.17 ms at every batch where FlashMLA's read 0.02 ms, 2026-12-04);
+    a call that cannot be captured is timed call by call (``do_bench``, the L2 flushed)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
+    how = {name: "graph" if graphed else "calls" for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            times[name].append(do_bench_ms(fn, max(10, rep_ms // rounds), warmup_ms=5))
-    return {name: statistics.median(t) for name, t in times.items()}
+            budget = max(10, rep_ms // rounds)
+            if how[name] == "graph":
+                try:
+                    times[name].append(graph_ms(fn, GRAPH_CALLS, budget, flush=True))
+                    continue
+                except Exception:  # noqa: BLE001 -- not capturable (a host sync inside): timed call by call
+                    import torch
+
+                    torch.cuda.synchronize()
+                    how[name] = "calls"
+            times[name].append(do_bench_ms(fn, budget, warmup_ms=5))
+    return {name: statistics.median(t) for name, t in times.items()}, how
 
 
 def _splits(inp: dict[str, Any], config: Any = None) -> int:

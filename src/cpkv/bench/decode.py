@@ -256,6 +256,79 @@ def _plant(fault: str | None):
     return unplant
 
 
+def step_decisions(kept: dict, row: int) -> dict:
+    """The discrete decisions the last graphs-form step took for its entry ``row`` (``kept``: its
+    ``StepGraphs.decisions``, current after its replay) -> {"route": {MoE layer: (int64 [k] experts, float32 [k]
+    their choice values)}, "select": {full layer: (int32 [top-k] context positions, -1 none; float32 [top-k] their
+    indexer logits, NaN for none)}} on the host. Syncs: outside the timing."""
+    import numpy as np
+    import torch
+
+    out: dict = {"route": {}, "select": {}}
+    for n, d in sorted(kept.items()):
+        if d.get("route_choice") is not None:
+            ids = d["routed"][row].long()
+            out["route"][n] = (ids.cpu().numpy(), d["route_choice"][row].gather(0, ids).float().cpu().numpy())
+        if d.get("selected") is not None:
+            pos = d["selected"][row].long()
+            vals = torch.where(pos >= 0, d["index_logits"][row].gather(0, pos.clamp(min=0)), float("nan"))
+            out["select"][n] = (pos.cpu().numpy().astype(np.int32), vals.float().cpu().numpy())
+    return out
+
+
+def _digest(decisions: dict | None) -> str | None:
+    """A key of ``step_decisions``' arrays (the reference cache's: a sequence under other decisions is another)."""
+    if decisions is None:
+        return None
+    import hashlib
+
+    h = hashlib.sha1()
+    for kind in ("route", "select"):
+        for n in sorted(decisions[kind]):
+            h.update(f"{kind}{n}".encode())
+            for a in decisions[kind][n]:
+                h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class _OneRow:
+    """An array of ``n`` rows, each ``fill`` but row ``row`` (``value``: its contents), made a window of rows at a
+    time as the ``Forced`` tap reads it (``a[start:end]``); ``narrow``: a window without the row comes back one
+    column wide (the tap broadcasts it against its own decisions there, which it keeps: a 131,072-token reference
+    need not hold [n, top-k] arrays for one row)."""
+
+    def __init__(self, n: int, row: int, value, fill, narrow: bool = False) -> None:
+        import numpy as np
+
+        self.n, self.row, self.value, self.fill, self.narrow = n, row, np.asarray(value), fill, narrow
+
+    def __getitem__(self, rows: slice):
+        import numpy as np
+
+        start, stop, _ = rows.indices(self.n)
+        if not start <= self.row < stop and self.narrow and self.value.ndim:
+            return np.full((stop - start, 1), self.fill, self.value.dtype)
+        out = np.full((stop - start, *self.value.shape), self.fill, self.value.dtype)
+        if start <= self.row < stop:
+            out[self.row - start] = self.value
+        return out
+
+
+def _forced(decisions: dict, n: int, device: str):
+    """The ``Forced`` tap that puts ``decisions`` (``step_decisions``: the step's at position ``n`` - 1) on the
+    reference of ``n`` tokens; every other position keeps the reference's own (counted as unforced)."""
+    import numpy as np
+
+    from cpkv.engine.taps import Forced
+
+    last = n - 1
+    route = {ln: (_OneRow(n, last, ids, -1), _OneRow(n, last, vals, np.nan))
+             for ln, (ids, vals) in decisions["route"].items()}
+    select = {ln: (_OneRow(n, last, pos, -1, narrow=True), _OneRow(n, last, vals, np.nan, narrow=True),
+                   _OneRow(n, last, True, False)) for ln, (pos, vals) in decisions["select"].items()}
+    return Forced(route, select, "cuda" if device == "cuda" else "cpu")
+
+
 class _Checker:
     """A case's check (module docstring): generation 0's checked steps against the model's reference forward on
     rank 0. Every rank calls ``check`` (the logits are gathered to rank 0); it syncs, so it runs outside the
@@ -294,52 +367,61 @@ class _Checker:
             return [*range(max(c // 2, 1), prompt, max(c // 2, 1)), *range(prompt, n)]
         return [*range(max(c // 3, 1), prompt, c), prompt]
 
-    def reference(self, tokens: list[int], prompt: int, variant: int = 0):
+    def reference(self, tokens: list[int], prompt: int, variant: int = 0, decisions: dict | None = None):
         """float32 [vocab] on the CPU: the reference's logits of ``tokens``' last token, chunked as ``cuts``'
-        ``variant`` says."""
-        key = (tuple(tokens), variant)
+        ``variant`` says; ``decisions`` (``step_decisions``: the step's, at the last token) forced on it -> (logits,
+        the ``Forced`` tap's counts or None)."""
+        key = (tuple(tokens), variant, _digest(decisions))
         if key not in self.cache:
             ref = self._reference_model()
             kept = [layer.routed for layer in ref.layers]  # the bench's floor reads the step's routing there
+            tap = None if decisions is None else _forced(decisions, len(tokens), self.device)
             try:
                 cuts = self.cuts(prompt, len(tokens), variant)
-                self.cache[key] = ref.reference_prefill(tokens, cuts=cuts).float().cpu()
+                got = ref.reference_prefill(tokens, cuts=cuts, tap=tap).float().cpu()
+                self.cache[key] = (got, None if tap is None else tap.summary())
             finally:
                 for layer, r in zip(ref.layers, kept):
                     layer.routed = r
         return self.cache[key]
 
-    def floor(self, tokens: list[int], prompt: int, want) -> float:
+    def floor(self, tokens: list[int], prompt: int, want, decisions: dict | None = None) -> float:
         """The numerics floor of ``want`` (the reference of ``tokens``): how far the reference lands from itself at
         other row counts (``cuts`` variants 1 and 2), max |logit difference|. Other chunkings change the GEMMs'
         shapes and summation orders, and with them the discrete decisions that rounding can flip (an expert, an
         indexer key): the decode step's own decisions are not recorded, so its logits may differ from the
         reference by as much as the reference differs from itself (``cpkv.engine.verify.numerics_floor``, the
         same allowance a verified run gets where its decisions are not forced)."""
-        return max(float((self.reference(tokens, prompt, v) - want).abs().max()) for v in (1, 2))
+        return max(float((self.reference(tokens, prompt, v, decisions)[0] - want).abs().max()) for v in (1, 2))
 
     def check(self, prompt: list[int], seq: list[int], seen: list, pipelined: bool) -> dict:
-        """``seen``: this rank's (context length, logits or None) per checked step of generation 0, ``seq`` its
-        tokens now (its first one the clone's key, not the source's: the source's ``prompt`` is what its KV
-        holds) -> rank 0's check fields (every other rank: {})."""
+        """``seen``: this rank's (context length, logits or None, its decisions or None: ``step_decisions``) per
+        checked step of generation 0, ``seq`` its tokens now (its first one the clone's key, not the source's: the
+        source's ``prompt`` is what its KV holds) -> rank 0's check fields (every other rank: {})."""
         import torch
 
+        from cpkv.engine.taps import INDEX_MARGIN, ROUTE_MARGIN, DecisionCount
+
         if self.ctx.world_size > 1:
-            parts = self.ctx.all_gather_object([None if v is None else v.numpy() for _, v in seen])
-            seen = [(n, next((torch.from_numpy(p[i]) for p in parts if p[i] is not None), None))
-                    for i, (n, _) in enumerate(seen)]
+            parts = self.ctx.all_gather_object([None if v is None else (v.numpy(), d) for _, v, d in seen])
+            seen = [(n, *next(((torch.from_numpy(p[i][0]), p[i][1]) for p in parts if p[i] is not None),
+                              (None, None))) for i, (n, _, _) in enumerate(seen)]
         out: dict = {}
         if self.ctx.rank == 0:
             tokens = list(prompt) + list(seq[len(prompt):])
             worst, within, greedy, compared, floors = None, True, True, 0, []
-            for n, got in seen:
-                want = self.reference(tokens[:n], len(prompt))
+            counts = {"route": DecisionCount(), "index": DecisionCount()}
+            forced = all(d is not None for _, _, d in seen)
+            for n, got, decisions in seen:
+                want, summary = self.reference(tokens[:n], len(prompt), 0, decisions if forced else None)
+                for kind, count in (summary or {}).items():
+                    counts[kind].merge(count)
                 tol = check_tolerance(self.device, float(want.abs().max()))
                 if got is None:
                     raise RuntimeError(f"decode check: no rank computed generation 0's logits at context {n}")
                 diff = float((got - want).abs().max())
                 if diff > tol:  # past the tolerance: within the reference's own numerics floor?
-                    floors.append(self.floor(tokens[:n], len(prompt), want))
+                    floors.append(self.floor(tokens[:n], len(prompt), want, decisions if forced else None))
                     tol += floors[-1]
                 within &= diff <= tol
                 if worst is None or diff > worst[0]:
@@ -348,9 +430,14 @@ class _Checker:
                 compared += ok
                 greedy &= agreed
             out = {"check_steps": len(seen), "check_max_diff": worst[0],
-                   "check_tol": worst[1], "check_floor": max(floors) if floors else None}
+                   "check_tol": worst[1], "check_floor": max(floors) if floors else None, "check_forced": forced}
+            if forced:
+                dev = "cuda" if self.device == "cuda" else "cpu"
+                out["check_decisions"] = {"route": counts["route"].to_json(ROUTE_MARGIN[dev]),
+                                          "index": counts["index"].to_json(INDEX_MARGIN[dev])}
+                within &= counts["route"].unexplained == 0 and counts["index"].unexplained == 0
             if pipelined:  # the last token the pipelined loop picked on the device
-                want = self.reference(tokens[:-1], len(prompt))
+                want = self.reference(tokens[:-1], len(prompt))[0]
                 ok, agreed = self._greedy(want, tokens[-1], check_tolerance(self.device, float(want.abs().max())))
                 compared += ok
                 out["check_pipelined_greedy"] = agreed
@@ -483,7 +570,8 @@ def _time_steps(ex, ctx, dec, runner, model, steps: int, watch=None) -> tuple[fl
     """(median seconds per step, floor bytes of the busiest rank's step, the routed experts it read, the ranks'
     floor bytes summed, ``watch``'s checked steps) over two untimed and ``steps`` timed steps. ``watch``: a
     generation whose logits of the first and the last timed step are kept, after the step's timing, as (its
-    context length, float32 [vocab] on the CPU, or None where another rank computed them)."""
+    context length, float32 [vocab] on the CPU, or None where another rank computed them; the step's decisions for
+    it where the whole step ran as one graph, ``step_decisions``, else None)."""
     times, floor, experts, total, seen = [], 0.0, 0, 0.0, []
     kept = ("fp8" if model.weights_dtype == "fp8" else "bf16", str(model.dtype).removeprefix("torch."))
     for s in range(steps + 2):
@@ -492,7 +580,10 @@ def _time_steps(ex, ctx, dec, runner, model, steps: int, watch=None) -> tuple[fl
         t1 = ex.sync_time()
         if watch is not None and s in (2, steps + 1):
             got = logits.get(watch)
-            seen.append((len(dec.seqs[watch].tokens) - 1, None if got is None else got.float().cpu()))
+            mine = [e.rid for e in step.on(ctx.rank)]
+            decisions = step_decisions(runner.step_graphs.decisions, mine.index(watch)) if got is not None and runner.form == "graphs" \
+                and runner.ep is None and runner.step_graphs.fits(len(mine)) else None  # the whole step one graph: its buffers hold them
+            seen.append((len(dec.seqs[watch].tokens) - 1, None if got is None else got.float().cpu(), decisions))
         logits = None  # not held through the next timed step
         if s >= 2:
             times.append(t1 - t0)

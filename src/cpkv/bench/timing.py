@@ -42,10 +42,15 @@ def do_bench_ms(fn: Callable[[], object], rep_ms: int = 60, warmup_ms: int = 10)
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def graph_ms(fn: Callable[[], object], calls: int = 20, rep_ms: int = 60) -> float:
+FLUSH_BYTES = 256 << 20  # more than the H200's 50 MB L2: writing it evicts whatever a call left there
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, rep_ms: int = 60, flush: bool = False) -> float:
     """Milliseconds per call of ``fn``: ``calls`` calls captured in one CUDA graph (after two eager warm-up calls
     on a side stream), the replay timed by ``do_bench_ms`` and divided by ``calls``. ``fn`` must be capturable
-    (no host sync, no allocation that outlives the capture); the graph and its pool go after."""
+    (no host sync, no allocation that outlives the capture); the graph and its pool go after. ``flush``: each call
+    follows a write of FLUSH_BYTES (as a decode layer finds its rows: not in L2), and a graph of those writes alone,
+    timed alike, is subtracted."""
     import torch
 
     side = torch.cuda.Stream()
@@ -54,14 +59,24 @@ def graph_ms(fn: Callable[[], object], calls: int = 20, rep_ms: int = 60) -> flo
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    cache = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
+
+    def capture(with_fn: bool) -> "torch.cuda.CUDAGraph":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                if cache is not None:
+                    cache.zero_()
+                if with_fn:
+                    fn()
+        return graph
+
+    graphs = [capture(True)] + ([capture(False)] if flush else [])
     try:
-        return do_bench_ms(graph.replay, rep_ms, warmup_ms=10) / calls
+        ms = [do_bench_ms(g.replay, rep_ms, warmup_ms=10) for g in graphs]
+        return (ms[0] - (ms[1] if flush else 0.0)) / calls
     finally:
-        del graph
+        del graphs
 
 
 def copy_gbs(nbytes: int | None = None, device: str = "cuda") -> float:

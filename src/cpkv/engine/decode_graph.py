@@ -101,16 +101,19 @@ class StepKernels:
 
 def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKernels, table: DecodeTable,
                     s: StepInputs, bounds: tuple[torch.Tensor, torch.Tensor],
-                    sel: tuple[torch.Tensor, torch.Tensor] | None):
+                    sel: tuple[torch.Tensor, torch.Tensor] | None, keep: dict | None = None):
     """Layer ``n``'s attention for the step's entries, every read in place -> (latent [B, H, kv_lora], the selection
     as (owner, row) [B, k]: a full layer's own, a shared layer's the last full layer's). ``bounds``: the step's
-    ``s.bounds()``."""
+    ``s.bounds()``; ``keep``: a full layer's selection goes into it (``step_forward``)."""
     if layer.full:
         P, k = kern.views.page_size, model.cfg.index_topk
         lo, hi = bounds
         logits = kern.logits(n, p.iq, p.iw, table, s)
         top = topk_into(logits, lo, hi, k, torch.empty((s.B, k), dtype=torch.int32, device=lo.device),
-                        backends=model.backends).long()
+                        backends=model.backends)
+        if keep is not None:  # by reference, no work (``step_forward``)
+            keep.update(selected=top, index_logits=logits)
+        top = top.long()
         at = top.clamp(min=0)
         page, rows_of = at // P, s.slot[:, None]
         sel = (table.owner[rows_of, page], torch.where(top >= 0, table.page[rows_of, page] * P + at % P, -1))
@@ -120,10 +123,11 @@ def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKerne
     return kern.attend(n, p.q, sel[0], sel[1], layer.sm_scale, model.cfg.kv_lora_rank), sel
 
 
-def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable,
-                 s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
+                 keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 [B, vocab] next-token logits, int64 [B] their greedy tokens) of the step's B entries (module
-    docstring); no expert exchange (a step with one runs ``engine.decode.run_decode`` in place)."""
+    docstring); no expert exchange (a step with one runs ``engine.decode.run_decode`` in place). ``keep``: {layer:
+    its decisions' tensors} filled by reference, no work added (under a graph, its own buffers: ``StepGraphs.decisions``)."""
     cfg, views = model.cfg, kern.views
     ids = torch.where(s.ids >= 0, s.ids, table.last[s.slot])
     h, delta, sel, bounds = model.embed(ids), None, None, s.bounds()
@@ -132,8 +136,16 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable,
         p = layer.project(h, rot, delta)
         for kind in cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
-        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, bounds, sel)
-        h, delta = layer.finish(p.h, latent)
+        mine = None if keep is None else keep.setdefault(n, {})
+        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, bounds, sel, mine)
+        layer.keep_choice = keep is not None
+        try:
+            h, delta = layer.finish(p.h, latent)
+        finally:
+            layer.keep_choice = False
+        if mine is not None and layer.is_moe:
+            mine.update(routed=layer.routed, route_choice=layer.route_choice)
+            layer.route_choice = None
     logits = model.logits(h, delta)
     tokens = logits.argmax(-1)
     table.last.index_copy_(0, s.slot, tokens)  # padding entries repeat entry 0's slot and token
@@ -152,7 +164,12 @@ class StepGraphs:
         self.upload = upload
         self.capture = model.device.type == "cuda"  # elsewhere the padded step runs eagerly (its tests' form)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor]] = {}
+        # per bucket: (graph, its inputs, its output, its decisions' buffers: ``step_forward``'s ``keep``)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor, dict]] = {}
+        # the last step's decisions (``step_forward``'s ``keep``: {layer: {"selected": int32 [B, top-k] context
+        # positions, -1 none; "index_logits": float32 [B, L]; "routed": int [B, k]; "route_choice": float32 [B,
+        # E]}}), valid until the next step is enqueued: what ``cpkv bench decode``'s check forces on its reference
+        self.decisions: dict = {}
         self.eager: dict[tuple[int, int, int], StepInputs] = {}  # without capture: each bucket's inputs buffer
         self.captured, self.capture_s, self.replays = 0, 0.0, 0
 
@@ -173,7 +190,8 @@ class StepGraphs:
                 inputs = self.eager[key] = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64,
                                                                   device=self.model.device), L)
             inputs.all.copy_(self.upload(padded))
-            return step_forward(self.model, self.kern, self.table, inputs)
+            self.decisions = {}
+            return step_forward(self.model, self.kern, self.table, inputs, self.decisions)
         got = self.graphs.get(key)
         if got is None:
             stale = [k for k in self.graphs if k[2] != self.table.version]
@@ -186,9 +204,12 @@ class StepGraphs:
             got = self.graphs[key] = self._capture(padded, B, L)
             self.captured += 1
             self.capture_s += time.perf_counter() - t0
-        graph, inputs, out = got
+        graph, inputs, out, self.decisions = got
         inputs.all.copy_(self.upload(padded), non_blocking=True)
         graph.replay()
+        for n, kept in self.decisions.items():  # a MoE layer's last routing is this graph's (a floor counts it)
+            if "routed" in kept:
+                self.model.layers[n].routed = kept["routed"]
         return out
 
     def _capture(self, padded, B: int, L: int):
@@ -203,6 +224,7 @@ class StepGraphs:
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         self.table.last.copy_(last)
         graph = torch.cuda.CUDAGraph()
+        kept: dict = {}
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step_forward(self.model, self.kern, self.table, inputs)
-        return graph, inputs, out
+            out = step_forward(self.model, self.kern, self.table, inputs, kept)
+        return graph, inputs, out, kept

@@ -126,6 +126,10 @@ class DSALayer:
         self.shared_mlp = _stacked_mlp(w, weights, pre, "mlp.shared_experts.", self.backends) if shared else None
         self.stats = {"dense": 0, "sparse": 0}
         self.routed: torch.Tensor | None = None  # a MoE layer's last routing, int [T, top-k] (``_route``)
+        # its choice values, float32 [T, E], kept only while ``keep_choice`` (a graphed decode step keeping its
+        # decisions: ``engine.decode_graph.step_forward``; a prefill chunk's would hold T x E floats per layer)
+        self.route_choice: torch.Tensor | None = None
+        self.keep_choice = False
         # the layer's discrete decisions go through ``tap`` when set (cpkv.engine.taps: recorded by a verified run,
         # forced on the reference that checks it, a planted fault in tests); None: decided here
         self.tap: Any = None
@@ -298,11 +302,12 @@ class DSALayer:
         """A MoE layer's routing of x and its shared experts' output -> (idx, weights, shared or None)."""
         w = self.w
         if self.tap is not None:
-            idx, weights = self.tap.route(self, x)
+            (idx, weights), choice = self.tap.route(self, x), None
         else:
-            idx, weights = self.precision.route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"])
+            idx, weights, choice = self.precision.route(x, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"])
         self.routed = idx  # the last batch's choices, kept by reference (no copy, no sync; under a CUDA graph the
         # graph's own buffer, current after each replay): what a benchmark's floor counts after its step
+        self.route_choice = choice if self.keep_choice else None
         shared = swiglu(xa, *self.shared_mlp) if self.shared_mlp is not None else None
         mark(f"L{self.n} route+shared")
         return idx, weights, shared

@@ -36,9 +36,15 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelCon
           fused: bool = True, backends: Backends | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (expert ids int64 [T, k], weights float32 [T, k]) (module docstring). ``fused`` False: the
     scores as ``F.linear`` in float32 also on CUDA (``--precision exact`` runs); ``backends``: ``router_scores``'s."""
+    return route_choices(x, gate, bias, cfg, fused, backends)[:2]
+
+
+def route_choices(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig,
+                  fused: bool = True, backends: Backends | None = None) -> tuple[torch.Tensor, ...]:
+    """``route`` and the choice values it picked from -> (idx, weights, choice float32 [T, E]): the same work."""
     scores, choice = route_scores(x, gate, bias, fused, backends)
     idx = pick_experts(choice, cfg)
-    return idx, route_weights(scores, idx, cfg)
+    return idx, route_weights(scores, idx, cfg), choice
 
 
 def route_scores(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, fused: bool = True,

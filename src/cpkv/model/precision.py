@@ -95,9 +95,9 @@ class FP8Precision:
                           absolute=True, backends=self.backends)
 
     def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor):
-        from cpkv.model.moe import route
+        from cpkv.model.moe import route_choices
 
-        return route(x, gate, bias, self.cfg, fused=True, backends=self.backends)
+        return route_choices(x, gate, bias, self.cfg, fused=True, backends=self.backends)
 
     def experts(self, x, idx, weights, ew: ExpertWeights, xq, add) -> torch.Tensor:
         from cpkv.model.moe import experts
@@ -182,9 +182,9 @@ class ExactPrecision:
         return index_topk_exact(iq, k, iw, plan.ks, plan.ke, plan.topk, self.cfg.index_head_dim ** -0.5)
 
     def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor):
-        from cpkv.model.moe import route
+        from cpkv.model.moe import route_choices
 
-        return route(x, gate, bias, self.cfg, fused=False)
+        return route_choices(x, gate, bias, self.cfg, fused=False)
 
     def experts(self, x, idx, weights, ew: ExpertWeights, xq, add) -> torch.Tensor:
         from cpkv.model.moe import experts
