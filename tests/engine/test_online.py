@@ -10,11 +10,13 @@ import pytest
 
 from cpkv.engine.client import EngineClient
 from cpkv.engine.config import EngineConfig
-from cpkv.engine.protocol import Finished, Token
+from cpkv.engine.protocol import Finished, SamplingParams, Token
+from cpkv.engine.sampling import pick
 
 pytestmark = pytest.mark.slow
 
 CFG = EngineConfig(page_size=16, pages_per_rank=128, chunk_size=64, max_requests=4)
+DRAWN = SamplingParams(temperature=1.1, top_p=0.95, seed=9)  # sampled in the decode step's graph
 
 
 @pytest.mark.parametrize("decode", ["paged", "extend"])
@@ -169,7 +171,6 @@ def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_i
     steps, one on a stop id, while a sampled one joins and leaves (the loop reads each step in turn meanwhile).
     Every greedy token is the reference's; each stops where it should; a second wave decodes after the first has
     ended; afterwards no page is held."""
-    from cpkv.engine.protocol import SamplingParams
     from cpkv.model import load_model
 
     monkeypatch.setenv("CPKV_DECODE_STEP", "graphs")
@@ -193,15 +194,18 @@ def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_i
     try:
         rids = [client.submit(p, b, on_event, stop_ids=frozenset({stop}) if i == 2 else frozenset())
                 for i, (p, b) in enumerate(zip(prompts, budgets))]
-        sampled = client.submit(prompts[3], 4, on_event, sampling=SamplingParams(temperature=0.8, seed=5))
+        # log-probabilities are reported from the host: while it runs, each step is read before the next
+        sampled = client.submit(prompts[3], 4, on_event, sampling=SamplingParams(temperature=0.8, seed=5, logprobs=1))
         assert done.wait(300), events
         # a second wave after every generation of the first has stopped: the step launched past the last one's end
         # (none of its entries live) must still count as read, or the runner refuses the third launch (the GPU
         # server failed so after its warm-up, 2026-12-04)
+        # server, 2026-12-04); one of them sampled in the graph (no penalty, no log-probabilities: pipelined too)
         done.clear()
-        prompts += [[(17 * i + 3) % 500 + 5 for i in range(n)] for n in (52, 37)]
+        prompts += [[(17 * i + 3) % 500 + 5 for i in range(n)] for n in (52, 37, 45)]
         budgets += [6, 5]
-        rids += [client.submit(p, b, on_event) for p, b in zip(prompts[4:], budgets[3:])]
+        rids += [client.submit(p, b, on_event) for p, b in zip(prompts[4:6], budgets[3:])]
+        drawn = client.submit(prompts[6], 7, on_event, sampling=DRAWN)
         assert done.wait(300), events
         _flush_until_accepted(client)  # refused (-1) until every generation has let its pages go
     finally:
@@ -209,7 +213,7 @@ def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_i
     res = client.results[0]
     assert res["decode_steps"] >= 14 and 0 < res["decode_pipelined"] < res["decode_steps"], res
     assert len(rids) == len(budgets) == 5
-    for rid, prompt, budget in zip(rids, prompts[:3] + prompts[4:], budgets):
+    for rid, prompt, budget in zip(rids, prompts[:3] + prompts[4:6], budgets):
         got = [e.token for e in events[rid] if isinstance(e, Token)]
         seq = list(prompt)
         for t in got:
@@ -220,6 +224,13 @@ def test_pipelined_paged_decode_gives_the_reference_greedy_tokens_and_releases_i
         else:
             assert len(got) == budget and events[rid][-1].reason == "length"
     assert len([e for e in events[sampled] if isinstance(e, Token)]) == 4
+    # the graph's draws are the host's: each token ``pick``'s over the reference's logits of the tokens before it
+    seq, got = list(prompts[6]), [e.token for e in events[drawn] if isinstance(e, Token)]
+    assert len(got) == 7 and events[drawn][-1].reason == "length"
+    for index, t in enumerate(got):
+        assert pick(model.reference_prefill(seq), DRAWN, seq, len(prompts[6]), index) == t, (index, got)
+        seq.append(t)
+    assert len(set(got)) > 1  # drawn, not one token repeated
     assert steps[-1].pages_used == (0,) and steps[-1].live == 0, steps[-1]  # nothing held: the flush emptied it
 
 

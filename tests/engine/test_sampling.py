@@ -98,3 +98,47 @@ def test_logprobs_are_the_raw_log_softmax():
     assert [i for i, _ in top] == [1, 3, 2]  # the tie (ids 1, 3) by id
     assert [v for _, v in top] == pytest.approx([float(ref[1]), float(ref[3]), float(ref[2])], abs=1e-12)
     assert logprobs(row, 0, 0)[1] == ()
+
+
+def test_uniforms_are_fixed_by_key_spread_over_the_unit_interval_and_never_0_or_1():
+    from cpkv.engine.protocol import mix_seed
+    from cpkv.engine.sampling import uniforms
+
+    keys = torch.tensor([mix_seed(7, 3), mix_seed(7, 4), 0, (1 << 63) - 1], dtype=torch.int64)
+    u = uniforms(keys, 50_000)
+    assert torch.equal(u, uniforms(keys, 50_000)) and torch.equal(u[0], uniforms(keys[:1], 50_000)[0])
+    assert bool((u > 0).all() and (u < 1).all())
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[2], u[3])
+    for row in u:  # uniform: mean 1/2 (sd 0.0013), each decile a tenth (sd 0.0013)
+        assert abs(float(row.mean()) - 0.5) < 0.01
+        deciles = torch.histc(row.float(), bins=10, min=0, max=1) / row.numel()
+        assert float((deciles - 0.1).abs().max()) < 0.01, deciles
+    assert len(set(u[0].tolist())) == 50_000
+
+
+def test_batched_device_picks_are_the_host_picks():
+    """``sample_rows`` (the graphed decode step's pick, batched in tensors) gives ``pick``'s token for every row:
+    greedy, temperature alone, top_k, top_p, min_p and together, rows of one batch with different parameters."""
+    from cpkv.engine.protocol import mix_seed
+    from cpkv.engine.sampling import device_ok, sample_rows
+
+    gen = torch.Generator().manual_seed(11)
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_k=5, seed=2),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3), SamplingParams(temperature=1.3, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.6, top_k=40, top_p=0.95, min_p=0.01, seed=5),
+              SamplingParams(temperature=2.0, top_k=1, seed=6)]
+    assert all(device_ok(p) for p in params)
+    assert not device_ok(SamplingParams(temperature=1.0, repetition_penalty=1.1))
+    assert not device_ok(SamplingParams(temperature=1.0, logprobs=2))
+    picked = 0
+    for step in range(12):
+        logits = torch.randn(len(params), 3000, generator=gen) * (1 + step % 4)
+        got = sample_rows(logits, torch.tensor([p.temperature for p in params], dtype=torch.float64),
+                          torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                          torch.tensor([p.top_p for p in params], dtype=torch.float64),
+                          torch.tensor([p.min_p for p in params], dtype=torch.float64),
+                          torch.tensor([mix_seed(p.seed, step) for p in params], dtype=torch.int64))
+        want = [pick(row, p, [1, 2, 3], 2, step) for row, p in zip(logits, params)]
+        assert got.tolist() == want, (step, got.tolist(), want)
+        picked += len({t for t, p in zip(want, params) if p.temperature > 0} - {int(r.argmax()) for r in logits})
+    assert picked > 10  # the draws are not the argmax mostly: the race ran

@@ -67,6 +67,17 @@ def entry_rows(mine, page_size: int) -> np.ndarray:
                        [e.context for e in mine]], dtype=np.int64).reshape(5, -1)
 
 
+def draw_rows(mine, draw: dict) -> np.ndarray:
+    """int64 [5, B]: the entries' sampling rows (``engine.decode_graph.DRAW_FIELDS``): top_k and key as integers,
+    temperature, top_p and min_p as float64 bit patterns; ``draw``: {rid: (top_k, key, temperature, top_p,
+    min_p)}, a greedy entry's temperature 0."""
+    rows = [draw[e.rid] for e in mine]
+    ints = np.asarray([[r[0] for r in rows], [r[1] for r in rows]], dtype=np.int64).reshape(2, -1)
+    floats = np.asarray([[r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows]],
+                        dtype=np.float64).reshape(3, -1)
+    return np.concatenate([ints, floats.view(np.int64)])
+
+
 def decode_plan(step: DecodeStep, rank: int, model: DSAModel, table: DecodeTable, ep: Any = None,
                 in_place: bool = False) -> DecodePlan:
     """Rank ``rank``'s plan of ``step`` (module docstring) over ``table`` (the step's changes applied); ``ep``: the
@@ -168,7 +179,7 @@ class Selection:
 
 
 class Launched:
-    """A pipelined step in flight (``DecodeRunner.launch``): its entries and their greedy tokens on their way to
+    """A pipelined step in flight (``DecodeRunner.launch``): its entries and their tokens on their way to
     the host. ``tokens()`` waits for them (that step's end) -> {rid: token}."""
 
     def __init__(self, rids: tuple[Hashable, ...], host: torch.Tensor, done: "torch.cuda.Event | None") -> None:
@@ -195,8 +206,8 @@ class DecodeRunner:
     kernels run at fp8 precision with no expert exchange, static where they run with one, else gather
     (docs/design.md §11, measured in BENCHMARKS.md).
 
-    ``launch(step)`` (where ``pipelined``: the graphs form at cp 1) enqueues the step and returns at once with its
-    greedy tokens on their way to the host (``Launched``): the next step is planned and launched while this one
+    ``launch(step, draw)`` (where ``pipelined``: the graphs form at cp 1) enqueues the step and returns at once with
+    its tokens (greedy, or sampled in the graph) on their way to the host (``Launched``): the next step is planned and launched while this one
     runs, its pending input tokens read on the device (``scheduler.decode``'s pipelined loop). At most two launched
     steps are unread at a time."""
 
@@ -248,8 +259,10 @@ class DecodeRunner:
         self.steps += 1
         return {rid: v.detach().float() for rid, v in out.items()}
 
-    def launch(self, step: DecodeStep) -> Launched:
-        """Enqueue ``step`` (the pipelined loop: class docstring) -> its tokens in flight; no host sync."""
+    def launch(self, step: DecodeStep, draw: dict | None = None) -> Launched:
+        """Enqueue ``step`` (the pipelined loop: class docstring) -> its tokens in flight; no host sync. ``draw``:
+        {rid: (top_k, key, temperature, top_p, min_p)} (``draw_rows``): its tokens sampled in the graph
+        (``sampling.sample_rows``), else each entry's argmax."""
         mine = step.on(self.rank)
         if not (self.pipelined and step.cp == 1 and self.step_graphs.fits(len(mine))):
             raise ValueError(f"decode step {step.index} cannot be launched pipelined (form {self.form}, cp {step.cp}, "
@@ -260,7 +273,10 @@ class DecodeRunner:
         buf = self._host[self.steps % 2]
         with staging(self.model.device, self.steps % 2):
             self.table.apply(step)
-            tokens = self.step_graphs.replay(*self._rows(mine, step.page_size))[1]
+            host, t, L = self._rows(mine, step.page_size)
+            if draw is not None:
+                host = np.concatenate([host, draw_rows(mine, draw)])
+            tokens = self.step_graphs.replay(host, t, L)[1]
             buf[: len(mine)].copy_(tokens[: len(mine)], non_blocking=True)
             done = None
             if self.model.device.type == "cuda":

@@ -11,7 +11,8 @@ CUDA graph and replayed (docs/design.md §11, *The step as one graph*).
                  (``kernels.mqa_logits.paged``: [B, L], -inf past each context) -> top-k over [0, context) -> the
                  selected positions as (owner, row) through the table -> sparse decode MLA over those rows in place
                  (``kernels.sparse_mla.decode``; shared layers reuse the selection) -> finish (o_proj, MLP / MoE)
-                 -> the LM head over the B rows -> each entry's greedy token (argmax), written to its slot's ``last``
+                 -> the LM head over the B rows -> each entry's token, written to its slot's ``last``: the argmax,
+                 or, for a step with DRAW_FIELDS, ``sampling.sample_rows`` (the host's ``pick``, in tensors)
     StepGraphs   the graphs, captured on first use per (B, L), sharing one memory pool; the inputs uploaded into
                  the captured buffers (one copy), the table written in place (``DecodeTable``: a grown table drops
                  the graphs made over the old one). ``run``: the logits (copied out); ``replay``: the step launched,
@@ -33,12 +34,15 @@ import numpy as np
 import torch
 
 from cpkv.attention.sparse_decode import sparse_decode_mla
+from cpkv.engine.sampling import sample_rows
 from cpkv.engine.paged import DecodeTable, PagedViews
 from cpkv.indexer.paged import paged_logits
 from cpkv.indexer.topk import topk_into
 from cpkv.model.model import DSAModel
 
 FIELDS = ("ids", "positions", "write_rows", "slot", "ctx")
+# a sampling step's rows after FIELDS (``sampling.sample_rows``' parameters; ``decode.draw_rows`` makes them)
+DRAW_FIELDS = ("top_k", "keys", "temperature", "top_p", "min_p")
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -54,8 +58,9 @@ def context_bucket(longest: int, topk: int) -> int:
 
 @dataclass
 class StepInputs:
-    """One step's inputs on the device (module docstring): ``all`` int64 [5, B], one row per FIELDS name; ``L``
-    the context bucket (columns of the indexer's logits)."""
+    """One step's inputs on the device (module docstring): ``all`` int64 [5, B], one row per FIELDS name, or
+    [10, B] with DRAW_FIELDS' rows after them (a sampling step; its float rows hold float64 bit patterns: one upload
+    for all); ``L`` the context bucket (columns of the indexer's logits)."""
 
     all: torch.Tensor
     L: int
@@ -64,6 +69,13 @@ class StepInputs:
         if name in FIELDS:
             return self.all[FIELDS.index(name)]
         raise AttributeError(name)
+
+    def draw(self) -> tuple[torch.Tensor, ...] | None:
+        """A sampling step's (top_k int64, keys int64, temperature, top_p, min_p float64) [B] each, else None."""
+        if self.all.shape[0] == len(FIELDS):
+            return None
+        ints, floats = self.all[len(FIELDS):len(FIELDS) + 2], self.all[len(FIELDS) + 2:].view(torch.float64)
+        return ints[0], ints[1], floats[0], floats[1], floats[2]
 
     @property
     def B(self) -> int:
@@ -147,7 +159,12 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: Step
             mine.update(routed=layer.routed, route_choice=layer.route_choice)
             layer.route_choice = None
     logits = model.logits(h, delta)
-    tokens = logits.argmax(-1)
+    draw = s.draw()
+    if draw is None:
+        tokens = logits.argmax(-1)
+    else:
+        top_k, keys, temperature, top_p, min_p = draw
+        tokens = sample_rows(logits, temperature, top_k, top_p, min_p, keys)
     table.last.index_copy_(0, s.slot, tokens)  # padding entries repeat entry 0's slot and token
     return logits, tokens
 
@@ -165,12 +182,12 @@ class StepGraphs:
         self.capture = model.device.type == "cuda"  # elsewhere the padded step runs eagerly (its tests' form)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         # per bucket: (graph, its inputs, its output, its decisions' buffers: ``step_forward``'s ``keep``)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor, dict]] = {}
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor, dict]] = {}
         # the last step's decisions (``step_forward``'s ``keep``: {layer: {"selected": int32 [B, top-k] context
         # positions, -1 none; "index_logits": float32 [B, L]; "routed": int [B, k]; "route_choice": float32 [B,
         # E]}}), valid until the next step is enqueued: what ``cpkv bench decode``'s check forces on its reference
         self.decisions: dict = {}
-        self.eager: dict[tuple[int, int, int], StepInputs] = {}  # without capture: each bucket's inputs buffer
+        self.eager: dict[tuple[int, ...], StepInputs] = {}  # without capture: each bucket's inputs buffer
         self.captured, self.capture_s, self.replays = 0, 0.0, 0
 
     def fits(self, t: int) -> bool:
@@ -180,14 +197,15 @@ class StepGraphs:
         return self.replay(host, t, L)[0][:t].clone()
 
     def replay(self, host, t: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``host``: int64 [5, t] (FIELDS), or [10, t] with DRAW_FIELDS (a sampling step: its own graphs)."""
         B = bucket(t)
         padded = np.concatenate([host, np.repeat(host[:, :1], B - t, axis=1)], axis=1) if B > t else host
         self.replays += 1
-        key = (B, L, self.table.version)
+        key = (B, L, self.table.version, host.shape[0])
         if not self.capture:  # eagerly, through the bucket's one inputs buffer as a replay reads it
             inputs = self.eager.get(key)
             if inputs is None:
-                inputs = self.eager[key] = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64,
+                inputs = self.eager[key] = StepInputs(torch.empty((host.shape[0], B), dtype=torch.int64,
                                                                   device=self.model.device), L)
             inputs.all.copy_(self.upload(padded))
             self.decisions = {}
@@ -213,7 +231,7 @@ class StepGraphs:
         return out
 
     def _capture(self, padded, B: int, L: int):
-        inputs = StepInputs(torch.empty((len(FIELDS), B), dtype=torch.int64, device=self.model.device), L)
+        inputs = StepInputs(torch.empty((padded.shape[0], B), dtype=torch.int64, device=self.model.device), L)
         inputs.all.copy_(self.upload(padded))
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))

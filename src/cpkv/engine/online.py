@@ -15,8 +15,9 @@ engine).
     decode     with ``cfg.decode`` "paged" (peer memory at cp > 1): a prompt's last chunk keeps its pages and the
                generation joins the ``Decoder``; after each batch, one paged decode step advances every running
                generation by a token over the KV where it lies (``cpkv.engine.decode``; docs/design.md §11).
-               Pipelined where the runner can (the graphs form at cp 1) and every running generation is greedy
-               with no log-probabilities: step n + 1 is launched before step n's tokens are read, its inputs taken
+               Pipelined where the runner can (the graphs form at cp 1) and every running generation's token can
+               be picked in the graph (greedy, or sampled without penalties or log-probabilities:
+               ``sampling.sample_rows``): step n + 1 is launched before step n's tokens are read, its inputs taken
                on the device, so the host's planning and reporting overlap the GPU; a generation that stops at
                step n's token has run one step past it (dropped). Otherwise each step is read before the next
     continue   otherwise ("extend", or a prefix the chunk could not keep) a generation's next step is a new
@@ -44,7 +45,7 @@ from cpkv.engine.config import EngineConfig
 from cpkv.engine.decode import DecodeRunner
 from cpkv.engine.executor import Ahead, BatchExecutor
 from cpkv.engine.instruments import NoInstruments
-from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, Step, Stop, Submit, Token
+from cpkv.engine.protocol import Cancel, Finished, Flush, Flushed, Ready, Step, Stop, Submit, Token, mix_seed
 from cpkv.engine.rank import rank_model, share_cores
 from cpkv.scheduler import Batch, Request
 from cpkv.scheduler.decode import Decoder
@@ -201,8 +202,7 @@ class OnlineLoop:
     def _decode(self) -> list:
         """One paged decode step of every running generation -> news (tokens, finishes, generations that found
         no page for their next token)."""
-        if self.runner.pipelined and all(g.sub.sampling.greedy and g.sub.sampling.logprobs is None
-                                         for g in self.live.values()):
+        if self.runner.pipelined and all(sampling.device_ok(g.sub.sampling) for g in self.live.values()):
             return self._decode_pipelined()
         out = self._read_launched()
         step, failed = self.decoder.plan()
@@ -222,9 +222,10 @@ class OnlineLoop:
         return out
 
     def _decode_pipelined(self) -> list:
-        """Launch the next step, then read the step before it (module docstring: decode; cp 1, greedy) -> news."""
+        """Launch the next step, then read the step before it (module docstring: decode; cp 1, every generation
+        picked in the graph) -> news."""
         step, failed = self.decoder.plan()
-        got = self.runner.launch(step) if step is not None else None
+        got = self.runner.launch(step, self._draws(step)) if step is not None else None
         out = self._read_launched()
         for rid, reason in failed:  # its token from the step before is reported first
             if self.live.pop(rid, None) is not None:
@@ -234,6 +235,21 @@ class OnlineLoop:
                 if e.rid in self.decoder.seqs:  # not stopped by the step before's token
                     self.decoder.advance(e.rid)
             self._launched = (step, got)
+        return out
+
+    def _draws(self, step) -> dict | None:
+        """The launched step's sampling rows ({rid: ``decode.draw_rows``' entry}), None when every entry is greedy
+        (the argmax graph). A row's key is ``mix_seed(seed, index)``, the index of the token it picks: the
+        generation's tokens made so far, one more when the step in flight (unread) carries it too: the key
+        ``sampling.pick`` would use on the host."""
+        live = [self.live[e.rid].sub.sampling for e in step.entries]
+        if all(p.greedy for p in live):
+            return None
+        ahead = set(self._launched[1].rids) if self._launched is not None else set()
+        out = {}
+        for e, p in zip(step.entries, live):
+            index = self.live[e.rid].made + (e.rid in ahead)
+            out[e.rid] = (p.top_k, mix_seed(p.seed, index), p.temperature, p.top_p, p.min_p)
         return out
 
     def _read_launched(self) -> list:

@@ -12,9 +12,14 @@ logits row, in float64 on the host, so a token depends on the logits, the parame
                                                best first (stable: ties keep id order), as SGLang's reference:
                                                top_k keeps the first k, top_p keeps a token while the mass before
                                                it is <= top_p, min_p keeps p >= min_p * p_max; renormalised
-        draw                                   argmax(probs / q), q ~ Exp(1) from a CPU generator seeded with
-                                               mix_seed(seed, step): a draw from probs (the exponential race)
+        draw                                   argmax(probs / q), q = -log u ~ Exp(1), u = ``uniforms``: each
+                                               token id's 53-bit uniform hashed from mix_seed(seed, step): a draw
+                                               from probs (the exponential race)
     logprobs(row, token, n)                    log_softmax of the raw logits: (log p(token), top n (id, log p))
+    sample_rows(logits, ...)                   the same pick for a batch of rows without penalties, on their
+                                               device in tensors alone (no host sync, no per-row Python): what a
+                                               graphed decode step runs (``engine.decode_graph``), token for token
+                                               ``pick``'s but where float64 sums in another order flip a near-tie
 
 Every rank that holds a request's last token could pick it; only that one does, and the token travels as the
 greedy one does (``OnlineLoop._step``: an all-reduce max over -1).
@@ -73,9 +78,61 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, seed: int, step: int) -> int:
     """probs: [vocab] float64 -> one token drawn from it, the same for the same (seed, step) on any machine."""
-    g = torch.Generator(device="cpu").manual_seed(mix_seed(seed, step))
-    q = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=g).clamp_min_(1e-300)  # never 0/0
-    return int(torch.argmax(probs / q))
+    u = uniforms(torch.tensor([mix_seed(seed, step)], dtype=torch.int64), probs.shape[0])[0]
+    return int(torch.argmax(probs / -torch.log(u)))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) without overflowing int64 (the product's two 16-bit halves)."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, the "lowbias32" constants) of int64 x in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys: int64 [B] (``mix_seed(seed, step)``, 63-bit) -> float64 [B, vocab] in (0, 1): each token id's uniform,
+    53 bits hashed from (key, id) in integer tensor ops on the keys' device: the same numbers on any device, and
+    counter-based (no generator state), so a captured graph draws afresh from each replay's keys."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
+    lo, hi = (keys & _M32)[:, None], ((keys >> 32) & _M32)[:, None]
+    a = _hash32(_hash32(ids ^ lo) ^ hi)
+    b = _hash32(a ^ 0x9E3779B9)
+    return ((a << 21) + (b >> 11)).double().add_(0.5).mul_(2.0 ** -53)
+
+
+def device_ok(p) -> bool:
+    """``p`` (SamplingParams) is picked by ``sample_rows`` as ``pick`` would: no penalty (they read the token
+    counts), no log-probabilities (reported from the host)."""
+    return not p.penalized and p.logprobs is None
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """logits float32 [B, vocab]; per row float64 temperature (0: the argmax), top_p, min_p, int64 top_k (<= 0:
+    none) and keys (``mix_seed(seed, step)``) -> int64 [B] tokens: ``pick`` of each row (``device_ok``
+    parameters), batched in tensors on the logits' device."""
+    B, V = logits.shape
+    greedy = logits.argmax(-1)
+    t = torch.where(temperature > 0, temperature, 1.0)
+    probs = torch.softmax(logits.double() / t[:, None], dim=-1)
+    ranked, ids = probs.sort(dim=-1, descending=True, stable=True)
+    pos = torch.arange(V, device=logits.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (pos < top_k[:, None])
+    keep &= (ranked.cumsum(-1) - ranked) <= top_p[:, None]
+    keep &= ranked >= ranked[:, :1] * min_p[:, None]
+    kept = torch.zeros_like(probs).scatter_(-1, ids, torch.where(keep, ranked, 0.0))  # back in id order
+    drawn = (kept / -torch.log(uniforms(keys, V))).argmax(-1)
+    return torch.where(temperature > 0, drawn, greedy)
 
 
 def logprobs(row: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
