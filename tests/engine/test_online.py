@@ -277,3 +277,28 @@ def test_pages_a_paged_decode_filled_spill_to_the_host_tier_and_come_back():
         for t in got[rid]:
             assert int(model.reference_prefill(seq).argmax()) == t, (rid, len(seq))
             seq.append(t)
+
+
+@pytest.mark.parametrize("form", ["gather", "graphs"])
+def test_a_first_token_is_reported_before_the_decode_step_after_it(monkeypatch, form):
+    """The batch that makes a generation's first token is reported in a Step of its own before the loop runs the
+    decode step (whose launch may capture a graph for a new bucket, seconds at depth): no Step carries a
+    generation's token 0 together with a later token of it, with the step read in turn (gather) or pipelined."""
+    monkeypatch.setenv("CPKV_DECODE_STEP", form)
+    steps, done = [], threading.Event()
+
+    def on_event(ev) -> None:
+        if isinstance(ev, Finished):
+            done.set()
+
+    client = EngineClient(replace(CFG, cp=1), timeout_s=120, on_step=steps.append)
+    client.start(ready_timeout_s=300)
+    try:
+        rid = client.submit([(11 * i) % 500 + 3 for i in range(70)], 6, on_event)
+        assert done.wait(120)
+    finally:
+        client.close(60)
+    mine = [[e.index for e in s.events if isinstance(e, Token) and e.rid == rid] for s in steps]
+    assert sorted(i for m in mine for i in m) == list(range(6)), mine
+    first = next(m for m in mine if 0 in m)
+    assert first == [0], mine

@@ -101,9 +101,14 @@ class OnlineLoop:
                 step_news, ahead = self._step(batch, ahead)
                 news += step_news + self._ahead_news
                 self._ahead_news = []
+            reported = False
             if self._decoding and not self._stopping:
+                if self.rank == 0 and news:  # the batch's tokens first: a first token does not wait for the decode
+                    # step's launch (which captures a graph at a new batch or context bucket: seconds at depth)
+                    self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
+                    news, reported = [], True
                 news += self._decode()
-            if self.rank == 0 and (news or batch is not None):
+            if self.rank == 0 and (news or (batch is not None and not reported)):
                 self.ctx.report(Step(tuple(news), tuple(self.kv.pages_used()), len(self.live)))
         self._read_launched()  # a pipelined step still in flight: its tokens are not reported (stopping)
         self.ex.drain()

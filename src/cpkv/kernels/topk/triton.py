@@ -43,8 +43,10 @@ rows longer than C and fewer than the GPU's program slots (programs_per_sm x SMs
              stream kernel's scratch. Otherwise (a sample miss): the stream kernel's row path, retries and
              32-pass fallback included, with the row's slices as its scratch.
 
-Slices: [T, S, 2, CAP] int32 (columns, keys), CAP = min(C, N / S rounded up to 4), so a slice overflows only when
-m > C (the merge then reads none); meta: [T, 2S] int32 (counts, then their prefix). Sizes come from shapes only: no
+Slices: [T, S, 2, CAP] int32 (columns, keys), CAP = C, so a slice overflows only when m > C (the merge then reads
+none). CAP is a compile-time constant of k alone: sized from N / S it compiled a pair of kernels for every prompt
+length, and a first server's cached turns paid 1.7-1.9 s each for them at 78 layers (session 24); at most
+T * S <= the GPU's program slots (528 on an H200) slices of 2 C int32: 17 MB; meta: [T, 2S] int32 (counts, then their prefix). Sizes come from shapes only: no
 host sync, one CUDA graph capture serves any lo / hi. The split path's bisections stop once the count above the
 threshold is exact (the select: the same keys as the full 32 steps) or within 1/16 of the sample rank (t_low),
 saving block-wide reductions on the launch's critical path.
@@ -254,7 +256,9 @@ def _row_topk(rowp, lo, n, out, ob, scols, skeys, r, K: tl.constexpr, C: tl.cons
         _write_row(base, n, thr, remaining, out, ob, CBLOCK)
 
 
-@triton.jit
+# T and the program count vary with every batch's token count: not specialised (a value divisible by 16 or not would
+# compile another variant mid-serving)
+@triton.jit(do_not_specialize=["T", "nprog"])
 def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, scratch_ptr, T, nprog, stride_x4, stride_out,
                        BASE: tl.constexpr, K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
                        SAMPLE: tl.constexpr, KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr,
@@ -466,11 +470,6 @@ def topk_triton(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out
     return out
 
 
-def slice_slots(N: int, k: int, splits: int) -> int:
-    """CAP: candidate slots of one segment's slice (module docstring)."""
-    return min(candidate_slots(k), (-(-N // splits) + 3) // 4 * 4)
-
-
 def topk_split(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out: torch.Tensor, splits: int,
                cfg: TopkConfig, base: torch.Tensor | None = None) -> torch.Tensor:
     """``topk_triton``'s result (its arguments; T >= 1) through the two split launches, each row over ``splits``
@@ -481,7 +480,7 @@ def topk_split(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, out:
 
 def _shape(x: torch.Tensor, k: int, splits: int) -> dict:
     c = candidate_slots(k)
-    return dict(K=k, C=c, CAP=slice_slots(x.shape[1], k, splits), S=splits, TARGET=int((k * c) ** 0.5))
+    return dict(K=k, C=c, CAP=c, S=splits, TARGET=int((k * c) ** 0.5))  # CAP: the module docstring's
 
 
 def split_compact(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int, splits: int,
