@@ -195,12 +195,16 @@ def test_decode_forms_resolve_and_refuse_exact_rows_in_place():
 
 
 def _pipelined_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], budgets: list[int], late: int,
-                     pipelined: bool = True):
+                     pipelined: bool = True, sampled: dict | None = None, host: bool = False):
     """Prefill every prompt (kept), then decode them greedily with the graphs form: generation i makes
     ``budgets[i]`` tokens after its first and stops, the last one starts ``late`` steps after the others.
     ``pipelined``: each step is launched before the previous one's tokens are read (``DecodeRunner.launch``: its
-    input tokens pending on the device); else each step runs and is read in turn. -> (tokens per generation,
-    launched steps, pages used at the end)."""
+    input tokens pending on the device); else each step runs and is read in turn. ``sampled``: {rid:
+    SamplingParams} of the generations whose tokens the graph samples (``launch``'s draw, keyed by each token's
+    index); ``host`` (not pipelined): each step's logits read instead (``runner.run``) and every token picked on the
+    host (``sampling.pick``). -> (tokens per generation, launched steps, pages used at the end)."""
+    from cpkv.engine import sampling
+    from cpkv.engine.protocol import SamplingParams, mix_seed
     from cpkv.engine.decode import DecodeRunner
     from cpkv.engine.executor import BatchExecutor
     from cpkv.engine.instruments import NoInstruments
@@ -238,13 +242,37 @@ def _pipelined_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], budgets: 
             if made[rid] >= budgets[rid]:
                 dec.finish(rid)
 
+    def draws(step) -> dict | None:  # each entry's sampling row, keyed by the index of the token it picks
+        if not sampled:
+            return None
+        ahead = set(pending.rids) if pending is not None else set()
+        out = {}
+        for e in step.entries:
+            p = sampled.get(e.rid, SamplingParams())
+            out[e.rid] = (p.top_k, mix_seed(p.seed, made[e.rid] + 1 + (e.rid in ahead)), p.temperature, p.top_p,
+                          p.min_p)
+        return out
+
+    class Picked:  # the host's picks of a step, read as a launched step's tokens
+        def __init__(self, tokens: dict) -> None:
+            self._t = tokens
+
+        def tokens(self) -> dict:
+            return self._t
+
     while len(dec) or pending is not None or waiting < len(prompts):
         if launched == late and waiting < len(prompts):
             dec.start(waiting, gens[waiting], kept[waiting].prefix, kept[waiting].tail)
             waiting += 1
         step, failed = dec.plan()
         assert not failed
-        got = runner.launch(step) if step is not None else None
+        if host and step is not None:
+            logits = runner.run(step)
+            got = Picked({e.rid: sampling.pick(logits[e.rid], (sampled or {}).get(e.rid, SamplingParams()),
+                                               gens[e.rid], len(prompts[e.rid]), made[e.rid] + 1)
+                          for e in step.entries})
+        else:
+            got = runner.launch(step, draws(step)) if step is not None else None
         launched += step is not None
         if not pipelined and got is not None:  # each step read before the next is planned
             for e in step.entries:
@@ -299,3 +327,35 @@ def test_gpu_pipelined_loop_decodes_the_synchronised_loops_tokens():
            for p in (True, False)}
     assert got[True][0] == got[False][0]
     assert got[True][1] == 7 and got[False][1] == 6
+
+
+def _sampled_three_ways(device: str) -> None:
+    """Generations sampled inside the step (``sampling.sample_rows``: temperature, top-k, top-p, min-p; one greedy
+    beside them), pipelined and read in turn, make the tokens the host picks (``sampling.pick``) from the same
+    steps' logits."""
+    from cpkv.engine.protocol import SamplingParams
+
+    prompts = [_prompt(2, 20), _prompt(3, 63), _prompt(4, 100), _prompt(5, 45)]
+    budgets = [5, 6, 4, 5]
+    sampled = {0: SamplingParams(temperature=0.9, seed=3), 1: SamplingParams(temperature=1.2, top_p=0.9, seed=4),
+               3: SamplingParams(temperature=0.7, top_k=20, min_p=0.02, seed=5)}
+    extra = {"graph_tokens": 64} if device == "cuda" else {}
+    cfg = EngineConfig(cp=1, page_size=PAGE, pages_per_rank=64, chunk_size=256, max_requests=4, device=device,
+                       **extra)
+    got = {mode: launch(_pipelined_ranks, 1, args=(cfg, prompts, budgets, 2, mode == "pipelined", sampled,
+                                                   mode == "host"), device=device, timeout_s=600)[0][0]
+           for mode in ("pipelined", "sync", "host")}
+    assert got["pipelined"] == got["sync"] == got["host"], got
+    assert any(len(set(got["host"][r][len(prompts[r]) + 1:])) > 1 for r in sampled)
+
+
+def test_tokens_sampled_in_the_step_are_the_hosts_picks():
+    """CPU: the graphs form's fixed-shape step run eagerly (``_sampled_three_ways``)."""
+    _sampled_three_ways("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.triton
+def test_gpu_tokens_sampled_in_the_graph_are_the_hosts_picks():
+    """CUDA, the step's graphs (``_sampled_three_ways``)."""
+    _sampled_three_ways("cuda")
