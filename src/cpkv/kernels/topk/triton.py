@@ -258,7 +258,7 @@ def _row_topk(rowp, lo, n, out, ob, scols, skeys, r, K: tl.constexpr, C: tl.cons
 
 # T and the program count vary with every batch's token count: not specialised (a value divisible by 16 or not would
 # compile another variant mid-serving)
-@triton.jit(do_not_specialize=["T", "nprog"])
+@triton.jit(do_not_specialize=["T", "nprog", "stride_x4"])
 def topk_stream_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, scratch_ptr, T, nprog, stride_x4, stride_out,
                        BASE: tl.constexpr, K: tl.constexpr, C: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr,
                        SAMPLE: tl.constexpr, KBLOCK: tl.constexpr, CBLOCK: tl.constexpr, RETRIES: tl.constexpr,
@@ -321,7 +321,7 @@ def _sample_threshold(base, n, r, SAMPLE: tl.constexpr):
     return _rank_key(_skey(tl.load(base + offs)), s < SAMPLE, r, SAMPLE, r // 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_x4"])
 def topk_compact_kernel(x_ptr, lo_ptr, hi_ptr, meta_ptr, scratch_ptr, stride_x4,
                         K: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, S: tl.constexpr, TARGET: tl.constexpr,
                         BLOCK: tl.constexpr, SAMPLE: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr):
@@ -368,7 +368,7 @@ def _select_union(slices, excl, m, seg, out, ob, K: tl.constexpr, C: tl.constexp
     tl.store(out + tl.cumsum(si, axis=0) - si, col + ob, mask=sel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_x4"])
 def topk_merge_kernel(x_ptr, lo_ptr, hi_ptr, base_ptr, out_ptr, meta_ptr, scratch_ptr, stride_x4, stride_out,
                       BASE: tl.constexpr, K: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, S: tl.constexpr,
                       LOG_S: tl.constexpr, TARGET: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
