@@ -142,3 +142,19 @@ def test_batched_device_picks_are_the_host_picks():
         assert got.tolist() == want, (step, got.tolist(), want)
         picked += len({t for t, p in zip(want, params) if p.temperature > 0} - {int(r.argmax()) for r in logits})
     assert picked > 10  # the draws are not the argmax mostly: the race ran
+
+
+def test_a_steps_picks_are_each_rows_own():
+    """``pick_rows`` (the server's pick for a step's rows): greedy, device-drawn and host-picked rows (penalties,
+    log-probabilities) side by side, each the token ``pick`` gives that row alone."""
+    from cpkv.engine.sampling import pick_rows
+
+    gen = torch.Generator().manual_seed(5)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.2, seed=2),
+              SamplingParams(temperature=1.1, top_k=30, seed=3, logprobs=2), SamplingParams(temperature=0.5, seed=4)]
+    rows = [torch.randn(2000, generator=gen) * 2 for _ in params]
+    tokens = [[1, 2, 3, 4 + i, 9] for i in range(len(params))]
+    steps = [3, 0, 7, 2, 5]
+    want = [pick(r, p, t, 3, s) for r, p, t, s in zip(rows, params, tokens, steps)]
+    assert pick_rows(rows, params, tokens, [3] * len(params), steps) == want

@@ -6,7 +6,8 @@ engine).
                every rank applies the same Submit / Cancel / Stop at the same step (one host collective)
     schedule   the same Scheduler, admission and KV-cache manager as the trace loop (``BatchExecutor``)
     run        ``BatchExecutor.run``; the rank that holds a request's last token picks the next token from its
-               logits (``sampling.pick``: the argmax when greedy), an all-reduce (max over -1) tells every rank;
+               logits (``sampling.pick_rows``: the argmax when greedy, one batched draw on the device without
+               penalties), an all-reduce (max over -1) tells every rank;
                log-probabilities, when a request asks for them, travel from that rank in one all-gather
     look ahead a batch that finishes no request (a long prompt's middle chunks) takes the next step's messages,
                forms the next batch and builds its plan while the GPU runs it (the executor's look-ahead): the
@@ -279,12 +280,12 @@ class OnlineLoop:
     def _agree(self, steps: list[tuple[Any, Generation]], logits: dict) -> tuple[list[int], dict]:
         """Each step's next token, picked by the rank holding its logits, agreed by every rank (an all-reduce, max
         over -1), and the log-probabilities asked for -> (tokens, {step key: (log p, top)})."""
-        mine = [self._pick(logits[k], gen) if k in logits else -1 for k, gen in steps]
-        tokens = self.ctx.all_reduce_max_list(mine)
+        held = [(k, gen) for k, gen in steps if k in logits]
+        picked = dict(zip((k for k, _ in held), sampling.pick_rows(
+            [logits[k] for k, _ in held], [g.sub.sampling for _, g in held], [g.tokens for _, g in held],
+            [len(g.sub.tokens) for _, g in held], [g.made for _, g in held]))) if held else {}
+        tokens = self.ctx.all_reduce_max_list([picked.get(k, -1) for k, _ in steps])
         return tokens, self._logprobs(steps, logits, tokens)
-
-    def _pick(self, row: torch.Tensor, gen: Generation) -> int:
-        return sampling.pick(row, gen.sub.sampling, gen.tokens, len(gen.sub.tokens), gen.made)
 
     def _logprobs(self, steps: list[tuple[Any, Generation]], logits: dict, tokens: list[int]) -> dict:
         """{step key: (log p(token), top)} for the steps whose generation asks for log-probabilities, from the rank

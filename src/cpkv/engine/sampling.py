@@ -16,6 +16,8 @@ logits row, in float64 on the host, so a token depends on the logits, the parame
                                                token id's 53-bit uniform hashed from mix_seed(seed, step): a draw
                                                from probs (the exponential race)
     logprobs(row, token, n)                    log_softmax of the raw logits: (log p(token), top n (id, log p))
+    pick_rows(rows, params, ...)               ``pick`` of a step's rows: those without penalties or
+                                               log-probabilities in one ``sample_rows`` call (the server's)
     sample_rows(logits, ...)                   the same pick for a batch of rows without penalties, on their
                                                device in tensors alone (no host sync, no per-row Python): what a
                                                graphed decode step runs (``engine.decode_graph``), token for token
@@ -42,6 +44,31 @@ def pick(row: torch.Tensor, p: SamplingParams, tokens: Sequence[int], prompt_len
     if p.temperature == 0:
         return int(torch.argmax(logits))
     return draw(filtered_probs(logits, p), p.seed, step)
+
+
+def pick_rows(rows: Sequence[torch.Tensor], params: Sequence[SamplingParams], tokens: Sequence[Sequence[int]],
+              prompt_lens: Sequence[int], steps: Sequence[int]) -> list[int]:
+    """``pick`` of several rows (their own parameters, tokens, prompt lengths and steps) -> token ids: the greedy
+    ones and those ``device_ok`` in one ``sample_rows`` call on the rows' device (one host sync for all), the rest
+    (penalties, log-probabilities) one by one on the host."""
+    out: list[int | None] = [None] * len(rows)
+    batch = [i for i, p in enumerate(params) if device_ok(p)]
+    if batch:
+        ps = [params[i] for i in batch]
+        dev = rows[batch[0]].device
+        f64 = dict(dtype=torch.float64, device=dev)
+        got = sample_rows(torch.stack([rows[i].float() for i in batch]),
+                          torch.tensor([p.temperature for p in ps], **f64),
+                          torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev),
+                          torch.tensor([p.top_p for p in ps], **f64), torch.tensor([p.min_p for p in ps], **f64),
+                          torch.tensor([mix_seed(p.seed, steps[i]) for p, i in zip(ps, batch)], dtype=torch.int64,
+                                       device=dev)).tolist()
+        for i, t in zip(batch, got):
+            out[i] = t
+    for i, t in enumerate(out):
+        if t is None:
+            out[i] = pick(rows[i], params[i], tokens[i], prompt_lens[i], steps[i])
+    return out  # type: ignore[return-value]
 
 
 def penalize(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], p: SamplingParams) -> torch.Tensor:
