@@ -201,12 +201,13 @@ if want decode_serve; then  # issue 45: `cpkv serve` on the GPU (GLM-5 shapes, 4
 fi
 if want decode_tpot; then  # issue 45: TPOT through `cpkv serve` by context (GLM-5 shapes, 4 layers, cp 1, paged decode:
     # the graphs and the pipelined loop), one generation at a time, 64 tokens each, fresh 1K / 32K / 128K prompts
+    # (TPOT_SAMPLING="--temperature 0.8 --top-p 0.95": sampled, drawn inside the step's graph since session 24)
     python3 -c 'import starlette, uvicorn, prometheus_client, httpx' 2>/dev/null || \
         python3 -m pip install -q --no-index --no-deps --target /tmp/site out/wheels/*.whl >"$OUT/serve_wheels.txt" 2>&1
     python3 benchmarks/tpot_by_context.py make "$OUT/tpot_trace.jsonl" --lengths ${TPOT_LENGTHS:-1024,32768,131072} \
         --each ${TPOT_EACH:-3}
     PYTHONPATH=src:/tmp/site step decode_tpot ${DECODE_TPOT_S:-240} env CPKV="python3 -m cpkv" BOOT_S=100 WARMUP=1 \
-        TRACE_FILE="$OUT/tpot_trace.jsonl" LOAD_EXTRA="--max-tokens ${TPOT_TOKENS:-64}" \
+        TRACE_FILE="$OUT/tpot_trace.jsonl" LOAD_EXTRA="--max-tokens ${TPOT_TOKENS:-64} ${TPOT_SAMPLING:-}" \
         GEOM="--model glm5 --cp 1 --chunk-size 16384 --page-size 64 --pages-per-rank 8192 --max-requests 8" \
         SERVE_EXTRA="--num-layers 4 --device cuda ${TPOT_SERVE_EXTRA:-}" bash benchmarks/serve_ab.sh "$OUT/decode_tpot" \
         "paged=--decode paged"

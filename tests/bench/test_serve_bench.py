@@ -178,6 +178,29 @@ def test_open_loop_sends_at_arrivals_and_follow_ups_after_their_parents(endpoint
         assert server.bodies[0]["stream"] is True and server.bodies[0]["model"] == "cpkv"
 
 
+def test_sampling_fields_go_with_every_request():
+    """``--temperature`` / ``--top-p`` / ``--top-k`` / ``--min-p`` (``sampling_fields``) travel in each body as its
+    endpoint names them; without them a request is greedy."""
+    import argparse
+
+    from cpkv.bench.serve import request_body
+    from cpkv.bench.serve_cmd import add_arguments, sampling_fields
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert sampling_fields(p.parse_args([])) == {}
+    got = sampling_fields(p.parse_args(["--temperature", "0.8", "--top-p", "0.95", "--top-k", "20", "--min-p", "0"]))
+    assert got == {"temperature": 0.8, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+    gen = request_body("generate", "m", [1, 2], 4, got)
+    assert gen["sampling_params"] == {"max_new_tokens": 4, **got}
+    comp = request_body("completions", "m", [1, 2], 4, got)
+    assert {k: comp[k] for k in got} == got and comp["max_tokens"] == 4
+    assert request_body("completions", "m", [1, 2], 4)["temperature"] == 0
+    for bad in (["--top-p", "0"], ["--temperature", "-1"], ["--min-p", "1.5"], ["--top-k", "-2"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
 def test_poisson_arrivals_are_seeded_and_have_the_rate():
     due = poisson_due(4000, rate=5.0, seed=3)
     assert due == poisson_due(4000, rate=5.0, seed=3) != poisson_due(4000, rate=5.0, seed=4)

@@ -28,7 +28,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from cpkv.scheduler.trace import TraceRequest, materialize_tokens, synth_tokens
 
@@ -158,18 +158,22 @@ class Clock:
 
 
 # -- one request over HTTP ---------------------------------------------------------------------------
-def request_body(endpoint: str, model: str, prompt: Sequence[int] | str, max_tokens: int) -> dict[str, Any]:
-    """The JSON body of one request (greedy); ``prompt`` token ids, or text (a str)."""
+def request_body(endpoint: str, model: str, prompt: Sequence[int] | str, max_tokens: int,
+                 sampling: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The JSON body of one request (greedy, or ``sampling``'s fields: temperature, top_p, top_k, min_p, as the
+    endpoint names them); ``prompt`` token ids, or text (a str)."""
     text = isinstance(prompt, str)
+    fields = {"temperature": 0, **(sampling or {})}
     if endpoint == "generate":
         return {("text" if text else "input_ids"): prompt if text else list(prompt),
-                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
-    return {"model": model, "prompt": prompt if text else list(prompt), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+                "sampling_params": {"max_new_tokens": max_tokens, **fields}}
+    return {"model": model, "prompt": prompt if text else list(prompt), "max_tokens": max_tokens, **fields,
+            "stream": True, "stream_options": {"include_usage": True}}
 
 
 async def send_one(client: Any, url: str, endpoint: str, model: str, prompt: list[int] | str, max_tokens: int,
-                   rec: Record, clock: Clock, started: asyncio.Event | None = None) -> None:
+                   rec: Record, clock: Clock, started: asyncio.Event | None = None,
+                   sampling: Mapping[str, float] | None = None) -> None:
     """Send one request and fill ``rec`` (status ok or error); never raises for a failed request.
     ``started`` is set as soon as the send time is taken."""
     import httpx
@@ -180,7 +184,7 @@ async def send_one(client: Any, url: str, endpoint: str, model: str, prompt: lis
         started.set()
     try:
         async with client.stream("POST", url + PATHS[endpoint],
-                                 json=request_body(endpoint, model, prompt, max_tokens)) as resp:
+                                 json=request_body(endpoint, model, prompt, max_tokens, sampling)) as resp:
             rec.http_status = resp.status_code
             if resp.status_code >= 400:
                 body = (await resp.aread()).decode("utf-8", "replace")
@@ -288,6 +292,7 @@ class LoadConfig:
     concurrency: int | None = None   # closed loop: requests in flight (None: open loop)
     timeout_s: float = 600.0         # per request
     prompt_format: str = "ids"       # ids | text (the plan's own_text, see detokenize_plan)
+    sampling: dict[str, float] = field(default_factory=dict)  # sent with every request (empty: greedy)
 
 
 @dataclass
@@ -377,7 +382,8 @@ async def _send(p: Planned, cfg: LoadConfig, st: _State, clock: Clock, client: A
         if rec.status == "ready":
             prompt = _prompt_text(p, st, rec) if cfg.prompt_format == "text" else _prompt(p, st, rec)
             st.prompts[p.id] = prompt
-            await send_one(client, cfg.url, cfg.endpoint, cfg.model, prompt, cfg.max_tokens, rec, clock, started)
+            await send_one(client, cfg.url, cfg.endpoint, cfg.model, prompt, cfg.max_tokens, rec, clock, started,
+                           cfg.sampling)
     finally:
         if started is not None:
             started.set()

@@ -49,7 +49,7 @@ LONG_SPAN_S = 600.0  # a trace whose arrivals span longer is announced (one stde
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from cpkv.bench.serve import ENDPOINTS, PROMPT_FORMATS
-    from cpkv.cli.args import nonneg_int, positive_float, positive_int, seed
+    from cpkv.cli.args import bounded_float, bounded_int, nonneg_int, positive_float, positive_int, seed
     from cpkv.scheduler.admission import POLICIES
 
     p.add_argument("--url", help="the server, e.g. http://127.0.0.1:30000")
@@ -69,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send prompts as token ids (default) or as text: each request's synthetic tokens turned "
                         "into text by the server's POST /detokenize (needs a server with a tokenizer)")
     p.add_argument("--max-tokens", type=positive_int, default=1, help="tokens to generate per request (default 1)")
+    p.add_argument("--temperature", type=bounded_float(0.0, 1e6, low_open=False), default=0.0,
+                   help="sampling temperature sent with every request (default 0: greedy)")
+    p.add_argument("--top-p", type=bounded_float(0.0, 1.0), help="top_p sent with every request")
+    p.add_argument("--top-k", type=bounded_int(-1, 1 << 31), help="top_k sent with every request (-1, 0: off)")
+    p.add_argument("--min-p", type=bounded_float(0.0, 1.0, low_open=False), help="min_p sent with every request")
     p.add_argument("--warmup", type=nonneg_int, default=0, metavar="N",
                    help="first send N unrecorded requests of fresh tokens, one at a time (kernel compilation)")
     p.add_argument("--served-model", help="the 'model' field sent (default: the first of GET /v1/models)")
@@ -87,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sent-trace", metavar="FILE.jsonl", help="write the completed requests as a replay trace")
     p.add_argument("--plot", metavar="FILE.png", help="write a TTFT histogram (matplotlib)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def sampling_fields(args: argparse.Namespace) -> dict[str, float]:
+    """The sampling fields every request carries: temperature when not 0, and each of top_p, top_k, min_p given."""
+    out = {"temperature": args.temperature} if args.temperature else {}
+    out.update({name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None})
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -209,7 +221,7 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
         plan = detokenize_plan(plan, url, served, args.timeout)
         warm = detokenize_plan(warm, url, served, args.timeout)
     cfg = LoadConfig(url=url, endpoint=args.endpoint, model=served, max_tokens=args.max_tokens,
-                     prompt_format=args.prompt_format,
+                     prompt_format=args.prompt_format, sampling=sampling_fields(args),
                      duration_s=args.duration, concurrency=(args.concurrency or 1) if args.closed_loop else None,
                      timeout_s=args.timeout)
     bar = Progress(len(warm) + len(plan), "cpkv bench serve")
@@ -243,6 +255,7 @@ def _measure(args, url: str, trace, source: str, model, costs, rcfg) -> tuple[di
                                      for q in ("p50", "p90", "p99")}
     report = {
         "url": url, "endpoint": args.endpoint, "prompt_format": args.prompt_format, "served_model": served, "max_tokens": args.max_tokens,
+        "sampling": sampling_fields(args),
         "warmup": {"requests": len(warmed), "failed": sum(r.status != "ok" for r in warmed)},
         "load": _load(args), "trace": {"source": source, "file": args.trace, "requests": len(trace)},
         "server": {"model": args.model, "policy": args.policy, **{k: getattr(args, k) for k in GEOMETRY}},
