@@ -286,6 +286,8 @@ def _pipelined_ranks(ctx, cfg: EngineConfig, prompts: list[list[int]], budgets: 
                 if e.rid in dec.seqs:
                     dec.advance(e.rid)
         pending = got
+    # a server's runner keeps no decision buffers but each MoE layer's routing ([B, k]: a floor's count)
+    assert all(set(d) <= {"routed"} for d in runner.step_graphs.decisions.values()), runner.step_graphs.decisions
     ex.close()
     return gens, launched, ex.kv.pages_used()
 

@@ -187,7 +187,9 @@ def decode_bench_rank(ctx, cfg, keys: list[int], batches: list[int], steps: int,
     model = rank_model(ctx, cfg)
     ex = BatchExecutor(ctx, cfg, model, NoInstruments())
     checker = _Checker(ctx, cfg, model) if check else None
-    runners = {f: DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form=f) for f in forms}
+    # a checked graphs step keeps its decisions' buffers (held to each graph's end: memory, no work)
+    runners = {f: DecodeRunner(model, ex.rt, ex.ep, ctx.rank, ex.graphs, form=f, keep_decisions=check)
+               for f in forms}
     rate = copy_gbs(device=cfg.device) * 1e9  # the copy rate (read + written bytes per second): a memory stream's
     shared = _ranks_share_gpu(cfg)
     out = []

@@ -209,10 +209,11 @@ class DecodeRunner:
     ``launch(step, draw)`` (where ``pipelined``: the graphs form at cp 1) enqueues the step and returns at once with
     its tokens (greedy, or sampled in the graph) on their way to the host (``Launched``): the next step is planned and launched while this one
     runs, its pending input tokens read on the device (``scheduler.decode``'s pipelined loop). At most two launched
-    steps are unread at a time."""
+    steps are unread at a time. ``keep_decisions``: the graphs hold each step's selections and router choices for a
+    check to read (``StepGraphs.decisions``; ``cpkv bench decode``), memory a server does not spend."""
 
     def __init__(self, model: DSAModel, rt: Any, ep: Any, rank: int, graphs: "LayerGraphs | None" = None,
-                 form: str | None = None, max_batch: int = 256) -> None:
+                 form: str | None = None, max_batch: int = 256, keep_decisions: bool = False) -> None:
         from cpkv import envs
 
         self.model, self.ep, self.rank, self.graphs, self.cp = model, ep, rank, graphs, rt.cp
@@ -229,7 +230,7 @@ class DecodeRunner:
             self.static = StepKernels(model, self.views)
             if self.form == "graphs":
                 self.step_graphs = StepGraphs(model, self.static, self.table, max_batch,
-                                              lambda a: upload_arrays([a], model.device)[0])
+                                              lambda a: upload_arrays([a], model.device)[0], keep_decisions)
         pin = model.device.type == "cuda"
         self._host = [torch.empty(max_batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._unread: list[Launched] = []

@@ -136,10 +136,13 @@ def attend_in_place(model: DSAModel, n: int, layer: Any, p: Any, kern: StepKerne
 
 
 def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: StepInputs,
-                 keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 [B, vocab] next-token logits, int64 [B] their greedy tokens) of the step's B entries (module
-    docstring); no expert exchange (a step with one runs ``engine.decode.run_decode`` in place). ``keep``: {layer:
-    its decisions' tensors} filled by reference, no work added (under a graph, its own buffers: ``StepGraphs.decisions``)."""
+                 keep: dict | None = None, decisions: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [B, vocab] next-token logits, int64 [B] their tokens) of the step's B entries (module docstring);
+    no expert exchange (a step with one runs ``engine.decode.run_decode`` in place). ``keep``: {layer: tensors}
+    filled by reference, no work added (under a graph, its own buffers: ``StepGraphs.decisions``): each MoE
+    layer's "routed" experts; with ``decisions`` also each full layer's "selected" positions and "index_logits"
+    and each MoE layer's "route_choice" (held to the graph's end, [B, L] floats a full layer: a check's, not a
+    server's)."""
     cfg, views = model.cfg, kern.views
     ids = torch.where(s.ids >= 0, s.ids, table.last[s.slot])
     h, delta, sel, bounds = model.embed(ids), None, None, s.bounds()
@@ -149,8 +152,8 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: Step
         for kind in cfg.kinds_at(n):
             views.own(n, kind).index_copy_(0, s.write_rows, getattr(p, kind))
         mine = None if keep is None else keep.setdefault(n, {})
-        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, bounds, sel, mine)
-        layer.keep_choice = keep is not None
+        latent, sel = attend_in_place(model, n, layer, p, kern, table, s, bounds, sel, mine if decisions else None)
+        layer.keep_choice = mine is not None and decisions
         try:
             h, delta = layer.finish(p.h, latent)
         finally:
@@ -176,16 +179,18 @@ class StepGraphs:
     replay is enqueued (stream order)."""
 
     def __init__(self, model: DSAModel, kern: StepKernels, table: DecodeTable, max_batch: int,
-                 upload: Callable[[Any], torch.Tensor]) -> None:
+                 upload: Callable[[Any], torch.Tensor], keep_decisions: bool = False) -> None:
         self.model, self.kern, self.table, self.max_batch = model, kern, table, max_batch
+        self.keep_decisions = keep_decisions  # ``step_forward``'s ``decisions`` in every graph (a check's)
         self.upload = upload
         self.capture = model.device.type == "cuda"  # elsewhere the padded step runs eagerly (its tests' form)
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         # per bucket: (graph, its inputs, its output, its decisions' buffers: ``step_forward``'s ``keep``)
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, StepInputs, torch.Tensor, dict]] = {}
-        # the last step's decisions (``step_forward``'s ``keep``: {layer: {"selected": int32 [B, top-k] context
-        # positions, -1 none; "index_logits": float32 [B, L]; "routed": int [B, k]; "route_choice": float32 [B,
-        # E]}}), valid until the next step is enqueued: what ``cpkv bench decode``'s check forces on its reference
+        # the last step's decisions (``step_forward``'s ``keep``: {layer: {"routed": int [B, k]; with
+        # keep_decisions "selected": int32 [B, top-k] context positions, -1 none; "index_logits": float32 [B, L];
+        # "route_choice": float32 [B, E]}}), valid until the next step is enqueued: what ``cpkv bench decode``'s
+        # check forces on its reference
         self.decisions: dict = {}
         self.eager: dict[tuple[int, ...], StepInputs] = {}  # without capture: each bucket's inputs buffer
         self.captured, self.capture_s, self.replays = 0, 0.0, 0
@@ -209,7 +214,7 @@ class StepGraphs:
                                                                   device=self.model.device), L)
             inputs.all.copy_(self.upload(padded))
             self.decisions = {}
-            return step_forward(self.model, self.kern, self.table, inputs, self.decisions)
+            return step_forward(self.model, self.kern, self.table, inputs, self.decisions, self.keep_decisions)
         got = self.graphs.get(key)
         if got is None:
             stale = [k for k in self.graphs if k[2] != self.table.version]
@@ -244,5 +249,5 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         kept: dict = {}
         with torch.cuda.graph(graph, pool=self.pool):
-            out = step_forward(self.model, self.kern, self.table, inputs, kept)
+            out = step_forward(self.model, self.kern, self.table, inputs, kept, self.keep_decisions)
         return graph, inputs, out, kept
