@@ -159,8 +159,9 @@ def step_forward(model: DSAModel, kern: StepKernels, table: DecodeTable, s: Step
         finally:
             layer.keep_choice = False
         if mine is not None and layer.is_moe:
-            mine.update(routed=layer.routed, route_choice=layer.route_choice)
-            layer.route_choice = None
+            mine["routed"] = layer.routed
+            if decisions:
+                mine["route_choice"], layer.route_choice = layer.route_choice, None
     logits = model.logits(h, delta)
     draw = s.draw()
     if draw is None:
