@@ -49,10 +49,14 @@ def pick(row: torch.Tensor, p: SamplingParams, tokens: Sequence[int], prompt_len
 def pick_rows(rows: Sequence[torch.Tensor], params: Sequence[SamplingParams], tokens: Sequence[Sequence[int]],
               prompt_lens: Sequence[int], steps: Sequence[int]) -> list[int]:
     """``pick`` of several rows (their own parameters, tokens, prompt lengths and steps) -> token ids: the greedy
-    ones and those ``device_ok`` in one ``sample_rows`` call on the rows' device (one host sync for all), the rest
-    (penalties, log-probabilities) one by one on the host."""
+    ones in one argmax, the other ``device_ok`` ones in one ``sample_rows`` call, on the rows' device (a host sync
+    each), the rest (penalties, log-probabilities) one by one on the host."""
     out: list[int | None] = [None] * len(rows)
-    batch = [i for i, p in enumerate(params) if device_ok(p)]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        for i, t in zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(-1).tolist()):
+            out[i] = t
+    batch = [i for i, p in enumerate(params) if device_ok(p) and not p.greedy]
     if batch:
         ps = [params[i] for i in batch]
         dev = rows[batch[0]].device
