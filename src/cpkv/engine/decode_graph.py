@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from cpkv.attention.sparse_decode import sparse_decode_mla
-from cpkv.engine.sampling import sample_rows
 from cpkv.engine.paged import DecodeTable, PagedViews
+from cpkv.engine.sampling import sample_rows
 from cpkv.indexer.paged import paged_logits
 from cpkv.indexer.topk import topk_into
 from cpkv.model.model import DSAModel
