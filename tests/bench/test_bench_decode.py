@@ -123,47 +123,23 @@ def test_stale_top_k_bounds_fail_the_check_and_the_command(capsys):
     assert len(failed) == 1 and "graphs keys 100 batch 1" in failed[0] and "gather" not in failed[0]
 
 
-def test_the_check_allows_a_step_the_references_own_floor_and_no_more():
-    """A checked step past the tolerance passes only within the reference's numerics floor: how far the reference
-    lands from itself chunked at other row counts (variants 1 and 2 of ``_Checker.cuts``, each covering the tokens
-    with no chunk longer than the prefill's). A fake reference whose logits move by 0.5 under other chunkings lets
-    a step 0.3 off pass and one 0.7 off fail; one that does not move lets neither pass."""
+
+def test_experts_read_come_from_the_step_that_ran():
+    """``routed_experts_read`` counts a graphed step's own routing (its graph's buffers, ``routing``) over what the
+    layers last kept (the last captured graph's, which may be another bucket's); the union per layer, among the
+    experts the rank holds, over its own rows only."""
     from types import SimpleNamespace
 
     import torch
 
-    from cpkv.bench.decode import _Checker, check_tolerance
+    from cpkv.bench.decode import routed_experts_read
 
-    class Model:
-        def __init__(self, moves: float) -> None:
-            self.moves, self.device = moves, torch.device("cpu")
-            self.layers = [SimpleNamespace(routed=None, experts=[0, 1])]
-            self.cfg = SimpleNamespace(n_routed_experts=2)
-            self.base = torch.zeros(16)
-            self.base[3] = 4.0
-
-        def reference_prefill(self, tokens, cuts=(), tap=None):
-            engine = [*range(8, 20, 8), *range(20, len(tokens))]
-            return self.base + (0.0 if list(cuts) == engine else self.moves)
-
-    ctx = SimpleNamespace(world_size=1, rank=0, all_reduce_max_list=lambda v: v)
-    cfg = SimpleNamespace(chunk_size=8, model="tiny")
-    prompt, seq = list(range(20)), list(range(20)) + [3, 3, 3]
-    for variant in (0, 1, 2):
-        cuts = _Checker(ctx, cfg, Model(0.0)).cuts(20, 23, variant)
-        bounds = [0, *cuts, 23]
-        assert cuts == sorted(set(cuts)) and all(0 < c < 23 for c in cuts)
-        assert max(b - a for a, b in zip(bounds, bounds[1:])) <= 8, (variant, cuts)
-        assert variant == 0 or cuts != _Checker(ctx, cfg, Model(0.0)).cuts(20, 23, 0)
-    tol = check_tolerance("cpu", 4.0)
-    for moves, off, ok in ((0.5, 0.3, True), (0.5, 0.7, False), (0.0, 0.3, False), (0.0, tol / 2, True)):
-        checker = _Checker(ctx, cfg, Model(moves))
-        got = checker.reference(seq[:22], 20)[0].clone()
-        got[5] += off
-        out = checker.check(prompt, seq, [(22, got, None)], pipelined=False)
-        assert out["check_ok"] is ok, (moves, off, out)
-        assert out["check_max_diff"] == pytest.approx(off)
-        if off > tol:
-            assert out["check_floor"] == pytest.approx(moves) and out["check_tol"] == pytest.approx(tol + moves)
-        else:
-            assert out["check_floor"] is None
+    ctx = SimpleNamespace(all_reduce_max_list=lambda v: v)
+    stale = torch.tensor([[0, 1], [0, 1]])
+    layers = [SimpleNamespace(n=0, is_moe=False), SimpleNamespace(n=1, is_moe=True, routed=stale, experts=range(8)),
+              SimpleNamespace(n=2, is_moe=True, routed=stale, experts=range(4))]
+    model = SimpleNamespace(layers=layers, cfg=SimpleNamespace(n_routed_experts=8))
+    assert routed_experts_read(ctx, model, 2) == 2 + 2
+    routing = {1: torch.tensor([[2, 3], [3, 5], [7, 7]]), 2: torch.tensor([[1, 6], [2, 3], [0, 0]])}
+    # own rows 0-1: layer 1 {2, 3, 5}; layer 2 {1, 2, 3, 6} of which the rank holds 0-3: {1, 2, 3}
+    assert routed_experts_read(ctx, model, 2, routing) == 3 + 3

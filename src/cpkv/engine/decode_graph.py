@@ -231,9 +231,6 @@ class StepGraphs:
         graph, inputs, out, self.decisions = got
         inputs.all.copy_(self.upload(padded), non_blocking=True)
         graph.replay()
-        for n, kept in self.decisions.items():  # a MoE layer's last routing is this graph's (a floor counts it)
-            if "routed" in kept:
-                self.model.layers[n].routed = kept["routed"]
         return out
 
     def _capture(self, padded, B: int, L: int):
